@@ -1,0 +1,232 @@
+"""Block-diagonal (varlen) attention for packed chunks, plugged into Hugging Face models.
+
+One function, `dice_varlen_attention`, is registered with ``transformers.AttentionInterface`` under
+the name `ATTENTION_NAME`. Every model that dispatches attention through that interface (BERT,
+RoBERTa/XLM-R, Llama, Mistral, Qwen2/3, ...) then runs packed: the engine passes
+``cu_seq_lens_q/k`` (int32, leading 0) and ``max_length_q/k`` (host ints) as forward keyword
+arguments, which transformers forwards to every attention call; nothing is inferred per layer.
+Since no mask function is registered for the name, transformers builds no attention mask.
+
+Backends (all exact: a chunk attends only to itself):
+
+* ``flash_attn``: ``flash_attn_interface.flash_attn_varlen_func`` (FA3, Hopper) or
+  ``flash_attn.flash_attn_varlen_func`` (FA2); CUDA, fp16/bf16.
+* ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn``; CUDA, fp16/bf16, no extra package.
+* ``sdpa_groups``: any device and dtype; the packer orders each batch's chunks by length, so runs
+  of equal-length chunks are contiguous token ranges that one dense SDPA call handles as a batch.
+
+`attention_context` sets, for the duration of a forward, which backend runs and whether attention is
+causal (model default, forced causal, or forced bidirectional for LLM2Vec/Dream-style embedders).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "dice_fast_varlen"
+BACKENDS = ("flash_attn", "torch_varlen", "sdpa_groups")
+
+
+@dataclass(frozen=True)
+class _Run:
+    backend: str
+    causal: bool | None  # None: the model's own behaviour
+    groups: tuple[tuple[int, int, int], ...]  # (token_start, n_chunks, length) runs for sdpa_groups
+
+
+_CURRENT: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("dice_fast_attention", default=None)
+
+
+# --------------------------------------------------------------------------------------------
+# backend discovery
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _flash_attn_func() -> Callable | None:
+    for module in ("flash_attn_interface", "flash_attn"):
+        try:
+            mod = __import__(module, fromlist=["flash_attn_varlen_func"])
+            return mod.flash_attn_varlen_func
+        except Exception:  # ImportError, or a broken binary build
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_varlen_func() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:
+        return None
+    return varlen_attn
+
+
+def backend_available(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` can run on ``device`` in this environment (imports nothing heavy twice)."""
+    if backend == "sdpa_groups":
+        return True
+    if device.type != "cuda":
+        return False
+    if backend == "flash_attn":
+        return _flash_attn_func() is not None
+    if backend == "torch_varlen":
+        return _torch_varlen_func() is not None
+    raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+
+
+def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Resolve ``requested`` ("auto" or a name in `BACKENDS`) for ``device``/``dtype``, or raise ValueError."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    if requested == "auto":
+        for name in ("flash_attn", "torch_varlen"):
+            if half and backend_available(name, device):
+                return name
+        return "sdpa_groups"
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown attention backend {requested!r}; allowed: 'auto', {', '.join(BACKENDS)}")
+    if not backend_available(requested, device):
+        how = {
+            "flash_attn": "it needs a CUDA device and the flash-attn package (pip install flash-attn)",
+            "torch_varlen": "it needs a CUDA device and torch.nn.attention.varlen (torch >= 2.9)",
+        }[requested]
+        raise ValueError(f"attention backend {requested!r} is not available on {device}: {how}")
+    if not half:
+        raise ValueError(
+            f"attention backend {requested!r} supports only float16/bfloat16, not {dtype}; "
+            "use dtype='bfloat16' or attention_backend='sdpa_groups'"
+        )
+    return requested
+
+
+def register() -> str:
+    """Register `dice_varlen_attention` with transformers (idempotent); return its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, dice_varlen_attention)
+    return ATTENTION_NAME
+
+
+# --------------------------------------------------------------------------------------------
+# the attention function transformers calls
+# --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def attention_context(backend: str, causal: bool | None, chunk_lengths_sorted=None, cu_seqlens_host=None):
+    """Run the enclosed forward with ``backend`` and ``causal`` (None: the model's own behaviour).
+
+    ``chunk_lengths_sorted``: the batch's chunk lengths in packing order (non-increasing), needed by
+    ``sdpa_groups`` to find the runs of equal-length chunks once per batch rather than per layer.
+    """
+    groups: tuple = ()
+    if backend == "sdpa_groups":
+        groups = _length_runs(chunk_lengths_sorted, cu_seqlens_host)
+    token = _CURRENT.set(_Run(backend, causal, groups))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def _length_runs(lengths, cu) -> tuple[tuple[int, int, int], ...]:
+    runs = []
+    i, n = 0, len(lengths)
+    while i < n:
+        j = i
+        while j < n and lengths[j] == lengths[i]:
+            j += 1
+        runs.append((int(cu[i]), j - i, int(lengths[i])))
+        i = j
+    return tuple(runs)
+
+
+def dice_varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """Packed attention. query: (1, Hq, T, D); key, value: (1, Hkv, T, D). Returns ((1, T, Hq, D), None)."""
+    run = _CURRENT.get()
+    if run is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} is only usable inside dice_fast's engine "
+            "(it needs cu_seq_lens_q and an attention_context)"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")
+    cu = kwargs.get("cu_seq_lens_q")
+    max_len = kwargs.get("max_length_q")
+    if cu is None or max_len is None:
+        raise ValueError("packed attention needs cu_seq_lens_q and max_length_q forward arguments")
+    causal = run.causal
+    if causal is None:
+        causal = kwargs["is_causal"] if kwargs.get("is_causal") is not None else bool(getattr(module, "is_causal", False))
+    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
+    if window is not None and max_len > window:
+        raise ValueError(
+            f"a chunk of {max_len} tokens exceeds the model's sliding attention window of {window}; "
+            "use a smaller chunk_size"
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # (T, Hq, D)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    if run.backend == "flash_attn":
+        out = _flash(q, k, v, cu, max_len, causal, scale)
+    elif run.backend == "torch_varlen":
+        out = _torch_varlen(q, k, v, cu, max_len, causal, scale)
+    else:
+        out = _sdpa_groups(q, k, v, run.groups, causal, scale)
+    return out.unsqueeze(0), None
+
+
+def _flash(q, k, v, cu, max_len, causal, scale):
+    out = _flash_attn_func()(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=causal)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_varlen_params() -> frozenset:
+    return frozenset(inspect.signature(_torch_varlen_func()).parameters)
+
+
+def _torch_varlen(q, k, v, cu, max_len, causal, scale):
+    params = _torch_varlen_params()
+    extra = {}
+    if "is_causal" in params:  # torch 2.9 - 2.11
+        extra["is_causal"] = causal
+    elif causal:  # newer torch: a (left, right) window, (-1, 0) is causal
+        extra["window_size"] = (-1, 0)
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return _torch_varlen_func()(q, k, v, cu, cu, max_len, max_len, scale=scale, **extra)
+
+
+def _sdpa_groups(q, k, v, groups, causal, scale):
+    """Exact block-diagonal attention as one dense SDPA call per run of equal-length chunks."""
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    gqa = hq != hkv
+    pieces = []
+    for start, n, length in groups:
+        end = start + n * length
+        # (n*L, H, D) -> (n, H, L, D)
+        qs = q[start:end].reshape(n, length, hq, d).transpose(1, 2)
+        ks = k[start:end].reshape(n, length, hkv, d).transpose(1, 2)
+        vs = v[start:end].reshape(n, length, hkv, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal and length > 1, scale=scale, enable_gqa=gqa)
+        pieces.append(o.transpose(1, 2).reshape(n * length, hq, d))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)

