@@ -30,8 +30,10 @@ Modes:
   element-wise; ``topk_norm`` = mean of the ``top_k`` chunks of largest L2 norm (all chunks when
   the document has fewer; ties go to the earlier chunk); ``softmax_norm`` = weighted mean with
   weights ``softmax(norm / temperature)`` over the document's chunks.
-* ``normalize_chunks`` L2-normalises chunk vectors *before* aggregation (norms for
-  ``topk_norm``/``softmax_norm`` are then taken of the normalised vectors, i.e. all 1);
+* ``normalize_chunks`` L2-normalises chunk vectors *before* aggregation. ``topk_norm`` and
+  ``softmax_norm`` always rank / weight chunks by the norm of the chunk vector as pooled (before
+  this normalisation): the norm is the salience signal, and the norms of normalised vectors are all
+  1 up to rounding, which would make the choice depend on rounding noise.
   ``normalize`` L2-normalises the document vectors. L2 normalisation divides by
   ``max(norm, 1e-12)`` like ``torch.nn.functional.normalize``.
 """
@@ -184,8 +186,9 @@ def aggregate_documents_ref(
     """
     check_aggregate_inputs(chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature)
     c = chunks.to(torch.float64)
+    all_norms = c.norm(dim=1)  # salience: norms as pooled, before normalize_chunks
     if normalize_chunks:
-        c = c / c.norm(dim=1, keepdim=True).clamp_min(NORM_EPS)
+        c = c / all_norms.unsqueeze(1).clamp_min(NORM_EPS)
     bounds = cu_doc_chunks.tolist()
     rows = []
     for d in range(len(bounds) - 1):
@@ -201,12 +204,12 @@ def aggregate_documents_ref(
         elif aggregation == "max":
             v = x.max(0).values
         elif aggregation == "topk_norm":
-            norms = x.norm(dim=1)
+            norms = all_norms[bounds[d] : bounds[d + 1]]
             # stable descending sort: equal norms keep chunk order, so ties go to the earlier chunk
             order = torch.sort(norms, descending=True, stable=True).indices[: min(top_k, x.shape[0])]
             v = x[order].mean(0)
         else:  # softmax_norm
-            w = torch.softmax(x.norm(dim=1) / float(temperature), dim=0)
+            w = torch.softmax(all_norms[bounds[d] : bounds[d + 1]] / float(temperature), dim=0)
             v = (w.unsqueeze(1) * x).sum(0)
         rows.append(v)
     out = torch.stack(rows) if rows else c.new_zeros((0, c.shape[1]))

@@ -1,0 +1,84 @@
+"""The exactness oracle: every chunk alone through the plain Hugging Face model, float64 aggregation.
+
+Written independently of dice_fast (plain Python loops, no packing, the model's own SDPA attention),
+following the paper: tokenize without specials, split into chunks of k tokens with overlap o, wrap
+each chunk as a standalone input, positions restarting per chunk (or the chunk's document offset for
+"global"), pool tokens, aggregate chunk vectors, L2-normalise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def chunk_token_lists(ids, k, o, max_chunks=None):
+    chunks, start = [], 0
+    while True:
+        chunks.append((start, ids[start : start + k]))
+        if start + k >= len(ids):
+            break
+        start += k - o
+    return chunks[:max_chunks] if max_chunks else chunks
+
+
+def encode_chunk(model, ids, positions, pooling, attention):
+    if not ids:
+        return None
+    x = torch.tensor([ids])
+    pos = torch.tensor([positions])
+    kw = {}
+    n = len(ids)
+    if attention == "bidirectional":
+        kw["attention_mask"] = torch.ones(1, 1, n, n, dtype=torch.bool)
+    elif attention == "causal":
+        kw["attention_mask"] = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        h = model(input_ids=x, position_ids=pos, **kw).last_hidden_state[0].double()
+    return {"mean": h.mean(0), "cls": h[0], "last": h[-1]}[pooling]
+
+
+def aggregate(vecs, weights, raw_norms, aggregation, top_k, temperature):
+    """Chunk vectors -> document vector; top-k / softmax use the chunk norms before normalize_chunks."""
+    v = torch.stack(vecs)
+    if aggregation == "mean":
+        return v.mean(0)
+    if aggregation == "weighted_mean":
+        w = torch.tensor(weights, dtype=torch.float64)
+        return (w[:, None] * v).sum(0) / w.sum()
+    if aggregation == "max":
+        return v.max(0).values
+    norms = torch.tensor(raw_norms, dtype=torch.float64)
+    if aggregation == "topk_norm":
+        order = sorted(range(len(vecs)), key=lambda i: (-float(norms[i]), i))[:top_k]
+        return v[order].mean(0)
+    w = torch.softmax(norms / temperature, 0)
+    return (w[:, None] * v).sum(0)
+
+
+def reference_encode(model, tokenizer, texts, *, prefix, suffix, first_position, chunk_size, overlap=0,
+                     pooling="mean", aggregation="mean", top_k=2, temperature=1.0, positions="local",
+                     normalize_chunks=False, normalize=True, max_chunks=None, text_prefix="", attention="model default"):
+    """(n_docs, H) float64 numpy document vectors and the list of per-document chunk vectors."""
+    pre = list(prefix) + (tokenizer(text_prefix, add_special_tokens=False)["input_ids"] if text_prefix else [])
+    docs, all_chunks = [], []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        vecs, weights, raw_norms = [], [], []
+        for start, content in chunk_token_lists(ids, chunk_size, overlap, max_chunks):
+            wrapped = pre + content + list(suffix)
+            pos = [first_position + j + (start if positions == "global" else 0) for j in range(len(wrapped))]
+            v = encode_chunk(model, wrapped, pos, pooling, attention)
+            if v is None:
+                v = torch.zeros(model.config.hidden_size, dtype=torch.float64)
+            raw_norms.append(float(v.norm()))
+            if normalize_chunks:
+                v = v / v.norm().clamp_min(1e-12)
+            vecs.append(v)
+            weights.append(len(wrapped))
+        d = aggregate(vecs, weights, raw_norms, aggregation, top_k, temperature)
+        if normalize:
+            d = d / d.norm().clamp_min(1e-12)
+        docs.append(d)
+        all_chunks.append(torch.stack(vecs).numpy())
+    return torch.stack(docs).numpy(), all_chunks
