@@ -14,10 +14,11 @@ would get in one; groups hold whole documents and bound memory on very large inp
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -145,10 +146,13 @@ class DiceEncoder:
         )
 
     # ----------------------------------------------------------------------------------------
-    def encode_documents(self, texts: Iterable[str], return_chunks: bool = False, show_progress: bool = False):
+    def encode_documents(self, texts: Iterable[str], return_chunks: bool = False, show_progress: bool = False,
+                         progress: Callable[[int, int], None] | None = None):
         """Encode documents. texts: n_docs strings.
 
         Returns (n_docs, dim) float32 (row i is texts[i]), or a `DiceOutput` when ``return_chunks``.
+        ``show_progress`` draws a bar (documents, tokens, tokens/s); ``progress(documents, tokens)``
+        is instead called with the documents finished and tokens encoded since its last call.
         """
         texts = check_texts(texts, "documents")
         c = self.config
@@ -156,23 +160,26 @@ class DiceEncoder:
             size, cap = self.window - self._overhead(self._doc_prefix), 1
         else:
             size, cap = c.chunk_size, c.max_chunks_per_document
-        return self._encode(
-            texts, self._doc_prefix, size, c.overlap if c.strategy == "dice" else 0, cap,
-            aggregation=c.aggregation, global_positions=c.positions == "global" and c.strategy == "dice",
-            return_chunks=return_chunks, show_progress=show_progress,
-        )
+        with _progress(show_progress, progress, len(texts)) as report:
+            return self._encode(
+                texts, self._doc_prefix, size, c.overlap if c.strategy == "dice" else 0, cap,
+                aggregation=c.aggregation, global_positions=c.positions == "global" and c.strategy == "dice",
+                return_chunks=return_chunks, progress=report,
+            )
 
-    def encode_queries(self, texts: Iterable[str], show_progress: bool = False) -> np.ndarray:
+    def encode_queries(self, texts: Iterable[str], show_progress: bool = False,
+                       progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """Encode queries, one window each (never chunked). texts: n strings -> (n, dim) float32.
 
         A query longer than the model window is cut to it, with a warning naming it.
         """
         texts = check_texts(texts, "queries")
         size = self.window - self._overhead(self._query_prefix)
-        return self._encode(
-            texts, self._query_prefix, size, 0, 1, aggregation="mean", global_positions=False,
-            return_chunks=False, show_progress=show_progress, warn_truncated="queries",
-        )
+        with _progress(show_progress, progress, len(texts)) as report:
+            return self._encode(
+                texts, self._query_prefix, size, 0, 1, aggregation="mean", global_positions=False,
+                return_chunks=False, progress=report, warn_truncated="queries",
+            )
 
     # ----------------------------------------------------------------------------------------
     def _wrap_ids(self, text_prefix: str) -> tuple[np.ndarray, np.ndarray]:
@@ -185,7 +192,7 @@ class DiceEncoder:
         return len(wrap[0]) + len(wrap[1])
 
     def _encode(self, texts, wrap, chunk_size, overlap, max_chunks, *, aggregation, global_positions,
-                return_chunks, show_progress, warn_truncated=None):
+                return_chunks, progress, warn_truncated=None):
         docs = tokenize(self.tokenizer, texts)
         plan = plan_chunks(docs.lengths, chunk_size, overlap, max_chunks)
         if warn_truncated:
@@ -193,19 +200,14 @@ class DiceEncoder:
         if global_positions:
             self._check_global_positions(plan, wrap)
         lengths = wrapped_lengths(plan, len(wrap[0]), len(wrap[1]))
-        bar = _progress(show_progress, len(texts), int(lengths.sum()))
         doc_parts, chunk_parts = [], []
-        try:
-            with _attention_swapped(self.model):
-                for d_lo, d_hi in _document_groups(plan, lengths, self.max_batch_tokens * _GROUP_BATCHES):
-                    d, ch = self._encode_group(docs, plan, lengths, wrap, d_lo, d_hi, aggregation,
-                                               global_positions, bar)
-                    doc_parts.append(d)
-                    if return_chunks:
-                        chunk_parts.append(ch)
-        finally:
-            if bar is not None:
-                bar.close()
+        with _attention_swapped(self.model):
+            for d_lo, d_hi in _document_groups(plan, lengths, self.max_batch_tokens * _GROUP_BATCHES):
+                d, ch = self._encode_group(docs, plan, lengths, wrap, d_lo, d_hi, aggregation,
+                                           global_positions, progress)
+                doc_parts.append(d)
+                if return_chunks:
+                    chunk_parts.append(ch)
         dim = self.dim
         documents = np.concatenate(doc_parts) if doc_parts else np.zeros((0, dim), np.float32)
         if not return_chunks:
@@ -220,17 +222,21 @@ class DiceEncoder:
             document_tokens=docs.lengths.copy(),
         )
 
-    def _encode_group(self, docs, plan, lengths, wrap, d_lo, d_hi, aggregation, global_positions, bar):
+    def _encode_group(self, docs, plan, lengths, wrap, d_lo, d_hi, aggregation, global_positions, progress):
         c_lo, c_hi = int(plan.cu_doc_chunks[d_lo]), int(plan.cu_doc_chunks[d_hi])
         chunk_vecs = torch.zeros((c_hi - c_lo, self.dim), dtype=torch.float32, device=self.device)
         batches = [ids + c_lo for ids in batch_ranges(lengths[c_lo:c_hi], self.max_batch_tokens)]
+        docs_reported = d_lo
         for batch, tensors in _prefetch(batches, lambda ids: self._prepare(docs, plan, ids, wrap, global_positions),
                                         threaded=self.device.type == "cuda"):
             pooled = self._forward_pool(batch, tensors)
             chunk_vecs.index_copy_(0, tensors["chunk_index"] - c_lo, pooled)
-            if bar is not None:
+            if progress is not None:
                 done = int(np.searchsorted(plan.cu_doc_chunks, int(batch.chunk_ids.max()) + 1, side="right")) - 1
-                bar.advance(done, batch.n_tokens)
+                progress(done - docs_reported, batch.n_tokens)
+                docs_reported = done
+        if progress is not None and d_hi > docs_reported:  # documents with no tokens to run
+            progress(d_hi - docs_reported, 0)
         cu_docs = torch.from_numpy(plan.cu_doc_chunks[d_lo : d_hi + 1] - c_lo).to(self.device)
         weights = torch.from_numpy(lengths[c_lo:c_hi].astype(np.float32)).to(self.device)
         c = self.config
@@ -342,22 +348,33 @@ def _warn_truncated(doc_lengths: np.ndarray, capacity: int, window: int, what: s
         )
 
 
-class _Progress:
-    def __init__(self, n_docs: int, n_tokens: int):
+class ProgressBar:
+    """A tqdm bar over documents that also shows tokens and tokens/s; call it with increments."""
+
+    def __init__(self, n_docs: int, desc: str | None = None):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=n_docs, unit="doc", dynamic_ncols=True)
-        self.tokens, self.total_tokens, self.t0 = 0, n_tokens, time.perf_counter()
+        self.bar = tqdm(total=n_docs, unit="doc", dynamic_ncols=True, desc=desc)
+        self.tokens, self.t0 = 0, time.perf_counter()
 
-    def advance(self, docs_done: int, tokens: int) -> None:
+    def __call__(self, docs: int, tokens: int) -> None:
         self.tokens += tokens
         rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.set_postfix_str(f"tokens {self.tokens:,}/{self.total_tokens:,} ({rate:,.0f} tok/s)", refresh=False)
-        self.bar.update(docs_done - self.bar.n)
+        self.bar.set_postfix_str(f"{self.tokens:,} tokens, {rate:,.0f} tok/s", refresh=False)
+        self.bar.update(docs)
 
     def close(self) -> None:
         self.bar.close()
 
 
-def _progress(show: bool, n_docs: int, n_tokens: int):
-    return _Progress(n_docs, n_tokens) if show and n_docs else None
+@contextlib.contextmanager
+def _progress(show: bool, callback, n_docs: int):
+    """The caller's callback, else a bar of our own (closed on exit) when asked for, else None."""
+    if callback is not None or not (show and n_docs):
+        yield callback
+        return
+    bar = ProgressBar(n_docs)
+    try:
+        yield bar
+    finally:
+        bar.close()

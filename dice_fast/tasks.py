@@ -1,0 +1,433 @@
+"""Retrieval tasks: LongEmbed-style synthetic *passkey* / *needle* tasks, and local BEIR folders.
+
+    task = make_passkey_task(tok, lengths=(256, 1024, 8192), seed=0)
+    task = make_needle_task(tok, seed=0)                     # all 8 LongEmbed lengths, 100 docs each
+    task = load_local_task("path/to/beir_folder")            # corpus.jsonl, queries.jsonl, qrels/test.tsv
+    evaluate(q_vecs, d_vecs, task.qrels, query_groups=task.query_length, doc_groups=task.doc_length)
+
+Synthetic tasks follow LongEmbed (Zhu et al., 2024): for each context length (in tokens of the
+tokenizer passed in, counted as ``len(tok(text, add_special_tokens=False).input_ids)``) there are
+``docs_per_length`` documents (default 100), each holding exactly one fact about its own person,
+and ``queries_per_length`` queries (default 50), each asking about one of those documents; the
+candidates of a query are the documents of its length (pass the groups to `retrieval.search`).
+
+* passkey: the filler "The grass is green. The sky is blue. ..." repeated, with "The pass key for
+  <First Last> is <5-digit key>. Remember it." at a uniformly random sentence boundary; the query
+  is "What is the pass key for <First Last>?". Names and keys are distinct within a length.
+* needle: a window of real English prose (``dice_fast/data/prose.txt``, prose paragraphs of the
+  Python Language Reference, PSF License; see data/README.md) starting at a random sentence, with
+  one fact sentence such as "The secret ingredient in <First Last>'s famous soup is smoked
+  paprika." at a random sentence boundary; the query asks for that fact. Names are distinct within
+  a length, so each query has exactly one answering document.
+
+Lengths are hit exactly for tokenizers whose counts add up over whitespace-separated words
+(WordPiece, e.g. BERT) and to within a few tokens otherwise: the haystack source is tokenized once
+with offsets, each document is cut from it at word boundaries by token count, every document is
+measured once and the ones that missed are re-cut once. Output depends only on the seed, the
+lengths/counts and the tokenizer; each length draws from its own generator, so a task built for a
+subset of lengths holds the same documents for those lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["CONTEXT_LENGTHS", "Task", "make_passkey_task", "make_needle_task", "load_local_task"]
+
+CONTEXT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+PROSE_PATH = Path(__file__).with_name("data") / "prose.txt"
+
+_FIRST_NAMES = (
+    "Alice", "Bruno", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hector", "Ingrid", "Jonas",
+    "Keiko", "Lorenzo", "Marisol", "Nikolai", "Odette", "Pablo", "Quentin", "Rosalind", "Soren",
+    "Tamsin", "Ulrich", "Valentina", "Wendell", "Ximena", "Yusuf", "Zelda", "Anouk", "Bartholomew",
+    "Cosima", "Desmond", "Esperanza", "Florian", "Gwendolyn", "Horatio", "Isolde", "Jasper",
+    "Kasimir", "Leonora", "Magnus", "Niamh", "Oswald", "Philippa", "Rupert", "Saoirse", "Thaddeus",
+    "Ursula", "Vikram", "Winifred",
+)
+_LAST_NAMES = (
+    "Abernathy", "Blackwood", "Castellano", "Delacroix", "Eriksen", "Fairweather", "Grimaldi",
+    "Hargreaves", "Iglesias", "Jankowski", "Kowalczyk", "Lindqvist", "Montgomery", "Nakamura",
+    "Okonkwo", "Pemberton", "Quintero", "Rasmussen", "Santangelo", "Thorne", "Underwood",
+    "Vasquez", "Whitlock", "Yamamoto", "Zielinski", "Ashcroft", "Bellweather", "Carrington",
+    "Dunmore", "Everhart", "Fitzgerald", "Galbraith", "Holloway", "Ivanova", "Kingsley",
+    "Lockhart", "Marchetti", "Northcott", "Oyelaran", "Pickering", "Radcliffe", "Silverstein",
+    "Trevelyan", "Vandermeer", "Wainwright", "Ellsworth", "Halvorsen", "Moreau",
+)
+# (fact, question, values): exactly one of these is hidden in each needle document
+_NEEDLES = (
+    ("The secret ingredient in {name}'s famous soup is {value}.",
+     "What is the secret ingredient in {name}'s famous soup?",
+     ("smoked paprika", "a spoonful of honey", "roasted chestnuts", "fresh tarragon", "dried porcini mushrooms",
+      "a splash of cider vinegar", "toasted fennel seeds", "preserved lemon", "black garlic", "saffron threads")),
+    ("{name}'s first pet was {value}.",
+     "What was {name}'s first pet?",
+     ("a grey parrot called Biscuit", "a tortoise called Admiral", "a ferret called Noodle",
+      "a goldfish called Captain", "a hedgehog called Bramble", "a rabbit called Pepper",
+      "a corn snake called Ziggy", "a beagle called Marmalade")),
+    ("{name} hid the spare key to the boathouse {value}.",
+     "Where did {name} hide the spare key to the boathouse?",
+     ("under a blue flowerpot", "inside an old rubber boot", "behind the loose brick by the door",
+      "in a tin of fishing hooks", "beneath the third floorboard", "taped under the workbench")),
+    ("The best thing to do in {name}'s home town is {value}.",
+     "What is the best thing to do in {name}'s home town?",
+     ("to watch the sunset from the old lighthouse", "to eat pastries at the harbour market",
+      "to swim in the quarry lake", "to hike up to the ruined chapel", "to hear the brass band on Sundays",
+      "to cycle along the canal towpath")),
+    ("{name}'s favourite painting shows {value}.",
+     "What does {name}'s favourite painting show?",
+     ("a fox sleeping in the snow", "three fishing boats at dawn", "a lemon tree in a courtyard",
+      "a storm over a wheat field", "an owl perched on a lantern", "a dancer in a red dress")),
+    ("The password to {name}'s old diary was {value}.",
+     "What was the password to {name}'s old diary?",
+     ("marmalade", "thunderclap", "periwinkle", "lighthouse", "buttercup", "kaleidoscope", "moonbeam")),
+    ("Every winter {name} grows {value} on the kitchen windowsill.",
+     "What does {name} grow on the kitchen windowsill every winter?",
+     ("purple basil", "tiny chilli peppers", "hyacinth bulbs", "wheatgrass", "dwarf tomatoes", "paperwhite narcissus")),
+    ("{name} learned to juggle from {value}.",
+     "Who taught {name} to juggle?",
+     ("a retired circus clown", "an uncle who sold umbrellas", "a street performer in Lisbon",
+      "the village baker", "a librarian with a red scarf")),
+    ("The song {name} always hums while cooking is {value}.",
+     "What song does {name} always hum while cooking?",
+     ("an old sea shanty about whales", "a lullaby from the mountains", "a jazz tune called Blue Kettle",
+      "a march played by the town band", "a folk song about a silver river")),
+    ("{name}'s bicycle is painted {value}.",
+     "What colour is {name}'s bicycle painted?",
+     ("bright orange with white stripes", "emerald green with gold spokes", "sky blue with yellow polka dots",
+      "deep purple with silver stars", "cherry red with a black saddle")),
+    ("On rainy afternoons {name} likes to {value}.",
+     "What does {name} like to do on rainy afternoons?",
+     ("build ships in bottles", "bake cinnamon rolls", "sketch pigeons from the window",
+      "practise the accordion", "solve crossword puzzles in ink")),
+    ("The lucky charm that {name} carries everywhere is {value}.",
+     "What lucky charm does {name} carry everywhere?",
+     ("a brass button from a sailor's coat", "a smooth green sea glass", "a tiny wooden elephant",
+      "a four-leaf clover pressed in resin", "a silver thimble")),
+)
+_KIND_CODE = {"passkey": 1, "needle": 2}
+
+
+@dataclass(frozen=True)
+class Task:
+    """A retrieval task over ``n_docs`` documents and ``n_q`` queries.
+
+    queries: n_q strings; corpus: n_docs strings; qrels: n_q dicts ``{doc_index: relevance}``;
+    query_length: (n_q,) int64 and doc_length: (n_docs,) int64 context-length group (tokens) of each
+    query / document (all 0 for a local task: one group); query_ids / doc_ids: string ids;
+    doc_tokens: (n_docs,) int64 measured token counts of synthetic documents, None for local tasks.
+    """
+
+    name: str
+    queries: list[str]
+    corpus: list[str]
+    qrels: list[dict[int, int]]
+    query_length: np.ndarray
+    doc_length: np.ndarray
+    query_ids: list[str]
+    doc_ids: list[str]
+    doc_tokens: np.ndarray | None = None
+
+    def gold_document(self) -> np.ndarray:
+        """(n_q,) int64: each query's most relevant document (lowest index on ties), -1 if it has none."""
+        out = np.full(len(self.qrels), -1, np.int64)
+        for i, qr in enumerate(self.qrels):
+            pos = [(-r, j) for j, r in qr.items() if r > 0]
+            if pos:
+                out[i] = min(pos)[1]
+        return out
+
+
+def make_passkey_task(tokenizer, lengths: Sequence[int] = CONTEXT_LENGTHS, docs_per_length: int = 100,
+                      queries_per_length: int = 50, seed: int = 0) -> Task:
+    """LongEmbed-style passkey retrieval; lengths in tokens of ``tokenizer`` (a fast HF tokenizer)."""
+    return _make_synthetic("passkey", tokenizer, lengths, docs_per_length, queries_per_length, seed)
+
+
+def make_needle_task(tokenizer, lengths: Sequence[int] = CONTEXT_LENGTHS, docs_per_length: int = 100,
+                     queries_per_length: int = 50, seed: int = 0) -> Task:
+    """LongEmbed-style needle retrieval in real prose; lengths in tokens of ``tokenizer`` (a fast HF tokenizer)."""
+    return _make_synthetic("needle", tokenizer, lengths, docs_per_length, queries_per_length, seed)
+
+
+# ------------------------------------------------------------------------------------------------
+# synthetic tasks
+# ------------------------------------------------------------------------------------------------
+class _Source:
+    """A haystack text tokenized once: token char spans, cut points and sentence starts.
+
+    A cut point is a token boundary that any usual pre-tokenizer also splits at: whitespace between
+    the tokens, or a non-alphanumeric character on either side. Text cut there re-tokenizes to the
+    same tokens for WordPiece (and nearly so for BPE / SentencePiece)."""
+
+    def __init__(self, text: str, tokenizer):
+        try:
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        except (NotImplementedError, TypeError, ValueError) as exc:
+            raise ValueError(
+                "the synthetic tasks need a fast Hugging Face tokenizer (return_offsets_mapping); "
+                f"got {type(tokenizer).__name__}: {exc}"
+            ) from None
+        off = np.asarray(enc["offset_mapping"], np.int64).reshape(-1, 2)
+        self.text = text
+        self.start, self.end = off[:, 0], off[:, 1]
+        self.n = n = off.shape[0]
+        first = np.array([text[a : a + 1] for a in self.start])
+        last = np.array([text[z - 1 : z] if z > 0 else " " for z in np.concatenate([[0], self.end[:-1]])])
+        word = np.ones(n, bool)  # token i starts a new whitespace-separated word
+        word[1:] = self.start[1:] > self.end[:-1]
+        word |= np.char.isspace(first)
+        # cut[i]: a window may end just before token i (cut[n] = True: the end of the source)
+        self.cut_ok = np.ones(n + 1, bool)
+        self.cut_ok[:n] = word | ~np.char.isalnum(first) | ~np.char.isalnum(last)
+        sent = word & np.isin(last, [".", "!", "?"])
+        sent[0] = True
+        self.sent_pos = np.flatnonzero(sent)
+
+    def window(self, s0: int, budget: int) -> tuple[int, int]:
+        """Token window [s, e) of ``budget`` tokens starting at a sentence start ``s >= s0`` chosen so
+        that ``e`` is a cut point (the first of the next 64 sentence starts that allows it); failing
+        that, ``s = s0`` and ``e`` the cut point nearest to ``s0 + budget``."""
+        if s0 + budget > self.n:
+            raise ValueError(f"haystack source too short: needs {s0 + budget} tokens, has {self.n}")
+        cands = self.sent_pos[np.searchsorted(self.sent_pos, s0):][:64]
+        cands = cands[cands + budget <= self.n]
+        ok = cands[self.cut_ok[cands + budget]]
+        if ok.size:
+            return int(ok[0]), int(ok[0]) + budget
+        cut = np.flatnonzero(self.cut_ok[s0 + 1 :]) + s0 + 1
+        return s0, int(cut[np.argmin(np.abs(cut - (s0 + budget)))])
+
+    def build(self, s: int, e: int, needle: str, depth: float) -> str:
+        """Window tokens [s, e) with ``needle`` at the sentence boundary nearest to ``depth`` in [0, 1]."""
+        lo, hi = np.searchsorted(self.sent_pos, [s, e])
+        cands = np.concatenate([self.sent_pos[lo:hi], [e]])
+        cand = int(cands[np.argmin(np.abs(cands - (s + depth * (e - s))))])
+        a, z = int(self.start[s]), int(self.end[e - 1])
+        if cand == s:
+            return needle + " " + self.text[a:z]
+        if cand == e:
+            return self.text[a:z] + " " + needle
+        c = int(self.start[cand])
+        return self.text[a:c] + needle + " " + self.text[c:z]
+
+
+@functools.lru_cache(maxsize=4)
+def _haystack_cached(kind: str, tokenizer, copies: int) -> tuple[_Source, np.ndarray]:
+    if kind == "passkey":
+        src = _Source(" ".join([PASSKEY_FILLER] * copies), tokenizer)
+        return src, np.zeros(1, np.int64)  # LongEmbed: every passkey haystack starts at the top
+    prose = PROSE_PATH.read_text(encoding="utf-8").strip()
+    src = _Source("\n\n".join([prose] * copies), tokenizer)
+    return src, src.sent_pos[src.start[src.sent_pos] < len(prose)]  # start in the first copy
+
+
+def _haystack(kind: str, tokenizer, longest: int) -> tuple[_Source, np.ndarray]:
+    """The tokenized haystack source of ``kind`` holding windows of ``longest`` tokens, and the
+    tokens a window may start at. Cached for the last few (kind, tokenizer, size)."""
+    if kind == "passkey":
+        unit = int(_count_tokens(tokenizer, [PASSKEY_FILLER])[0])
+        copies = longest // max(1, unit) + 4
+    else:  # a copy of the prose is >= 30k tokens for any tokenizer of < 5.5 characters per token
+        copies = 2 + longest // 30_000
+    try:
+        return _haystack_cached(kind, tokenizer, copies)
+    except TypeError:  # an unhashable tokenizer
+        return _haystack_cached.__wrapped__(kind, tokenizer, copies)
+
+
+def _check_args(lengths, docs_per_length, queries_per_length, seed) -> list[int]:
+    lengths = [int(v) for v in lengths]
+    if not lengths or any(v < 16 for v in lengths) or len(set(lengths)) != len(lengths):
+        raise ValueError(f"lengths must be distinct token counts >= 16, got {lengths}")
+    if not 1 <= queries_per_length <= docs_per_length:
+        raise ValueError(f"need 1 <= queries_per_length ({queries_per_length}) <= docs_per_length ({docs_per_length})")
+    if docs_per_length > len(_FIRST_NAMES) * len(_LAST_NAMES):
+        raise ValueError(f"docs_per_length must be <= {len(_FIRST_NAMES) * len(_LAST_NAMES)} (distinct names)")
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    return lengths
+
+
+def _count_tokens(tokenizer, texts: list[str]) -> np.ndarray:
+    if not texts:
+        return np.zeros(0, np.int64)
+    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    return np.array([len(x) for x in ids], np.int64)
+
+
+def _make_synthetic(kind, tokenizer, lengths, docs_per_length, queries_per_length, seed) -> Task:
+    lengths = _check_args(lengths, docs_per_length, queries_per_length, seed)
+    src, first_copy_sents = _haystack(kind, tokenizer, max(lengths))
+
+    corpus, doc_ids, doc_len, doc_tokens = [], [], [], []
+    queries, query_ids, query_len, qrels = [], [], [], []
+    n_names = len(_FIRST_NAMES) * len(_LAST_NAMES)
+    for length in lengths:
+        rng = np.random.default_rng([int(seed), _KIND_CODE[kind], length])
+        name_ix = rng.choice(n_names, docs_per_length, replace=False)
+        names = [f"{_FIRST_NAMES[i // len(_LAST_NAMES)]} {_LAST_NAMES[i % len(_LAST_NAMES)]}" for i in name_ix]
+        if kind == "passkey":
+            keys = rng.choice(90000, docs_per_length, replace=False) + 10000
+            facts = [f"The pass key for {nm} is {k}. Remember it." for nm, k in zip(names, keys)]
+            questions = [f"What is the pass key for {nm}?" for nm in names]
+        else:
+            tpl = rng.integers(len(_NEEDLES), size=docs_per_length)
+            val = rng.random(docs_per_length)
+            facts, questions = [], []
+            for nm, t, v in zip(names, tpl, val):
+                fact, question, values = _NEEDLES[t]
+                facts.append(fact.format(name=nm, value=values[int(v * len(values))]))
+                questions.append(question.format(name=nm))
+        starts = rng.choice(first_copy_sents, docs_per_length)
+        depths = rng.random(docs_per_length)
+        asked = np.sort(rng.choice(docs_per_length, queries_per_length, replace=False))
+
+        needle_tokens = _count_tokens(tokenizer, facts)
+        budgets = length - needle_tokens
+        if np.any(budgets < 8):
+            raise ValueError(f"length {length} is too short for the {kind} sentences ({needle_tokens.max()} tokens)")
+        docs = [src.build(*src.window(int(s), int(b)), f, float(d))
+                for s, b, f, d in zip(starts, budgets, facts, depths)]
+        counts = _count_tokens(tokenizer, docs)
+        miss = np.flatnonzero(counts != length)
+        if miss.size:  # one correction pass: tokenizers whose counts do not add up over words
+            redo = [src.build(*src.window(int(starts[j]), int(budgets[j] + length - counts[j])),
+                              facts[j], float(depths[j])) for j in miss]
+            recount = _count_tokens(tokenizer, redo)
+            for j, text, c in zip(miss, redo, recount):
+                if abs(c - length) < abs(counts[j] - length):
+                    docs[j], counts[j] = text, c
+
+        base = len(corpus)
+        corpus += docs
+        doc_ids += [f"{kind}-{length}-{j:04d}" for j in range(docs_per_length)]
+        doc_len += [length] * docs_per_length
+        doc_tokens.append(counts)
+        for q, j in enumerate(asked):
+            queries.append(questions[j])
+            query_ids.append(f"{kind}-{length}-q{q:04d}")
+            query_len.append(length)
+            qrels.append({base + int(j): 1})
+    return Task(
+        name=kind, queries=queries, corpus=corpus, qrels=qrels,
+        query_length=np.array(query_len, np.int64), doc_length=np.array(doc_len, np.int64),
+        query_ids=query_ids, doc_ids=doc_ids, doc_tokens=np.concatenate(doc_tokens).astype(np.int64),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# local BEIR folders
+# ------------------------------------------------------------------------------------------------
+def load_local_task(path, split: str = "test", name: str | None = None) -> Task:
+    """Load a BEIR-layout folder: ``corpus.jsonl`` (``_id``, optional ``title``, ``text``),
+    ``queries.jsonl`` (``_id``, ``text``) and ``qrels/<split>.tsv`` (``query-id<TAB>corpus-id<TAB>score``,
+    header optional).
+
+    As in BEIR, only queries that appear in the qrels are kept (in queries.jsonl order) and a
+    document's text is ``title + " " + text`` when it has a title. Relevance scores must be integers;
+    0 means judged not relevant. Raises FileNotFoundError for a missing file and ValueError naming the
+    file and line for malformed JSON, missing fields, duplicate ids, bad qrels rows and ids that are
+    not in the corpus / queries.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: not a directory (expected corpus.jsonl, queries.jsonl, qrels/{split}.tsv)")
+    corpus_path, queries_path, qrels_path = root / "corpus.jsonl", root / "queries.jsonl", root / "qrels" / f"{split}.tsv"
+    for p in (corpus_path, queries_path, qrels_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: missing (BEIR layout: corpus.jsonl, queries.jsonl, qrels/{split}.tsv)")
+
+    doc_ids, corpus, doc_where = [], [], []
+    for where, rec in _read_jsonl(corpus_path):
+        title = rec.get("title") or ""
+        if not isinstance(title, str):
+            raise ValueError(f"{where}: 'title' must be a string")
+        doc_ids.append(rec["_id"])
+        doc_where.append(where)
+        corpus.append(f"{title} {rec['text']}" if title.strip() else rec["text"])
+    doc_index = _index(doc_ids, doc_where)
+
+    all_qids, all_queries, query_where = [], [], []
+    for where, rec in _read_jsonl(queries_path):
+        all_qids.append(rec["_id"])
+        all_queries.append(rec["text"])
+        query_where.append(where)
+    query_index = _index(all_qids, query_where)
+
+    judged: dict[int, dict[int, int]] = {}
+    with open(qrels_path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            where = f"{qrels_path}:{lineno}"
+            cols = line.split("\t")
+            if len(cols) != 3:
+                raise ValueError(f"{where}: expected 3 tab-separated columns (query-id, corpus-id, score), got {len(cols)}")
+            qid, did, score = (c.strip() for c in cols)
+            try:
+                rel = int(score)
+            except ValueError:
+                if lineno == 1 and not judged:
+                    continue  # header line
+                raise ValueError(f"{where}: score {score!r} is not an integer") from None
+            if qid not in query_index:
+                raise ValueError(f"{where}: query-id {qid!r} is not in {queries_path.name}")
+            if did not in doc_index:
+                raise ValueError(f"{where}: corpus-id {did!r} is not in {corpus_path.name}")
+            judged.setdefault(query_index[qid], {})[doc_index[did]] = rel
+    if not judged:
+        raise ValueError(f"{qrels_path}: no relevance judgements")
+
+    keep = sorted(judged)
+    return Task(
+        name=name or root.name,
+        queries=[all_queries[i] for i in keep],
+        corpus=corpus,
+        qrels=[judged[i] for i in keep],
+        query_length=np.zeros(len(keep), np.int64),
+        doc_length=np.zeros(len(corpus), np.int64),
+        query_ids=[all_qids[i] for i in keep],
+        doc_ids=doc_ids,
+        doc_tokens=None,
+    )
+
+
+def _read_jsonl(path: Path):
+    """Yield ("file:line", record) with string ``_id`` and ``text``; ValueError naming file and line otherwise."""
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            for key in ("_id", "text"):
+                if key not in rec:
+                    raise ValueError(f"{where}: missing field {key!r}")
+            if isinstance(rec["_id"], (int, float)) and not isinstance(rec["_id"], bool):
+                rec["_id"] = str(rec["_id"])
+            if not isinstance(rec["_id"], str) or not isinstance(rec["text"], str):
+                raise ValueError(f"{where}: '_id' and 'text' must be strings")
+            yield where, rec
+
+
+def _index(ids: list[str], wheres: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i, x in enumerate(ids):
+        if x in out:
+            raise ValueError(f"{wheres[i]}: duplicate _id {x!r} (first at line {wheres[out[x]].rsplit(':', 1)[1]})")
+        out[x] = i
+    return out

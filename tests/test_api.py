@@ -1,0 +1,164 @@
+"""Public API behaviour: options, bad input, queries, the bundled real model, lean import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from dice_fast import DiceConfig, DiceEncoder
+from dice_fast.models import special_tokens_around_text
+from helpers import assert_close
+from reference import reference_encode
+from tiny_models import ARCHS, MINILM, tiny
+
+
+@pytest.fixture(scope="module")
+def bert():
+    model, tok, *_ = tiny("bert")
+    return DiceEncoder(model, tok, chunk_size=8)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return DiceEncoder.from_pretrained(chunk_size=64)
+
+
+def test_lean_import_touches_no_gpu_and_no_optional_packages():
+    code = (
+        "import sys, dice_fast, dice_fast.ops\n"
+        "import torch\n"
+        "heavy = [m for m in ('transformers', 'triton', 'flash_attn', 'flash_attn_interface', 'dice_fast.ops.native',"
+        " 'dice_fast.ops.triton_pool') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "assert not torch.cuda.is_initialized()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_special_tokens_are_found_from_the_tokenizer(arch):
+    _, tok, prefix, suffix, _ = tiny(arch)
+    assert special_tokens_around_text(tok) == (prefix, suffix)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_first_position_and_causality_are_read_from_the_model(arch):
+    model, tok, _, _, first = tiny(arch)
+    enc = DiceEncoder(model, tok, chunk_size=8)
+    assert enc.spec.first_position == first
+    assert enc.spec.is_causal == (arch not in ("bert", "roberta", "xlm-roberta"))
+
+
+def test_non_string_element_is_named_by_index(bert):
+    with pytest.raises(TypeError, match=r"documents\[2\] is int"):
+        bert.encode_documents(["a", "b", 3])
+    with pytest.raises(TypeError, match=r"queries\[0\] is NoneType"):
+        bert.encode_queries([None])
+    with pytest.raises(TypeError, match="not a single str"):
+        bert.encode_documents("just one string")
+
+
+def test_empty_inputs(bert):
+    assert bert.encode_documents([]).shape == (0, 32)
+    out = bert.encode_documents([], return_chunks=True)
+    assert out.documents.shape == (0, 32) and out.chunks.shape == (0, 32)
+    assert bert.encode_queries([]).shape == (0, 32)
+    v = bert.encode_documents([""])
+    assert np.isfinite(v).all() and abs(np.linalg.norm(v[0]) - 1) < 1e-5
+
+
+def test_empty_document_without_special_tokens_is_a_zero_vector():
+    model, tok, *_ = tiny("qwen2")  # this tokenizer adds no special tokens: an empty text has no tokens
+    out = DiceEncoder(model, tok, chunk_size=8).encode_documents(["", "the cat"], return_chunks=True)
+    assert np.all(out.documents[0] == 0) and np.isfinite(out.documents).all()
+    assert abs(np.linalg.norm(out.documents[1]) - 1) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(chunk_size=8, overlap=8), r"overlap \(8\) must be smaller than chunk_size \(8\)"),
+        (dict(chunk_size=8, overlap=-1), "overlap must be an integer >= 0"),
+        (dict(chunk_size=0), "chunk_size must be an integer >= 1"),
+        (dict(chunk_size=127), r"chunk_size 127 plus 2 special/prefix tokens is 129 tokens.*allowed: chunk_size <= 126"),
+        (dict(pooling="median"), r"unknown pooling 'median'; allowed: mean, cls, last"),
+        (dict(aggregation="sum"), r"unknown aggregation 'sum'; allowed: mean, weighted_mean, max, topk_norm, softmax_norm"),
+        (dict(aggregation="topk_norm", top_k=0), "top_k must be an integer >= 1"),
+        (dict(aggregation="topk_norm", top_k=2.5), "top_k must be an integer >= 1"),
+        (dict(aggregation="softmax_norm", temperature=0), "temperature must be a finite number > 0"),
+        (dict(strategy="multi"), "unknown strategy"),
+        (dict(positions="absolute"), "unknown positions"),
+        (dict(attention="sideways"), "unknown attention"),
+        (dict(attention_backend="flash_attn"), "not available on cpu"),
+        (dict(max_length=1000), "exceeds the model's 128 positions"),
+        (dict(max_batch_tokens=0), "max_batch_tokens must be an integer >= 1"),
+    ],
+)
+def test_bad_options_raise_value_error_saying_what_is_allowed(options, match):
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(ValueError, match=match):
+        DiceEncoder(model, tok, **options)
+
+
+def test_unknown_option_is_a_type_error():
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(TypeError, match="chunk_sizes"):
+        DiceEncoder(model, tok, chunk_sizes=3)
+
+
+def test_config_object_and_repr(bert):
+    enc = DiceEncoder(bert.model, bert.tokenizer, config=DiceConfig(chunk_size=8, aggregation="max"))
+    text = repr(enc)
+    for part in ("device=cpu", "dtype=float32", "attention=sdpa_groups", "aggregation=max", "chunk_size=8"):
+        assert part in text
+
+
+def test_queries_are_one_window_and_truncation_warns(bert):
+    long_query = " ".join(["cat"] * 300)
+    with pytest.warns(UserWarning, match=r"1 queries longer than the model window.*queries\[1\] \(300 tokens\)"):
+        q = bert.encode_queries(["short", long_query])
+    assert q.shape == (2, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bert.encode_queries(["short query"])
+
+
+def test_return_chunks_spans(bert):
+    out = bert.encode_documents(["the cat " * 10, "", "dog"], return_chunks=True)
+    assert out.chunk_document.tolist() == [0, 0, 0, 1, 2]
+    assert out.chunk_start.tolist() == [0, 8, 16, 0, 0]
+    assert out.chunk_end.tolist() == [8, 16, 20, 0, 1]
+    assert out.document_tokens.tolist() == [20, 0, 1]
+    assert out.chunks.shape == (5, 32)
+
+
+def test_bundled_model_matches_per_chunk_reference_and_sentence_transformers(minilm):
+    texts = ["Dense retrieval squeezes a whole document into a single vector. " * 12, "A short note.", ""]
+    out = minilm.encode_documents(texts, return_chunks=True)
+    want, _ = reference_encode(minilm.model, minilm.tokenizer, texts, prefix=(101,), suffix=(102,), first_position=0,
+                               chunk_size=64, normalize_chunks=True)
+    assert minilm.normalize_chunks and minilm.pooling == "mean" and minilm.window == 256
+    assert_close(out.documents, want, 1e-5, what="all-MiniLM-L6-v2 documents")
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(MINILM, device="cpu")
+    queries = ["what does dense retrieval do?", "short"]
+    assert_close(minilm.encode_queries(queries), st.encode(queries, convert_to_numpy=True), 1e-5, what="queries vs ST")
+    single = DiceEncoder(minilm.model, minilm.tokenizer, model_path=MINILM, strategy="single")
+    assert_close(single.encode_documents(texts), st.encode(texts, convert_to_numpy=True), 1e-5, what="single vs ST")
+
+
+def test_dtype_option_casts_the_model():
+    model, tok, *_ = tiny("llama")
+    import copy
+
+    enc = DiceEncoder(copy.deepcopy(model), tok, chunk_size=8, dtype=torch.bfloat16)
+    assert enc.dtype == torch.bfloat16
+    base = DiceEncoder(model, tok, chunk_size=8).encode_documents(["the cat sat on the mat " * 5])
+    low = enc.encode_documents(["the cat sat on the mat " * 5])
+    assert float((base * low).sum()) > 0.99  # cosine of unit vectors
