@@ -15,6 +15,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["dice_fast", "dice_fast.*"]),
+    package_data={"dice_fast": ["data/*.txt", "data/*.md"]},
     install_requires=[
         # a range that the locally provided CPU build (2.13.0) satisfies: install torch first
         "torch>=2.5",

@@ -410,7 +410,11 @@ def _normalize_rows_kernel(
 # bytes of bf16 input. Documents: pieces of 64 chunk rows (chunks are few; spread them wider).
 POOL_PIECE = 256
 DOC_PIECE = 64
-COEF_PIECE = 128  # chunks per _doc_coef_kernel program (and per step of its document scans)
+# _doc_coef_kernel: 128 chunks per program, scanning the document 32 chunks per step: the top-k
+# rank tile is [128, 32] (32 comparisons per thread at 4 warps); a [128, 128] tile spilled
+# (255 registers + 880 B of stack in the sm_90 compile report).
+COEF_PIECE = 128
+COEF_BLOCK_J = 32
 # bytes of hidden state each program loads per loop step: 16 KiB = 32 elements (4-8 16-byte
 # vector loads) per thread at the warp counts below, enough independent loads in flight per SM
 # with several programs resident.
@@ -581,7 +585,7 @@ def _aggregate_launch(
                 norms, weights, cu, coef, n_docs, _n_search(n_docs),
                 min(int(top_k), n_chunks), float(temperature),
                 AGG=agg, NORMALIZE_CHUNKS=bool(normalize_chunks), NEEDS_NORM=needs_norm,
-                PIECE=COEF_PIECE, BLOCK_J=COEF_PIECE, num_warps=4,
+                PIECE=COEF_PIECE, BLOCK_J=COEF_BLOCK_J, num_warps=4,
             )  # fmt: skip
         _segment_reduce(
             chunks, cu, out, cfg,
