@@ -220,13 +220,15 @@ def _sdpa_groups(q, k, v, groups, causal, scale):
     """Exact block-diagonal attention as one dense SDPA call per run of equal-length chunks."""
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     gqa = hq != hkv
-    pieces = []
+    # written in place, run by run: one copy of the output instead of a copy per run plus a cat
+    # (MiniLM on the 2-core CPU: the cat was ~10% of the forward)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for start, n, length in groups:
         end = start + n * length
-        # (n*L, H, D) -> (n, H, L, D)
+        # (n*L, H, D) -> (n, H, L, D), views of the packed projections
         qs = q[start:end].reshape(n, length, hq, d).transpose(1, 2)
         ks = k[start:end].reshape(n, length, hkv, d).transpose(1, 2)
         vs = v[start:end].reshape(n, length, hkv, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal and length > 1, scale=scale, enable_gqa=gqa)
-        pieces.append(o.transpose(1, 2).reshape(n * length, hq, d))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        out[start:end].view(n, length, hq, d).copy_(o.transpose(1, 2))
+    return out
