@@ -73,10 +73,10 @@ def test_pool_chunks_matches_ref(dtype, H, pooling):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("H", [1, 37])
+@pytest.mark.parametrize("H", [1, 17])
 def test_pool_multi_piece_tiny_config(dtype, H):
     """Many chunks spanning several pieces, tile programs that find no piece, 1-token chunks."""
-    lens = _lengths(60, 40, seed=7 + H, extra=[8, 9, 16, 17, 1, 64])
+    lens = _lengths(20, 30, seed=7 + H, extra=[8, 9, 16, 17, 1, 64])
     cu = _cu(lens)
     hidden = _hidden(sum(lens), H, dtype, seed=8)
     out = tp._pool_chunks_launch(hidden, cu, "mean", cfg=TINY)
@@ -101,7 +101,7 @@ def test_pool_long_chunk_among_short_ones():
 
 
 def test_pool_many_chunks():
-    lens = _lengths(2000, 3, seed=11)
+    lens = _lengths(300, 3, seed=11)
     cu = _cu(lens)
     hidden = _hidden(sum(lens), 8, torch.float32, seed=12)
     for pooling in POOLINGS:
@@ -139,9 +139,10 @@ def test_pool_bf16_input_rounding(dtype):
 def test_documents_split_across_batches(cfg):
     """Pooling two halves of a token stream separately gives the same chunk vectors, bit for bit
     (pieces are placed relative to each chunk's start, so packing offsets do not matter)."""
-    lens = _lengths(20, 12, seed=21, extra=[300, 2, 270, 1])
+    long = [300, 2, 270, 1] if cfg is None else [30, 2, 27, 1]  # longer than a piece
+    lens = _lengths(20, 12, seed=21, extra=long)
     cu = _cu(lens, torch.int64).cpu()
-    hidden = _hidden(int(cu[-1]), 40, torch.bfloat16, seed=22)
+    hidden = _hidden(int(cu[-1]), 16, torch.bfloat16, seed=22)
     full = tp._pool_chunks_launch(hidden, cu.to(torch.int32).to(DEVICE), "mean", cfg=cfg)
     for k in (1, 11, len(lens) - 1):  # split after chunk k
         cut = int(cu[k])
@@ -246,7 +247,7 @@ def test_softmax_temperatures(temperature):
 
 
 def test_aggregate_many_documents_and_zero_rows():
-    chunks, cu, w = _docs(_lengths(500, 3, seed=81), 8, seed=82)
+    chunks, cu, w = _docs(_lengths(40, 3, seed=81), 8, seed=82)
     chunks[5] = 0.0  # a zero chunk: normalize_chunks divides by eps, its norm is 0
     for agg in AGGS:
         out, ref = _agg_both(chunks, cu, w, agg, nc=True)
@@ -382,7 +383,7 @@ def test_gpu_realistic_batch(H):
     for pooling in POOLINGS:
         assert_close(tp.pool_chunks_triton(hidden, cu, pooling), pool_chunks_ref(hidden, cu, pooling), *F32_TOL)
     chunks = tp.pool_chunks_triton(hidden, cu, "mean")
-    cu_doc = _cu([1, 60, 3, 80, 1], torch.int64)
+    cu_doc = _cu([1, 60, 3, 79, 1], torch.int64)  # 144 chunks
     for agg in AGGS:
         out, ref = _agg_both(chunks, cu_doc, torch.rand(len(lens), device="cuda"), agg, top_k=5, nc=agg == "max")
         assert_close(out, ref, *F32_TOL, what=agg)
@@ -391,8 +392,6 @@ def test_gpu_realistic_batch(H):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_gpu_second_device():
-    lens = [3, 4]
     cu = torch.tensor([0, 3, 7], dtype=torch.int32, device="cuda:1")
     hidden = torch.randn(7, 64, device="cuda:1")
     assert_close(tp.pool_chunks_triton(hidden, cu, "mean"), pool_chunks_ref(hidden, cu, "mean"), *F32_TOL)
-    assert len(lens) == 2
