@@ -126,7 +126,8 @@ double sum_squares(const float* x, int64_t w) {
 }
 
 template <typename T>
-void pool_chunks_kernel(const at::Tensor& hidden, const int32_t* cu, int64_t n_chunks, Pooling pooling, at::Tensor& out) {
+void pool_chunks_kernel(const at::Tensor& hidden, const int32_t* cu, int64_t n_chunks, Pooling pooling,
+                        at::Tensor& out) {
   const T* x = hidden.const_data_ptr<T>();
   const int64_t ld = hidden.stride(0);
   const int64_t H = hidden.size(1);
@@ -208,8 +209,8 @@ at::Tensor aggregate_documents_cpu(const at::Tensor& chunks_in, const at::Tensor
 
   TORCH_CHECK(cu[0] == 0, "dice_fast_C::aggregate_documents: cu_doc_chunks[0] must be 0, got ", cu[0]);
   for (int64_t d = 0; d < D; ++d) {
-    TORCH_CHECK(cu[d + 1] >= cu[d], "dice_fast_C::aggregate_documents: cu_doc_chunks must be non-decreasing, got cu_doc_chunks[",
-                d, "] = ", cu[d], " > cu_doc_chunks[", d + 1, "] = ", cu[d + 1]);
+    TORCH_CHECK(cu[d + 1] >= cu[d], "dice_fast_C::aggregate_documents: cu_doc_chunks must be non-decreasing, got ",
+                "cu_doc_chunks[", d, "] = ", cu[d], " > cu_doc_chunks[", d + 1, "] = ", cu[d + 1]);
   }
   TORCH_CHECK(cu[D] <= N, "dice_fast_C::aggregate_documents: cu_doc_chunks[-1] = ", cu[D],
               " exceeds the number of chunks (", N, ")");
@@ -220,32 +221,28 @@ at::Tensor aggregate_documents_cpu(const at::Tensor& chunks_in, const at::Tensor
   float* o = out.mutable_data_ptr<float>();
   const int64_t used = cu[D];  // chunks past cu[-1] belong to no document
 
-  // 1. per-chunk scale s_i (normalize_chunks) and effective norm (the norm of the vector that is aggregated)
+  // 1. chunk norms as pooled (before normalize_chunks): the salience signal of topk_norm /
+  //    softmax_norm, and the divisor of normalize_chunks
   const bool need_norms = normalize_chunks || agg == Aggregation::kTopkNorm || agg == Aggregation::kSoftmaxNorm;
-  std::vector<double> eff(need_norms ? used : 0);
-  std::vector<double> scale(used, 1.0);
+  std::vector<double> norm(need_norms ? used : 0);
+  std::vector<float> den(normalize_chunks ? used : 0);  // chunk i is aggregated as x_i / den[i]
   if (need_norms) {
     at::parallel_for(0, used, grain_for(H), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const double nrm = std::sqrt(sum_squares(x + i * ld, H));
-        if (normalize_chunks) {
-          const double den = std::max(nrm, kNormEps);
-          scale[i] = 1.0 / den;
-          eff[i] = nrm / den;  // 1, or < 1 for a vector shorter than the epsilon
-        } else {
-          eff[i] = nrm;
-        }
+        norm[i] = std::sqrt(sum_squares(x + i * ld, H));
+        if (normalize_chunks) den[i] = static_cast<float>(std::max(norm[i], kNormEps));
       }
     });
   }
 
-  // 2. per-document selection (the chunks that contribute, in chunk order) and coefficients
+  // 2. per-document selection (the chunks that contribute, in chunk order) and their weights
   at::Tensor wts_t;  // contiguous weights, kept alive for the pointer below
   if (agg == Aggregation::kWeightedMean) wts_t = chunk_weights->contiguous();
   const float* wts = wts_t.defined() ? wts_t.const_data_ptr<float>() : nullptr;
   std::vector<int64_t> sel(used);
   std::vector<float> coef(used, 0.f);
   std::vector<int64_t> count(D, 0);
+  std::vector<float> post(D, 1.f);  // the document's sum is divided by post[d] (as the reference does)
   at::parallel_for(0, D, 16, [&](int64_t begin, int64_t end) {
     for (int64_t d = begin; d < end; ++d) {
       const int64_t a = cu[d], b = cu[d + 1], n = b - a;
@@ -254,23 +251,24 @@ at::Tensor aggregate_documents_cpu(const at::Tensor& chunks_in, const at::Tensor
       count[d] = n;
       switch (agg) {
         case Aggregation::kMean:
-          for (int64_t i = a; i < b; ++i) coef[i] = static_cast<float>(scale[i] / n);
+          std::fill(coef.begin() + a, coef.begin() + b, 1.f);
+          post[d] = static_cast<float>(n);
           break;
         case Aggregation::kWeightedMean: {
           double wsum = 0.0;
           for (int64_t i = a; i < b; ++i) wsum += wts[i];
-          const double den = std::max(wsum, kNormEps);
-          for (int64_t i = a; i < b; ++i) coef[i] = static_cast<float>(scale[i] * wts[i] / den);
+          for (int64_t i = a; i < b; ++i) coef[i] = wts[i];
+          post[d] = static_cast<float>(std::max(wsum, kNormEps));
           break;
         }
         case Aggregation::kMax:
-          for (int64_t i = a; i < b; ++i) coef[i] = static_cast<float>(scale[i]);
+          std::fill(coef.begin() + a, coef.begin() + b, 1.f);
           break;
         case Aggregation::kTopkNorm: {
           const int64_t k = std::min<int64_t>(top_k, n);
           if (k < n) {
             // largest norm first, ties to the earlier chunk (NaN sorts as the largest, like torch.sort)
-            auto key = [&](int64_t i) { return std::isnan(eff[i]) ? INFINITY : eff[i]; };
+            auto key = [&](int64_t i) { return std::isnan(norm[i]) ? INFINITY : norm[i]; };
             std::partial_sort(sel.begin() + a, sel.begin() + a + k, sel.begin() + b, [&](int64_t i, int64_t j) {
               const double ki = key(i), kj = key(j);
               return ki > kj || (ki == kj && i < j);
@@ -278,23 +276,25 @@ at::Tensor aggregate_documents_cpu(const at::Tensor& chunks_in, const at::Tensor
             std::sort(sel.begin() + a, sel.begin() + a + k);  // sum in chunk order
           }
           count[d] = k;
-          for (int64_t t = a; t < a + k; ++t) coef[sel[t]] = static_cast<float>(scale[sel[t]] / k);
+          for (int64_t t = a; t < a + k; ++t) coef[sel[t]] = 1.f;
+          post[d] = static_cast<float>(k);
           break;
         }
         case Aggregation::kSoftmaxNorm: {
           double m = -INFINITY;
-          for (int64_t i = a; i < b; ++i) m = std::max(m, eff[i] / temperature);
+          for (int64_t i = a; i < b; ++i) m = std::max(m, norm[i] / temperature);
           double z = 0.0;
-          for (int64_t i = a; i < b; ++i) z += std::exp(eff[i] / temperature - m);
-          for (int64_t i = a; i < b; ++i)
-            coef[i] = static_cast<float>(scale[i] * std::exp(eff[i] / temperature - m) / z);
+          for (int64_t i = a; i < b; ++i) z += std::exp(norm[i] / temperature - m);
+          for (int64_t i = a; i < b; ++i) coef[i] = static_cast<float>(std::exp(norm[i] / temperature - m) / z);
           break;
         }
       }
     }
   });
 
-  // 3. out[d] = sum_t coef * chunk (or element-wise max of coef * chunk), float32, column blocks
+  // 3. out[d] = sum_t coef * chunk / post (or the element-wise max of the chunks), float32, column blocks.
+  //    normalize_chunks divides (like F.normalize) rather than multiplying by a reciprocal, so that
+  //    e.g. opposite chunks cancel exactly as in the reference.
   const int64_t bw = column_block(D, H);
   const int64_t nb = ceil_div(H, bw);
   const int64_t avg_rows = std::max<int64_t>(1, used / D);
@@ -312,24 +312,32 @@ at::Tensor aggregate_documents_cpu(const at::Tensor& chunks_in, const at::Tensor
       }
       for (int64_t t = 0; t < k; ++t) {
         const int64_t i = sel[a + t];
-        const float c = coef[i];
+        const float c = coef[i], dn = normalize_chunks ? den[i] : 1.f;
         const float* xi = x + i * ld + j0;
-        const fVec cv(c);
+        const fVec cv(c), dv(dn);
+        auto load = [&](int64_t j) { return normalize_chunks ? fVec::loadu(xi + j) / dv : fVec::loadu(xi + j); };
+        auto get = [&](int64_t j) { return normalize_chunks ? xi[j] / dn : xi[j]; };
         int64_t j = 0;
-        if (t == 0) {
-          for (; j + kF <= w; j += kF) (cv * fVec::loadu(xi + j)).store(od + j);
-          for (; j < w; ++j) od[j] = c * xi[j];
-        } else if (is_max) {
-          for (; j + kF <= w; j += kF) at::vec::maximum(fVec::loadu(od + j), cv * fVec::loadu(xi + j)).store(od + j);
-          for (; j < w; ++j) {
-            const float v = c * xi[j];
-            od[j] = (v > od[j] || std::isnan(v)) ? v : od[j];
+        if (is_max) {
+          if (t == 0) {
+            for (; j + kF <= w; j += kF) load(j).store(od + j);
+            for (; j < w; ++j) od[j] = get(j);
+          } else {
+            for (; j + kF <= w; j += kF) at::vec::maximum(fVec::loadu(od + j), load(j)).store(od + j);
+            for (; j < w; ++j) {
+              const float v = get(j);
+              od[j] = (v > od[j] || std::isnan(v)) ? v : od[j];
+            }
           }
+        } else if (t == 0) {
+          for (; j + kF <= w; j += kF) (cv * load(j)).store(od + j);
+          for (; j < w; ++j) od[j] = c * get(j);
         } else {
-          for (; j + kF <= w; j += kF) at::vec::fmadd(cv, fVec::loadu(xi + j), fVec::loadu(od + j)).store(od + j);
-          for (; j < w; ++j) od[j] = std::fma(c, xi[j], od[j]);
+          for (; j + kF <= w; j += kF) at::vec::fmadd(cv, load(j), fVec::loadu(od + j)).store(od + j);
+          for (; j < w; ++j) od[j] = std::fma(c, get(j), od[j]);
         }
       }
+      if (post[d] != 1.f) divide_row(od, w, post[d]);
     }
   });
 

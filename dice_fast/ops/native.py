@@ -141,7 +141,8 @@ def _openmp_works(cxx: str) -> bool:
             src = Path(tmp) / "omp.cpp"
             src.write_text("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
             try:
-                r = subprocess.run([cxx, "-fopenmp", str(src), "-o", str(Path(tmp) / "omp")], capture_output=True, timeout=120)
+                cmd = [cxx, "-fopenmp", str(src), "-o", str(Path(tmp) / "omp")]
+                r = subprocess.run(cmd, capture_output=True, timeout=120)
                 ok = r.returncode == 0
             except (OSError, subprocess.SubprocessError):
                 ok = False
@@ -169,15 +170,14 @@ def build(verbose: bool = False, with_cuda: bool | None = None) -> str:
     """Compile (or reuse the cached build of) ``csrc/`` and load it; return the library's path.
 
     with_cuda: also compile the CUDA kernels; default: True when a GPU is visible and the CUDA
-    toolkit (nvcc, ``CUDA_HOME``) is found. Idempotent: a second call returns the loaded library.
+    toolkit (nvcc, ``CUDA_HOME``) is found. Idempotent: once loaded, later calls return at once
+    (a library cannot be reloaded, so ``with_cuda=True`` after a CPU-only build raises).
     Raises RuntimeError with what is missing (compiler, ninja, CUDA toolkit) or the compiler's
     output; on failure nothing is loaded, so `is_loaded` stays False.
     """
     from torch.utils import cpp_extension
 
     cuda_home = cpp_extension.CUDA_HOME
-    if with_cuda is None:
-        with_cuda = torch.cuda.is_available() and cuda_home is not None
     if is_loaded():
         if with_cuda and not has_cuda_kernels():
             raise RuntimeError(
@@ -186,6 +186,10 @@ def build(verbose: bool = False, with_cuda: bool | None = None) -> str:
             )
         return _BUILT.get("path", "<loaded>")
 
+    nvcc = Path(cuda_home) / "bin" / ("nvcc.exe" if os.name == "nt" else "nvcc") if cuda_home else None
+    has_nvcc = nvcc is not None and nvcc.is_file()
+    if with_cuda is None:
+        with_cuda = torch.cuda.is_available() and has_nvcc
     cxx = _compiler()
     try:
         cpp_extension.verify_ninja_availability()
@@ -196,7 +200,7 @@ def build(verbose: bool = False, with_cuda: bool | None = None) -> str:
             raise RuntimeError(
                 f"build(with_cuda=True) needs a CUDA build of torch; this one is {torch.__version__} without CUDA"
             )
-        if cuda_home is None or not (Path(cuda_home) / "bin" / ("nvcc.exe" if os.name == "nt" else "nvcc")).exists():
+        if not has_nvcc:
             raise RuntimeError(
                 "build(with_cuda=True) needs the CUDA toolkit (nvcc) matching torch's CUDA "
                 f"{torch.version.cuda}; none was found: install it and set CUDA_HOME, or build(with_cuda=False)"
@@ -240,7 +244,8 @@ def build(verbose: bool = False, with_cuda: bool | None = None) -> str:
         raise RuntimeError(
             f"building the dice_fast C++ extension in {build_dir} failed "
             f"(compiler {cxx}, CPU ISA {cap}, CUDA {'on' if with_cuda else 'off'}); "
-            f"rerun with build(verbose=True) for the full log. Cause: {e}"
+            "rerun with build(verbose=True) for the full log (if the compiler rejects the vector-ISA flags, "
+            f"set DICE_FAST_CPU_CAPABILITY=DEFAULT). Cause: {e}"
         ) from e
     if not is_loaded():  # never a hollow install
         raise RuntimeError(f"the dice_fast C++ extension was built at {path} but its ops did not register")
