@@ -5,7 +5,25 @@ demand by `dice_fast.ops.native.build()` (torch.utils.cpp_extension + ninja), so
 ships a hollow or half-built extension and installs on machines without a compiler or CUDA.
 """
 
+import shutil
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py as _build_py
+
+
+class build_py(_build_py):
+    """Copy csrc/ into the package as dice_fast/_csrc, where dice_fast.ops.native.build() finds it
+    in a non-editable install (an editable install reads csrc/ in the checkout)."""
+
+    def run(self):
+        super().run()
+        dst = Path(self.build_lib) / "dice_fast" / "_csrc"
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in Path("csrc").iterdir():
+            if f.suffix in (".h", ".cpp", ".cu"):
+                shutil.copy2(f, dst / f.name)
+
 
 setup(
     name="dice-fast",
@@ -31,5 +49,6 @@ setup(
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
         "native": ["ninja"],
     },
+    cmdclass={"build_py": build_py},
     entry_points={"console_scripts": ["dice-fast=dice_fast.cli:main"]},
 )
