@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     add_encoder_arguments(enc)
     enc.set_defaults(func=cmd_encode)
+    from .bench import register_cli as register_bench
+
+    register_bench(sub)
     return parser
 
 
