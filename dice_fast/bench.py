@@ -99,7 +99,7 @@ def word_tokenizer():
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Split(r"\w+|[^\w\s]", behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
     )
@@ -148,6 +148,7 @@ class Row:
     speedup_vs_best_naive: float
     min_cosine_vs_engine: float
     tflops: float
+    mfu: float
 
 
 def device_name(device: torch.device) -> str:
@@ -215,6 +216,25 @@ def model_flops(encoder, texts: list[str]) -> float:
     return 2.0 * params * float(lengths.sum()) + attn
 
 
+def matmul_tflops(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float:
+    """Measured dense matmul rate (TFLOP/s) of ``device`` in ``dtype``: the MFU denominator."""
+    n = n if device.type == "cuda" else min(n, 2048)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    if device.type == "cuda":
+        import triton.testing
+
+        ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+        return 2 * n**3 / (ms * 1e-3) / 1e12
+    a @ b
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / float(np.median(times)) / 1e12
+
+
 def run_paths(paths: dict, repeats: int, device: torch.device):
     """Time ``paths`` {name: fn() -> vectors}, interleaved; returns {name: (times, peak_mb, vectors)}."""
     results = {name: ([], 0.0, None) for name in paths}
@@ -242,8 +262,11 @@ def versions() -> dict:
 
 
 def benchmark(encoders: dict, texts: list[str], corpus: str, model_name: str, repeats: int = 3,
-              st_model=None, padded_batch: int = 32, flops: bool = False) -> list[Row]:
-    """Measure every path for each dtype in ``encoders`` {dtype name: DiceEncoder}; returns CSV rows."""
+              st_model=None, padded_batch: int = 32, peak_tflops: float | None = None) -> list[Row]:
+    """Measure every path for each dtype in ``encoders`` {dtype name: DiceEncoder}; returns CSV rows.
+
+    With ``peak_tflops`` (the measured matmul rate) the engine rows also get model TFLOP/s and MFU.
+    """
     from .baselines import encode_padded, encode_sentence_transformers
 
     paths, owner = {}, {}
@@ -267,14 +290,15 @@ def benchmark(encoders: dict, texts: list[str], corpus: str, model_name: str, re
         naive = [float(np.median(results[n][0])) for n in results if owner[n] == dt and not n.startswith("dice_fast")]
         engine_vecs = results[f"dice_fast[{dt}]"][2]
         cos = float(np.min(np.sum(vecs * engine_vecs, axis=1))) if len(texts) else 1.0
-        tflops = model_flops(encoders[dt], texts) / med / 1e12 if flops and name.startswith("dice_fast") else float("nan")
+        engine_row = peak_tflops is not None and name.startswith("dice_fast")
+        tflops = model_flops(encoders[dt], texts) / med / 1e12 if engine_row else float("nan")
         rows.append(Row(
             date=now, device=device_name(device), model=model_name, corpus=corpus, n_docs=len(texts),
             doc_tokens=n_tokens, path=name.split("[")[0], dtype=dt, attention=encoders[dt].backend,
             seconds_median=med, seconds_p20=float(np.percentile(times, 20)), seconds_p80=float(np.percentile(times, 80)),
             docs_per_s=len(texts) / med, tokens_per_s=n_tokens / med, peak_mem_mb=peak,
             speedup_vs_best_naive=min(naive) / med if naive else float("nan"), min_cosine_vs_engine=cos,
-            tflops=tflops, **v,
+            tflops=tflops, mfu=tflops / peak_tflops if engine_row else float("nan"), **v,
         ))
     return rows
 
@@ -294,12 +318,14 @@ def append_csv(rows: list[Row], path: str | os.PathLike) -> None:
 
 def format_table(rows: list[Row]) -> str:
     """A short markdown table of ``rows``."""
-    head = "| corpus | path | dtype | docs/s | tokens/s | median s | peak MB | vs best naive | min cos vs engine |"
-    lines = [head, "|" + " --- |" * 9]
+    head = ("| model | corpus | path | dtype | attention | docs/s | tokens/s | median s | peak MB | vs best naive "
+            "| min cos vs engine | TFLOP/s | MFU |")
+    lines = [head, "|" + " --- |" * 13]
     for r in rows:
         lines.append(
-            f"| {r.corpus} | {r.path} | {r.dtype} | {r.docs_per_s:,.1f} | {r.tokens_per_s:,.0f} | "
-            f"{r.seconds_median:.3f} | {r.peak_mem_mb:,.0f} | {r.speedup_vs_best_naive:.2f}x | {r.min_cosine_vs_engine:.5f} |"
+            f"| {r.model} | {r.corpus} | {r.path} | {r.dtype} | {r.attention if r.path == 'dice_fast' else 'sdpa'} | "
+            f"{r.docs_per_s:,.1f} | {r.tokens_per_s:,.0f} | {r.seconds_median:.3f} | {r.peak_mem_mb:,.0f} | "
+            f"{r.speedup_vs_best_naive:.2f}x | {r.min_cosine_vs_engine:.5f} | {r.tflops:.1f} | {r.mfu:.1%} |"
         )
     return "\n".join(lines)
 
@@ -329,7 +355,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-sentence-transformers", action="store_true", help="skip the sentence-transformers path")
-    p.add_argument("--flops", action="store_true", help="also report the engine's model TFLOP/s")
+    p.add_argument("--flops", action="store_true",
+                   help="also report the engine's model TFLOP/s and MFU against the measured matmul rate")
     p.add_argument("--csv", default="benchmarks/results.csv", help="CSV to append rows to")
     p.set_defaults(func=cmd_bench)
 
@@ -356,10 +383,13 @@ def cmd_bench(args) -> int:
 
         st_model = SentenceTransformer(args.model or default_model_path(), device=str(device))
     tok = next(iter(encoders.values())).tokenizer
+    peak = matmul_tflops(device, getattr(torch, dtypes[-1])) if args.flops else None
+    if peak is not None:
+        print(f"measured {dtypes[-1]} matmul rate: {peak:,.1f} TFLOP/s")
     all_rows = []
     for corpus in args.corpus:
         texts = make_corpus(tok, corpus_lengths(corpus, args.docs, args.seed, args.longest), args.seed)
-        rows = benchmark(encoders, texts, corpus, name, args.repeats, st_model, args.padded_batch, args.flops)
+        rows = benchmark(encoders, texts, corpus, name, args.repeats, st_model, args.padded_batch, peak)
         append_csv(rows, args.csv)
         all_rows += rows
     print(format_table(all_rows))

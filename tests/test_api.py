@@ -14,7 +14,8 @@ from dice_fast import DiceConfig, DiceEncoder
 from dice_fast.models import special_tokens_around_text
 from helpers import assert_close
 from reference import reference_encode
-from tiny_models import ARCHS, MINILM, tiny
+from dice_fast.models import default_model_path
+from tiny_models import ARCHS, tiny
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +147,10 @@ def test_bundled_model_matches_per_chunk_reference_and_sentence_transformers(min
     assert_close(out.documents, want, 1e-5, what="all-MiniLM-L6-v2 documents")
     from sentence_transformers import SentenceTransformer
 
-    st = SentenceTransformer(MINILM, device="cpu")
+    st = SentenceTransformer(default_model_path(), device="cpu")
     queries = ["what does dense retrieval do?", "short"]
     assert_close(minilm.encode_queries(queries), st.encode(queries, convert_to_numpy=True), 1e-5, what="queries vs ST")
-    single = DiceEncoder(minilm.model, minilm.tokenizer, model_path=MINILM, strategy="single")
+    single = DiceEncoder(minilm.model, minilm.tokenizer, model_path=default_model_path(), strategy="single")
     assert_close(single.encode_documents(texts), st.encode(texts, convert_to_numpy=True), 1e-5, what="single vs ST")
 
 

@@ -11,15 +11,10 @@ import torch
 from dice_fast import DiceEncoder
 from helpers import assert_close
 from reference import reference_encode
-from tiny_models import ARCHS, tiny
+from tiny_models import ARCHS, WORDS, tiny
 
 ATOL = 1e-5  # float32 on CPU, against float64 aggregation of float32 per-chunk forwards
 K = 8
-# single-token words of the WordPiece vocabulary, so a text of n words is exactly n tokens
-WORDS = ("the cat sat on a mat and dog ran to big red house with tree under blue sky of sun "
-         "day night green old new man woman boy girl car road city river water fire").split()
-
-
 def text_of(n_tokens: int, rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_tokens))
 
@@ -56,6 +51,9 @@ def check(arch, texts=None, **options):
         window = options["max_length"]
         ref_opts.update(chunk_size=window - len(prefix) - len(suffix), max_chunks=1, overlap=0)
     want, want_chunks = reference_encode(model, tok, texts, **ref_opts)
+    # guard: the corpus really has the intended token counts (a tokenizer that merged words would
+    # make every document one token and this test trivially true)
+    assert got.document_tokens.tolist() == [len(t.split()) for t in texts]
     assert got.documents.shape == (len(texts), model.config.hidden_size)
     assert got.documents.dtype == np.float32
     assert_close(got.documents, want, ATOL, what=f"{arch} documents")

