@@ -195,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_encoder_arguments(enc)
     enc.set_defaults(func=cmd_encode)
     from .bench import register_cli as register_bench
+    from .evaluate import register_cli as register_eval
 
+    register_eval(sub, add_encoder_arguments)
     register_bench(sub)
     return parser
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .ops.segment_pool import AGGREGATIONS, POOLINGS, check_aggregation, check_pooling
+from .ops.spec import AGGREGATIONS, POOLINGS, check_aggregation, check_pooling
 
 STRATEGIES = ("dice", "single")
 POSITIONS = ("local", "global")

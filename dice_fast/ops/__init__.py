@@ -4,7 +4,7 @@
 
 * ``"auto"`` (default): Triton on CUDA tensors, the C++ extension on CPU tensors when it has been
   built (`dice_fast.ops.native.build()`), else the PyTorch reference;
-* ``"ref"``: the float64 reference in `dice_fast.ops.segment_pool` (the spec);
+* ``"ref"``: the float64 reference in `dice_fast.ops.spec` (the spec);
 * ``"triton"``: the Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``);
 * ``"native"``: the C++/CUDA extension from ``csrc/`` (raises if it is not built).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .segment_pool import (
+from .spec import (
     AGGREGATIONS,
     POOLINGS,
     aggregate_documents_ref,
@@ -83,7 +83,7 @@ def aggregate_documents(
 
     chunks: (n_chunks, hidden_size) float32; cu_doc_chunks: (n_docs + 1,) int64; chunk_weights:
     (n_chunks,) float32 (needed by ``weighted_mean``). Returns (n_docs, hidden_size) float32.
-    See `dice_fast.ops.segment_pool` for the exact semantics of every mode.
+    See `dice_fast.ops.spec` for the exact semantics of every mode.
     """
     which = resolve_impl(impl, chunks.device)
     args = (chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature, normalize_chunks, normalize)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .segment_pool import check_aggregate_inputs, check_pool_chunks_inputs
+from .spec import check_aggregate_inputs, check_pool_chunks_inputs
 
 __all__ = [
     "build",
@@ -266,7 +266,7 @@ def _require(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# ops (same signatures as the references in segment_pool.py)
+# ops (same signatures as the references in spec.py)
 # --------------------------------------------------------------------------------------------
 def pool_chunks_native(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
     """Token states -> one vector per chunk, in C++ (CPU) or CUDA C++.

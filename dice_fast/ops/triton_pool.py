@@ -1,6 +1,6 @@
 """Triton segment pooling: token states -> chunk vectors -> document vectors.
 
-Shapes (see `dice_fast.ops.segment_pool` for the full semantics, which this module implements):
+Shapes (see `dice_fast.ops.spec` for the full semantics, which this module implements):
 
 * `pool_chunks_triton`: hidden (total_tokens, H) float32 / bfloat16 / float16, cu_seqlens
   (n_chunks + 1,) int32 -> (n_chunks, H) float32; pooling ``mean`` | ``cls`` | ``last``.
@@ -16,7 +16,7 @@ Three layers, as in the rest of ``dice_fast.ops``:
 
 1. ``@triton.jit`` kernels (``_segment_reduce_kernel`` and friends, below);
 2. host launchers ``_pool_chunks_launch`` / ``_aggregate_launch``: validate with the shared
-   checks of `segment_pool`, allocate, and take every launch parameter from `_launch_config`;
+   checks of `spec`, allocate, and take every launch parameter from `_launch_config`;
 3. ops registered with ``torch.library.custom_op`` as ``dice_fast::pool_chunks_triton`` and
    ``dice_fast::aggregate_documents_triton`` (with fake implementations, so ``torch.compile`` traces
    them), behind the documented functions `pool_chunks_triton` and `aggregate_documents_triton`.
@@ -71,7 +71,7 @@ from typing import Optional
 
 import torch
 
-from .segment_pool import (
+from .spec import (
     AGGREGATIONS,
     NORM_EPS,
     check_aggregate_inputs,
@@ -675,7 +675,7 @@ def aggregate_documents_triton(
 
     chunks: (n_chunks, hidden_size) float32; cu_doc_chunks: (n_docs + 1,) int64; chunk_weights:
     (n_chunks,) float32, needed by ``weighted_mean``. Returns (n_docs, hidden_size) float32.
-    Modes and flags as `dice_fast.ops.segment_pool.aggregate_documents_ref`.
+    Modes and flags as `dice_fast.ops.spec.aggregate_documents_ref`.
     """
     check_aggregate_inputs(chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature)
     return torch.ops.dice_fast.aggregate_documents_triton(

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dice_fast.ops.segment_pool import AGGREGATIONS, POOLINGS, aggregate_documents_ref, pool_chunks_ref
+from dice_fast.ops.spec import AGGREGATIONS, POOLINGS, aggregate_documents_ref, pool_chunks_ref
 from helpers import TOLERANCES, assert_close
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Triton segment pooling vs the float64 references of `dice_fast.ops.segment_pool`.
+"""Triton segment pooling vs the float64 references of `dice_fast.ops.spec`.
 
 On machines without a GPU the kernels run in the Triton interpreter (conftest sets
 TRITON_INTERPRET=1), which is slow: sizes here are small, and the multi-piece paths (chunks longer
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dice_fast.ops import triton_pool as tp
-from dice_fast.ops.segment_pool import AGGREGATIONS, POOLINGS, aggregate_documents_ref, pool_chunks_ref
+from dice_fast.ops.spec import AGGREGATIONS, POOLINGS, aggregate_documents_ref, pool_chunks_ref
 from helpers import TOLERANCES, assert_close
 
 pytestmark = pytest.mark.skipif(not tp.available(), reason="triton unavailable (needs CUDA or TRITON_INTERPRET=1)")
@@ -270,8 +270,6 @@ def test_segment_pool_end_to_end_matches_ref():
     hidden = _hidden(sum(lens), 48, torch.bfloat16, seed=92)
     cu_doc = _cu([1, 10, 19, 1], torch.int64)
     weights = (cu[1:] - cu[:-1]).to(torch.float32)
-    # note: `dice_fast.ops.segment_pool` the function (the public entry point) shadows the
-    # submodule of the same name as an attribute of `dice_fast.ops`
     from dice_fast.ops import segment_pool
 
     for pooling, agg in [("mean", "mean"), ("cls", "topk_norm"), ("last", "weighted_mean"), ("mean", "max")]:

@@ -6,10 +6,10 @@ This module is the *specification* of the pooling op. It holds
   `check_aggregate_inputs`), so the Triton launcher, the C++ twins and the reference all
   reject the same inputs with the same messages;
 * the pure-PyTorch references `pool_chunks_ref` and `aggregate_documents_ref`, computed in
-  float64, which define the semantics every fast path is tested against;
-* the public entry points `pool_chunks`, `aggregate_documents` and `segment_pool`, which pick the
-  fastest available implementation for the input's device (Triton on CUDA, the C++ extension on
-  CPU when it has been built, else the reference).
+  float64, which define the semantics every fast path is tested against.
+
+The public entry points `pool_chunks`, `aggregate_documents` and `segment_pool` live in
+`dice_fast.ops` and pick the fastest available implementation for the input's device.
 
 Layout conventions (all implementations):
 
