@@ -112,7 +112,7 @@ def add_encoder_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-chunks-per-document", type=int, default=None, help="keep only the first N chunks")
     g.add_argument("--max-length", type=int, default=None, help="model window in tokens, specials included")
     g.add_argument("--max-batch-tokens", type=int, default=None,
-                   help="tokens per packed forward (default 16384 on CPU, 65536 on CUDA)")
+                   help="tokens per packed forward (default 4096 on CPU, 65536 on CUDA)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="model precision (default: bfloat16 on CUDA, float32 on CPU)")

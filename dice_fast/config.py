@@ -38,7 +38,7 @@ class DiceConfig:
     max_chunks_per_document: keep only the first N chunks of each document (``None``: all).
     max_length: the model window in tokens including specials (``None``: the sentence-transformers
         ``max_seq_length``, else the tokenizer's ``model_max_length``, else the position table).
-    max_batch_tokens: token budget of one packed forward (``None``: 16384 on CPU, 65536 on CUDA).
+    max_batch_tokens: token budget of one packed forward (``None``: 4096 on CPU, 65536 on CUDA).
     device, dtype: where and in which precision the model runs (``None``: CUDA if available with
         bfloat16, else CPU with float32).
     pooling_impl: "auto" | "ref" | "triton" | "native" (see `dice_fast.ops`).
