@@ -8,7 +8,6 @@ and renamed into place only when every document has been encoded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -16,46 +15,29 @@ import time
 from pathlib import Path
 
 from .config import AGGREGATIONS, ATTENTION_BACKENDS, ATTENTION_MODES, POOLINGS, POSITIONS, STRATEGIES
-
-
-class InputError(ValueError):
-    """A malformed input file; the message names the file and line."""
+from .textio import read_json_objects, read_lines
 
 
 def read_documents(path: str, fmt: str = "auto", field: str = "text") -> list[str]:
     """Documents from a .txt file (one per line) or a .jsonl file (``field`` of each object).
 
     In .jsonl, blank lines are skipped; any other line must be a JSON object whose ``field`` is a
-    string. In .txt every line is a document (an empty line is an empty document).
+    string. In .txt every line is a document (an empty line is an empty document). A malformed line
+    raises ValueError naming the file and line.
     """
     if fmt == "auto":
         fmt = "jsonl" if path.endswith((".jsonl", ".ndjson")) else "txt"
-    if fmt not in ("txt", "jsonl"):
-        raise InputError(f"unknown input format {fmt!r}; allowed: auto, txt, jsonl")
+    if fmt == "txt":
+        return [line for _, line in read_lines(path)]
+    if fmt != "jsonl":
+        raise ValueError(f"unknown input format {fmt!r}; allowed: auto, txt, jsonl")
     docs: list[str] = []
-    with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise InputError(f"{path}:{number}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-            line = line.rstrip("\n").rstrip("\r")
-            if fmt == "txt":
-                docs.append(line)
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{number}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(record, dict):
-                raise InputError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            if field not in record:
-                raise InputError(f"{path}:{number}: no field {field!r} (fields: {', '.join(map(str, record)) or 'none'})")
-            if not isinstance(record[field], str):
-                raise InputError(f"{path}:{number}: field {field!r} is {type(record[field]).__name__}, expected a string")
-            docs.append(record[field])
+    for where, record in read_json_objects(path):
+        if field not in record:
+            raise ValueError(f"{where}: no field {field!r} (fields: {', '.join(map(str, record)) or 'none'})")
+        if not isinstance(record[field], str):
+            raise ValueError(f"{where}: field {field!r} is {type(record[field]).__name__}, expected a string")
+        docs.append(record[field])
     return docs
 
 
@@ -132,7 +114,7 @@ def cmd_encode(args) -> int:
     docs = read_documents(args.input, args.format, args.field)
     out_path = Path(args.output)
     if out_path.suffix != ".npy":
-        raise InputError(f"--output must end in .npy, got {args.output}")
+        raise ValueError(f"--output must end in .npy, got {args.output}")
     enc = make_encoder(args)
     out_dir = out_path.resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -209,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--block-documents must be >= 1")
     try:
         return args.func(args)
-    except (InputError, ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"dice-fast: error: {exc}", file=sys.stderr)
         return 2
 

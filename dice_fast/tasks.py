@@ -31,12 +31,13 @@ subset of lengths holds the same documents for those lengths.
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .textio import read_json_objects
 
 __all__ = ["CONTEXT_LENGTHS", "Task", "make_passkey_task", "make_needle_task", "load_local_task"]
 
@@ -403,25 +404,15 @@ def load_local_task(path, split: str = "test", name: str | None = None) -> Task:
 
 def _read_jsonl(path: Path):
     """Yield ("file:line", record) with string ``_id`` and ``text``; ValueError naming file and line otherwise."""
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            for key in ("_id", "text"):
-                if key not in rec:
-                    raise ValueError(f"{where}: missing field {key!r}")
-            if isinstance(rec["_id"], (int, float)) and not isinstance(rec["_id"], bool):
-                rec["_id"] = str(rec["_id"])
-            if not isinstance(rec["_id"], str) or not isinstance(rec["text"], str):
-                raise ValueError(f"{where}: '_id' and 'text' must be strings")
-            yield where, rec
+    for where, rec in read_json_objects(path):
+        for key in ("_id", "text"):
+            if key not in rec:
+                raise ValueError(f"{where}: missing field {key!r}")
+        if isinstance(rec["_id"], (int, float)) and not isinstance(rec["_id"], bool):
+            rec["_id"] = str(rec["_id"])
+        if not isinstance(rec["_id"], str) or not isinstance(rec["text"], str):
+            raise ValueError(f"{where}: '_id' and 'text' must be strings")
+        yield where, rec
 
 
 def _index(ids: list[str], wheres: list[str]) -> dict[str, int]:

@@ -174,7 +174,7 @@ def test_load_local_task(tmp_path):
 @pytest.mark.parametrize(
     "part, lines, match",
     [
-        ("corpus", ['{"_id": "d1", "text": "ok"}', '{"_id": "d2", "text": '], r"corpus\.jsonl:2: invalid JSON"),
+        ("corpus", ['{"_id": "d1", "text": "ok"}', '{"_id": "d2", "text": '], r"corpus\.jsonl:2: malformed JSON"),
         ("corpus", ['{"_id": "d1", "text": "ok"}', "", '{"_id": "d2"}'], r"corpus\.jsonl:3: missing field 'text'"),
         ("corpus", ['{"_id": "d1", "text": "a"}', '{"_id": "d1", "text": "b"}'],
          r"corpus\.jsonl:2: duplicate _id 'd1' \(first at line 1\)"),
