@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dice_fast.bench import device_name, versions  # noqa: E402
+from dice_fast.runinfo import device_name, versions  # noqa: E402
 from dice_fast.ops import pool_chunks  # noqa: E402
 
 

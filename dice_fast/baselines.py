@@ -27,8 +27,7 @@ def encode_padded(encoder, texts: list[str], batch_size: int = 32) -> np.ndarray
     model, spec, cfg = encoder.model, encoder.spec, encoder.config
     docs = tokenize(encoder.tokenizer, texts)
     plan = plan_chunks(docs.lengths, cfg.chunk_size, cfg.overlap, cfg.max_chunks_per_document)
-    prefix = list(encoder._doc_prefix[0])
-    suffix = list(encoder._doc_prefix[1])
+    prefix, suffix = (w.tolist() for w in encoder.chunk_wrapping)
     seqs = [
         prefix + docs.ids[docs.offsets[d] + s : docs.offsets[d] + s + n].tolist() + suffix
         for d, s, n in zip(plan.document, plan.start, plan.length)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import csv
 import datetime
 import os
-import platform
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .runinfo import device_name, model_label, versions
 
 CORPORA = ("mixed", "short", "long")
 RANDOM_MODELS = {
@@ -151,18 +152,6 @@ class Row:
     mfu: float
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
-
-
 class _PeakMemory:
     """Peak memory of a region: CUDA max allocated, or sampled RSS above the level at entry."""
 
@@ -208,7 +197,7 @@ def model_flops(encoder, texts: list[str]) -> float:
     docs = tokenize(encoder.tokenizer, texts)
     cfg = encoder.config
     plan = plan_chunks(docs.lengths, cfg.chunk_size, cfg.overlap, cfg.max_chunks_per_document)
-    lengths = (plan.length + sum(len(w) for w in encoder._doc_prefix)).astype(np.float64)
+    lengths = (plan.length + encoder.chunk_overhead).astype(np.float64)
     params = sum(p.numel() for n, p in encoder.model.named_parameters() if "embed" not in n)
     mc = encoder.model.config
     causal = encoder.causal if encoder.causal is not None else encoder.spec.is_causal
@@ -251,14 +240,6 @@ def run_paths(paths: dict, repeats: int, device: torch.device):
             times, peak, _ = results[name]
             results[name] = (times + [dt], max(peak, mem.peak), vecs)
     return results
-
-
-def versions() -> dict:
-    import transformers
-
-    from . import __version__
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "dice_fast": __version__}
 
 
 def benchmark(encoders: dict, texts: list[str], corpus: str, model_name: str, repeats: int = 3,
@@ -377,7 +358,7 @@ def cmd_bench(args) -> int:
         else:
             model, tok = load_model(args.model, device, tdt)
             encoders[dt] = DiceEncoder(model, tok, model_path=args.model or default_model_path(), dtype=dt, **opts)
-    name = args.random_model or (args.model or "all-MiniLM-L6-v2")
+    name = args.random_model or model_label(next(iter(encoders.values())).spec.name)
     if not args.random_model and not args.no_sentence_transformers:
         from sentence_transformers import SentenceTransformer
 

@@ -137,6 +137,16 @@ class DiceEncoder:
         """Width of the returned vectors."""
         return self.spec.hidden_size
 
+    @property
+    def chunk_wrapping(self) -> tuple[np.ndarray, np.ndarray]:
+        """(prefix ids, suffix ids) int64 put around every chunk: special prefix + document prefix, special suffix."""
+        return self._doc_prefix
+
+    @property
+    def chunk_overhead(self) -> int:
+        """Tokens every chunk carries besides its text (special tokens and document prefix)."""
+        return self._overhead(self._doc_prefix)
+
     def __repr__(self) -> str:
         c = self.config
         return (

@@ -31,7 +31,6 @@ import csv
 import datetime as _dt
 import math
 import os
-import platform
 import time
 import warnings
 from collections.abc import Sequence
@@ -39,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from .runinfo import device_name, model_label, versions
 
 __all__ = [
     "DEFAULT_AGGREGATIONS",
@@ -105,8 +106,7 @@ def aggregate_from_chunks(encoder, raw, aggregation: str) -> np.ndarray:
     cd = np.asarray(raw.chunk_document, np.int64)
     cu = np.zeros(n_docs + 1, np.int64)
     np.cumsum(np.bincount(cd, minlength=n_docs), out=cu[1:])
-    overhead = len(encoder._doc_prefix[0]) + len(encoder._doc_prefix[1])
-    weights = (np.asarray(raw.chunk_end) - np.asarray(raw.chunk_start) + overhead).astype(np.float32)
+    weights = (np.asarray(raw.chunk_end) - np.asarray(raw.chunk_start) + encoder.chunk_overhead).astype(np.float32)
     c = encoder.config
     out = aggregate_documents(
         torch.from_numpy(np.ascontiguousarray(raw.chunks, np.float32)), torch.from_numpy(cu),
@@ -222,39 +222,16 @@ def _method_label(chunk_size: int, aggregation: str) -> str:
     return f"DICE {aggregation} k={chunk_size}"
 
 
-def _device_name(device) -> str:
-    import torch
-
-    if getattr(device, "type", str(device)) == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
 def _run_info(encoder, task, seed) -> dict:
-    import torch
-    import transformers
-
-    from . import __version__
-
     return {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "task": task.name,
         "seed": "" if seed is None else int(seed),
-        "model": encoder.spec.name.rstrip("/").rsplit("/", 2)[-2] if encoder.spec.name.rstrip("/").endswith("/model")
-        else encoder.spec.name.rstrip("/").rsplit("/", 1)[-1],
+        "model": model_label(encoder.spec.name),
         "device": str(encoder.device),
-        "device_name": _device_name(encoder.device),
+        "device_name": device_name(encoder.device),
         "dtype": str(encoder.dtype).replace("torch.", ""),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "dice_fast": __version__,
+        **versions(),
         "top_k": encoder.config.top_k,
         "temperature": encoder.config.temperature,
     }

@@ -1,0 +1,37 @@
+"""What a benchmark or evaluation row records about where it ran: device, versions, model label."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+
+def device_name(device) -> str:
+    """A readable name of ``device``: the GPU's name, or the CPU model with core and thread counts."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine() or "cpu"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def versions() -> dict:
+    """Versions of torch, transformers and dice_fast."""
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "dice_fast": __version__}
+
+
+def model_label(name_or_path: str) -> str:
+    """A short label of a model path: its folder name, or the package name for a folder called "model"."""
+    parts = str(name_or_path).rstrip("/").split("/")
+    return parts[-2] if parts[-1] == "model" and len(parts) > 1 else parts[-1]
