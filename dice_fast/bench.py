@@ -11,7 +11,8 @@ Paths (all produce the same DICE mean-aggregated document vectors):
 
 Runs are interleaved (round r runs every path once) after a warm-up; the median, p20 and p80 of
 the wall time are reported with documents/s, document tokens/s, peak memory (CUDA: max allocated;
-CPU: peak resident memory above the level at the start of the run, sampled every 5 ms), the ratio to
+CPU: peak resident memory above the level at the start of the run, sampled every 5 ms after freed
+heap pages are returned to the OS), the ratio to
 the best naive path at the same dtype, and the minimum cosine between each path's vectors and the
 engine's. Rows are appended to a CSV with date, device and versions.
 """
@@ -19,7 +20,9 @@ engine's. Rows are appended to a CSV with date, device and versions.
 from __future__ import annotations
 
 import csv
+import ctypes
 import datetime
+import gc
 import os
 import threading
 import time
@@ -153,7 +156,9 @@ class Row:
 
 
 class _PeakMemory:
-    """Peak memory of a region: CUDA max allocated, or sampled RSS above the level at entry."""
+    """Peak memory of a region: CUDA max allocated above the level at entry, or on the CPU the
+    sampled resident memory above the level at entry (taken after freed heap pages are returned
+    to the OS, so memory a previous run left cached does not hide this run's working set)."""
 
     def __init__(self, device: torch.device):
         self.device, self.peak = device, 0.0
@@ -163,12 +168,22 @@ class _PeakMemory:
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+    @staticmethod
+    def _release_cpu_memory() -> None:
+        """Return freed heap pages to the OS so the baseline RSS is the live working set (glibc only)."""
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
             return self
+        self._release_cpu_memory()
         self.base, self.top, self.stop = self._rss(), 0, threading.Event()
 
         def poll():
