@@ -46,22 +46,37 @@ def check_texts(texts, what: str = "documents") -> list[str]:
     return items
 
 
-def tokenize(tokenizer, texts: list[str], batch_size: int = 1024) -> TokenizedDocuments:
-    """Batched fast tokenization without special tokens, flattened. texts: n_docs strings."""
+def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "texts") -> TokenizedDocuments:
+    """Batched fast tokenization without special tokens, flattened. texts: n_docs strings.
+
+    A text the tokenizer cannot take raises ValueError naming ``what[index]``.
+    """
     arrays = []
     for i in range(0, len(texts), batch_size):
-        enc = tokenizer(
-            texts[i : i + batch_size],
-            add_special_tokens=False,
-            return_attention_mask=False,
-            return_token_type_ids=False,
-            verbose=False,
-        )["input_ids"]
+        batch = texts[i : i + batch_size]
+        try:
+            enc = tokenizer(
+                batch, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False, verbose=False
+            )["input_ids"]
+        except (TypeError, ValueError) as exc:
+            _raise_for_unencodable(batch, i, what, exc)
+            raise
         arrays.extend(np.asarray(seq, dtype=np.int64) for seq in enc)
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum([len(a) for a in arrays], out=offsets[1:])
     ids = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
     return TokenizedDocuments(ids, offsets)
+
+
+def _raise_for_unencodable(batch: list[str], base: int, what: str, exc: Exception) -> None:
+    """Name the first text the tokenizer cannot take (e.g. a lone surrogate, which is not UTF-8)."""
+    for j, text in enumerate(batch):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as bad:
+            raise ValueError(
+                f"{what}[{base + j}] is not valid Unicode: {bad.reason} at character {bad.start}"
+            ) from exc
 
 
 @dataclass(frozen=True)

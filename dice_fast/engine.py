@@ -69,9 +69,7 @@ class DiceEncoder:
     def __init__(self, model, tokenizer, config: DiceConfig | None = None, *, model_path: str | None = None, **options):
         if config is not None and options:
             raise TypeError("pass either config= or keyword options, not both")
-        unknown = set(options) - set(DiceConfig.field_names())
-        if unknown:
-            raise TypeError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(DiceConfig.field_names())}")
+        _check_option_names(options)
         if isinstance(options.get("dtype"), torch.dtype):
             options["dtype"] = str(options["dtype"]).replace("torch.", "")
         cfg = config or DiceConfig(**options)
@@ -119,6 +117,7 @@ class DiceEncoder:
 
         ``device`` defaults to CUDA when available (bfloat16) else CPU (float32).
         """
+        _check_option_names(options)
         device = torch.device(options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = options.get("dtype") or ("bfloat16" if device.type == "cuda" else "float32")
         dtype = str(dtype).replace("torch.", "")
@@ -176,7 +175,7 @@ class DiceEncoder:
             return self._encode(
                 texts, self._doc_prefix, size, c.overlap if c.strategy == "dice" else 0, cap,
                 aggregation=c.aggregation, global_positions=c.positions == "global" and c.strategy == "dice",
-                return_chunks=return_chunks, progress=report,
+                return_chunks=return_chunks, progress=report, what="documents",
             )
 
     def encode_queries(self, texts: Iterable[str], show_progress: bool = False,
@@ -190,7 +189,7 @@ class DiceEncoder:
         with _progress(show_progress, progress, len(texts)) as report:
             return self._encode(
                 texts, self._query_prefix, size, 0, 1, aggregation="mean", global_positions=False,
-                return_chunks=False, progress=report, warn_truncated="queries",
+                return_chunks=False, progress=report, what="queries", warn_truncated=True,
             )
 
     # ----------------------------------------------------------------------------------------
@@ -204,11 +203,11 @@ class DiceEncoder:
         return len(wrap[0]) + len(wrap[1])
 
     def _encode(self, texts, wrap, chunk_size, overlap, max_chunks, *, aggregation, global_positions,
-                return_chunks, progress, warn_truncated=None):
-        docs = tokenize(self.tokenizer, texts)
+                return_chunks, progress, what, warn_truncated=False):
+        docs = tokenize(self.tokenizer, texts, what=what)
         plan = plan_chunks(docs.lengths, chunk_size, overlap, max_chunks)
         if warn_truncated:
-            _warn_truncated(docs.lengths, chunk_size, self.window, warn_truncated)
+            _warn_truncated(docs.lengths, chunk_size, self.window, what)
         if global_positions:
             self._check_global_positions(plan, wrap)
         lengths = wrapped_lengths(plan, len(wrap[0]), len(wrap[1]))
@@ -307,6 +306,12 @@ class DiceEncoder:
 
 
 # --------------------------------------------------------------------------------------------
+def _check_option_names(options: dict) -> None:
+    unknown = set(options) - set(DiceConfig.field_names())
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(DiceConfig.field_names())}")
+
+
 class _attention_swapped:
     """Route the model's attention through dice_fast's varlen function for the duration of a call."""
 

@@ -64,6 +64,12 @@ def test_non_string_element_is_named_by_index(bert):
         bert.encode_documents("just one string")
 
 
+def test_text_that_is_not_unicode_is_named(bert):
+    with pytest.raises(ValueError, match=r"documents\[1\] is not valid Unicode: surrogates not allowed at character 4"):
+        bert.encode_documents(["fine", "bad \ud800 x"])
+    assert np.isfinite(bert.encode_documents(["nul \x00 bytes \x01", "x" * 50_000])).all()
+
+
 def test_empty_inputs(bert):
     assert bert.encode_documents([]).shape == (0, 32)
     out = bert.encode_documents([], return_chunks=True)
@@ -110,6 +116,8 @@ def test_unknown_option_is_a_type_error():
     model, tok, *_ = tiny("bert")
     with pytest.raises(TypeError, match="chunk_sizes"):
         DiceEncoder(model, tok, chunk_sizes=3)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['chunk_sizes'\]"):
+        DiceEncoder.from_pretrained(chunk_sizes=3)
 
 
 def test_config_object_and_repr(bert):
