@@ -151,6 +151,7 @@ class Row:
     peak_mem_mb: float
     speedup_vs_best_naive: float
     min_cosine_vs_engine: float
+    min_cosine_vs_fp32_engine: float
     tflops: float
     mfu: float
 
@@ -285,7 +286,9 @@ def benchmark(encoders: dict, texts: list[str], corpus: str, model_name: str, re
         med = float(np.median(times))
         naive = [float(np.median(results[n][0])) for n in results if owner[n] == dt and not n.startswith("dice_fast")]
         engine_vecs = results[f"dice_fast[{dt}]"][2]
-        cos = float(np.min(np.sum(vecs * engine_vecs, axis=1))) if len(texts) else 1.0
+        cos = _min_cosine(vecs, engine_vecs)
+        fp32 = results.get("dice_fast[float32]")
+        cos32 = _min_cosine(vecs, fp32[2]) if fp32 is not None else float("nan")
         engine_row = peak_tflops is not None and name.startswith("dice_fast")
         tflops = model_flops(encoders[dt], texts) / med / 1e12 if engine_row else float("nan")
         rows.append(Row(
@@ -294,9 +297,15 @@ def benchmark(encoders: dict, texts: list[str], corpus: str, model_name: str, re
             seconds_median=med, seconds_p20=float(np.percentile(times, 20)), seconds_p80=float(np.percentile(times, 80)),
             docs_per_s=len(texts) / med, tokens_per_s=n_tokens / med, peak_mem_mb=peak,
             speedup_vs_best_naive=min(naive) / med if naive else float("nan"), min_cosine_vs_engine=cos,
+            min_cosine_vs_fp32_engine=cos32,
             tflops=tflops, mfu=tflops / peak_tflops if engine_row else float("nan"), **v,
         ))
     return rows
+
+
+def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Smallest cosine between matching rows of two (n, dim) matrices of unit vectors (1.0 when n == 0)."""
+    return float(np.min(np.sum(a * b, axis=1))) if len(a) else 1.0
 
 
 def append_csv(rows: list[Row], path: str | os.PathLike) -> None:
@@ -315,13 +324,14 @@ def append_csv(rows: list[Row], path: str | os.PathLike) -> None:
 def format_table(rows: list[Row]) -> str:
     """A short markdown table of ``rows``."""
     head = ("| model | corpus | path | dtype | attention | docs/s | tokens/s | median s | peak MB | vs best naive "
-            "| min cos vs engine | TFLOP/s | MFU |")
-    lines = [head, "|" + " --- |" * 13]
+            "| min cos vs engine | min cos vs fp32 engine | TFLOP/s | MFU |")
+    lines = [head, "|" + " --- |" * 14]
     for r in rows:
         lines.append(
             f"| {r.model} | {r.corpus} | {r.path} | {r.dtype} | {r.attention if r.path == 'dice_fast' else 'sdpa'} | "
             f"{r.docs_per_s:,.1f} | {r.tokens_per_s:,.0f} | {r.seconds_median:.3f} | {r.peak_mem_mb:,.0f} | "
-            f"{r.speedup_vs_best_naive:.2f}x | {r.min_cosine_vs_engine:.5f} | {r.tflops:.1f} | {r.mfu:.1%} |"
+            f"{r.speedup_vs_best_naive:.2f}x | {r.min_cosine_vs_engine:.5f} | {r.min_cosine_vs_fp32_engine:.5f} | "
+            f"{r.tflops:.1f} | {r.mfu:.1%} |"
         )
     return "\n".join(lines)
 
