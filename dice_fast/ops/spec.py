@@ -82,12 +82,7 @@ def check_pool_chunks_inputs(hidden: torch.Tensor, cu_seqlens: torch.Tensor, poo
         raise ValueError(f"hidden must be a 2-D tensor (total_tokens, hidden_size), got {_describe(hidden)}")
     if hidden.dtype not in HIDDEN_DTYPES:
         raise ValueError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be a 1-D tensor (n_chunks + 1,), got {_describe(cu_seqlens)}")
-    if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.device != hidden.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but hidden is on {hidden.device}")
+    _check_offsets(cu_seqlens, "cu_seqlens", "(n_chunks + 1,)", torch.int32, hidden, "hidden")
     return code
 
 
@@ -105,12 +100,7 @@ def check_aggregate_inputs(
         raise ValueError(f"chunks must be a 2-D tensor (n_chunks, hidden_size), got {_describe(chunks)}")
     if chunks.dtype != torch.float32:
         raise ValueError(f"chunks must be float32, got {chunks.dtype}")
-    if not isinstance(cu_doc_chunks, torch.Tensor) or cu_doc_chunks.dim() != 1 or cu_doc_chunks.numel() < 1:
-        raise ValueError(f"cu_doc_chunks must be a 1-D tensor (n_docs + 1,), got {_describe(cu_doc_chunks)}")
-    if cu_doc_chunks.dtype != torch.int64:
-        raise ValueError(f"cu_doc_chunks must be int64, got {cu_doc_chunks.dtype}")
-    if cu_doc_chunks.device != chunks.device:
-        raise ValueError(f"cu_doc_chunks is on {cu_doc_chunks.device} but chunks is on {chunks.device}")
+    _check_offsets(cu_doc_chunks, "cu_doc_chunks", "(n_docs + 1,)", torch.int64, chunks, "chunks")
     if aggregation == "weighted_mean":
         if chunk_weights is None:
             raise ValueError("aggregation='weighted_mean' needs chunk_weights (n_chunks,) float32")
@@ -121,6 +111,16 @@ def check_aggregate_inputs(
         if chunk_weights.device != chunks.device:
             raise ValueError(f"chunk_weights is on {chunk_weights.device} but chunks is on {chunks.device}")
     return code
+
+
+def _check_offsets(offsets, name: str, shape: str, dtype: torch.dtype, data: torch.Tensor, data_name: str) -> None:
+    """A cumulative-offsets argument: a non-empty 1-D tensor of ``dtype`` on ``data``'s device."""
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D tensor {shape}, got {_describe(offsets)}")
+    if offsets.dtype != dtype:
+        raise ValueError(f"{name} must be {str(dtype).replace('torch.', '')}, got {offsets.dtype}")
+    if offsets.device != data.device:
+        raise ValueError(f"{name} is on {offsets.device} but {data_name} is on {data.device}")
 
 
 def check_cu_seqlens_values(cu: torch.Tensor, total: int, name: str = "cu_seqlens", allow_empty: bool = False) -> None:
