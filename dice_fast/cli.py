@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .config import AGGREGATIONS, ATTENTION_BACKENDS, ATTENTION_MODES, POOLINGS, POSITIONS, STRATEGIES
+from .runinfo import model_label
 from .textio import read_json_objects, read_lines
 
 
@@ -149,7 +150,7 @@ def cmd_encode(args) -> int:
     print(
         f"encoded {len(docs):,} documents ({tokens[0]:,} tokens incl. special tokens) in {seconds:.2f} s: "
         f"{len(docs) / seconds:,.1f} docs/s, {tokens[0] / seconds:,.0f} tokens/s -> {out_path} "
-        f"({len(docs)} x {enc.dim} float32) [{enc.spec.name.rsplit('/', 1)[-1]}, {enc.device}, "
+        f"({len(docs)} x {enc.dim} float32) [{model_label(enc.spec.name)}, {enc.device}, "
         f"{str(enc.dtype).replace('torch.', '')}, attention={enc.backend}, strategy={enc.config.strategy}, "
         f"chunk_size={enc.config.chunk_size}, aggregation={enc.config.aggregation}]"
     )
