@@ -203,7 +203,7 @@ def _torch_varlen_params() -> frozenset:
 def _torch_varlen(q, k, v, cu, max_len, causal, scale):
     params = _torch_varlen_params()
     extra = {}
-    if "is_causal" in params:  # torch 2.9 - 2.11
+    if "is_causal" in params:  # torch 2.9 - 2.10
         extra["is_causal"] = causal
     elif causal:  # newer torch: a (left, right) window, (-1, 0) is causal
         extra["window_size"] = (-1, 0)
@@ -213,7 +213,11 @@ def _torch_varlen(q, k, v, cu, max_len, causal, scale):
         else:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return _torch_varlen_func()(q, k, v, cu, cu, max_len, max_len, scale=scale, **extra)
+    if "scale" in params:
+        extra["scale"] = scale
+    elif scale != q.shape[-1] ** -0.5:  # early releases have no scale argument: fold it into q
+        q = q * (scale * q.shape[-1] ** 0.5)
+    return _torch_varlen_func()(q, k, v, cu, cu, max_len, max_len, **extra)
 
 
 def _sdpa_groups(q, k, v, groups, causal, scale):

@@ -1,0 +1,79 @@
+"""The varlen attention adapters, checked on the CPU against per-chunk SDPA.
+
+torch's varlen_attn runs only on CUDA and its signature changed between releases (is_causal and no
+scale/GQA in early ones; window_size, scale and enable_gqa later), so fakes with each signature stand
+in for it here and the adapter must produce the same attention through both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dice_fast import attention as attn
+from helpers import assert_close
+
+
+def _per_chunk(q, k, v, cu, causal, scale):
+    """(T, H, D) reference: SDPA on every chunk alone, GQA by repeating kv heads."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = torch.empty_like(q)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                           is_causal=causal, scale=scale)
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+def fake_new(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+             window_size=(-1, -1), enable_gqa=False):
+    assert enable_gqa or query.shape[1] == key.shape[1]
+    return _per_chunk(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale)
+
+
+def fake_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None):
+    assert query.shape[1] == key.shape[1], "early releases have no GQA"
+    return _per_chunk(query, key, value, cu_seq_q, is_causal, None)
+
+
+@pytest.mark.parametrize("fake", [fake_new, fake_old], ids=["window_size-scale-gqa", "is_causal-only"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hkv", [4, 2])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_torch_varlen_adapter_matches_per_chunk_attention(monkeypatch, fake, causal, hkv, scale):
+    attn._torch_varlen_params.cache_clear()
+    monkeypatch.setattr(attn, "_torch_varlen_func", lambda: fake)
+    try:
+        torch.manual_seed(0)
+        lengths = [5, 1, 9, 3]
+        cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+        q = torch.randn(sum(lengths), 4, 8)
+        k, v = torch.randn(sum(lengths), hkv, 8), torch.randn(sum(lengths), hkv, 8)
+        s = scale if scale is not None else 8**-0.5
+        got = attn._torch_varlen(q, k, v, cu, max(lengths), causal, s)
+        assert_close(got, _per_chunk(q, k, v, cu, causal, s), 1e-5, what="varlen adapter")
+    finally:
+        attn._torch_varlen_params.cache_clear()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_groups_matches_per_chunk_attention(causal):
+    torch.manual_seed(1)
+    lengths = [9, 9, 5, 5, 5, 1]  # packed longest first, as the packer orders them
+    cu = torch.tensor([0, 9, 18, 23, 28, 33, 34], dtype=torch.int32)
+    q, k, v = torch.randn(34, 4, 8), torch.randn(34, 2, 8), torch.randn(34, 2, 8)
+    groups = attn._length_runs(lengths, cu.tolist())
+    assert groups == ((0, 2, 9), (18, 3, 5), (33, 1, 1))
+    got = attn._sdpa_groups(q, k, v, groups, causal, 0.25)
+    assert_close(got, _per_chunk(q, k, v, cu, causal, 0.25), 1e-5, what="sdpa_groups")
+    low = attn._sdpa_groups(q.bfloat16(), k.bfloat16(), v.bfloat16(), groups, causal, 0.25)
+    assert low.dtype == torch.bfloat16
+    assert_close(low, _per_chunk(q, k, v, cu, causal, 0.25), 3e-2, what="sdpa_groups bf16")
+
+
+def test_attention_outside_the_engine_is_a_clear_error():
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(RuntimeError, match="only usable inside dice_fast's engine"):
+        attn.dice_varlen_attention(torch.nn.Module(), q, q, q, None)
