@@ -124,21 +124,13 @@ def cmd_encode(args) -> int:
     t0 = time.perf_counter()
     try:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(len(docs), enc.dim))
-        bar = ProgressBar(len(docs), desc="encode") if not args.quiet else None
-        tokens = [0]
-
-        def report(n_docs, n_tokens):
-            tokens[0] += n_tokens
-            if bar is not None:
-                bar(n_docs, n_tokens)
-
+        bar = ProgressBar(len(docs), desc="encode", show=not args.quiet)
         try:
             for lo in range(0, len(docs), args.block_documents):
                 hi = min(lo + args.block_documents, len(docs))
-                out[lo:hi] = enc.encode_documents(docs[lo:hi], progress=report)
+                out[lo:hi] = enc.encode_documents(docs[lo:hi], progress=bar)
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
         out.flush()
         del out
         os.replace(tmp, out_path)
@@ -148,8 +140,8 @@ def cmd_encode(args) -> int:
         raise
     seconds = time.perf_counter() - t0
     print(
-        f"encoded {len(docs):,} documents ({tokens[0]:,} tokens incl. special tokens) in {seconds:.2f} s: "
-        f"{len(docs) / seconds:,.1f} docs/s, {tokens[0] / seconds:,.0f} tokens/s -> {out_path} "
+        f"encoded {len(docs):,} documents ({bar.tokens:,} tokens incl. special tokens) in {seconds:.2f} s: "
+        f"{len(docs) / seconds:,.1f} docs/s, {bar.tokens / seconds:,.0f} tokens/s -> {out_path} "
         f"({len(docs)} x {enc.dim} float32) [{model_label(enc.spec.name)}, {enc.device}, "
         f"{str(enc.dtype).replace('torch.', '')}, attention={enc.backend}, strategy={enc.config.strategy}, "
         f"chunk_size={enc.config.chunk_size}, aggregation={enc.config.aggregation}]"

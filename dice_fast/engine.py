@@ -366,12 +366,15 @@ def _warn_truncated(doc_lengths: np.ndarray, capacity: int, window: int, what: s
 
 
 class ProgressBar:
-    """A tqdm bar over documents that also shows tokens and tokens/s; call it with increments."""
+    """A tqdm bar over documents that also shows tokens and tokens/s; call it with increments.
 
-    def __init__(self, n_docs: int, desc: str | None = None):
+    ``tokens`` counts the tokens reported so far, also when the bar is hidden (``show=False``).
+    """
+
+    def __init__(self, n_docs: int, desc: str | None = None, show: bool = True):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=n_docs, unit="doc", dynamic_ncols=True, desc=desc)
+        self.bar = tqdm(total=n_docs, unit="doc", dynamic_ncols=True, desc=desc, disable=not show)
         self.tokens, self.t0 = 0, time.perf_counter()
 
     def __call__(self, docs: int, tokens: int) -> None:

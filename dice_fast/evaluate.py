@@ -240,21 +240,13 @@ def _run_info(encoder, task, seed) -> dict:
 def _encode_docs(encoder, texts, desc: str, show_progress: bool, **kw):
     from .engine import ProgressBar
 
-    bar = ProgressBar(len(texts), desc=desc) if show_progress and texts else None
+    bar = ProgressBar(len(texts), desc=desc, show=show_progress and bool(texts))
     t0 = time.perf_counter()
-    tokens = [0]
-
-    def report(docs, toks):
-        tokens[0] += toks
-        if bar is not None:
-            bar(docs, toks)
-
     try:
-        out = encoder.encode_documents(texts, progress=report, **kw)
+        out = encoder.encode_documents(texts, progress=bar, **kw)
     finally:
-        if bar is not None:
-            bar.close()
-    return out, {"seconds": time.perf_counter() - t0, "tokens": tokens[0]}
+        bar.close()
+    return out, {"seconds": time.perf_counter() - t0, "tokens": bar.tokens}
 
 
 def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
