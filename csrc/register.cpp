@@ -26,11 +26,13 @@ at::Tensor aggregate_documents_meta(const at::Tensor& chunks, const at::Tensor& 
 }  // namespace
 }  // namespace dice_fast
 
+// The schemas are those of SCHEMAS in dice_fast/ops/spec.py, character for character (the one
+// argument list of each op; tests/ops/test_dispatch.py compares this file and the loaded ops with it).
 TORCH_LIBRARY(dice_fast_C, m) {
-  m.def("pool_chunks(Tensor hidden, Tensor cu_seqlens, str pooling) -> Tensor");
+  m.def(R"(pool_chunks(Tensor hidden, Tensor cu_seqlens, str pooling="mean") -> Tensor)");
   m.def(
-      "aggregate_documents(Tensor chunks, Tensor cu_doc_chunks, Tensor? chunk_weights, str aggregation, int top_k, "
-      "float temperature, bool normalize_chunks, bool normalize) -> Tensor");
+      R"(aggregate_documents(Tensor chunks, Tensor cu_doc_chunks, Tensor? chunk_weights=None, str aggregation="mean", )"
+      R"(int top_k=1, float temperature=1.0, bool normalize_chunks=False, bool normalize=True) -> Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(dice_fast_C, Meta, m) {

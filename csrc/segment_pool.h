@@ -1,7 +1,7 @@
 // Segment pooling (DICE): token states -> chunk vectors -> document vectors.
 //
-// Shared host-side declarations of the C++ twins of dice_fast/ops/segment_pool.py (the spec and
-// its float64 references). Included by the CPU (.cpp) and CUDA (.cu) translation units, so it uses
+// Shared host-side declarations of the C++ twins of dice_fast/ops/spec.py (the spec and its
+// float64 references). Included by the CPU (.cpp) and CUDA (.cu) translation units, so it uses
 // only host headers that every torch wheel ships.
 //
 // Layouts (see the Python spec):
@@ -25,7 +25,7 @@
 
 namespace dice_fast {
 
-// Codes follow the order of POOLINGS / AGGREGATIONS in dice_fast/ops/segment_pool.py.
+// Codes follow the order of POOLINGS / AGGREGATIONS in dice_fast/ops/spec.py.
 enum class Pooling : int { kMean = 0, kCls = 1, kLast = 2 };
 enum class Aggregation : int { kMean = 0, kWeightedMean = 1, kMax = 2, kTopkNorm = 3, kSoftmaxNorm = 4 };
 

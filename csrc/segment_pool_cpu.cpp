@@ -1,4 +1,4 @@
-// CPU twin of the segment pooling op (see segment_pool.h and dice_fast/ops/segment_pool.py).
+// CPU twin of the segment pooling op (see segment_pool.h and dice_fast/ops/spec.py).
 //
 // Design
 // * Inner loops run over the hidden dim with at::vec::Vectorized<float> (the build picks the widest

@@ -1,4 +1,4 @@
-// CUDA twin of the segment pooling op (see segment_pool.h and dice_fast/ops/segment_pool.py).
+// CUDA twin of the segment pooling op (see segment_pool.h and dice_fast/ops/spec.py).
 //
 // pool_chunks(mean) is memory-bound: it reads hidden (total_tokens, H) exactly once.
 // * Work unit = one warp task: a range of R consecutive token rows x one column tile of 32 lanes x

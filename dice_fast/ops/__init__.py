@@ -1,53 +1,80 @@
-"""Segment pooling ops: one documented function each, dispatching to the fastest implementation.
+"""Segment pooling ops: one documented function each, dispatching to one of four implementations.
 
-``impl`` selects the implementation:
+``impl`` selects the implementation (every one computes the same thing, defined in `spec`):
 
-* ``"auto"`` (default): Triton on CUDA tensors, the C++ extension on CPU tensors when it has been
-  built (`dice_fast.ops.native.build()`), else the PyTorch reference;
-* ``"ref"``: the float64 reference in `dice_fast.ops.spec` (the spec);
-* ``"triton"``: the Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``);
-* ``"native"``: the C++/CUDA extension from ``csrc/`` (raises if it is not built).
+* ``"triton"`` (`triton_pool`): fused Triton kernels, float32 accumulation, registered as the
+  ``torch.library`` ops ``dice_fast::pool_chunks_triton`` / ``dice_fast::aggregate_documents_triton``.
+  CUDA, or the CPU under ``TRITON_INTERPRET=1`` (how CI tests them; slow).
+* ``"native"`` (`native`): the C++ (CPU, vectorised, multi-threaded) and CUDA C++ twins in
+  ``csrc/``, registered as ``dice_fast_C::*``; compiled on demand by `native.build()`.
+* ``"torch"`` (`torch_pool`): vectorised PyTorch (``index_add_`` / ``scatter_reduce_`` / sorts,
+  float32 accumulation, float64 per-chunk scalars), no Python loop over chunks or documents, no
+  extra dependency; any device.
+* ``"reference"`` (`spec`, alias ``"ref"``): the float64 reference that *defines* the semantics. It
+  loops over documents in Python: the test oracle, not a production path.
+* ``"auto"`` (default): ``triton`` on CUDA tensors (else ``native`` with CUDA kernels, else
+  ``torch``); on the CPU ``native`` when the extension is loaded in this process, else ``torch``.
 
-Nothing here imports Triton or builds the extension until a call needs it.
+Each op's argument list is written once, as a schema string in `spec.SCHEMAS`; the functions below
+pass their arguments through once to the implementation `resolve_impl` picks. Nothing here imports
+Triton or builds the extension until a call needs it.
 """
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from .spec import (
-    AGGREGATIONS,
-    POOLINGS,
-    aggregate_documents_ref,
-    pool_chunks_ref,
-)
+from .spec import AGGREGATIONS, POOLINGS, SCHEMAS
 
-IMPLS = ("auto", "ref", "triton", "native")
+# concrete implementation -> module that defines `pool_chunks_<suffix>` and `aggregate_documents_<suffix>`
+IMPLEMENTATIONS = {
+    "triton": ("triton_pool", "triton"),
+    "native": ("native", "native"),
+    "torch": ("torch_pool", "torch"),
+    "reference": ("spec", "ref"),
+}
+ALIASES = {"ref": "reference"}
+IMPLS = ("auto", *IMPLEMENTATIONS, *ALIASES)
 
 __all__ = [
     "AGGREGATIONS",
     "POOLINGS",
+    "SCHEMAS",
     "IMPLS",
+    "IMPLEMENTATIONS",
     "pool_chunks",
     "aggregate_documents",
     "segment_pool",
     "resolve_impl",
+    "implementation",
 ]
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    """Map ``impl`` (one of `IMPLS`) to the concrete implementation used for tensors on ``device``."""
+    """Map ``impl`` (one of `IMPLS`) to the implementation (a key of `IMPLEMENTATIONS`) used for
+    tensors on ``device``."""
     if impl not in IMPLS:
         raise ValueError(f"unknown pooling implementation {impl!r}; allowed: {', '.join(IMPLS)}")
     if impl != "auto":
-        return impl
+        return ALIASES.get(impl, impl)
+    device = torch.device(device)
     if device.type == "cuda":
-        from . import triton_pool
+        from . import native, triton_pool
 
-        return "triton" if triton_pool.available() else "ref"
+        if triton_pool.available():
+            return "triton"
+        return "native" if native.has_cuda_kernels() else "torch"
     from . import native
 
-    return "native" if native.is_loaded() else "ref"
+    return "native" if native.is_loaded() and device.type == "cpu" else "torch"
+
+
+def implementation(op: str, impl: str):
+    """The function computing ``op`` (a key of `SCHEMAS`) for the concrete implementation ``impl``."""
+    module, suffix = IMPLEMENTATIONS[impl]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), f"{op}_{suffix}")
 
 
 def pool_chunks(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str = "mean", impl: str = "auto") -> torch.Tensor:
@@ -56,16 +83,8 @@ def pool_chunks(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str = "
     hidden: (total_tokens, hidden_size) float32/bf16/fp16; cu_seqlens: (n_chunks + 1,) int32 on
     hidden's device. Returns (n_chunks, hidden_size) float32. ``pooling``: mean | cls | last.
     """
-    which = resolve_impl(impl, hidden.device)
-    if which == "triton":
-        from .triton_pool import pool_chunks_triton
-
-        return pool_chunks_triton(hidden, cu_seqlens, pooling)
-    if which == "native":
-        from .native import pool_chunks_native
-
-        return pool_chunks_native(hidden, cu_seqlens, pooling)
-    return pool_chunks_ref(hidden, cu_seqlens, pooling)
+    op = implementation("pool_chunks", resolve_impl(impl, hidden.device))
+    return op(hidden, cu_seqlens, pooling)
 
 
 def aggregate_documents(
@@ -85,17 +104,8 @@ def aggregate_documents(
     (n_chunks,) float32 (needed by ``weighted_mean``). Returns (n_docs, hidden_size) float32.
     See `dice_fast.ops.spec` for the exact semantics of every mode.
     """
-    which = resolve_impl(impl, chunks.device)
-    args = (chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature, normalize_chunks, normalize)
-    if which == "triton":
-        from .triton_pool import aggregate_documents_triton
-
-        return aggregate_documents_triton(*args)
-    if which == "native":
-        from .native import aggregate_documents_native
-
-        return aggregate_documents_native(*args)
-    return aggregate_documents_ref(*args)
+    op = implementation("aggregate_documents", resolve_impl(impl, chunks.device))
+    return op(chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature, normalize_chunks, normalize)
 
 
 def segment_pool(

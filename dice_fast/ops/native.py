@@ -59,7 +59,8 @@ _ISA_FLAGS = {
 
 _HOW_TO = (
     "Build it once per process with `dice_fast.ops.native.build()` (needs a C++ compiler and ninja: "
-    "`pip install ninja`), or use the PyTorch reference with impl='ref' (impl='auto' falls back to it)."
+    "`pip install ninja`), or use the vectorised PyTorch implementation, impl='torch' "
+    "(impl='auto' falls back to it)."
 )
 
 
@@ -259,17 +260,17 @@ def _require(device: torch.device) -> None:
     if device.type == "cuda" and not has_cuda_kernels():
         raise RuntimeError(
             "the dice_fast C++ extension was built without CUDA kernels; build(with_cuda=True) in a fresh "
-            "process (needs nvcc), or use impl='triton' / impl='ref' for CUDA tensors"
+            "process (needs nvcc), or use impl='triton' / impl='torch' for CUDA tensors"
         )
     if device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"the dice_fast C++ extension has kernels for cpu and cuda tensors, not {device.type}")
 
 
 # --------------------------------------------------------------------------------------------
-# ops (same signatures as the references in spec.py)
+# ops: csrc/register.cpp defines them with the schema strings of spec.SCHEMAS
 # --------------------------------------------------------------------------------------------
 def pool_chunks_native(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
-    """Token states -> one vector per chunk, in C++ (CPU) or CUDA C++.
+    """Token states -> one vector per chunk, in C++ (CPU) or CUDA C++ (``dice_fast_C::pool_chunks``).
 
     hidden: (total_tokens, hidden_size) float32/bf16/fp16; cu_seqlens: (n_chunks + 1,) int32 on
     hidden's device. Returns (n_chunks, hidden_size) float32. ``pooling``: mean | cls | last.
@@ -289,7 +290,7 @@ def aggregate_documents_native(
     normalize_chunks: bool = False,
     normalize: bool = True,
 ) -> torch.Tensor:
-    """Chunk vectors -> one vector per document, in C++ (CPU) or CUDA C++.
+    """Chunk vectors -> one vector per document, in C++ (CPU) or CUDA C++ (``dice_fast_C::aggregate_documents``).
 
     chunks: (n_chunks, hidden_size) float32; cu_doc_chunks: (n_docs + 1,) int64; chunk_weights:
     (n_chunks,) float32 or None. Returns (n_docs, hidden_size) float32.
@@ -297,12 +298,5 @@ def aggregate_documents_native(
     check_aggregate_inputs(chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature)
     _require(chunks.device)
     return torch.ops.dice_fast_C.aggregate_documents(
-        chunks,
-        cu_doc_chunks,
-        chunk_weights,
-        aggregation,
-        int(top_k),
-        float(temperature),
-        bool(normalize_chunks),
-        bool(normalize),
+        chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature, normalize_chunks, normalize
     )

@@ -2,11 +2,17 @@
 
 This module is the *specification* of the pooling op. It holds
 
+* `SCHEMAS`: the argument list of each op, written once as a ``torch.library`` schema string. The
+  Triton ops are declared from these strings (`dice_fast.ops.triton_pool`), the C++ library
+  defines the same ones (``csrc/register.cpp``), and every Python implementation spells the same
+  names and defaults: ``tests/ops/test_dispatch.py`` checks all three;
 * the input validation shared by every implementation (`check_pool_chunks_inputs`,
-  `check_aggregate_inputs`), so the Triton launcher, the C++ twins and the reference all
-  reject the same inputs with the same messages;
-* the pure-PyTorch references `pool_chunks_ref` and `aggregate_documents_ref`, computed in
-  float64, which define the semantics every fast path is tested against.
+  `check_aggregate_inputs`), so every implementation (Triton, C++, vectorised PyTorch, the
+  reference) rejects the same inputs with the same messages;
+* the pure-PyTorch references `pool_chunks_ref` and `aggregate_documents_ref` (impl
+  ``"reference"``), computed in float64, which define the semantics every fast path is tested
+  against. They are the test oracle, not a production path: the aggregation loops over documents
+  in Python.
 
 The public entry points `pool_chunks`, `aggregate_documents` and `segment_pool` live in
 `dice_fast.ops` and pick the fastest available implementation for the input's device.
@@ -47,6 +53,15 @@ AGGREGATIONS = ("mean", "weighted_mean", "max", "topk_norm", "softmax_norm")
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NORM_EPS = 1e-12
 
+# The one argument list of each op (names, types, order, defaults), in torch.library schema syntax.
+SCHEMAS = {
+    "pool_chunks": '(Tensor hidden, Tensor cu_seqlens, str pooling="mean") -> Tensor',
+    "aggregate_documents": (
+        '(Tensor chunks, Tensor cu_doc_chunks, Tensor? chunk_weights=None, str aggregation="mean", '
+        "int top_k=1, float temperature=1.0, bool normalize_chunks=False, bool normalize=True) -> Tensor"
+    ),
+}
+
 
 # --------------------------------------------------------------------------------------------
 # validation shared by every implementation
@@ -75,7 +90,7 @@ def check_pool_chunks_inputs(hidden: torch.Tensor, cu_seqlens: torch.Tensor, poo
     """Validate `pool_chunks` arguments (shapes, dtypes, devices); return the pooling code.
 
     Only metadata is inspected (no device synchronisation): the values of ``cu_seqlens`` are the
-    caller's contract (see the module docstring); `check_cu_seqlens_values` checks them on demand.
+    caller's contract (see the module docstring).
     """
     code = check_pooling(pooling)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
@@ -121,19 +136,6 @@ def _check_offsets(offsets, name: str, shape: str, dtype: torch.dtype, data: tor
         raise ValueError(f"{name} must be {str(dtype).replace('torch.', '')}, got {offsets.dtype}")
     if offsets.device != data.device:
         raise ValueError(f"{name} is on {offsets.device} but {data_name} is on {data.device}")
-
-
-def check_cu_seqlens_values(cu: torch.Tensor, total: int, name: str = "cu_seqlens", allow_empty: bool = False) -> None:
-    """Check the values of a cumulative-offsets tensor (host sync: use in tests and debug paths)."""
-    c = cu.detach().to("cpu", torch.int64)
-    if int(c[0]) != 0:
-        raise ValueError(f"{name}[0] must be 0, got {int(c[0])}")
-    if int(c[-1]) != total:
-        raise ValueError(f"{name}[-1] must equal {total}, got {int(c[-1])}")
-    d = c[1:] - c[:-1]
-    if d.numel() and int(d.min()) < (0 if allow_empty else 1):
-        bad = int(torch.nonzero(d < (0 if allow_empty else 1))[0])
-        raise ValueError(f"{name} segment {bad} has length {int(d[bad])}; every segment needs >= 1 element")
 
 
 def _describe(x) -> str:

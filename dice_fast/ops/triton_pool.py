@@ -18,8 +18,9 @@ Three layers, as in the rest of ``dice_fast.ops``:
 2. host launchers ``_pool_chunks_launch`` / ``_aggregate_launch``: validate with the shared
    checks of `spec`, allocate, and take every launch parameter from `_launch_config`;
 3. ops registered with ``torch.library.custom_op`` as ``dice_fast::pool_chunks_triton`` and
-   ``dice_fast::aggregate_documents_triton`` (with fake implementations, so ``torch.compile`` traces
-   them), behind the documented functions `pool_chunks_triton` and `aggregate_documents_triton`.
+   ``dice_fast::aggregate_documents_triton``, declared from the schema strings of `spec.SCHEMAS`
+   (with fake implementations, so ``torch.compile`` traces them), behind the documented functions
+   `pool_chunks_triton` and `aggregate_documents_triton`.
 
 Kernel design (one generic *segmented row reduction* serves both steps: chunks are segments of
 token rows, documents are segments of chunk rows):
@@ -74,6 +75,7 @@ import torch
 from .spec import (
     AGGREGATIONS,
     NORM_EPS,
+    SCHEMAS,
     check_aggregate_inputs,
     check_pool_chunks_inputs,
 )
@@ -608,27 +610,33 @@ def _aggregate_launch(
 # ============================================================================================
 # layer 3: registered ops (opaque to torch.compile, with fake implementations) and the API
 # ============================================================================================
-@torch.library.custom_op("dice_fast::pool_chunks_triton", mutates_args=())
-def _pool_chunks_op(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str) -> torch.Tensor:
+# Both ops are declared from the schema strings of `spec.SCHEMAS` (the one argument list of each op,
+# defaults included); the Python signatures below repeat it, and tests/ops/test_dispatch.py checks
+# that they do. The dispatcher drops trailing arguments left at their defaults, so the kernels'
+# Python defaults are used too.
+@torch.library.custom_op("dice_fast::pool_chunks_triton", mutates_args=(), schema=SCHEMAS["pool_chunks"])
+def _pool_chunks_op(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
     return _pool_chunks_launch(hidden, cu_seqlens, pooling)
 
 
 @_pool_chunks_op.register_fake
-def _pool_chunks_fake(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str) -> torch.Tensor:
+def _pool_chunks_fake(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
     check_pool_chunks_inputs(hidden, cu_seqlens, pooling)
     return hidden.new_empty((cu_seqlens.shape[0] - 1, hidden.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("dice_fast::aggregate_documents_triton", mutates_args=())
+@torch.library.custom_op(
+    "dice_fast::aggregate_documents_triton", mutates_args=(), schema=SCHEMAS["aggregate_documents"]
+)
 def _aggregate_op(
     chunks: torch.Tensor,
     cu_doc_chunks: torch.Tensor,
-    chunk_weights: Optional[torch.Tensor],
-    aggregation: str,
-    top_k: int,
-    temperature: float,
-    normalize_chunks: bool,
-    normalize: bool,
+    chunk_weights: Optional[torch.Tensor] = None,
+    aggregation: str = "mean",
+    top_k: int = 1,
+    temperature: float = 1.0,
+    normalize_chunks: bool = False,
+    normalize: bool = True,
 ) -> torch.Tensor:
     return _aggregate_launch(
         chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature, normalize_chunks, normalize
@@ -639,12 +647,12 @@ def _aggregate_op(
 def _aggregate_fake(
     chunks: torch.Tensor,
     cu_doc_chunks: torch.Tensor,
-    chunk_weights: Optional[torch.Tensor],
-    aggregation: str,
-    top_k: int,
-    temperature: float,
-    normalize_chunks: bool,
-    normalize: bool,
+    chunk_weights: Optional[torch.Tensor] = None,
+    aggregation: str = "mean",
+    top_k: int = 1,
+    temperature: float = 1.0,
+    normalize_chunks: bool = False,
+    normalize: bool = True,
 ) -> torch.Tensor:
     check_aggregate_inputs(chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature)
     return chunks.new_empty((cu_doc_chunks.shape[0] - 1, chunks.shape[1]), dtype=torch.float32)
@@ -675,10 +683,10 @@ def aggregate_documents_triton(
 
     chunks: (n_chunks, hidden_size) float32; cu_doc_chunks: (n_docs + 1,) int64; chunk_weights:
     (n_chunks,) float32, needed by ``weighted_mean``. Returns (n_docs, hidden_size) float32.
-    Modes and flags as `dice_fast.ops.spec.aggregate_documents_ref`.
+    Modes and flags as `dice_fast.ops.spec.aggregate_documents_ref`. Raises ValueError on bad
+    arguments (before any launch).
     """
     check_aggregate_inputs(chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature)
     return torch.ops.dice_fast.aggregate_documents_triton(
-        chunks, cu_doc_chunks, chunk_weights, aggregation, int(top_k), float(temperature),
-        bool(normalize_chunks), bool(normalize),
-    )  # fmt: skip
+        chunks, cu_doc_chunks, chunk_weights, aggregation, top_k, temperature, normalize_chunks, normalize
+    )

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dice_fast.ops.spec import AGGREGATIONS, POOLINGS, aggregate_documents_ref, pool_chunks_ref
+from dice_fast.ops.spec import AGGREGATIONS, POOLINGS, SCHEMAS, aggregate_documents_ref, pool_chunks_ref
 from helpers import TOLERANCES, assert_close
 
 REPO = Path(__file__).resolve().parents[2]
@@ -339,11 +339,14 @@ def test_softmax_temperatures(native, temperature):
 def test_aggregate_zero_chunk_and_many_documents(native):
     chunks, cu, w = _docs(_lengths(60, 3, seed=81), 8, seed=82)
     chunks[5] = 0.0  # a zero chunk: normalize_chunks divides by eps, its norm is 0
+    cases = 0
     for agg in AGGREGATIONS:
         for nc in (False, True):
             args = (chunks, cu, w, agg, 2, 1.0, nc, True)
             out = native.aggregate_documents_native(*args)
-        assert_close(out, aggregate_documents_ref(*args), *F32_TOL, what=f"{agg} nc={nc}")
+            assert_close(out, aggregate_documents_ref(*args), *F32_TOL, what=f"{agg} nc={nc}")
+            cases += 1
+    assert cases == 2 * len(AGGREGATIONS)  # every case was compared, not only the last one
 
 
 def test_aggregate_no_chunks_and_empty_documents(native):
@@ -400,6 +403,21 @@ def test_dispatcher_uses_native_once_built(native):
     ref_chunks = pool_chunks_ref(hidden, cu, "last")
     assert_close(chunks, ref_chunks, *F32_TOL)
     assert_close(docs, aggregate_documents_ref(ref_chunks, cu_doc, None, "max"), *F32_TOL)
+
+
+def test_loaded_schemas_are_the_spec(native):
+    """The ops the C++ library registered have exactly the argument lists of `spec.SCHEMAS`."""
+    for name, schema in SCHEMAS.items():
+        loaded = getattr(torch.ops.dice_fast_C, name).default._schema
+        assert str(loaded) == str(torch._C.parse_schema(f"dice_fast_C::{name}{schema}")), name
+    # the schema's defaults work through the dispatcher
+    hidden, cu = _hidden(5, 4, torch.float32, seed=1), _cu([2, 3])
+    assert torch.equal(torch.ops.dice_fast_C.pool_chunks(hidden, cu), native.pool_chunks_native(hidden, cu, "mean"))
+    chunks, cu_doc, _ = _docs([1, 2], 4, seed=2)
+    assert torch.equal(
+        torch.ops.dice_fast_C.aggregate_documents(chunks, cu_doc),
+        native.aggregate_documents_native(chunks, cu_doc, None, "mean", 1, 1.0, False, True),
+    )
 
 
 def test_meta_kernels_give_shapes(native):
