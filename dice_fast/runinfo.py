@@ -35,3 +35,23 @@ def model_label(name_or_path: str) -> str:
     """A short label of a model path: its folder name, or the package name for a folder called "model"."""
     parts = str(name_or_path).rstrip("/").split("/")
     return parts[-2] if parts[-1] == "model" and len(parts) > 1 else parts[-1]
+
+
+def append_csv(rows: list[dict], path, fieldnames=None) -> int:
+    """Append ``rows`` (dicts) to the CSV at ``path``; the header (``fieldnames``, default the first
+    row's keys) is written when the file is new. Keys outside ``fieldnames`` are ignored. Returns
+    the number of rows written."""
+    import csv
+    from pathlib import Path
+
+    if not rows:
+        return 0
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(fieldnames or rows[0]), extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    return len(rows)

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ops.spec import NORM_EPS
+from ._arrays import as_int_1d, to_numpy
+
 __all__ = ["EvidenceStats", "evidence_stats"]
 
-_NORM_EPS = 1e-12
 # rows of (pairs x dim) float64 materialised at once when gathering query/chunk pairs
 _BLOCK_ELEMS = 1 << 22
 
@@ -122,7 +124,7 @@ def evidence_stats(
             )
         docs[str(name)] = arr
 
-    cd = _as_int_1d(chunk_document, "chunk_document")
+    cd = as_int_1d(chunk_document, "chunk_document")
     if cd.shape[0] != c.shape[0]:
         raise ValueError(f"chunk_document has {cd.shape[0]} entries but chunk_vecs has {c.shape[0]} rows")
     if cd.size and (cd.min() < 0 or cd.max() >= n_docs):
@@ -133,7 +135,7 @@ def evidence_stats(
             f"chunk_document must be non-decreasing (a document's chunks contiguous and in order); "
             f"entry {bad} is {cd[bad]} after {cd[bad - 1]}"
         )
-    gold = _as_int_1d(gold_document, "gold_document")
+    gold = as_int_1d(gold_document, "gold_document")
     if gold.shape[0] != q.shape[0]:
         raise ValueError(f"gold_document has {gold.shape[0]} entries but query_vecs has {q.shape[0]} rows")
     if gold.size and (gold.min() < 0 or gold.max() >= n_docs):
@@ -177,34 +179,13 @@ def evidence_stats(
 
 
 # ------------------------------------------------------------------------------------------------
-def _to_numpy(x, what: str) -> np.ndarray:
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch tensor, without importing torch
-        x = x.detach().cpu()
-        if str(x.dtype) == "torch.bfloat16":
-            x = x.float()
-        x = x.numpy()
-    try:
-        return np.asarray(x)
-    except Exception as exc:  # pragma: no cover - exotic inputs
-        raise ValueError(f"{what} cannot be converted to an array: {exc}") from None
-
-
 def _as_2d(x, what: str) -> np.ndarray:
-    arr = _to_numpy(x, what)
+    arr = to_numpy(x, what)
     if arr.ndim != 2:
         raise ValueError(f"{what} must be 2-D (rows, dim), got shape {arr.shape}")
     if not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"{what} must hold floats, got dtype {arr.dtype}")
     return arr
-
-
-def _as_int_1d(x, what: str) -> np.ndarray:
-    arr = _to_numpy(x, what)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
 
 
 def _paired_cos(a: np.ndarray, ia: np.ndarray, b: np.ndarray, ib: np.ndarray) -> np.ndarray:
@@ -216,8 +197,8 @@ def _paired_cos(a: np.ndarray, ia: np.ndarray, b: np.ndarray, ib: np.ndarray) ->
         x = a[ia[s : s + step]].astype(np.float64)
         y = b[ib[s : s + step]].astype(np.float64)
         dot = np.einsum("ij,ij->i", x, y)
-        nx = np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x)), _NORM_EPS)
-        ny = np.maximum(np.sqrt(np.einsum("ij,ij->i", y, y)), _NORM_EPS)
+        nx = np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x)), NORM_EPS)
+        ny = np.maximum(np.sqrt(np.einsum("ij,ij->i", y, y)), NORM_EPS)
         out[s : s + step] = dot / (nx * ny)
     return out
 

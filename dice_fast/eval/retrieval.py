@@ -29,9 +29,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["search", "hit_at_k", "ndcg_at_k", "evaluate"]
+from ..ops.spec import NORM_EPS
+from ._arrays import as_int_1d, to_numpy
 
-_NORM_EPS = 1e-12
+__all__ = ["search", "hit_at_k", "ndcg_at_k", "evaluate"]
 
 
 def search(query_vecs, doc_vecs, k: int = 10, *, query_groups=None, doc_groups=None,
@@ -62,8 +63,8 @@ def search(query_vecs, doc_vecs, k: int = 10, *, query_groups=None, doc_groups=N
     if n_q == 0 or kk == 0:
         return out_idx, out_sc
     if query_groups is not None:
-        qg = torch.as_tensor(_as_int_1d(query_groups, "query_groups", n_q), device=device)
-        dg = torch.as_tensor(_as_int_1d(doc_groups, "doc_groups", n_docs), device=device)
+        qg = torch.as_tensor(as_int_1d(query_groups, "query_groups", n_q), device=device)
+        dg = torch.as_tensor(as_int_1d(doc_groups, "doc_groups", n_docs), device=device)
     rows_per_block = max(1, int(max_block_elems) // n_docs)
     ar = torch.arange(kk, device=device)
     for s in range(0, n_q, rows_per_block):
@@ -122,7 +123,7 @@ def evaluate(query_vecs, doc_vecs, qrels, *, query_groups=None, doc_groups=None,
     hit, ndcg = hit_at_k(idx, qrels, 1), ndcg_at_k(idx, qrels, 10)
     if query_groups is None:
         return {"n_queries": int(hit.size), "hit@1": _mean(hit), "ndcg@10": _mean(ndcg)}
-    qg = _as_int_1d(query_groups, "query_groups", hit.size)
+    qg = as_int_1d(query_groups, "query_groups", hit.size)
     groups = {}
     for g in np.unique(qg):
         sel = qg == g
@@ -155,24 +156,13 @@ def _as_tensor(x, what: str):
 
 
 def _normalise(t):
-    return t / t.norm(dim=1, keepdim=True).clamp_min(_NORM_EPS)
-
-
-def _as_int_1d(x, what: str, n: int) -> np.ndarray:
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
-    arr = np.asarray(x)
-    if arr.shape != (n,):
-        raise ValueError(f"{what} must have shape ({n},), got {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
+    return t / t.norm(dim=1, keepdim=True).clamp_min(NORM_EPS)
 
 
 def _as_qrels(qrels, n_q: int) -> list[Mapping]:
     """One {doc_index: relevance} mapping per query, or one gold index per query -> list of mappings."""
     if hasattr(qrels, "detach"):
-        qrels = qrels.detach().cpu().numpy()
+        qrels = to_numpy(qrels, "qrels")
     if isinstance(qrels, np.ndarray):
         if qrels.ndim != 1 or not np.issubdtype(qrels.dtype, np.integer):
             raise ValueError(f"qrels as an array must be 1-D integers (one gold document per query), got "
@@ -192,9 +182,7 @@ def _as_qrels(qrels, n_q: int) -> list[Mapping]:
 
 def _ranked_relevance(indices, qrels, k: int) -> tuple[np.ndarray, list[Mapping]]:
     """indices (n_q, n_ranked) -> (rel (n_q, min(k, n_ranked)) float64 relevance at each rank, qrels as a list)."""
-    if hasattr(indices, "detach"):
-        indices = indices.detach().cpu().numpy()
-    idx = np.asarray(indices)
+    idx = to_numpy(indices, "indices")
     if idx.ndim != 2 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
         raise ValueError(f"indices must be a 2-D integer array (n_queries, n_ranked), got shape {idx.shape}")
     if not isinstance(k, (int, np.integer)) or k < 1:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dice_fast.diagnostics import EvidenceStats, evidence_stats
+from dice_fast.eval.diagnostics import EvidenceStats, evidence_stats
 
 
 def _unit(cos: float) -> list[float]:

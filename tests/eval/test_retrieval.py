@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dice_fast.retrieval import evaluate, hit_at_k, ndcg_at_k, search
+from dice_fast.eval.retrieval import evaluate, hit_at_k, ndcg_at_k, search
 
 
 def _brute(q, d, k, qg=None, dg=None):

@@ -8,8 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from dice_fast import tasks
-from dice_fast.tasks import CONTEXT_LENGTHS, PROSE_PATH, Task, load_local_task, make_needle_task, make_passkey_task
+from dice_fast.data import PROSE_PATH
+from dice_fast.eval import tasks
+from dice_fast.eval.tasks import CONTEXT_LENGTHS, Task, load_local_task, make_needle_task, make_passkey_task
 
 PASSKEY_RE = re.compile(r"The pass key for ([A-Z][a-z]+ [A-Z][a-z]+) is (\d{5})\. Remember it\.")
 NAME_RE = re.compile(r"\b(?:%s) (?:%s)\b" % ("|".join(tasks._FIRST_NAMES), "|".join(tasks._LAST_NAMES)))

@@ -14,15 +14,15 @@ candidates of a query are the documents of its length (pass the groups to `retri
 * passkey: the filler "The grass is green. The sky is blue. ..." repeated, with "The pass key for
   <First Last> is <5-digit key>. Remember it." at a uniformly random sentence boundary; the query
   is "What is the pass key for <First Last>?". Names and keys are distinct within a length.
-* needle: a window of real English prose (``dice_fast/data/prose.txt``, prose paragraphs of the
-  Python Language Reference, PSF License; see data/README.md) starting at a random sentence, with
+* needle: a window of real English prose (`dice_fast.data.prose`, prose paragraphs of the
+  Python Language Reference, PSF License; see dice_fast/data/README.md) starting at a random sentence, with
   one fact sentence such as "The secret ingredient in <First Last>'s famous soup is smoked
   paprika." at a random sentence boundary; the query asks for that fact. Names are distinct within
   a length, so each query has exactly one answering document.
 
 Lengths are hit exactly for tokenizers whose counts add up over whitespace-separated words
 (WordPiece, e.g. BERT) and to within a few tokens otherwise: the haystack source is tokenized once
-with offsets, each document is cut from it at word boundaries by token count, every document is
+with offsets (`_haystack`), each document is cut from it at word boundaries by token count, every document is
 measured once and the ones that missed are re-cut once. Output depends only on the seed, the
 lengths/counts and the tokenizer; each length draws from its own generator, so a task built for a
 subset of lengths holds the same documents for those lengths.
@@ -30,20 +30,18 @@ subset of lengths holds the same documents for those lengths.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .textio import read_json_objects
+from ..textio import read_json_objects
+from ._haystack import PASSKEY_FILLER, count_tokens, haystack
 
-__all__ = ["CONTEXT_LENGTHS", "Task", "make_passkey_task", "make_needle_task", "load_local_task"]
+__all__ = ["CONTEXT_LENGTHS", "PASSKEY_FILLER", "Task", "make_passkey_task", "make_needle_task", "load_local_task"]
 
 CONTEXT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-PROSE_PATH = Path(__file__).with_name("data") / "prose.txt"
 
 _FIRST_NAMES = (
     "Alice", "Bruno", "Clara", "Dmitri", "Elena", "Farid", "Greta", "Hector", "Ingrid", "Jonas",
@@ -161,89 +159,6 @@ def make_needle_task(tokenizer, lengths: Sequence[int] = CONTEXT_LENGTHS, docs_p
 # ------------------------------------------------------------------------------------------------
 # synthetic tasks
 # ------------------------------------------------------------------------------------------------
-class _Source:
-    """A haystack text tokenized once: token char spans, cut points and sentence starts.
-
-    A cut point is a token boundary that any usual pre-tokenizer also splits at: whitespace between
-    the tokens, or a non-alphanumeric character on either side. Text cut there re-tokenizes to the
-    same tokens for WordPiece (and nearly so for BPE / SentencePiece)."""
-
-    def __init__(self, text: str, tokenizer):
-        try:
-            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        except (NotImplementedError, TypeError, ValueError) as exc:
-            raise ValueError(
-                "the synthetic tasks need a fast Hugging Face tokenizer (return_offsets_mapping); "
-                f"got {type(tokenizer).__name__}: {exc}"
-            ) from None
-        off = np.asarray(enc["offset_mapping"], np.int64).reshape(-1, 2)
-        self.text = text
-        self.start, self.end = off[:, 0], off[:, 1]
-        self.n = n = off.shape[0]
-        first = np.array([text[a : a + 1] for a in self.start])
-        last = np.array([text[z - 1 : z] if z > 0 else " " for z in np.concatenate([[0], self.end[:-1]])])
-        word = np.ones(n, bool)  # token i starts a new whitespace-separated word
-        word[1:] = self.start[1:] > self.end[:-1]
-        word |= np.char.isspace(first)
-        # cut[i]: a window may end just before token i (cut[n] = True: the end of the source)
-        self.cut_ok = np.ones(n + 1, bool)
-        self.cut_ok[:n] = word | ~np.char.isalnum(first) | ~np.char.isalnum(last)
-        sent = word & np.isin(last, [".", "!", "?"])
-        sent[0] = True
-        self.sent_pos = np.flatnonzero(sent)
-
-    def window(self, s0: int, budget: int) -> tuple[int, int]:
-        """Token window [s, e) of ``budget`` tokens starting at a sentence start ``s >= s0`` chosen so
-        that ``e`` is a cut point (the first of the next 64 sentence starts that allows it); failing
-        that, ``s = s0`` and ``e`` the cut point nearest to ``s0 + budget``."""
-        if s0 + budget > self.n:
-            raise ValueError(f"haystack source too short: needs {s0 + budget} tokens, has {self.n}")
-        cands = self.sent_pos[np.searchsorted(self.sent_pos, s0):][:64]
-        cands = cands[cands + budget <= self.n]
-        ok = cands[self.cut_ok[cands + budget]]
-        if ok.size:
-            return int(ok[0]), int(ok[0]) + budget
-        cut = np.flatnonzero(self.cut_ok[s0 + 1 :]) + s0 + 1
-        return s0, int(cut[np.argmin(np.abs(cut - (s0 + budget)))])
-
-    def build(self, s: int, e: int, needle: str, depth: float) -> str:
-        """Window tokens [s, e) with ``needle`` at the sentence boundary nearest to ``depth`` in [0, 1]."""
-        lo, hi = np.searchsorted(self.sent_pos, [s, e])
-        cands = np.concatenate([self.sent_pos[lo:hi], [e]])
-        cand = int(cands[np.argmin(np.abs(cands - (s + depth * (e - s))))])
-        a, z = int(self.start[s]), int(self.end[e - 1])
-        if cand == s:
-            return needle + " " + self.text[a:z]
-        if cand == e:
-            return self.text[a:z] + " " + needle
-        c = int(self.start[cand])
-        return self.text[a:c] + needle + " " + self.text[c:z]
-
-
-@functools.lru_cache(maxsize=4)
-def _haystack_cached(kind: str, tokenizer, copies: int) -> tuple[_Source, np.ndarray]:
-    if kind == "passkey":
-        src = _Source(" ".join([PASSKEY_FILLER] * copies), tokenizer)
-        return src, np.zeros(1, np.int64)  # LongEmbed: every passkey haystack starts at the top
-    prose = PROSE_PATH.read_text(encoding="utf-8").strip()
-    src = _Source("\n\n".join([prose] * copies), tokenizer)
-    return src, src.sent_pos[src.start[src.sent_pos] < len(prose)]  # start in the first copy
-
-
-def _haystack(kind: str, tokenizer, longest: int) -> tuple[_Source, np.ndarray]:
-    """The tokenized haystack source of ``kind`` holding windows of ``longest`` tokens, and the
-    tokens a window may start at. Cached for the last few (kind, tokenizer, size)."""
-    if kind == "passkey":
-        unit = int(_count_tokens(tokenizer, [PASSKEY_FILLER])[0])
-        copies = longest // max(1, unit) + 4
-    else:  # a copy of the prose is >= 30k tokens for any tokenizer of < 5.5 characters per token
-        copies = 2 + longest // 30_000
-    try:
-        return _haystack_cached(kind, tokenizer, copies)
-    except TypeError:  # an unhashable tokenizer
-        return _haystack_cached.__wrapped__(kind, tokenizer, copies)
-
-
 def _check_args(lengths, docs_per_length, queries_per_length, seed) -> list[int]:
     lengths = [int(v) for v in lengths]
     if not lengths or any(v < 16 for v in lengths) or len(set(lengths)) != len(lengths):
@@ -257,16 +172,9 @@ def _check_args(lengths, docs_per_length, queries_per_length, seed) -> list[int]
     return lengths
 
 
-def _count_tokens(tokenizer, texts: list[str]) -> np.ndarray:
-    if not texts:
-        return np.zeros(0, np.int64)
-    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-    return np.array([len(x) for x in ids], np.int64)
-
-
 def _make_synthetic(kind, tokenizer, lengths, docs_per_length, queries_per_length, seed) -> Task:
     lengths = _check_args(lengths, docs_per_length, queries_per_length, seed)
-    src, first_copy_sents = _haystack(kind, tokenizer, max(lengths))
+    src, first_copy_sents = haystack(kind, tokenizer, max(lengths))
 
     corpus, doc_ids, doc_len, doc_tokens = [], [], [], []
     queries, query_ids, query_len, qrels = [], [], [], []
@@ -291,18 +199,18 @@ def _make_synthetic(kind, tokenizer, lengths, docs_per_length, queries_per_lengt
         depths = rng.random(docs_per_length)
         asked = np.sort(rng.choice(docs_per_length, queries_per_length, replace=False))
 
-        needle_tokens = _count_tokens(tokenizer, facts)
+        needle_tokens = count_tokens(tokenizer, facts)
         budgets = length - needle_tokens
         if np.any(budgets < 8):
             raise ValueError(f"length {length} is too short for the {kind} sentences ({needle_tokens.max()} tokens)")
         docs = [src.build(*src.window(int(s), int(b)), f, float(d))
                 for s, b, f, d in zip(starts, budgets, facts, depths)]
-        counts = _count_tokens(tokenizer, docs)
+        counts = count_tokens(tokenizer, docs)
         miss = np.flatnonzero(counts != length)
         if miss.size:  # one correction pass: tokenizers whose counts do not add up over words
             redo = [src.build(*src.window(int(starts[j]), int(budgets[j] + length - counts[j])),
                               facts[j], float(depths[j])) for j in miss]
-            recount = _count_tokens(tokenizer, redo)
+            recount = count_tokens(tokenizer, redo)
             for j, text, c in zip(miss, redo, recount):
                 if abs(c - length) < abs(counts[j] - length):
                     docs[j], counts[j] = text, c

@@ -1,0 +1,264 @@
+"""The benchmark: the engine against the naive paths, same model, dtype, device and corpus.
+
+Paths (all give the same DICE document vectors; see `dice_fast.bench.baselines`):
+``dice_fast`` (the packed engine), ``padded_sorted`` (chunks sorted by length, padded batches: the
+paper's code), ``padded_naive`` (chunks in corpus order, padded batches: what users write) and
+``sentence_transformers`` (chunk texts through ``SentenceTransformer.encode``; float32, for
+sentence-transformers model folders only; it tokenizes the chunk texts itself, inside its time).
+
+Tokenization is measured apart from the model: the corpus is tokenized and planned once per dtype
+before the timed paths, which start from that plan (so on a GPU the comparison is the model's work,
+not the CPU tokenizer's). The engine row also carries the end-to-end time of
+``encode_documents(texts)`` (which tokenizes the next window in a worker thread while the model
+runs), the tokenizer's own time and rate, and the share of the tokenizer's time hidden under the
+model's work: ``tokenize_overlap = (tokenize + model - end_to_end) / tokenize``, clipped to [0, 1].
+
+Runs are interleaved (round r runs every path once) after a warm-up; each row has the median, p20
+and p80 wall time, documents/s, document tokens/s, peak memory, the speed ratio of the path to
+padded_sorted, to padded_naive and to the best naive path at the same dtype, the minimum cosine
+between the path's vectors and the engine's (same dtype, and float32), and the median cosine between
+different documents' vectors (agreement near 1 means little when unrelated documents are that close
+too). Engine rows add model FLOPs per token, achieved TFLOP/s and MFU against the matmul rate of the
+same dtype measured in the same run.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..runinfo import append_csv, device_name, versions
+from .baselines import encode_padded_naive, encode_padded_sorted, encode_sentence_transformers
+from .measure import model_flops, run_paths
+
+ENGINE = "dice_fast"
+NAIVE = ("padded_sorted", "padded_naive", "sentence_transformers")
+_E2E, _TOKENIZE = "end_to_end", "tokenize"  # timed beside the paths, reported on the engine row
+
+
+@dataclass
+class Row:
+    date: str
+    device: str
+    torch: str
+    transformers: str
+    dice_fast: str
+    model: str
+    corpus: str
+    n_docs: int
+    doc_tokens: int
+    path: str
+    dtype: str
+    attention: str
+    max_batch_tokens: int
+    padded_batch: int
+    seconds_median: float
+    seconds_p20: float
+    seconds_p80: float
+    docs_per_s: float
+    tokens_per_s: float
+    peak_mem_mb: float
+    speedup_vs_best_naive: float
+    speedup_vs_padded_sorted: float
+    speedup_vs_padded_naive: float
+    min_cosine_vs_engine: float
+    min_cosine_vs_fp32_engine: float
+    tflops: float
+    mfu: float
+    flops_per_token: float = float("nan")
+    matmul_tflops: float = float("nan")
+    e2e_seconds: float = float("nan")
+    e2e_tokens_per_s: float = float("nan")
+    tokenize_seconds: float = float("nan")
+    tokenizer_tokens_per_s: float = float("nan")
+    tokenize_overlap: float = float("nan")
+    cosine_between_docs: float = float("nan")
+
+
+FIELDS = [f.name for f in dataclasses.fields(Row)]
+
+
+def benchmark(encoders: dict, texts: list[str], corpus: str, model_name: str, repeats: int = 3,
+              st_model=None, padded_batch: int = 32, peak_tflops=None, on_time=None,
+              budget_s: float | None = None) -> list[Row]:
+    """Measure every path for each dtype in ``encoders`` {dtype name: DiceEncoder}; one `Row` per path.
+
+    ``speedup_vs_X`` of a row is X's median time over the row's (same dtype). ``peak_tflops``: the
+    measured matmul rate, one number or {dtype name: rate}; with it the engine rows also get model
+    TFLOP/s and MFU. ``on_time(name, round, seconds)`` sees each timing as it is taken;
+    ``budget_s`` caps the timed rounds (see `run_paths`).
+    """
+    paths, owner, plans = {}, {}, {}
+    for dt, enc in encoders.items():
+        plan = plans[dt] = enc.plan(texts)
+        planned = _Planned(enc, plan)
+        fns = {
+            ENGINE: lambda e=enc, p=plan: encode_plan(e, p),
+            "padded_sorted": lambda e=planned: encode_padded_sorted(e, texts, padded_batch),
+            "padded_naive": lambda e=planned: encode_padded_naive(e, texts, padded_batch),
+        }
+        if st_model is not None and dt == "float32":
+            fns["sentence_transformers"] = lambda e=planned: encode_sentence_transformers(st_model, e, texts, padded_batch)
+        fns[_E2E] = lambda e=enc: e.encode_documents(texts)
+        fns[_TOKENIZE] = lambda e=enc: e.plan(texts)
+        for path, fn in fns.items():
+            paths[f"{path}[{dt}]"], owner[f"{path}[{dt}]"] = fn, (path, dt)
+    any_enc = next(iter(encoders.values()))
+    device = any_enc.device
+    results = run_paths(paths, repeats, device, on_time=on_time, budget_s=budget_s)
+    median = {name: float(np.median(times)) for name, (times, _, _) in results.items()}
+    n_tokens = int(next(iter(plans.values())).tokens.lengths.sum())
+    v, now = versions(), datetime.datetime.now().isoformat(timespec="seconds")
+    fp32 = results.get(f"{ENGINE}[float32]")
+    rows = []
+    for name, (times, peak, vecs) in results.items():
+        path, dt = owner[name]
+        if path in (_E2E, _TOKENIZE):
+            continue
+        med = median[name]
+
+        def ratio(other: str) -> float:
+            t = median.get(f"{other}[{dt}]")
+            return t / med if t is not None else float("nan")
+
+        naive = [median[n] for n in results if owner[n][1] == dt and owner[n][0] in NAIVE]
+        extra = {}
+        if path == ENGINE:
+            extra = _engine_extras(encoders[dt], plans[dt], med, median[f"{_E2E}[{dt}]"], median[f"{_TOKENIZE}[{dt}]"],
+                                   n_tokens, peak_tflops, dt)
+        rows.append(Row(
+            date=now, device=device_name(device), model=model_name, corpus=corpus, n_docs=len(texts),
+            doc_tokens=n_tokens, path=path, dtype=dt, attention=encoders[dt].backend if path == ENGINE else "sdpa",
+            max_batch_tokens=encoders[dt].max_batch_tokens, padded_batch=padded_batch,
+            seconds_median=med, seconds_p20=float(np.percentile(times, 20)), seconds_p80=float(np.percentile(times, 80)),
+            docs_per_s=len(texts) / med, tokens_per_s=n_tokens / med, peak_mem_mb=peak,
+            speedup_vs_best_naive=min(naive) / med if naive else float("nan"),
+            speedup_vs_padded_sorted=ratio("padded_sorted"), speedup_vs_padded_naive=ratio("padded_naive"),
+            min_cosine_vs_engine=_min_cosine(vecs, results[f"{ENGINE}[{dt}]"][2]),
+            min_cosine_vs_fp32_engine=_min_cosine(vecs, fp32[2]) if fp32 is not None else float("nan"),
+            tflops=extra.pop("tflops", float("nan")), mfu=extra.pop("mfu", float("nan")),
+            cosine_between_docs=_cosine_between(vecs), **extra, **v,
+        ))
+    return rows
+
+
+def encode_plan(encoder, plan) -> np.ndarray:
+    """(n_docs, dim) float32 document vectors of an already tokenized ``plan``: the engine's batching
+    (`dice_fast.scheduler.ChunkQueue`, the encoder's token budget) without its tokenizer."""
+    from ..scheduler import ChunkQueue
+
+    queue = ChunkQueue(encoder)
+    job = queue.submit(plan)
+    while (batch := queue.next_batch()) is not None:
+        queue.complete(batch, encoder.run_batch(batch.packed))
+    return job.documents
+
+
+class _Planned:
+    """``encoder`` whose ``plan(texts)`` returns a plan made beforehand (the baselines start from the
+    same tokenized corpus as the engine); everything else is the encoder's."""
+
+    def __init__(self, encoder, plan):
+        self._encoder, self._plan = encoder, plan
+
+    def plan(self, texts, kind: str = "documents"):
+        return self._plan
+
+    def __getattr__(self, name):
+        return getattr(self._encoder, name)
+
+
+def _engine_extras(encoder, plan, model_s: float, e2e_s: float, tokenize_s: float, n_tokens: int,
+                   peak_tflops, dt: str) -> dict:
+    flops = model_flops(encoder, plan=plan)
+    peak = peak_tflops.get(dt) if isinstance(peak_tflops, dict) else peak_tflops
+    out = dict(flops_per_token=flops / max(1.0, float(plan.chunk_lengths.sum())), e2e_seconds=e2e_s,
+               e2e_tokens_per_s=n_tokens / e2e_s, tokenize_seconds=tokenize_s,
+               tokenizer_tokens_per_s=n_tokens / tokenize_s if tokenize_s > 0 else float("nan"),
+               tokenize_overlap=float(np.clip((tokenize_s + model_s - e2e_s) / tokenize_s, 0.0, 1.0))
+               if tokenize_s > 0 else float("nan"))
+    if peak is not None:
+        out.update(tflops=flops / model_s / 1e12, mfu=flops / model_s / 1e12 / peak, matmul_tflops=peak)
+    return out
+
+
+def _cosine_between(vecs: np.ndarray, most: int = 2000) -> float:
+    """Median cosine between different rows of (n, dim) unit vectors (the first ``most`` rows); NaN when n < 2."""
+    x = np.asarray(vecs[:most], dtype=np.float64)
+    if len(x) < 2:
+        return float("nan")
+    sims = x @ x.T
+    return float(np.median(sims[~np.eye(len(x), dtype=bool)]))
+
+
+def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Smallest cosine between matching rows of two (n, dim) matrices of unit vectors (1.0 when n == 0)."""
+    return float(np.min(np.sum(a * b, axis=1))) if len(a) else 1.0
+
+
+def save_rows(rows: list[Row], path: str | os.PathLike) -> int:
+    """Append ``rows`` to the CSV at ``path``; returns the number written.
+
+    A file written by an older version with other columns is first rewritten (atomically) with the
+    union of both headers, old columns first, so every row keeps its values under their own names.
+    A file whose rows do not match its own header raises ValueError (see `check_csv`).
+    """
+    path = Path(path)
+    header = check_csv(path)
+    if header is None or header == FIELDS:
+        return append_csv([asdict(r) for r in rows], path, fieldnames=FIELDS)
+    with open(path, newline="", encoding="utf-8") as fh:
+        old = list(csv.DictReader(fh))
+    union = header + [f for f in FIELDS if f not in header]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        append_csv(old + [asdict(r) for r in rows], tmp, fieldnames=union)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(rows)
+
+
+def check_csv(path: str | os.PathLike) -> list[str] | None:
+    """The header of the CSV at ``path`` (None when there is no such file or it is empty); ValueError
+    when a row has more values than the header (rows appended by a version with more columns), since
+    widening such a file would shift values under the wrong names."""
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.reader(fh)
+        header = next(reader, [])
+        for i, row in enumerate(reader, start=2):
+            if len(row) > len(header):
+                raise ValueError(f"{path}:{i}: {len(row)} values under a header of {len(header)} columns; "
+                                 "fix the file or pass another --csv")
+    return header
+
+
+def format_table(rows: list[Row]) -> str:
+    """A short markdown table of ``rows``."""
+    head = ("| model | corpus | path | dtype | attention | docs/s | tokens/s | median s | peak MB | vs padded_sorted "
+            "| vs padded_naive | vs best naive | min cos vs engine | min cos vs fp32 engine | cos between docs "
+            "| GFLOP/token | TFLOP/s | MFU | end-to-end tokens/s | tokenizer tokens/s | tokenize overlap |")
+    lines = [head, "|" + " --- |" * 21]
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {r.corpus} | {r.path} | {r.dtype} | {r.attention} | "
+            f"{r.docs_per_s:,.1f} | {r.tokens_per_s:,.0f} | {r.seconds_median:.3f} | {r.peak_mem_mb:,.0f} | "
+            f"{r.speedup_vs_padded_sorted:.2f}x | {r.speedup_vs_padded_naive:.2f}x | {r.speedup_vs_best_naive:.2f}x | "
+            f"{r.min_cosine_vs_engine:.5f} | {r.min_cosine_vs_fp32_engine:.5f} | {r.cosine_between_docs:.3f} | "
+            f"{_num(r.flops_per_token / 1e9, '.3f')} | {_num(r.tflops, '.3g')} | {_num(r.mfu, '.1%')} | "
+            f"{_num(r.e2e_tokens_per_s, ',.0f')} | {_num(r.tokenizer_tokens_per_s, ',.0f')} | {_num(r.tokenize_overlap, '.0%')} |"
+        )
+    return "\n".join(lines)
+
+
+def _num(x: float, fmt: str) -> str:
+    return "" if x != x else format(x, fmt)

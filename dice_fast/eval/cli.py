@@ -1,0 +1,164 @@
+"""The ``dice-fast eval`` sub-command: its arguments, the run, and the files it writes.
+
+    register_cli(parser.add_subparsers())     # what the root `dice-fast` command does
+
+    dice-fast eval --task passkey needle --lengths 256,1024,8192 --docs-per-length 20 \\
+        --queries-per-length 10 --chunk-sizes 64,254 --out-dir benchmarks/eval
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..cliargs import add_encoder_arguments, make_encoder
+
+if TYPE_CHECKING:
+    from .run import EvalResult
+
+__all__ = ["register_cli", "cmd_eval", "write_outputs"]
+
+
+def _int_list(text: str) -> list[int]:
+    import argparse
+
+    try:
+        vals = [int(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _str_list(text: str) -> list[str]:
+    return [v for v in text.replace(",", " ").split() if v]
+
+
+def register_cli(subparsers) -> None:
+    """Add the ``eval`` sub-command to ``subparsers`` (from ``parser.add_subparsers()``)."""
+    import argparse
+
+    from .run import DEFAULT_AGGREGATIONS
+    from .tasks import CONTEXT_LENGTHS
+
+    p = subparsers.add_parser(
+        "eval",
+        help="retrieval evaluation: single vector vs DICE (Hit@1 / nDCG@10 per context length, EC / EDI)",
+        description=(
+            "Evaluate the single-vector baseline and DICE (every --aggregations x --chunk-sizes) on LongEmbed-style "
+            "passkey / needle tasks or a local BEIR folder. Each chunk size is encoded once and every aggregation "
+            "is computed from its chunk vectors; queries are encoded once. A query's candidates are the documents "
+            "of its context length. Prints paper-style tables (rows: methods; columns: <=4k and >4k macro "
+            "averages, then each length), appends CSV rows (one per method x length x metric, with date, model, "
+            "device, dtype and versions) and writes PNG plots (Hit@1 vs length; EDI of single vs DICE)."
+        ),
+        epilog=(
+            "Of the shared model options, --chunk-size (when --chunk-sizes is not given) sets the only chunk "
+            "size; --aggregation and --strategy are ignored (every method is run); --top-k, --temperature, "
+            "--normalize-chunks, --pooling, --overlap, --positions, prefixes, --max-length, --device and --dtype "
+            "apply to every method. Example: dice-fast eval --task passkey needle --lengths 256,1024,8192 "
+            "--docs-per-length 20 --queries-per-length 10 --chunk-sizes 64,254 --out-dir benchmarks/eval"
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--task", nargs="+", default=["passkey"], metavar="TASK",
+                   help="one or more of: passkey, needle (generated), or a BEIR folder (corpus.jsonl, "
+                        "queries.jsonl, qrels/<split>.tsv)")
+    p.add_argument("--lengths", type=_int_list, default=list(CONTEXT_LENGTHS),
+                   help="context lengths in tokens of the model's tokenizer, comma-separated (synthetic tasks)")
+    p.add_argument("--docs-per-length", type=int, default=100,
+                   help="documents per length = candidates of each query (LongEmbed: 100)")
+    p.add_argument("--queries-per-length", type=int, default=50, help="queries per length (LongEmbed: 50)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tasks")
+    p.add_argument("--split", default="test", help="qrels split of a BEIR folder (qrels/<split>.tsv)")
+    p.add_argument("--chunk-sizes", type=_int_list, default=None,
+                   help="DICE chunk sizes in tokens, comma-separated (default: 64, 128 and the model's default "
+                        "chunk size, e.g. 254 for a 256-token window; or --chunk-size alone when given)")
+    p.add_argument("--aggregations", type=_str_list, default=list(DEFAULT_AGGREGATIONS),
+                   help="DICE aggregations, comma-separated (mean, max, topk_norm, weighted_mean, softmax_norm)")
+    p.add_argument("--length-split", type=int, default=4096,
+                   help="lengths <= this are averaged into the '<=4k' column, longer ones into '>4k'")
+    p.add_argument("--out-dir", default="benchmarks/eval", help="folder for the CSV, PNGs and markdown tables")
+    p.add_argument("--csv", default=None, help="CSV file to append rows to (default: OUT_DIR/results.csv)")
+    p.add_argument("--tag", default="", help="extra text in the names of the PNG / markdown files")
+    p.add_argument("--check-docs", type=int, default=2,
+                   help="documents re-encoded by the engine per method to confirm the derived vectors (0: off)")
+    p.add_argument("--no-plots", action="store_true", help="write no PNGs")
+    p.add_argument("--save-result", action="store_true",
+                   help="also pickle the EvalResult (per-sample EC/EDI included) to OUT_DIR/<task>-<dtype>.pkl, "
+                        "to redraw tables and plots later without re-encoding")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    add_encoder_arguments(p)
+    p.set_defaults(func=cmd_eval)
+
+
+def _default_chunk_sizes(encoder, args) -> list[int]:
+    if args.chunk_sizes:
+        return list(args.chunk_sizes)
+    if args.chunk_size is not None:
+        return [args.chunk_size]
+    top = encoder.config.chunk_size
+    return sorted({k for k in (64, 128) if k < top} | {top})
+
+
+def cmd_eval(args) -> int:
+    """Run the ``eval`` sub-command parsed by `register_cli`'s parser; returns the exit status."""
+    from .report import format_report
+    from .run import build_task, run_eval
+
+    if args.docs_per_length < 1 or args.queries_per_length < 1:
+        raise ValueError("--docs-per-length and --queries-per-length must be >= 1")
+    enc = make_encoder(args)
+    chunk_sizes = _default_chunk_sizes(enc, args)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = Path(args.csv) if args.csv else out_dir / "results.csv"
+    print(f"dice-fast eval: {enc}\nchunk sizes {chunk_sizes}, aggregations {args.aggregations}", flush=True)
+    for spec in args.task:
+        t0 = time.perf_counter()
+        task = build_task(spec, enc.tokenizer, args.lengths, args.docs_per_length, args.queries_per_length,
+                          args.seed, args.split)
+        print(f"[{task.name}] {len(task.corpus)} documents, {len(task.queries)} queries "
+              f"(built in {time.perf_counter() - t0:.1f} s)", flush=True)
+        res = run_eval(task, enc, chunk_sizes=chunk_sizes, aggregations=args.aggregations, split=args.length_split,
+                       seed=args.seed if task.doc_tokens is not None else None, check_docs=args.check_docs,
+                       show_progress=not args.quiet, log=lambda s: print(s, flush=True))
+        print(format_report(res), flush=True)
+        stem = "-".join(x for x in (_safe(res.task), res.info["dtype"], _safe(args.tag)) if x)
+        written = write_outputs(res, out_dir, stem, csv_path, plots=not args.no_plots, save_result=args.save_result)
+        print(f"[{task.name}] wrote {', '.join(written)} (total {time.perf_counter() - t0:.1f} s)", flush=True)
+    return 0
+
+
+def write_outputs(res: EvalResult, out_dir, stem: str, csv_path, plots: bool = True,
+                  save_result: bool = False) -> list[str]:
+    """Write ``OUT_DIR/STEM.md`` (the report), append to ``csv_path``, and draw ``STEM-hit1.png`` and
+    ``STEM-edi.png``; ``save_result`` also pickles ``res`` to ``STEM.pkl``. Returns the paths written."""
+    from .report import format_report, write_csv
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.md").write_text(format_report(res), encoding="utf-8")
+    n = write_csv(res, csv_path)
+    written = [f"{csv_path} (+{n} rows)", str(out_dir / f"{stem}.md")]
+    if save_result:
+        import pickle
+
+        with open(out_dir / f"{stem}.pkl", "wb") as fh:
+            pickle.dump(res, fh)
+        written.append(str(out_dir / f"{stem}.pkl"))
+    if plots:
+        from .plots import plot_edi, plot_hit_vs_length
+
+        for suffix, fn in (("hit1", plot_hit_vs_length), ("edi", plot_edi)):
+            png = out_dir / f"{stem}-{suffix}.png"
+            fn(res, png)
+            if png.exists():
+                written.append(str(png))
+    return written
+
+
+def _safe(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(text))

@@ -1,0 +1,275 @@
+"""The evaluation run: single vector vs DICE on one task, one model, each chunk size encoded once.
+
+    res = run_eval(build_task("passkey", enc.tokenizer, (256, 1024)), enc, chunk_sizes=(64, 254))
+
+Methods: ``single`` (``strategy="single"``: one window of each document's first tokens, the
+single-vector baseline) and DICE with every requested aggregation at every requested chunk size.
+Each chunk size is encoded **once** with ``return_chunks=True`` (raw pooled chunk vectors); every
+aggregation is then computed from those chunk vectors with `dice_fast.ops.aggregate_documents` and
+exactly the arguments the engine passes (``normalize_chunks`` as the encoder resolves it, ``top_k``,
+``temperature``, ``normalize``, and for ``weighted_mean`` the wrapped token count of each chunk:
+its text tokens plus special and prefix tokens), so the vectors equal ``encode_documents`` with that
+aggregation (tested). Queries are encoded once.
+
+Retrieval follows LongEmbed: a query's candidates are the documents of its context length; Hit@1 and
+nDCG@10 per length (`retrieval.evaluate`). A local BEIR folder is one group ("all").
+
+Diagnostics (`diagnostics.evidence_stats`): for every chunk size, EC and EDI on each query's gold
+document, with that encoding's chunk vectors; EDI of a method uses that method's document vector
+(``single``'s first-window vector, or the DICE aggregation's).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..progress import ProgressBar
+from ..runinfo import device_name, model_label, versions
+
+__all__ = ["DEFAULT_AGGREGATIONS", "GROUP_ALL", "EvalResult", "raw_twin", "aggregate_from_chunks", "build_task",
+           "run_eval", "method_key"]
+
+DEFAULT_AGGREGATIONS = ("mean", "max", "topk_norm", "weighted_mean", "softmax_norm")
+GROUP_ALL = "all"  # the one group of a local task
+
+
+# ------------------------------------------------------------------------------------------------
+# deriving every aggregation from one encoding
+# ------------------------------------------------------------------------------------------------
+def raw_twin(encoder, **changes):
+    """A `DiceEncoder` over ``encoder``'s model and tokenizer with ``changes`` applied to its options.
+
+    Shares the loaded model (nothing is copied or moved). Raises ValueError if the model facts it
+    reads differ from ``encoder``'s (a model wrapped with an explicit ``model_path``).
+    """
+    from .. import DiceEncoder
+
+    twin = DiceEncoder(encoder.model, encoder.tokenizer, config=encoder.config.replace(**changes))
+    if twin.spec != encoder.spec:
+        raise ValueError("cannot derive a twin encoder: the model facts differ from the encoder's "
+                         f"({twin.spec} vs {encoder.spec}); build the encoder with from_pretrained(path)")
+    return twin
+
+
+def aggregate_from_chunks(encoder, raw, aggregation: str) -> np.ndarray:
+    """Document vectors (n_docs, dim) float32 as ``encoder`` with ``aggregation`` would return them.
+
+    raw: the `DiceOutput` of ``encode_documents(texts, return_chunks=True)`` by an encoder with the
+    same options as ``encoder`` except ``normalize_chunks=False`` (so ``raw.chunks`` are the chunk
+    vectors as pooled, whose norms ``topk_norm``/``softmax_norm`` rank by; see `raw_twin`). Uses the
+    arguments the engine passes: ``encoder.normalize_chunks`` (resolved), ``top_k``, ``temperature``,
+    ``normalize``, and chunk weights = wrapped chunk lengths (text + special + prefix tokens, as
+    `EncodingPlan.chunk_weights`).
+    """
+    import torch
+
+    from ..ops import aggregate_documents
+
+    n_docs = int(raw.documents.shape[0])
+    cd = np.asarray(raw.chunk_document, np.int64)
+    cu = np.zeros(n_docs + 1, np.int64)
+    np.cumsum(np.bincount(cd, minlength=n_docs), out=cu[1:])
+    weights = (np.asarray(raw.chunk_end) - np.asarray(raw.chunk_start) + encoder.chunk_overhead).astype(np.float32)
+    c = encoder.config
+    out = aggregate_documents(
+        torch.from_numpy(np.ascontiguousarray(raw.chunks, np.float32)), torch.from_numpy(cu),
+        torch.from_numpy(weights), aggregation, c.top_k, c.temperature, encoder.normalize_chunks, c.normalize,
+        impl=encoder.pooling_impl,
+    )
+    return out.numpy()
+
+
+# ------------------------------------------------------------------------------------------------
+# the evaluation
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class EvalResult:
+    """Everything one `run_eval` measured.
+
+    groups: context lengths (ints), or ``["all"]`` for a local task. methods: method keys in table
+    order (``"single"``, ``"k64-mean"`` ...); method_info: key -> {"label", "chunk_size", "aggregation"}.
+    metrics: key -> {"hit@1" | "ndcg@10": {group: value}}; n_queries: {group: count}.
+    edi: chunk size -> `EvidenceStats` with methods ``"single"`` and ``"k{size}-{agg}"``;
+    edi_group: (n_edi_samples,) group of each EDI sample; timings: name -> {"seconds", "tokens"};
+    check: method key -> max |derived - encode_documents| on the checked documents; info: run metadata.
+    """
+
+    task: str
+    groups: list
+    methods: list
+    method_info: dict
+    metrics: dict
+    n_queries: dict
+    edi: dict
+    edi_group: np.ndarray
+    timings: dict
+    check: dict
+    info: dict
+    split: int = 4096
+    window: int = 0
+    aggregations: tuple = ()
+    chunk_sizes: tuple = ()
+    extra: dict = field(default_factory=dict)
+
+
+def build_task(spec: str, tokenizer, lengths: Sequence[int] | None = None, docs_per_length: int = 100,
+               queries_per_length: int = 50, seed: int = 0, split: str = "test"):
+    """``spec``: "passkey", "needle" or a local BEIR folder -> `dice_fast.eval.tasks.Task`."""
+    from . import tasks
+
+    if spec in ("passkey", "needle"):
+        make = tasks.make_passkey_task if spec == "passkey" else tasks.make_needle_task
+        return make(tokenizer, lengths=tuple(lengths or tasks.CONTEXT_LENGTHS), docs_per_length=docs_per_length,
+                    queries_per_length=queries_per_length, seed=seed)
+    if os.path.isdir(spec):
+        return tasks.load_local_task(spec, split=split)
+    raise ValueError(f"--task must be passkey, needle or a BEIR folder (corpus.jsonl, queries.jsonl, qrels/), got {spec!r}")
+
+
+def method_key(chunk_size: int, aggregation: str) -> str:
+    """The key of DICE with ``aggregation`` at ``chunk_size`` in `EvalResult.methods`: ``"k64-mean"``."""
+    return f"k{chunk_size}-{aggregation}"
+
+
+def _method_label(chunk_size: int, aggregation: str) -> str:
+    return f"DICE {aggregation} k={chunk_size}"
+
+
+def _run_info(encoder, task, seed) -> dict:
+    return {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "task": task.name,
+        "seed": "" if seed is None else int(seed),
+        "model": model_label(encoder.spec.name),
+        "device": str(encoder.device),
+        "device_name": device_name(encoder.device),
+        "dtype": str(encoder.dtype).replace("torch.", ""),
+        **versions(),
+        "top_k": encoder.config.top_k,
+        "temperature": encoder.config.temperature,
+    }
+
+
+def _encode_docs(encoder, texts, desc: str, show_progress: bool, **kw):
+    bar = ProgressBar(len(texts), desc=desc, show=show_progress and bool(texts))
+    t0 = time.perf_counter()
+    try:
+        out = encoder.encode_documents(texts, progress=bar, **kw)
+    finally:
+        bar.close()
+    return out, {"seconds": time.perf_counter() - t0, "tokens": bar.tokens}
+
+
+def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
+             aggregations: Sequence[str] = DEFAULT_AGGREGATIONS, split: int = 4096, seed: int | None = None,
+             check_docs: int = 2, min_margin: float = 0.01, show_progress: bool = True,
+             log=print) -> EvalResult:
+    """Evaluate ``single`` and DICE (every aggregation x chunk size) of ``encoder``'s model on ``task``.
+
+    task: a `dice_fast.eval.tasks.Task`; encoder: a `DiceEncoder` whose options (pooling, prefixes,
+    top_k, temperature, normalize_chunks, normalize, overlap, positions ...) are used for every
+    method, with ``chunk_size`` / ``aggregation`` / ``strategy`` set per method. ``split``: lengths
+    at most / above it make the report's "≤4k" / ">4k" columns. ``check_docs``: the first documents
+    of the task are also encoded by the engine with each method's options and compared with the
+    vectors derived from chunks (`EvalResult.check`; a warning above 1e-4 in float32, 5e-2
+    otherwise). ``log``: called with progress lines (None: silent).
+    """
+    from .diagnostics import evidence_stats
+    from .retrieval import evaluate
+
+    say = log or (lambda *_: None)
+    aggregations = tuple(dict.fromkeys(aggregations))
+    chunk_sizes = tuple(dict.fromkeys(int(k) for k in chunk_sizes))
+    if not aggregations or not chunk_sizes:
+        raise ValueError("need at least one aggregation and one chunk size")
+    for a in aggregations:  # fail before any encoding: DiceConfig validates aggregation, top_k, temperature
+        encoder.config.replace(aggregation=a)
+    if not task.queries:
+        raise ValueError(f"task {task.name!r} has no queries")
+
+    local = task.doc_tokens is None
+    if local:
+        groups = [GROUP_ALL]
+        qg = dg = None
+    else:
+        groups = [int(g) for g in np.unique(task.doc_length)]
+        qg, dg = task.query_length, task.doc_length
+    info = _run_info(encoder, task, seed)
+    timings: dict = {}
+
+    # queries once, single once
+    t0 = time.perf_counter()
+    q = encoder.encode_queries(task.queries)
+    timings["queries"] = {"seconds": time.perf_counter() - t0, "tokens": 0}
+    single_enc = raw_twin(encoder, strategy="single")
+    docs = {}
+    docs["single"], timings["single"] = _encode_docs(single_enc, task.corpus, f"{task.name} single", show_progress)
+    method_info = {"single": {"label": f"single (first {single_enc.window} tokens)", "chunk_size": None,
+                              "aggregation": None}}
+    methods = ["single"]
+
+    gold = task.gold_document()
+    has_gold = gold >= 0
+    edi, check = {}, {}
+    n_check = min(check_docs, len(task.corpus))
+    for k in chunk_sizes:
+        raw_enc = raw_twin(encoder, chunk_size=k, strategy="dice", normalize_chunks=False)
+        raw, timings[f"k{k}"] = _encode_docs(raw_enc, task.corpus, f"{task.name} k={k}", show_progress,
+                                            return_chunks=True)
+        t = timings[f"k{k}"]
+        say(f"[{task.name}] chunk size {k}: {len(task.corpus)} documents, {raw.chunks.shape[0]} chunks, "
+            f"{t['tokens']:,} tokens in {t['seconds']:.1f} s ({t['tokens'] / max(t['seconds'], 1e-9):,.0f} tokens/s)")
+        by_method = {"single": docs["single"]}
+        for a in aggregations:
+            key = method_key(k, a)
+            enc_a = raw_twin(encoder, chunk_size=k, strategy="dice", aggregation=a)
+            docs[key] = aggregate_from_chunks(enc_a, raw, a)
+            by_method[key] = docs[key]
+            methods.append(key)
+            method_info[key] = {"label": _method_label(k, a), "chunk_size": k, "aggregation": a}
+            if n_check:
+                ref = enc_a.encode_documents(task.corpus[:n_check])
+                check[key] = float(np.abs(ref - docs[key][:n_check]).max())
+        if has_gold.any():
+            edi[k] = evidence_stats(q[has_gold], raw.chunks, raw.chunk_document, gold[has_gold], by_method,
+                                    min_margin=min_margin)
+        del raw
+    if check:
+        tol = 1e-4 if info["dtype"] == "float32" else 5e-2
+        worst = max(check, key=check.get)
+        say(f"[{task.name}] aggregation-from-chunks vs encode_documents on {n_check} documents: "
+            f"max abs diff {check[worst]:.2e} ({worst})")
+        if check[worst] > tol:
+            warnings.warn(f"derived document vectors differ from encode_documents by {check[worst]:.2e} "
+                          f"({worst}), above {tol}", stacklevel=2)
+
+    metrics, n_queries = {}, {}
+    for key in methods:
+        ev = evaluate(q, docs[key], task.qrels, query_groups=qg, doc_groups=dg, split_at=split)
+        if local:
+            metrics[key] = {m: {GROUP_ALL: ev[m]} for m in ("hit@1", "ndcg@10")}
+            n_queries = {GROUP_ALL: ev["n_queries"]}
+        else:
+            metrics[key] = {m: {g: ev["groups"][g][m] for g in groups if g in ev["groups"]} for m in ("hit@1", "ndcg@10")}
+            n_queries = {g: ev["groups"][g]["n_queries"] for g in groups if g in ev["groups"]}
+    edi_group = (np.full(int(has_gold.sum()), -1, np.int64) if local else np.asarray(task.query_length)[has_gold])
+    return EvalResult(
+        task=task.name, groups=groups, methods=methods, method_info=method_info, metrics=metrics,
+        n_queries=n_queries, edi=edi, edi_group=edi_group, timings=timings, check=check, info=info, split=split,
+        window=single_enc.window, aggregations=aggregations, chunk_sizes=chunk_sizes,
+        extra={"n_docs": len(task.corpus), "n_queries": len(task.queries),
+               "docs_per_length": _per_group(task.doc_length) if not local else len(task.corpus),
+               "queries_per_length": _per_group(task.query_length) if not local else len(task.queries)},
+    )
+
+
+def _per_group(labels) -> int | str:
+    counts = np.unique(np.asarray(labels), return_counts=True)[1]
+    return int(counts[0]) if counts.size and (counts == counts[0]).all() else "varies"
