@@ -17,9 +17,10 @@ _LAZY = {
     "DiceEncoder": "dice_fast.engine",
     "DiceOutput": "dice_fast.engine",
     "DiceConfig": "dice_fast.config",
+    "EncodingPlan": "dice_fast.chunking",
 }
 
-__all__ = ["DiceEncoder", "DiceOutput", "DiceConfig", "__version__"]
+__all__ = ["DiceEncoder", "DiceOutput", "DiceConfig", "EncodingPlan", "__version__"]
 
 
 def __getattr__(name: str):

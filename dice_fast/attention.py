@@ -15,8 +15,13 @@ Backends (all exact: a chunk attends only to itself):
 * ``sdpa_groups``: any device and dtype; the packer orders each batch's chunks by length, so runs
   of equal-length chunks are contiguous token ranges that one dense SDPA call handles as a batch.
 
-`attention_context` sets, for the duration of a forward, which backend runs and whether attention is
-causal (model default, forced causal, or forced bidirectional for LLM2Vec/Dream-style embedders).
+`install` points a model's config at this function once, when a `DiceEncoder` is built; nothing is
+switched per call. `attention_context` sets, for the duration of one packed forward and only in the
+calling thread (a context variable), which backend runs and whether attention is causal (model
+default, forced causal, or forced bidirectional for LLM2Vec/Dream-style embedders). Outside such a
+context the function defers to the model's original implementation, and the registered mask
+function to the original mask: the model keeps computing exactly what it computed before, so the
+caller and other threads can go on using it.
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ ATTENTION_NAME = "dice_fast_varlen"
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_groups")
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Run:
     backend: str
     causal: bool | None  # None: the model's own behaviour
     groups: tuple[tuple[int, int, int], ...]  # (token_start, n_chunks, length) runs for sdpa_groups
+    calls: int = 0  # attention calls seen in this forward (the construction-time probe reads it)
+    extra_bias: bool = False  # a layer passed a mask or position bias of its own (packing would drop it)
 
 
 _CURRENT: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("dice_fast_attention", default=None)
@@ -89,6 +96,8 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
             if half and backend_available(name, device):
                 return name
         return "sdpa_groups"
+    if requested == "padded":  # the runner's fallback: the model's own attention
+        return requested
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}; allowed: 'auto', {', '.join(BACKENDS)}")
     if not backend_available(requested, device):
@@ -105,12 +114,67 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
     return requested
 
 
+_ORIGINAL = "_dice_fast_original_attn"  # config attribute: the implementation install() replaced
+
+
 def register() -> str:
-    """Register `dice_varlen_attention` with transformers (idempotent); return its name."""
+    """Register `dice_varlen_attention` and its mask function with transformers (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, dice_varlen_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _dice_mask)
     return ATTENTION_NAME
+
+
+def install(model) -> None:
+    """Point ``model``'s attention at `dice_varlen_attention` (idempotent; the original is remembered)."""
+    register()
+    config = model.config
+    if config._attn_implementation != ATTENTION_NAME:
+        setattr(config, _ORIGINAL, config._attn_implementation or "eager")
+        config._attn_implementation = ATTENTION_NAME
+
+
+def uninstall(model) -> None:
+    """Give ``model`` back its original attention implementation."""
+    config = model.config
+    if config._attn_implementation == ATTENTION_NAME:
+        config._attn_implementation = getattr(config, _ORIGINAL, "eager")
+
+
+def installed(model) -> bool:
+    return model.config._attn_implementation == ATTENTION_NAME
+
+
+def _original(config) -> str:
+    return getattr(config, _ORIGINAL, None) or "sdpa"
+
+
+def _dice_mask(*args, config=None, **kwargs):
+    """No mask inside a packed forward (attention is block-diagonal by cu_seqlens); else the original's."""
+    if _CURRENT.get() is not None:
+        return None
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS[_original(config)](*args, config=config, **kwargs)
+
+
+def _original_attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's own attention, as it ran before `install`."""
+    import sys
+
+    from transformers import AttentionInterface
+
+    config = getattr(module, "config", None)
+    name = _original(config)
+    if name != "eager" and name in AttentionInterface._global_mapping:
+        fn = AttentionInterface._global_mapping[name]
+    else:
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise RuntimeError(f"cannot find the original attention ({name!r}) of {type(module).__name__}")
+    return fn(module, query, key, value, attention_mask, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,9 +190,10 @@ def attention_context(backend: str, causal: bool | None, chunk_lengths_sorted=No
     groups: tuple = ()
     if backend == "sdpa_groups":
         groups = _length_runs(chunk_lengths_sorted, cu_seqlens_host)
-    token = _CURRENT.set(_Run(backend, causal, groups))
+    run = _Run(backend, causal, groups)
+    token = _CURRENT.set(run)
     try:
-        yield
+        yield run
     finally:
         _CURRENT.reset(token)
 
@@ -157,11 +222,12 @@ def dice_varlen_attention(
 ):
     """Packed attention. query: (1, Hq, T, D); key, value: (1, Hkv, T, D). Returns ((1, T, Hq, D), None)."""
     run = _CURRENT.get()
-    if run is None:
-        raise RuntimeError(
-            f"attention implementation {ATTENTION_NAME!r} is only usable inside dice_fast's engine "
-            "(it needs cu_seq_lens_q and an attention_context)"
-        )
+    if run is None:  # not a packed forward of this thread: the model's own attention, unchanged
+        return _original_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                   **kwargs)
+    run.calls += 1
+    if attention_mask is not None or kwargs.get("position_bias") is not None:
+        run.extra_bias = True
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")
     cu = kwargs.get("cu_seq_lens_q")

@@ -46,10 +46,10 @@ def check_texts(texts, what: str = "documents") -> list[str]:
     return items
 
 
-def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "texts") -> TokenizedDocuments:
+def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "texts", base: int = 0) -> TokenizedDocuments:
     """Batched fast tokenization without special tokens, flattened. texts: n_docs strings.
 
-    A text the tokenizer cannot take raises ValueError naming ``what[index]``.
+    A text the tokenizer cannot take raises ValueError naming ``what[base + index]``.
     """
     arrays = []
     for i in range(0, len(texts), batch_size):
@@ -59,7 +59,7 @@ def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "t
                 batch, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False, verbose=False
             )["input_ids"]
         except (TypeError, ValueError) as exc:
-            _raise_for_unencodable(batch, i, what, exc)
+            _raise_for_unencodable(batch, base + i, what, exc)
             raise
         arrays.extend(np.asarray(seq, dtype=np.int64) for seq in enc)
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
@@ -124,3 +124,64 @@ def plan_chunks(doc_lengths: np.ndarray, chunk_size: int, overlap: int = 0, max_
     start = index_in_doc * stride
     length = np.minimum(chunk_size, lengths[document] - start)
     return ChunkPlan(document, start, length, cu)
+
+
+@dataclass(frozen=True)
+class EncodingPlan:
+    """Everything computed about a set of texts before the model runs: one definition, used by the
+    engine, the baselines, the benchmark and the evaluation.
+
+    tokens: the texts' token ids (no special tokens); chunks: the chunk plan over them;
+    prefix / suffix: (n_prefix,) / (n_suffix,) int64 ids put around every chunk (special tokens and
+    the tokenized document or query prefix); global_positions: positions continue from the chunk's
+    offset in its document (the paper's ablation) instead of restarting.
+    """
+
+    tokens: TokenizedDocuments
+    chunks: ChunkPlan
+    prefix: np.ndarray
+    suffix: np.ndarray
+    global_positions: bool = False
+
+    @property
+    def n_docs(self) -> int:
+        return self.chunks.n_docs
+
+    @property
+    def n_chunks(self) -> int:
+        return self.chunks.n_chunks
+
+    @property
+    def chunk_lengths(self) -> np.ndarray:
+        """(n_chunks,) int64 tokens of every chunk once wrapped: the tokens its vector is pooled over."""
+        return self.chunks.length + (len(self.prefix) + len(self.suffix))
+
+    @property
+    def chunk_weights(self) -> np.ndarray:
+        """(n_chunks,) float32 weight of every chunk for ``weighted_mean`` (its wrapped length)."""
+        return self.chunk_lengths.astype(np.float32)
+
+    @property
+    def document_tokens(self) -> np.ndarray:
+        """(n_docs,) int64 wrapped tokens the model runs per document (0 for a document with none)."""
+        lengths = self.chunk_lengths
+        out = np.zeros(self.n_docs, dtype=np.int64)
+        if self.n_chunks:
+            np.add.at(out, self.chunks.document, lengths)
+        return out
+
+    def chunk_ids(self, c: int) -> np.ndarray:
+        """(wrapped length,) int64 token ids of chunk ``c`` exactly as the model sees it."""
+        d, s, n = int(self.chunks.document[c]), int(self.chunks.start[c]), int(self.chunks.length[c])
+        o = int(self.tokens.offsets[d])
+        return np.concatenate([self.prefix, self.tokens.ids[o + s : o + s + n], self.suffix])
+
+    def documents(self, lo: int, hi: int) -> EncodingPlan:
+        """The plan of documents ``lo:hi`` alone (token ids and chunk indices rebased to 0)."""
+        t_lo, t_hi = int(self.tokens.offsets[lo]), int(self.tokens.offsets[hi])
+        c_lo, c_hi = int(self.chunks.cu_doc_chunks[lo]), int(self.chunks.cu_doc_chunks[hi])
+        tokens = TokenizedDocuments(self.tokens.ids[t_lo:t_hi], self.tokens.offsets[lo : hi + 1] - t_lo)
+        ch = self.chunks
+        chunks = ChunkPlan(ch.document[c_lo:c_hi] - lo, ch.start[c_lo:c_hi], ch.length[c_lo:c_hi],
+                           ch.cu_doc_chunks[lo : hi + 1] - c_lo)
+        return EncodingPlan(tokens, chunks, self.prefix, self.suffix, self.global_positions)

@@ -10,7 +10,7 @@ from .ops.spec import AGGREGATIONS, POOLINGS, check_aggregation, check_pooling
 STRATEGIES = ("dice", "single")
 POSITIONS = ("local", "global")
 ATTENTION_MODES = ("model default", "causal", "bidirectional")
-ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_groups")
+ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_groups", "padded")
 DEFAULT_CHUNK_SIZE = 256
 
 
@@ -33,7 +33,9 @@ class DiceConfig:
     strategy: "dice" or "single" (the single-vector baseline: one window of the first
         ``max_length`` tokens).
     attention: "model default" | "causal" | "bidirectional".
-    attention_backend: "auto" | "flash_attn" | "torch_varlen" | "sdpa_groups".
+    attention_backend: "auto" | "flash_attn" | "torch_varlen" | "sdpa_groups" | "padded" (the exact
+        fallback: dense padded batches with the model's own attention; chosen by "auto" for models
+        whose attention cannot run packed).
     document_prefix / query_prefix: text placed after the special prefix of every chunk / query.
     max_chunks_per_document: keep only the first N chunks of each document (``None``: all).
     max_length: the model window in tokens including specials (``None``: the sentence-transformers
@@ -41,7 +43,7 @@ class DiceConfig:
     max_batch_tokens: token budget of one packed forward (``None``: 4096 on CPU, 65536 on CUDA).
     device, dtype: where and in which precision the model runs (``None``: CUDA if available with
         bfloat16, else CPU with float32).
-    pooling_impl: "auto" | "ref" | "triton" | "native" (see `dice_fast.ops`).
+    pooling_impl: "auto" | "torch" | "triton" | "native" | "reference" (see `dice_fast.ops`).
     """
 
     chunk_size: int | None = None
@@ -95,7 +97,9 @@ class DiceConfig:
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
-        _choice("pooling_impl", self.pooling_impl, ("auto", "ref", "triton", "native"))
+        from .ops import IMPLS
+
+        _choice("pooling_impl", self.pooling_impl, IMPLS)
 
     def replace(self, **changes) -> DiceConfig:
         """A copy with ``changes`` applied (and validated)."""

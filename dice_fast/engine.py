@@ -1,22 +1,22 @@
 """The engine: many documents in, one DICE vector per document out.
 
-    texts --tokenize--> TokenizedDocuments --plan_chunks--> ChunkPlan
-          --pack (token budget)--> PackedBatch: input_ids, position_ids, cu_seqlens, max_seqlen
-          --frozen HF model with dice_fast varlen attention--> hidden (T, H)
-          --pool_chunks--> chunk vectors (fp32) --aggregate_documents--> document vectors
-          --> rows in input order
+    texts --plan (tokenize, chunk)--> EncodingPlan
+          --ChunkQueue (token-budget batches, first in first out)--> PackedBatch
+          --ModelRunner (packed varlen attention, or the exact padded fallback)--> chunk vectors (fp32)
+          --aggregate_documents--> document vectors, rows in input order
 
-Chunk vectors of a group of documents are gathered in one float32 buffer before any document is
-aggregated, so a document whose chunks fall into several packed batches gets exactly the vector it
-would get in one; groups hold whole documents and bound memory on very large inputs.
+Input is read as a stream: windows of whole documents are tokenized in a worker thread while the
+model runs the previous window, and batches run across window boundaries, so memory stays bounded
+by the window, not the corpus. A document's chunks are gathered before it is aggregated, so a
+document whose chunks fall into several packed batches gets exactly the vector it would get in one.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import time
+import threading
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -24,17 +24,23 @@ import numpy as np
 import torch
 
 from . import attention as attn
-from .chunking import ChunkPlan, TokenizedDocuments, check_texts, plan_chunks, tokenize
+from .chunking import EncodingPlan, check_texts, plan_chunks, tokenize
 from .config import DEFAULT_CHUNK_SIZE, DiceConfig
 from .models import ModelSpec, inspect_model, load_model
-from .ops import aggregate_documents, pool_chunks, resolve_impl
-from .packing import PackedBatch, batch_ranges, pack, wrapped_lengths
+from .ops import resolve_impl
+from .packing import PackedBatch
+from .progress import ProgressBar
+from .runner import ModelRunner
+from .scheduler import ChunkQueue
+from .streaming import Prefetch, as_iterator, windows
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # CPU: activations of a 4k-token batch stay in cache; MiniLM, 40 mixed documents on the 2-core EPYC:
 # fp32 6.5 s at 4096 vs 7.4 s at 16384 tokens (padded baseline 7.5 s); bf16 3.9 vs 4.5 s.
 _DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
-_GROUP_BATCHES = 64  # documents are aggregated every ~64 batches' worth of tokens
+_WINDOW_BATCHES = 16  # a streaming window holds about 16 batches' worth of text
+_CHARS_PER_TOKEN = 4  # to size windows before tokenizing (a window is cut by characters and documents)
+_WINDOW_DOCUMENTS = 8192
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,15 @@ class DiceOutput:
 class DiceEncoder:
     """Packed, exact DICE encoder around a frozen Hugging Face model.
 
-    ``DiceEncoder(model, tokenizer, **options)`` wraps a loaded model (kept on its device and in its
-    dtype unless ``device``/``dtype`` say otherwise); `from_pretrained` loads one. Options are the
-    fields of `DiceConfig` (see README.md); ``config=`` may pass a whole `DiceConfig` instead.
+    ``DiceEncoder(model, tokenizer, **options)`` wraps a loaded model; `from_pretrained` loads one.
+    Options are the fields of `DiceConfig` (see README.md); ``config=`` may pass a whole `DiceConfig`.
+
+    Construction puts the caller's model in eval mode without gradients, moves it to ``device`` /
+    ``dtype`` when they are given, and points its config's attention implementation at dice_fast's
+    function, which computes exactly the original attention outside dice_fast's own forwards (or,
+    for a model that cannot run packed, leaves the config as it was). After that nothing is changed
+    per call: any number of threads may encode with one encoder at once, each getting the vectors
+    of a call made alone.
     """
 
     def __init__(self, model, tokenizer, config: DiceConfig | None = None, *, model_path: str | None = None, **options):
@@ -83,9 +95,8 @@ class DiceEncoder:
         self.model, self.tokenizer = model, tokenizer
         self.spec: ModelSpec = inspect_model(model, tokenizer, model_path)
         self.device, self.dtype = device, dtype
-        self.backend = attn.choose_backend(cfg.attention_backend, device, dtype)
         self.pooling_impl = resolve_impl(cfg.pooling_impl, device)
-        attn.register()
+        self._tokenizer_lock = threading.Lock()  # a fast tokenizer is not safe to call from two threads
 
         window = cfg.max_length if cfg.max_length is not None else self.spec.window
         if window > self.spec.position_limit:
@@ -97,7 +108,11 @@ class DiceEncoder:
         if window - doc_overhead < 1:
             raise ValueError(f"the model window of {window} tokens leaves no room for text beside {doc_overhead} special/prefix tokens")
         if cfg.chunk_size is None:
-            cfg = cfg.replace(chunk_size=max(min(DEFAULT_CHUNK_SIZE, window - doc_overhead), cfg.overlap + 1))
+            size = min(DEFAULT_CHUNK_SIZE, window - doc_overhead)
+            if cfg.overlap >= size:
+                raise ValueError(f"overlap ({cfg.overlap}) must be smaller than the default chunk_size ({size}) of "
+                                 "this model; allowed: 0 <= overlap < chunk_size")
+            cfg = cfg.replace(chunk_size=size)
         if cfg.chunk_size + doc_overhead > self.spec.position_limit:
             raise ValueError(
                 f"chunk_size {cfg.chunk_size} plus {doc_overhead} special/prefix tokens is "
@@ -110,6 +125,10 @@ class DiceEncoder:
         self.normalize_chunks = self.spec.normalizes if cfg.normalize_chunks is None else cfg.normalize_chunks
         self.max_batch_tokens = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS.get(device.type, 16384)
         self.causal = {"model default": None, "causal": True, "bidirectional": False}[cfg.attention]
+        self.runner = ModelRunner(
+            model, self.spec, attn.choose_backend(cfg.attention_backend, device, dtype), self.causal, self.pooling,
+            self.pooling_impl, self.max_batch_tokens, tokenizer.pad_token_id,
+        )
 
     @classmethod
     def from_pretrained(cls, path=None, *, trust_remote_code: bool = False, **options) -> DiceEncoder:
@@ -137,9 +156,9 @@ class DiceEncoder:
         return self.spec.hidden_size
 
     @property
-    def chunk_wrapping(self) -> tuple[np.ndarray, np.ndarray]:
-        """(prefix ids, suffix ids) int64 put around every chunk: special prefix + document prefix, special suffix."""
-        return self._doc_prefix
+    def backend(self) -> str:
+        """The attention that runs: "flash_attn", "torch_varlen", "sdpa_groups" (packed) or "padded"."""
+        return self.runner.backend
 
     @property
     def chunk_overhead(self) -> int:
@@ -148,35 +167,54 @@ class DiceEncoder:
 
     def __repr__(self) -> str:
         c = self.config
+        backend = self.backend
+        if self.runner.fallback_reason:
+            backend += f" (model's own attention: {self.runner.fallback_reason})"
+        elif self.runner.packed_limit is not None:
+            backend += f" (padded for chunks over the {self.runner.packed_limit}-token sliding window)"
         return (
             f"DiceEncoder(model={self.spec.name!r}, device={self.device}, dtype={str(self.dtype).replace('torch.', '')}, "
-            f"attention={self.backend}{'' if self.causal is None else ('/causal' if self.causal else '/bidirectional')}, "
+            f"attention={backend}{'' if self.causal is None else ('/causal' if self.causal else '/bidirectional')}, "
             f"pooling_impl={self.pooling_impl}, strategy={c.strategy}, chunk_size={c.chunk_size}, overlap={c.overlap}, "
             f"positions={c.positions}, pooling={self.pooling}, aggregation={c.aggregation}, window={self.window}, "
             f"max_batch_tokens={self.max_batch_tokens})"
         )
 
     # ----------------------------------------------------------------------------------------
+    def plan(self, texts: Iterable[str], kind: str = "documents") -> EncodingPlan:
+        """Tokenize ``texts`` (n strings) and plan their chunks exactly as the engine will encode them.
+
+        kind: "documents" (chunked by the encoder's options; ``strategy="single"`` keeps one window
+        of each document) or "queries" (one window each, never chunked; a query longer than the
+        window is cut to it with a warning naming it).
+        """
+        return self._plan(check_texts(texts, _check_kind(kind)), kind)
+
     def encode_documents(self, texts: Iterable[str], return_chunks: bool = False, show_progress: bool = False,
                          progress: Callable[[int, int], None] | None = None):
-        """Encode documents. texts: n_docs strings.
+        """Encode documents. texts: any iterable of n_docs strings (a list, a generator, a file reader).
 
-        Returns (n_docs, dim) float32 (row i is texts[i]), or a `DiceOutput` when ``return_chunks``.
-        ``show_progress`` draws a bar (documents, tokens, tokens/s); ``progress(documents, tokens)``
+        Returns (n_docs, dim) float32 (row i is text i), or a `DiceOutput` when ``return_chunks``.
+        ``show_progress`` draws a bar (tokens, documents, tokens/s); ``progress(documents, tokens)``
         is instead called with the documents finished and tokens encoded since its last call.
         """
-        texts = check_texts(texts, "documents")
-        c = self.config
-        if c.strategy == "single":
-            size, cap = self.window - self._overhead(self._doc_prefix), 1
-        else:
-            size, cap = c.chunk_size, c.max_chunks_per_document
-        with _progress(show_progress, progress, len(texts)) as report:
-            return self._encode(
-                texts, self._doc_prefix, size, c.overlap if c.strategy == "dice" else 0, cap,
-                aggregation=c.aggregation, global_positions=c.positions == "global" and c.strategy == "dice",
-                return_chunks=return_chunks, progress=report, what="documents",
-            )
+        blocks = list(self.stream_documents(texts, return_chunks, show_progress, progress))
+        return _concat(blocks, self.dim, return_chunks)
+
+    def stream_documents(self, texts: Iterable[str], return_chunks: bool = False, show_progress: bool = False,
+                         progress: Callable[[int, int], None] | None = None) -> Iterator:
+        """Encode documents as a stream, with memory bounded by a window of documents, not the corpus.
+
+        texts: any iterable of strings, read ahead only as far as the next window. Yields, in input
+        order, one (n_window, dim) float32 block per window (or a `DiceOutput` of the window when
+        ``return_chunks``; its ``chunk_document`` counts from the window's first document).
+        Tokenization of the next window overlaps the model's work on the current one.
+        """
+        texts = as_iterator(texts, "documents")
+        size = self.max_batch_tokens * _WINDOW_BATCHES * _CHARS_PER_TOKEN
+        plans = (self._plan(w, "documents", base) for w, base in windows(texts, size, _WINDOW_DOCUMENTS))
+        with _progress(show_progress, progress, None) as report:
+            yield from self._run(plans, self.config.aggregation, return_chunks, report)
 
     def encode_queries(self, texts: Iterable[str], show_progress: bool = False,
                        progress: Callable[[int, int], None] | None = None) -> np.ndarray:
@@ -184,15 +222,65 @@ class DiceEncoder:
 
         A query longer than the model window is cut to it, with a warning naming it.
         """
-        texts = check_texts(texts, "queries")
-        size = self.window - self._overhead(self._query_prefix)
-        with _progress(show_progress, progress, len(texts)) as report:
-            return self._encode(
-                texts, self._query_prefix, size, 0, 1, aggregation="mean", global_positions=False,
-                return_chunks=False, progress=report, what="queries", warn_truncated=True,
-            )
+        plan = self.plan(texts, "queries")
+        with _progress(show_progress, progress, int(plan.chunk_lengths.sum())) as report:
+            return _concat(list(self._run(iter([plan]), "mean", False, report)), self.dim, False)
+
+    def run_batch(self, batch: PackedBatch) -> torch.Tensor:
+        """Chunk vectors (n_chunks, dim) float32, in packing order, of one packed batch (see `ChunkQueue`)."""
+        return self.runner.run(batch)
 
     # ----------------------------------------------------------------------------------------
+    def _plan(self, texts: list[str], kind: str, base: int = 0) -> EncodingPlan:
+        c = self.config
+        if kind == "queries":
+            wrap, size, overlap, cap, global_positions = self._query_prefix, None, 0, 1, False
+        elif c.strategy == "single":
+            wrap, size, overlap, cap, global_positions = self._doc_prefix, None, 0, 1, False
+        else:
+            wrap, size, overlap = self._doc_prefix, c.chunk_size, c.overlap
+            cap, global_positions = c.max_chunks_per_document, c.positions == "global"
+        if size is None:
+            size = self.window - self._overhead(wrap)
+        with self._tokenizer_lock:
+            tokens = tokenize(self.tokenizer, texts, what=kind, base=base)
+        plan = EncodingPlan(tokens, plan_chunks(tokens.lengths, size, overlap, cap), wrap[0], wrap[1], global_positions)
+        if kind == "queries":
+            _warn_truncated(tokens.lengths, size, self.window, kind)
+        if global_positions:
+            self._check_global_positions(plan, base)
+        return plan
+
+    def _run(self, plans: Iterator[EncodingPlan], aggregation: str, return_chunks: bool, progress) -> Iterator:
+        """Encode ``plans`` through one `ChunkQueue`, keeping the next plan queued (and the one after
+        being prepared in a worker thread) so batches run across plan boundaries; yield each plan's
+        result in order."""
+        queue = ChunkQueue(self)
+        jobs: deque = deque()
+        with Prefetch(plans) as ahead:
+            def top_up():
+                while len(jobs) < 2:
+                    plan = ahead.next()
+                    if plan is None:
+                        return
+                    jobs.append(queue.submit(plan, aggregation, keep_chunks=return_chunks))
+
+            top_up()
+            while jobs:
+                batch = None if jobs[0].done else queue.next_batch()
+                if batch is None and not jobs[0].done:  # pragma: no cover - a scheduler bug, never silent
+                    raise RuntimeError("dice_fast: a queued plan has no chunks left to run but is not done")
+                if batch is not None:
+                    queue.complete(batch, self.run_batch(batch.packed))
+                    if progress is not None:
+                        progress(sum(queue.documents_pooled(j) for j in batch.jobs), batch.packed.n_tokens)
+                while jobs and jobs[0].done:
+                    job = jobs.popleft()
+                    if progress is not None and job.plan.n_chunks == 0:
+                        progress(0, 0)
+                    yield _output(job) if return_chunks else job.documents
+                    top_up()
+
     def _wrap_ids(self, text_prefix: str) -> tuple[np.ndarray, np.ndarray]:
         ids = self.tokenizer(text_prefix, add_special_tokens=False)["input_ids"] if text_prefix else []
         prefix = np.asarray(list(self.spec.special_prefix) + list(ids), dtype=np.int64)
@@ -202,103 +290,11 @@ class DiceEncoder:
     def _overhead(wrap) -> int:
         return len(wrap[0]) + len(wrap[1])
 
-    def _encode(self, texts, wrap, chunk_size, overlap, max_chunks, *, aggregation, global_positions,
-                return_chunks, progress, what, warn_truncated=False):
-        docs = tokenize(self.tokenizer, texts, what=what)
-        plan = plan_chunks(docs.lengths, chunk_size, overlap, max_chunks)
-        if warn_truncated:
-            _warn_truncated(docs.lengths, chunk_size, self.window, what)
-        if global_positions:
-            self._check_global_positions(plan, wrap)
-        lengths = wrapped_lengths(plan, len(wrap[0]), len(wrap[1]))
-        doc_parts, chunk_parts = [], []
-        with _attention_swapped(self.model):
-            for d_lo, d_hi in _document_groups(plan, lengths, self.max_batch_tokens * _GROUP_BATCHES):
-                d, ch = self._encode_group(docs, plan, lengths, wrap, d_lo, d_hi, aggregation,
-                                           global_positions, progress)
-                doc_parts.append(d)
-                if return_chunks:
-                    chunk_parts.append(ch)
-        dim = self.dim
-        documents = np.concatenate(doc_parts) if doc_parts else np.zeros((0, dim), np.float32)
-        if not return_chunks:
-            return documents
-        chunks = np.concatenate(chunk_parts) if chunk_parts else np.zeros((0, dim), np.float32)
-        return DiceOutput(
-            documents=documents,
-            chunks=chunks,
-            chunk_document=plan.document.copy(),
-            chunk_start=plan.start.copy(),
-            chunk_end=plan.start + plan.length,
-            document_tokens=docs.lengths.copy(),
-        )
-
-    def _encode_group(self, docs, plan, lengths, wrap, d_lo, d_hi, aggregation, global_positions, progress):
-        c_lo, c_hi = int(plan.cu_doc_chunks[d_lo]), int(plan.cu_doc_chunks[d_hi])
-        chunk_vecs = torch.zeros((c_hi - c_lo, self.dim), dtype=torch.float32, device=self.device)
-        batches = [ids + c_lo for ids in batch_ranges(lengths[c_lo:c_hi], self.max_batch_tokens)]
-        docs_reported = d_lo
-        for batch, tensors in _prefetch(batches, lambda ids: self._prepare(docs, plan, ids, wrap, global_positions),
-                                        threaded=self.device.type == "cuda"):
-            pooled = self._forward_pool(batch, tensors)
-            chunk_vecs.index_copy_(0, tensors["chunk_index"] - c_lo, pooled)
-            if progress is not None:
-                done = int(np.searchsorted(plan.cu_doc_chunks, int(batch.chunk_ids.max()) + 1, side="right")) - 1
-                progress(done - docs_reported, batch.n_tokens)
-                docs_reported = done
-        if progress is not None and d_hi > docs_reported:  # documents with no tokens to run
-            progress(d_hi - docs_reported, 0)
-        cu_docs = torch.from_numpy(plan.cu_doc_chunks[d_lo : d_hi + 1] - c_lo).to(self.device)
-        weights = torch.from_numpy(lengths[c_lo:c_hi].astype(np.float32)).to(self.device)
-        c = self.config
-        documents = aggregate_documents(
-            chunk_vecs, cu_docs, weights, aggregation, c.top_k, c.temperature,
-            self.normalize_chunks, c.normalize, impl=self.pooling_impl,
-        )
-        chunks_out = chunk_vecs
-        if self.normalize_chunks:
-            chunks_out = torch.nn.functional.normalize(chunk_vecs, dim=1, eps=1e-12)
-        return documents.cpu().numpy(), chunks_out.cpu().numpy()
-
-    def _prepare(self, docs, plan, chunk_ids, wrap, global_positions):
-        """Pack one batch and move it to the device (runs in a background thread on CUDA)."""
-        batch = pack(docs, plan, chunk_ids, wrap[0], wrap[1], self.spec.first_position, global_positions)
-        pin = self.device.type == "cuda"
-
-        def dev(a: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(a)
-            if pin:
-                t = t.pin_memory()
-            return t.to(self.device, non_blocking=True)
-
-        tensors = {
-            "input_ids": dev(batch.input_ids),
-            "position_ids": dev(batch.position_ids),
-            "cu_seqlens": dev(batch.cu_seqlens),
-            "chunk_index": dev(batch.chunk_ids),
-        }
-        return batch, tensors
-
-    def _forward_pool(self, batch: PackedBatch, t: dict) -> torch.Tensor:
-        """One packed forward; returns (n_chunks_in_batch, dim) float32 chunk vectors in packing order."""
-        with torch.inference_mode(), attn.attention_context(self.backend, self.causal, batch.lengths, batch.cu_seqlens):
-            out = self.model(
-                input_ids=t["input_ids"].unsqueeze(0),
-                position_ids=t["position_ids"].unsqueeze(0),
-                cu_seq_lens_q=t["cu_seqlens"],
-                cu_seq_lens_k=t["cu_seqlens"],
-                max_length_q=batch.max_seqlen,
-                max_length_k=batch.max_seqlen,
-                use_cache=False,
-            )
-            hidden = out.last_hidden_state[0]
-            return pool_chunks(hidden, t["cu_seqlens"], self.pooling, impl=self.pooling_impl)
-
-    def _check_global_positions(self, plan: ChunkPlan, wrap) -> None:
-        last = plan.start + plan.length + self._overhead(wrap)  # positions used, per chunk
+    def _check_global_positions(self, plan: EncodingPlan, base: int = 0) -> None:
+        last = plan.chunks.start + plan.chunk_lengths  # positions used, per chunk
         bad = np.flatnonzero(last > self.spec.position_limit)
         if len(bad):
-            d = int(plan.document[bad[0]])
+            d = int(plan.chunks.document[bad[0]]) + base
             raise ValueError(
                 f"positions='global' needs {int(last[bad[0]])} positions for document {d}, but the model has "
                 f"{self.spec.position_limit}; use positions='local' or max_chunks_per_document"
@@ -312,46 +308,39 @@ def _check_option_names(options: dict) -> None:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(DiceConfig.field_names())}")
 
 
-class _attention_swapped:
-    """Route the model's attention through dice_fast's varlen function for the duration of a call."""
-
-    def __init__(self, model):
-        self.config = model.config
-
-    def __enter__(self):
-        self.saved = self.config._attn_implementation
-        self.config._attn_implementation = attn.ATTENTION_NAME
-
-    def __exit__(self, *exc):
-        self.config._attn_implementation = self.saved
+def _check_kind(kind: str) -> str:
+    if kind not in ("documents", "queries"):
+        raise ValueError(f"unknown kind {kind!r}; allowed: 'documents', 'queries'")
+    return kind
 
 
-def _document_groups(plan: ChunkPlan, lengths: np.ndarray, group_tokens: int) -> Iterator[tuple[int, int]]:
-    """Consecutive ranges of whole documents of about ``group_tokens`` wrapped tokens each."""
-    if plan.n_docs == 0:
-        return
-    doc_tokens = np.add.reduceat(lengths, plan.cu_doc_chunks[:-1]) if plan.n_chunks else np.zeros(plan.n_docs)
-    cum = np.cumsum(doc_tokens)
-    lo, base = 0, 0
-    while lo < plan.n_docs:
-        hi = max(int(np.searchsorted(cum, base + group_tokens, side="right")), lo + 1)
-        yield lo, hi
-        base = int(cum[hi - 1])
-        lo = hi
+def _output(job) -> DiceOutput:
+    p = job.plan
+    return DiceOutput(
+        documents=job.documents,
+        chunks=job.chunks,
+        chunk_document=p.chunks.document.copy(),
+        chunk_start=p.chunks.start.copy(),
+        chunk_end=p.chunks.start + p.chunks.length,
+        document_tokens=p.tokens.lengths.copy(),
+    )
 
 
-def _prefetch(items: list, prepare, threaded: bool):
-    """Yield ``prepare(item)`` for each item; when ``threaded``, item i+1 is prepared while i is used."""
-    if not threaded:
-        for item in items:
-            yield prepare(item)
-        return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        future = pool.submit(prepare, items[0]) if items else None
-        for i in range(len(items)):
-            result = future.result()
-            future = pool.submit(prepare, items[i + 1]) if i + 1 < len(items) else None
-            yield result
+def _concat(blocks: list, dim: int, return_chunks: bool):
+    """One result from per-window results (`DiceOutput` chunk_document made global)."""
+    if not return_chunks:
+        return np.concatenate(blocks) if blocks else np.zeros((0, dim), np.float32)
+    if len(blocks) == 1:
+        return blocks[0]
+    base = np.cumsum([0] + [len(b.documents) for b in blocks[:-1]])
+    return DiceOutput(
+        documents=np.concatenate([b.documents for b in blocks]),
+        chunks=np.concatenate([b.chunks for b in blocks]),
+        chunk_document=np.concatenate([b.chunk_document + o for b, o in zip(blocks, base)]),
+        chunk_start=np.concatenate([b.chunk_start for b in blocks]),
+        chunk_end=np.concatenate([b.chunk_end for b in blocks]),
+        document_tokens=np.concatenate([b.document_tokens for b in blocks]),
+    )
 
 
 def _warn_truncated(doc_lengths: np.ndarray, capacity: int, window: int, what: str) -> None:
@@ -361,39 +350,17 @@ def _warn_truncated(doc_lengths: np.ndarray, capacity: int, window: int, what: s
         warnings.warn(
             f"{len(over)} {what} longer than the model window ({window} tokens with special tokens) "
             f"were cut to their first {capacity} tokens: {first}{' ...' if len(over) > 3 else ''}",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
-class ProgressBar:
-    """A tqdm bar over documents that also shows tokens and tokens/s; call it with increments.
-
-    ``tokens`` counts the tokens reported so far, also when the bar is hidden (``show=False``).
-    """
-
-    def __init__(self, n_docs: int, desc: str | None = None, show: bool = True):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=n_docs, unit="doc", dynamic_ncols=True, desc=desc, disable=not show)
-        self.tokens, self.t0 = 0, time.perf_counter()
-
-    def __call__(self, docs: int, tokens: int) -> None:
-        self.tokens += tokens
-        rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.set_postfix_str(f"{self.tokens:,} tokens, {rate:,.0f} tok/s", refresh=False)
-        self.bar.update(docs)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 @contextlib.contextmanager
-def _progress(show: bool, callback, n_docs: int):
+def _progress(show: bool, callback, total_tokens):
     """The caller's callback, else a bar of our own (closed on exit) when asked for, else None."""
-    if callback is not None or not (show and n_docs):
+    if callback is not None or not show:
         yield callback
         return
-    bar = ProgressBar(n_docs)
+    bar = ProgressBar(total_tokens)
     try:
         yield bar
     finally:

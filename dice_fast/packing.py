@@ -73,7 +73,8 @@ def pack(
 ) -> PackedBatch:
     """Pack the plan chunks ``chunk_ids`` (n,) into one varlen batch.
 
-    prefix, suffix: int64 token ids put around every chunk's content.
+    prefix, suffix: int64 token ids put around every chunk's content. The work is proportional to
+    the batch's tokens: only the batch's own token ids are read, never the whole corpus.
     """
     n_pre, n_suf = len(prefix), len(suffix)
     content = plan.length[chunk_ids]
@@ -87,27 +88,48 @@ def pack(
     # r: position of every token inside its wrapped chunk
     r = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], lengths)
     content_rep = np.repeat(content, lengths)
-    # gather from [document tokens | prefix | suffix] with one index array
-    source = np.concatenate([docs.ids, prefix.astype(np.int64), suffix.astype(np.int64)])
-    n_ids = len(docs.ids)
-    starts = docs.offsets[plan.document[chunk_ids]] + plan.start[chunk_ids]
-    index = np.where(
-        r < n_pre,
-        n_ids + r,
-        np.where(
-            r < n_pre + content_rep,
-            np.repeat(starts, lengths) + (r - n_pre),
-            n_ids + n_pre + (r - n_pre - content_rep),
-        ),
-    )
+    input_ids = np.empty(total, dtype=np.int64)
+    is_pre = r < n_pre
+    is_text = ~is_pre & (r < n_pre + content_rep)
+    is_suf = ~(is_pre | is_text)
+    starts = np.repeat(docs.offsets[plan.document[chunk_ids]] + plan.start[chunk_ids], lengths)
+    input_ids[is_text] = docs.ids[starts[is_text] + (r[is_text] - n_pre)]
+    input_ids[is_pre] = np.asarray(prefix, np.int64)[r[is_pre]]
+    input_ids[is_suf] = np.asarray(suffix, np.int64)[(r - n_pre - content_rep)[is_suf]]
     position_ids = r + first_position
     if global_positions:
         position_ids += np.repeat(plan.start[chunk_ids], lengths)
     return PackedBatch(
-        input_ids=source[index],
+        input_ids=input_ids,
         position_ids=position_ids,
         cu_seqlens=cu.astype(np.int32),
         max_seqlen=int(lengths.max()) if len(lengths) else 0,
         chunk_ids=chunk_ids,
         lengths=lengths,
     )
+
+
+def merge(parts: list[PackedBatch]) -> tuple[PackedBatch, np.ndarray]:
+    """One batch of the chunks of several packed ``parts`` (e.g. of different requests), again
+    ordered by decreasing length. Returns the batch and ``part`` (n,) int64: which part each of its
+    chunks came from (its ``chunk_ids`` stay the indices within that part's plan)."""
+    if len(parts) == 1:
+        return parts[0], np.zeros(len(parts[0].lengths), dtype=np.int64)
+    lengths = np.concatenate([p.lengths for p in parts])
+    part = np.repeat(np.arange(len(parts), dtype=np.int64), [len(p.lengths) for p in parts])
+    starts = np.concatenate([p.cu_seqlens[:-1].astype(np.int64) + off for p, off in
+                             zip(parts, np.cumsum([0] + [p.n_tokens for p in parts[:-1]]))])
+    order = np.argsort(-lengths, kind="stable")
+    lengths, part, starts = lengths[order], part[order], starts[order]
+    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    gather = np.repeat(starts - cu[:-1], lengths) + np.arange(int(cu[-1]), dtype=np.int64)
+    batch = PackedBatch(
+        input_ids=np.concatenate([p.input_ids for p in parts])[gather],
+        position_ids=np.concatenate([p.position_ids for p in parts])[gather],
+        cu_seqlens=cu.astype(np.int32),
+        max_seqlen=int(lengths.max()) if len(lengths) else 0,
+        chunk_ids=np.concatenate([p.chunk_ids for p in parts])[order],
+        lengths=lengths,
+    )
+    return batch, part

@@ -2,6 +2,10 @@
 
 Triton kernels run on the CPU through the interpreter; TRITON_INTERPRET must be set before triton is
 first imported, so it is set here, at collection time, whenever no GPU is present.
+
+Markers: ``gpu`` tests are skipped without a CUDA device; ``slow`` tests (long load and scale runs)
+are skipped unless ``DICE_FAST_SLOW=1`` is set or ``-m slow`` selects them, so the default run
+(README's test command, CI) stays lean; every slow test has a bounded variant in the default run.
 """
 
 import os
@@ -21,9 +25,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
+    run_slow = os.environ.get("DICE_FAST_SLOW") == "1" or "slow" in (config.getoption("-m") or "")
+    skip_slow = None if run_slow else pytest.mark.skip(reason="slow: set DICE_FAST_SLOW=1 to run")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if skip_gpu is not None and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        if skip_slow is not None and "slow" in item.keywords:
+            item.add_marker(skip_slow)

@@ -8,6 +8,10 @@ each chunk as a standalone input, positions restarting per chunk (or the chunk's
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
+
 import numpy as np
 import torch
 
@@ -22,19 +26,38 @@ def chunk_token_lists(ids, k, o, max_chunks=None):
     return chunks[:max_chunks] if max_chunks else chunks
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_copies():
+    return {}
+
+
+def plain_model(model):
+    """A private copy of ``model`` with the attention implementation it was created with, so the
+    oracle never runs through anything dice_fast registered on the shared model."""
+    copies = _plain_copies()
+    if id(model) not in copies:
+        twin = copy.deepcopy(model)
+        original = getattr(model.config, "_dice_fast_original_attn", None) or model.config._attn_implementation
+        twin.config._attn_implementation = original
+        copies[id(model)] = (model, twin)  # keep the original alive so its id is not reused
+    return copies[id(model)][1]
+
+
 def encode_chunk(model, ids, positions, pooling, attention):
     if not ids:
         return None
+    model = plain_model(model)
     x = torch.tensor([ids])
-    pos = torch.tensor([positions])
     kw = {}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        kw["position_ids"] = torch.tensor([positions])
     n = len(ids)
     if attention == "bidirectional":
         kw["attention_mask"] = torch.ones(1, 1, n, n, dtype=torch.bool)
     elif attention == "causal":
         kw["attention_mask"] = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
     with torch.no_grad():
-        h = model(input_ids=x, position_ids=pos, **kw).last_hidden_state[0].double()
+        h = model(input_ids=x, **kw).last_hidden_state[0].double()
     return {"mean": h.mean(0), "cls": h[0], "last": h[-1]}[pooling]
 
 

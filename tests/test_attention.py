@@ -73,7 +73,12 @@ def test_sdpa_groups_matches_per_chunk_attention(causal):
     assert_close(low, _per_chunk(q, k, v, cu, causal, 0.25), 3e-2, what="sdpa_groups bf16")
 
 
-def test_attention_outside_the_engine_is_a_clear_error():
-    q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(RuntimeError, match="only usable inside dice_fast's engine"):
-        attn.dice_varlen_attention(torch.nn.Module(), q, q, q, None)
+def test_attention_outside_a_packed_forward_is_the_models_own():
+    """Called with no packed context (the caller using its model, another thread), the registered
+    function is the original implementation: here SDPA with the caller's mask."""
+    q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+    mask[1, :, :, 3:] = False
+    got, _ = attn.dice_varlen_attention(torch.nn.Module(), q, k, v, mask, scaling=0.3)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3).transpose(1, 2)
+    assert_close(got, want, 1e-6, what="deferred attention")

@@ -10,61 +10,22 @@ import torch
 
 from dice_fast import DiceEncoder
 from helpers import assert_close
-from reference import reference_encode
-from tiny_models import ARCHS, WORDS, tiny
+from oracle import CPU_POOLING_IMPLS, K, check, corpus, text_of
+from tiny_models import ARCHS, tiny
 
-ATOL = 1e-5  # float32 on CPU, against float64 aggregation of float32 per-chunk forwards
-K = 8
-def text_of(n_tokens: int, rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n_tokens))
-
-
-def corpus(seed: int = 0, longest: int = 30 * K) -> list[str]:
-    rng = random.Random(seed)
-    lengths = [0, 1, K, K + 1, 2 * K, 3 * K - 1, longest] + [rng.randint(0, 5 * K) for _ in range(5)]
-    rng.shuffle(lengths)
-    return [text_of(n, rng) for n in lengths]
-
-
-def default_pooling(arch: str) -> str:
-    return "last" if arch in ("mistral", "qwen3") else "mean"
-
-
-def check(arch, texts=None, **options):
-    model, tok, prefix, suffix, first = tiny(arch)
-    options.setdefault("chunk_size", K)
-    options.setdefault("pooling", default_pooling(arch))
-    options.setdefault("max_batch_tokens", 40)  # tiny: most documents span several batches
-    texts = corpus() if texts is None else texts
-    enc = DiceEncoder(model, tok, pooling_impl="ref", **options)
-    got = enc.encode_documents(texts, return_chunks=True)
-    strategy = options.pop("strategy", "dice")
-    ref_opts = dict(
-        prefix=prefix, suffix=suffix, first_position=first, chunk_size=options["chunk_size"],
-        overlap=options.get("overlap", 0), pooling=options["pooling"], aggregation=options.get("aggregation", "mean"),
-        top_k=options.get("top_k", 2), temperature=options.get("temperature", 1.0),
-        positions=options.get("positions", "local"), normalize_chunks=bool(options.get("normalize_chunks")),
-        normalize=options.get("normalize", True), max_chunks=options.get("max_chunks_per_document"),
-        text_prefix=options.get("document_prefix", ""), attention=options.get("attention", "model default"),
-    )
-    if strategy == "single":
-        window = options["max_length"]
-        ref_opts.update(chunk_size=window - len(prefix) - len(suffix), max_chunks=1, overlap=0)
-    want, want_chunks = reference_encode(model, tok, texts, **ref_opts)
-    # guard: the corpus really has the intended token counts (a tokenizer that merged words would
-    # make every document one token and this test trivially true)
-    assert got.document_tokens.tolist() == [len(t.split()) for t in texts]
-    assert got.documents.shape == (len(texts), model.config.hidden_size)
-    assert got.documents.dtype == np.float32
-    assert_close(got.documents, want, ATOL, what=f"{arch} documents")
-    assert_close(got.chunks, np.concatenate(want_chunks), ATOL, what=f"{arch} chunks")
-    assert list(np.bincount(got.chunk_document, minlength=len(texts))) == [len(c) for c in want_chunks]
-    return enc, got
-
-
+@pytest.mark.parametrize("impl", CPU_POOLING_IMPLS)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_every_architecture_matches_per_chunk_reference(arch):
-    check(arch)
+def test_every_architecture_matches_per_chunk_reference(arch, impl):
+    check(arch, pooling_impl=impl)
+
+
+@pytest.mark.parametrize("arch,kind", [("llama", "bpe"), ("qwen2", "bpe"), ("xlm-roberta", "unigram"),
+                                       ("bert", "unigram")])
+@pytest.mark.parametrize("prefix", ["", "passage: "])
+def test_subword_tokenizers_match_reference(arch, kind, prefix):
+    """Byte-level BPE and SentencePiece-style Unigram: words split into several tokens, chunks cut
+    inside words, and a document prefix tokenized on its own, exactly as the oracle does."""
+    check(arch, tokenizer=kind, document_prefix=prefix, pooling="mean")
 
 
 @pytest.mark.parametrize("arch", ["bert", "roberta", "qwen2", "mistral"])

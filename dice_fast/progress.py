@@ -1,0 +1,34 @@
+"""A progress bar that counts tokens (its ETA is in tokens) and shows documents beside them; shared
+by the engine and every command."""
+
+from __future__ import annotations
+
+import time
+
+
+class ProgressBar:
+    """A tqdm bar over tokens that also shows documents and tokens/s; call it with increments.
+
+    total_tokens: the tokens to run, when known (then the bar has an ETA). ``tokens`` and
+    ``documents`` count what was reported so far, also when the bar is hidden (``show=False``).
+    """
+
+    def __init__(self, total_tokens: int | None = None, desc: str | None = None, show: bool = True):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, dynamic_ncols=True, desc=desc,
+                        disable=not show)
+        self.tokens, self.documents, self.t0 = 0, 0, time.perf_counter()
+
+    def __call__(self, documents: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.documents += documents
+        self.bar.set_postfix_str(f"{self.documents:,} docs", refresh=False)
+        self.bar.update(tokens)
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def close(self) -> None:
+        self.bar.close()

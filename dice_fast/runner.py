@@ -1,0 +1,187 @@
+"""Running packed batches through the frozen model: the packed path where it is exact, else a padded one.
+
+`ModelRunner.run(batch)` takes a `PackedBatch` and returns its chunk vectors. Two paths, both exact:
+
+* **packed**: one forward over the flat sequence with dice_fast's varlen attention (block-diagonal:
+  a chunk sees only itself); used for every model whose attention goes through transformers'
+  ``AttentionInterface`` and adds nothing of its own (no relative-position bias or custom mask);
+* **padded** (the fallback): the batch's chunks, already sorted by length, padded into dense
+  sub-batches of at most ``max_batch_tokens`` padded tokens and run with the model's own attention
+  and mask. Used for models that bypass the interface (MPNet, DeBERTa-v2, T5 encoders: relative
+  position biases) and for chunks longer than a sliding attention window (ModernBERT's local layers).
+
+Which path a model takes is found at construction by a probe: two short chunks are run packed and
+each alone, and the packed path is kept only if the attention function saw every layer without a
+bias of its own and the hidden states agree. Nothing here mutates the model after construction.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+from . import attention as attn
+from .ops import pool_chunks
+from .packing import PackedBatch, pack
+from .chunking import ChunkPlan, TokenizedDocuments
+
+PADDED = "padded"
+# relative error of the probe's packed hidden states against per-chunk forwards; chunks attending to
+# each other differ by > 0.1 on every model tried, rounding by < 1e-6 (fp32) / 1e-2 (bf16)
+_PROBE_TOLERANCE = {torch.float32: 1e-4}
+_PROBE_TOLERANCE_HALF = 3e-2
+
+
+def sliding_window(config) -> int | None:
+    """Longest chunk (tokens) that a sliding attention window of ``config`` leaves unaffected, or None.
+
+    ``config.sliding_window`` is the causal window of Mistral-style models and half the local window of
+    ModernBERT; a chunk no longer than it sees the same tokens with or without the window.
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and not any("sliding" in str(t) for t in types):
+        return None
+    return int(window)
+
+
+class ModelRunner:
+    """Runs packed batches of one frozen model; ``backend`` names the attention the packed path uses
+    or ``"padded"`` when the model runs on the fallback only."""
+
+    def __init__(self, model, spec, backend: str, causal: bool | None, pooling: str, pooling_impl: str,
+                 max_batch_tokens: int, pad_token_id: int | None):
+        self.model, self.spec, self.causal = model, spec, causal
+        self.pooling, self.pooling_impl, self.max_batch_tokens = pooling, pooling_impl, max_batch_tokens
+        self.device = next(model.parameters()).device
+        self.pad_id = int(pad_token_id or 0)
+        params = inspect.signature(model.forward).parameters
+        self._takes_positions = "position_ids" in params
+        self._takes_cache = "use_cache" in params
+        self.packed_limit = sliding_window(model.config)
+        self.fallback_reason: str | None = None
+        if backend == PADDED:
+            self.backend = PADDED
+            return
+        attn.install(model)
+        self.fallback_reason = self._probe(backend)
+        if self.fallback_reason is not None:
+            attn.uninstall(model)
+            if causal is not None and causal != spec.is_causal:
+                raise ValueError(
+                    f"attention={'causal' if causal else 'bidirectional'} needs the packed path, but this model runs "
+                    f"on the padded fallback ({self.fallback_reason}); use the model's own attention"
+                )
+            self.backend = PADDED
+        else:
+            self.backend = backend
+
+    # ----------------------------------------------------------------------------------------
+    def run(self, batch: PackedBatch) -> torch.Tensor:
+        """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32 in the batch's packing order."""
+        if batch.n_tokens == 0:
+            return torch.zeros((0, self.spec.hidden_size), dtype=torch.float32, device=self.device)
+        cu = to_device(batch.cu_seqlens, self.device)
+        with torch.inference_mode():
+            if self.uses_packed(batch.max_seqlen):
+                if not attn.installed(self.model):  # the caller switched the model's attention since
+                    attn.install(self.model)
+                hidden = self._packed_hidden(batch, cu, self.causal)[0]
+            else:
+                hidden = self._padded_hidden(batch)
+            return pool_chunks(hidden, cu, self.pooling, impl=self.pooling_impl)
+
+    def uses_packed(self, longest_chunk: int) -> bool:
+        """Whether a batch whose longest chunk has ``longest_chunk`` tokens runs packed."""
+        return self.backend != PADDED and (self.packed_limit is None or longest_chunk <= self.packed_limit)
+
+    def _packed_hidden(self, batch: PackedBatch, cu: torch.Tensor, causal) -> tuple[torch.Tensor, attn._Run]:
+        kwargs = {"use_cache": False} if self._takes_cache else {}
+        with attn.attention_context(self.backend, causal, batch.lengths, batch.cu_seqlens) as run:
+            out = self.model(
+                input_ids=to_device(batch.input_ids, self.device).unsqueeze(0),
+                position_ids=to_device(batch.position_ids, self.device).unsqueeze(0),
+                cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen,
+                **kwargs,
+            )
+        return out.last_hidden_state[0], run
+
+    def _padded_hidden(self, batch: PackedBatch) -> torch.Tensor:
+        """(T, H) hidden states of the batch's tokens in packed order, from dense padded sub-batches."""
+        lengths, cu = batch.lengths, batch.cu_seqlens.astype(np.int64)
+        out = None
+        for lo, hi in _padded_groups(lengths, self.max_batch_tokens):
+            n, width = hi - lo, int(lengths[lo])
+            sub = lengths[lo:hi]
+            t_lo, t_hi = int(cu[lo]), int(cu[hi])
+            rows = np.repeat(np.arange(n), sub)
+            cols = np.arange(t_hi - t_lo) - np.repeat(cu[lo:hi] - t_lo, sub)
+            ids = np.full((n, width), self.pad_id, dtype=np.int64)
+            ids[rows, cols] = batch.input_ids[t_lo:t_hi]
+            mask = np.zeros((n, width), dtype=np.int64)
+            mask[rows, cols] = 1
+            kwargs = {"use_cache": False} if self._takes_cache else {}
+            if self._takes_positions:
+                pos = np.full((n, width), self.spec.first_position, dtype=np.int64)
+                pos[rows, cols] = batch.position_ids[t_lo:t_hi]
+                kwargs["position_ids"] = to_device(pos, self.device)
+            mask_t = to_device(mask, self.device)
+            hidden = self.model(input_ids=to_device(ids, self.device), attention_mask=mask_t, **kwargs).last_hidden_state
+            if out is None:
+                out = hidden.new_empty((int(cu[-1]), hidden.shape[-1]))
+            out[t_lo:t_hi] = hidden[mask_t.bool()]
+        return out
+
+    # ----------------------------------------------------------------------------------------
+    def _probe(self, backend: str) -> str | None:
+        """Why the packed path is not exact for this model, or None when it is (see the module docstring)."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        rng = np.random.default_rng(0)
+        ids = rng.integers(0, vocab, 16)
+        ids = np.where(ids == self.pad_id, (ids + 1) % vocab, ids)
+        docs = TokenizedDocuments(ids, np.array([0, 5, 8]))
+        plan = ChunkPlan(np.array([0, 1]), np.array([0, 0]), np.array([5, 3]), np.array([0, 1, 2]))
+        prefix, suffix = np.array(self.spec.special_prefix, np.int64), np.array(self.spec.special_suffix, np.int64)
+        batch = pack(docs, plan, np.arange(2), prefix, suffix, self.spec.first_position)
+        cu = to_device(batch.cu_seqlens, self.device)
+        self.backend = backend
+        with torch.inference_mode():
+            packed, run = self._packed_hidden(batch, cu, None)
+            alone = []
+            for i in range(2):
+                one = pack(docs, plan, np.array([i]), prefix, suffix, self.spec.first_position)
+                alone.append(self._padded_hidden(one))
+        if run.calls == 0:
+            return "its attention does not go through transformers' AttentionInterface"
+        if run.extra_bias:
+            return "its attention adds a mask or position bias of its own"
+        # per-chunk outputs are in the packed batch's (length-sorted) order
+        want = torch.cat([alone[int(c)] for c in batch.chunk_ids]).float()
+        err = float((packed.float() - want).norm() / want.norm().clamp_min(1e-12))
+        tol = _PROBE_TOLERANCE.get(packed.dtype, _PROBE_TOLERANCE_HALF)
+        if not err <= tol:
+            return f"its packed forward differs from per-chunk forwards (relative error {err:.2g})"
+        return None
+
+
+def _padded_groups(lengths: np.ndarray, budget: int):
+    """Consecutive ranges of the (non-increasing) ``lengths`` whose padded size n x longest fits ``budget``."""
+    lo, n = 0, len(lengths)
+    while lo < n:
+        width = max(int(lengths[lo]), 1)
+        hi = min(n, lo + max(budget // width, 1))
+        yield lo, hi
+        lo = hi
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``a`` as a tensor on ``device``; to CUDA through pinned memory without blocking the host, so the
+    next batch is packed while the GPU still runs this one."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t

@@ -1,0 +1,182 @@
+"""Batching across callers: the chunks of many encoding plans, packed first-in first-out under one
+token budget, and each plan's document vectors handed back when its last chunk is pooled.
+
+    queue = ChunkQueue(encoder)
+    job = queue.submit(encoder.plan(texts))          # any number of plans, from any thread
+    while (batch := queue.next_batch()) is not None:  # one thread runs the model
+        for done in queue.complete(batch, encoder.run_batch(batch.packed)):
+            done.documents                            # (n_docs, dim) float32, row i is the plan's text i
+
+The streaming engine submits windows of a corpus; the server submits requests, so documents of
+several requests share one forward and a long document's chunks may span batches. A job's vectors do
+not depend on what else was in its batches (attention is block-diagonal, pooling per chunk).
+`cancel` drops a job's chunks that have not been handed out. Packing work per batch is proportional
+to the batch, never to what is queued.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .chunking import EncodingPlan
+from .ops import aggregate_documents
+from .packing import PackedBatch, merge, pack
+from .runner import to_device
+
+
+@dataclass(eq=False)
+class Job:
+    """One submitted plan. ``documents`` (n_docs, dim) and ``chunks`` (n_chunks, dim) float32 arrays are
+    set when it is done (``chunks`` only when asked for); ``tag`` is the submitter's."""
+
+    plan: EncodingPlan
+    aggregation: str
+    keep_chunks: bool
+    tag: Any = None
+    documents: np.ndarray | None = None
+    chunks: np.ndarray | None = None
+    cancelled: bool = False
+    _vectors: torch.Tensor | None = None
+    _cum: np.ndarray = field(default=None, repr=False)  # cumulative wrapped tokens per chunk
+    _handed: int = 0  # chunks handed out to batches
+    _pooled: int = 0  # chunks pooled (batches complete in order)
+    _docs_reported: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.documents is not None
+
+    @property
+    def tokens_waiting(self) -> int:
+        """Wrapped tokens of this job not yet handed to a batch."""
+        return int(self._cum[-1] - (self._cum[self._handed - 1] if self._handed else 0)) if len(self._cum) else 0
+
+
+@dataclass
+class Batch:
+    """A packed batch and where its chunks came from: chunk i is chunk ``packed.chunk_ids[i]`` of
+    ``jobs[part[i]]``; ``ranges[j]`` is the [lo, hi) of chunks of ``jobs[j]`` this batch covers."""
+
+    packed: PackedBatch
+    part: np.ndarray
+    jobs: list[Job]
+    ranges: list[tuple[int, int]]
+
+
+class ChunkQueue:
+    """FIFO of chunks from many plans (see the module docstring). Thread-safe."""
+
+    def __init__(self, encoder, max_batch_tokens: int | None = None):
+        self.encoder = encoder
+        self.max_batch_tokens = max_batch_tokens or encoder.max_batch_tokens
+        self._jobs: deque[Job] = deque()
+        self._lock = threading.Lock()
+        self._waiting = 0
+
+    @property
+    def tokens_waiting(self) -> int:
+        """Wrapped tokens submitted and not yet handed to a batch (for backpressure)."""
+        return self._waiting
+
+    def submit(self, plan: EncodingPlan, aggregation: str | None = None, keep_chunks: bool = False, tag=None) -> Job:
+        """Queue ``plan``'s chunks; ``aggregation`` defaults to the encoder's (queries: their one chunk)."""
+        job = Job(plan, aggregation or self.encoder.config.aggregation, keep_chunks, tag)
+        job._cum = np.cumsum(plan.chunk_lengths)
+        if plan.n_chunks == 0:  # no documents: nothing to run
+            job.documents = np.zeros((0, self.encoder.dim), np.float32)
+            job.chunks = job.documents.copy() if keep_chunks else None
+            return job
+        with self._lock:
+            self._jobs.append(job)
+            self._waiting += job.tokens_waiting
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Hand out none of ``job``'s remaining chunks; it will never be done."""
+        with self._lock:
+            if not job.cancelled:
+                job.cancelled = True
+                self._waiting -= job.tokens_waiting
+                job._handed = job.plan.n_chunks
+
+    def next_batch(self) -> Batch | None:
+        """The next chunks, first in first out, up to ``max_batch_tokens`` wrapped tokens (a chunk
+        longer than the budget comes alone); None when nothing is waiting."""
+        with self._lock:
+            budget = self.max_batch_tokens
+            jobs, ranges, parts = [], [], []
+            for job in self._jobs:
+                if job._handed >= job.plan.n_chunks:
+                    continue
+                base = job._cum[job._handed - 1] if job._handed else 0
+                hi = int(np.searchsorted(job._cum, base + budget, side="right"))
+                if hi == job._handed and not parts:
+                    hi = job._handed + 1  # a chunk over the budget runs alone
+                if hi == job._handed:
+                    break
+                lo = job._handed
+                ids = np.arange(lo, hi, dtype=np.int64)
+                ids = ids[job.plan.chunks.length[ids] + len(job.plan.prefix) + len(job.plan.suffix) > 0]
+                p = job.plan
+                parts.append(pack(p.tokens, p.chunks, ids, p.prefix, p.suffix, self.encoder.spec.first_position,
+                                  p.global_positions))
+                jobs.append(job)
+                ranges.append((lo, hi))
+                used = int(job._cum[hi - 1] - base)
+                job._handed = hi
+                self._waiting -= used
+                budget -= used
+                if budget <= 0:
+                    break
+            if not jobs:
+                return None
+        packed, part = merge(parts)
+        return Batch(packed, part, jobs, ranges)
+
+    def complete(self, batch: Batch, vectors: torch.Tensor) -> list[Job]:
+        """Store ``vectors`` (n_chunks_in_batch, dim) float32, the pooled chunks of ``batch`` in packing
+        order; return the jobs this finishes, in submission order. Batches must complete in the order
+        `next_batch` handed them out."""
+        enc = self.encoder
+        finished = []
+        for j, job in enumerate(batch.jobs):
+            if job._vectors is None:
+                job._vectors = torch.zeros((job.plan.n_chunks, enc.dim), dtype=torch.float32, device=vectors.device)
+            rows = np.flatnonzero(batch.part == j)
+            if len(rows):
+                dst = to_device(batch.packed.chunk_ids[rows], vectors.device)
+                job._vectors.index_copy_(0, dst, vectors[to_device(rows, vectors.device)])
+            job._pooled = batch.ranges[j][1]
+            if job._pooled == job.plan.n_chunks and not job.cancelled:
+                self._finish(job)
+                finished.append(job)
+        with self._lock:
+            while self._jobs and (self._jobs[0].done or self._jobs[0].cancelled):
+                self._jobs.popleft()
+        return finished
+
+    def documents_pooled(self, job: Job) -> int:
+        """Documents of ``job`` whose chunks are all pooled and that were not counted by an earlier call."""
+        done = int(np.searchsorted(job.plan.chunks.cu_doc_chunks, job._pooled, side="right")) - 1
+        new, job._docs_reported = done - job._docs_reported, max(done, job._docs_reported)
+        return max(new, 0)
+
+    def _finish(self, job: Job) -> None:
+        enc, plan = self.encoder, job.plan
+        vecs = job._vectors
+        cu = torch.from_numpy(plan.chunks.cu_doc_chunks).to(vecs.device)
+        weights = torch.from_numpy(plan.chunk_weights).to(vecs.device)
+        c = enc.config
+        docs = aggregate_documents(vecs, cu, weights, job.aggregation, c.top_k, c.temperature,
+                                   enc.normalize_chunks, c.normalize, impl=enc.pooling_impl)
+        if job.keep_chunks:
+            out = torch.nn.functional.normalize(vecs, dim=1, eps=1e-12) if enc.normalize_chunks else vecs
+            job.chunks = out.cpu().numpy()
+        job._vectors = None
+        job.documents = docs.cpu().numpy()

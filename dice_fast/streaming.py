@@ -1,0 +1,56 @@
+"""Reading input as a stream: windows of whole documents cut from any iterable, and a one-item
+read-ahead in a worker thread (so the next window is tokenized while the model runs this one)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Iterator
+
+
+def as_iterator(texts, what: str) -> Iterator:
+    if isinstance(texts, (str, bytes)):
+        raise TypeError(f"{what} must be an iterable of strings, not a single {type(texts).__name__}")
+    try:
+        return iter(texts)
+    except TypeError:
+        raise TypeError(f"{what} must be an iterable of strings, got {type(texts).__name__}") from None
+
+
+def windows(texts: Iterator, max_chars: int, max_documents: int) -> Iterator[tuple[list[str], int]]:
+    """Consecutive windows of whole documents (``max_chars`` characters or ``max_documents``
+    documents), each with the index of its first document; every element is checked to be a str."""
+    base, window, chars = 0, [], 0
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"documents[{i}] is {type(text).__name__}, expected str")
+        window.append(text)
+        chars += len(text)
+        if chars >= max_chars or len(window) >= max_documents:
+            yield window, base
+            base, window, chars = base + len(window), [], 0
+    if window or base == 0:
+        yield window, base
+
+
+class Prefetch:
+    """Pull the next item of an iterator in a worker thread while the caller works on the current one."""
+
+    def __init__(self, items: Iterator):
+        self.items = items
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dice_fast-prefetch")
+        self.future = self.pool.submit(next, items, None)
+
+    def next(self):
+        if self.future is None:
+            return None
+        item = self.future.result()
+        self.future = self.pool.submit(next, self.items, None) if item is not None else None
+        return item
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.future is not None:
+            self.future.cancel()
+        self.pool.shutdown(wait=True)

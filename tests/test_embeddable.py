@@ -1,0 +1,151 @@
+"""An engine other programs can embed: exact on every architecture (packed or on the padded
+fallback), safe to call from many threads, leaving the caller's model working as before, streaming
+any iterable."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dice_fast import DiceEncoder
+from helpers import assert_close
+from oracle import K, check, corpus, text_of
+from tiny_models import FALLBACK_ARCHS, tiny
+
+
+# ---------------------------------------------------------------------------------------------
+# every architecture is exact: the ones that cannot run packed go through the padded fallback
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", sorted(FALLBACK_ARCHS))
+def test_fallback_architectures_match_per_chunk_reference(arch):
+    enc, _ = check(arch, pooling="mean")
+    if arch == "modernbert":  # packed up to its sliding window, padded beyond
+        assert enc.backend == "sdpa_groups" and enc.runner.packed_limit == 8
+    else:
+        assert enc.backend == "padded" and enc.runner.fallback_reason
+    assert enc.backend.split()[0] in repr(enc)
+
+
+@pytest.mark.parametrize("arch", sorted(FALLBACK_ARCHS))
+@pytest.mark.parametrize("options", [dict(aggregation="max", overlap=3), dict(document_prefix="passage:", pooling="cls"),
+                                     dict(max_batch_tokens=1)], ids=["max-overlap", "prefix-cls", "budget1"])
+def test_fallback_architectures_with_options(arch, options):
+    check(arch, **options)
+
+
+def test_sliding_window_model_runs_packed_when_chunks_fit_the_window():
+    enc, _ = check("modernbert", chunk_size=6, pooling="mean")  # 6 + CLS + SEP = 8 = the window
+    assert enc.runner.uses_packed(8) and not enc.runner.uses_packed(9)
+
+
+def test_padded_backend_can_be_forced_and_is_exact():
+    enc, _ = check("bert", attention_backend="padded")
+    assert enc.backend == "padded"
+
+
+def test_forced_attention_mode_on_a_fallback_model_is_refused():
+    model, tok, *_ = tiny("mpnet")
+    with pytest.raises(ValueError, match="needs the packed path"):
+        DiceEncoder(model, tok, attention="causal")
+
+
+# ---------------------------------------------------------------------------------------------
+# the caller's model keeps computing what it computed before
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["bert", "llama", "modernbert", "mpnet"])
+def test_model_outside_the_engine_is_unchanged(arch):
+    model, tok, *_ = tiny(arch)
+    original = getattr(model.config, "_dice_fast_original_attn", None) or model.config._attn_implementation
+    ids = torch.randint(4, 40, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    mask[2, 3:] = 0
+    model.config._attn_implementation = original
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    DiceEncoder(model, tok, chunk_size=K).encode_documents(corpus())
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    assert_close(after[keep], before[keep], 1e-6, what=f"{arch} after building an encoder")
+    if arch == "mpnet":  # a fallback model's config is given back untouched
+        assert model.config._attn_implementation == original
+
+
+# ---------------------------------------------------------------------------------------------
+# threads
+# ---------------------------------------------------------------------------------------------
+def test_threads_get_exactly_the_vectors_of_sequential_calls():
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=40)
+    twin = DiceEncoder(model, tok, chunk_size=5, aggregation="max", max_batch_tokens=23, document_prefix="passage:")
+    rng = random.Random(7)
+    queries = [text_of(n, rng) for n in (3, 9, 1, 30)]
+    calls = [
+        lambda: enc.encode_documents(corpus(seed=1)),
+        lambda: enc.encode_documents(corpus(seed=2, longest=90)),
+        lambda: enc.encode_queries(queries),
+        lambda: twin.encode_documents(corpus(seed=3)),
+        lambda: enc.encode_documents(corpus(seed=4), return_chunks=True).chunks,
+        lambda: twin.encode_queries(queries[::-1]),
+        lambda: enc.encode_documents(iter(corpus(seed=5))),
+        lambda: twin.encode_documents(corpus(seed=6), return_chunks=True).documents,
+    ]
+    want = [call() for call in calls]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for _ in range(2):
+            got = list(pool.map(lambda c: c(), calls))
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert_close(g, w, 1e-6, what=f"call {i} in a thread")
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming any iterable
+# ---------------------------------------------------------------------------------------------
+def test_generator_input_and_stream_blocks_in_order():
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=12)  # windows of ~200 characters
+    rng = random.Random(11)
+    texts = [text_of(rng.randint(0, 40), rng) for _ in range(60)]
+    want = enc.encode_documents(texts)
+    consumed = []
+
+    def gen():
+        for t in texts:
+            consumed.append(t)
+            yield t
+
+    stream = enc.stream_documents(gen())
+    first = next(stream)
+    assert 0 < len(first) < len(texts)
+    assert len(consumed) < len(texts)  # read ahead only a bounded window
+    blocks = [first, *stream]
+    assert len(blocks) > 2
+    assert_close(np.concatenate(blocks), want, 1e-6, what="stream blocks")
+    assert_close(enc.encode_documents(t for t in texts), want, 1e-6, what="generator input")
+    out = enc.encode_documents(iter(texts), return_chunks=True)
+    ref = enc.encode_documents(texts[:30], return_chunks=True)
+    assert out.chunk_document[-1] == len(texts) - 1 and (np.diff(out.chunk_document) >= 0).all()
+    n30 = int(np.searchsorted(out.chunk_document, 30))
+    assert_close(out.chunks[:n30], ref.chunks, 1e-6, what="chunks across windows")
+
+
+def test_stream_names_the_bad_element_by_its_global_index():
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=12)
+    texts = ["the cat sat on a mat"] * 50 + [b"bytes"]
+    with pytest.raises(TypeError, match=r"documents\[50\] is bytes"):
+        enc.encode_documents(iter(texts))
+    with pytest.raises(TypeError, match="iterable of strings"):
+        enc.encode_documents("one string")
+    assert enc.encode_documents(iter([])).shape == (0, enc.dim)
+
+
+def test_overlap_at_least_the_default_chunk_size_is_an_error():
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(ValueError, match=r"overlap \(254\) must be smaller than the default chunk_size"):
+        DiceEncoder(model, tok, overlap=254, max_length=100)
