@@ -15,6 +15,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# nothing in the tests may reach a model hub: a hub name must fail fast from the local cache
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 torch.manual_seed(0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..data import prose
+from ..data import prose, prose_documents as make_corpus  # noqa: F401  (re-exported)
 
 CORPORA = ("mixed", "short", "long")
 RANDOM_MODELS = {
@@ -37,25 +37,6 @@ def corpus_lengths(kind: str, n_docs: int, seed: int = 0, longest: int = 32768) 
     for i, (lo, hi) in enumerate(((32, 512), (512, 4096), (4096, longest))):
         out[pick == i] = band(lo, hi, int((pick == i).sum()))
     return out
-
-
-def make_corpus(tokenizer, lengths: np.ndarray, seed: int = 0) -> list[str]:
-    """Documents of real prose cut at token boundaries to ``lengths`` (n_docs,) tokens each."""
-    text = prose().replace("\n\n", " ")
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-    offsets = np.asarray(enc["offset_mapping"])
-    n = len(offsets)
-    rng = np.random.default_rng(seed + 1)
-    docs = []
-    for length in lengths:
-        parts, need = [], int(length)
-        while need > 0:
-            take = min(need, n)
-            s = int(rng.integers(0, n - take + 1))
-            parts.append(text[offsets[s][0] : offsets[s + take - 1][1]])
-            need -= take
-        docs.append(" ".join(parts))
-    return docs
 
 
 def word_tokenizer():

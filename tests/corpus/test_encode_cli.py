@@ -1,26 +1,45 @@
-"""The command line: input formats, malformed input by line number, no partial output."""
+"""``dice-fast encode``: input formats and ids, outputs, queries, stdin, and one-line errors without output."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import torch
 
-from dice_fast import DiceEncoder
-from dice_fast.cli import main, read_documents
+from corpus_util import corpus_docs, encoder, write_jsonl
+from dice_fast.cli import main
+from dice_fast.corpus import load_embeddings
+from dice_fast.corpus.readers import open_corpus, read_documents
 from helpers import assert_close
 
 
-def test_read_txt_and_jsonl(tmp_path):
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def test_blank_lines_are_skipped_alike_and_ids_are_line_numbers(tmp_path):
     txt = tmp_path / "d.txt"
-    txt.write_text("first doc\n\nthird doc\r\n", encoding="utf-8")
-    assert read_documents(str(txt)) == ["first doc", "", "third doc"]
+    txt.write_text("first doc\n\n   \nfourth doc\r\n", encoding="utf-8")
+    c = open_corpus(str(txt))
+    assert list(c.records()) == [("1", "first doc"), ("4", "fourth doc")] and c.blank_lines == 2
     jl = tmp_path / "d.jsonl"
-    jl.write_text('{"text": "a"}\n\n{"body": "b", "text": "c"}\n', encoding="utf-8")
-    assert read_documents(str(jl)) == ["a", "c"]
+    jl.write_text('{"text": "a"}\n\n \n{"body": "b", "text": ""}\n', encoding="utf-8")
+    c = open_corpus(str(jl))
+    assert list(c.records()) == [("1", "a"), ("4", "")] and c.blank_lines == 2  # "" in a field is a document
+    assert read_documents(str(txt)) == ["first doc", "fourth doc"]
+
+
+def test_jsonl_id_field(tmp_path):
+    jl = tmp_path / "d.jsonl"
+    jl.write_text('{"_id": "x1", "text": "a"}\n{"_id": 7, "text": "b"}\n', encoding="utf-8")
+    assert list(open_corpus(str(jl), id_field="_id").records()) == [("x1", "a"), ("7", "b")]
 
 
 @pytest.mark.parametrize(
@@ -39,6 +58,16 @@ def test_malformed_jsonl_names_the_line(tmp_path, content, match):
         read_documents(str(p))
 
 
+@pytest.mark.parametrize("line,match", [('{"text": "a"}', r"d\.jsonl:1: no id field 'id'"),
+                                        ('{"text": "a", "id": 1.5}', r"d\.jsonl:1: id 1\.5 is float"),
+                                        ('{"text": "a", "id": "x\\ny"}', r"d\.jsonl:1: id .* contains a line break")])
+def test_bad_ids_name_the_line(tmp_path, line, match):
+    p = tmp_path / "d.jsonl"
+    p.write_text(line + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=match):
+        list(open_corpus(str(p), id_field="id").records())
+
+
 def test_bad_utf8_names_the_line(tmp_path):
     p = tmp_path / "d.txt"
     p.write_bytes(b"fine\nbad \xff byte\n")
@@ -46,38 +75,185 @@ def test_bad_utf8_names_the_line(tmp_path):
         read_documents(str(p))
 
 
-def test_encode_writes_rows_in_order_and_summary(tmp_path, capsys):
+def test_parquet_input(tmp_path):
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"key": [10, 20, 30], "body": ["a", "", "c"]}), p, row_group_size=2)
+    assert list(open_corpus(str(p), text_field="body").records()) == [("1", "a"), ("2", ""), ("3", "c")]
+    assert list(open_corpus(str(p), text_field="body", id_field="key").records()) == [("10", "a"), ("20", ""),
+                                                                                     ("30", "c")]
+    with pytest.raises(ValueError, match=r"d\.parquet: no text column 'text' \(columns: key, body\)"):
+        open_corpus(str(p))
+    with pytest.raises(ValueError, match=r"column 'key' is int64, expected strings"):
+        open_corpus(str(p), text_field="key")
+    pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "n.parquet")
+    with pytest.raises(ValueError, match=r"n\.parquet: row 2: column 'text' is null"):
+        list(open_corpus(str(tmp_path / "n.parquet")).records())
+
+
+def test_folder_input_is_sorted_recursive_and_ids_carry_the_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_text("b1\nb2\n", encoding="utf-8")
+    (tmp_path / "sub" / "a.jsonl").write_text('{"text": "a1"}\n', encoding="utf-8")
+    (tmp_path / "a.txt").write_text("a\n\nc\n", encoding="utf-8")
+    (tmp_path / ".hidden.txt").write_text("no\n", encoding="utf-8")
+    (tmp_path / "notes.md").write_text("no\n", encoding="utf-8")
+    c = open_corpus(str(tmp_path))
+    assert list(c.records()) == [("a.txt:1", "a"), ("a.txt:3", "c"), ("b.txt:1", "b1"), ("b.txt:2", "b2"),
+                                 ("sub/a.jsonl:1", "a1")]
+    assert [f["name"] for f in c.fingerprint()["files"]] == ["a.txt", "b.txt", "sub/a.jsonl"]
+    assert list(open_corpus(str(tmp_path), fmt="jsonl").records()) == [("sub/a.jsonl:1", "a1")]
+
+
+# ---------------------------------------------------------------------------------------------
+# outputs
+
+
+def test_npy_output_rows_ids_and_summary(tmp_path, capsys, cached_encoders):
     docs = ["alpha beta gamma " * 40, "", "short one", "delta " * 300]
     src = tmp_path / "docs.jsonl"
-    src.write_text("\n".join(json.dumps({"id": i, "body": d}) for i, d in enumerate(docs)) + "\n", encoding="utf-8")
+    src.write_text("\n".join(json.dumps({"id": f"k{i}", "body": d}) for i, d in enumerate(docs)) + "\n\n",
+                   encoding="utf-8")
     out = tmp_path / "sub" / "vecs.npy"
-    rc = main(["encode", str(src), "--output", str(out), "--field", "body", "--chunk-size", "32",
-               "--block-documents", "3", "--aggregation", "max", "--quiet"])
+    rc = main(["encode", str(src), "--output", str(out), "--field", "body", "--id-field", "id", "--chunk-size", "32",
+               "--aggregation", "max", "--quiet"])
     assert rc == 0
     got = np.load(out)
-    enc = DiceEncoder.from_pretrained(chunk_size=32, aggregation="max")
-    assert_close(got, enc.encode_documents(docs), 1e-5, what="CLI rows")
+    assert_close(got, encoder(chunk_size=32, aggregation="max").encode_documents(docs), 1e-5, what="CLI rows")
+    assert (tmp_path / "sub" / "vecs.ids.txt").read_text(encoding="utf-8") == "k0\nk1\nk2\nk3\n"
     summary = capsys.readouterr().out
-    assert "encoded 4 documents" in summary and "tokens/s" in summary
-    assert [p.name for p in out.parent.iterdir()] == ["vecs.npy"]  # no temporary left behind
+    assert "encoded 4 documents" in summary and "tokens/s" in summary and "skipped 1 blank line" in summary
+    assert sorted(p.name for p in out.parent.iterdir()) == ["vecs.ids.txt", "vecs.npy"]  # no temporary left
 
 
-def test_malformed_input_writes_no_output(tmp_path, capsys):
+def test_parquet_file_and_folder_outputs_match_npy(tmp_path, cached_encoders):
+    docs = corpus_docs(23, seed=3)
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    common = ["--id-field", "id", "--chunk-size", "16", "-q"]
+    assert main(["encode", str(src), "-o", str(tmp_path / "v.npy"), *common]) == 0
+    assert main(["encode", str(src), "-o", str(tmp_path / "v.parquet"), *common]) == 0
+    assert main(["encode", str(src), "-o", str(tmp_path / "shards") + "/", "--shard-rows", "10", *common]) == 0
+    ids, ref = load_embeddings(tmp_path / "v.npy")
+    assert ids == [f"doc{i:04d}" for i in range(23)]
+    for other in ("v.parquet", "shards"):
+        ids2, vecs = load_embeddings(tmp_path / other)
+        assert ids2 == ids
+        np.testing.assert_array_equal(vecs, ref)
+    shards = tmp_path / "shards"
+    assert sorted(p.name for p in shards.iterdir()) == ["manifest.json", "part-00000.parquet", "part-00001.parquet",
+                                                        "part-00002.parquet"]
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and [s["rows"] for s in manifest["shards"]] == [10, 10, 3]
+    assert manifest["config"]["chunk_size"] == 16 and manifest["model"]["dim"] == 384
+    assert manifest["shards"][1]["first_id"] == "doc0010" and manifest["shards"][1]["last_id"] == "doc0019"
+    table = pq.read_table(shards / "part-00001.parquet")
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+    meta = json.loads(table.schema.metadata[b"dice_fast"])
+    assert meta["config"]["chunk_size"] == 16 and meta["shard"] == 1 and meta["dice_fast"]
+    meta = json.loads(pq.read_schema(tmp_path / "v.parquet").metadata[b"dice_fast"])
+    assert meta["options"]["chunk_size"] == 16 and meta["input"]["id_field"] == "id"
+
+
+def test_stdin_and_queries(tmp_path, monkeypatch, capsys, cached_encoders):
+    queries = ["what is alpha river", "", "  ", "where is the " + "stone " * 400]  # the last is cut to the window
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\n".join(queries).encode() + b"\n")))
+    out = tmp_path / "q.npy"
+    assert main(["encode", "-", "--format", "txt", "--queries", "-o", str(out), "-q"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("dice-fast: warning: ") and "were cut" in err[0]
+    ids, got = load_embeddings(out)
+    assert ids == ["1", "4"]
+    with pytest.warns(UserWarning):
+        want = encoder().encode_queries([queries[0], queries[3]])
+    assert_close(got, want, 1e-5, what="queries")
+
+
+def test_stdin_needs_a_format(tmp_path, capsys):
+    assert main(["encode", "-", "-o", str(tmp_path / "o.npy")]) == 2
+    assert "reading stdin (-) needs --format txt or --format jsonl" in capsys.readouterr().err
+
+
+def test_existing_output_is_refused_unless_overwrite(tmp_path, capsys, cached_encoders):
+    src = tmp_path / "d.txt"
+    src.write_text("one\ntwo\n", encoding="utf-8")
+    out = tmp_path / "o.npy"
+    out.write_bytes(b"old")
+    assert main(["encode", str(src), "-o", str(out), "-q"]) == 2
+    assert f"{out} exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert out.read_bytes() == b"old"
+    assert main(["encode", str(src), "-o", str(out), "-q", "--overwrite"]) == 0
+    assert np.load(out).shape == (2, 384)
+    folder = tmp_path / "shards"
+    assert main(["encode", str(src), "-o", str(folder), "-q"]) == 0
+    assert main(["encode", str(src), "-o", str(folder), "-q"]) == 2
+    assert "pass --resume to continue it or --overwrite to replace it" in capsys.readouterr().err
+    assert main(["encode", str(src), "-o", str(folder), "-q", "--overwrite"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# mistakes: one line on stderr, exit status 2, no output
+
+
+def _fails(tmp_path, capsys, argv, message, src=None):
+    if src is None:
+        src = tmp_path / "d.txt"
+        src.write_text("x\n", encoding="utf-8")
+    before = set(tmp_path.rglob("*"))
+    assert main(["encode", str(src), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dice-fast: error: "), err
+    assert message in err, err
+    assert set(tmp_path.rglob("*")) == before  # nothing written, no folder left behind
+    return err
+
+
+def test_unknown_input_type_lists_the_known_ones(tmp_path, capsys):
+    src = tmp_path / "d.csv"
+    src.write_text("a,b\n", encoding="utf-8")
+    _fails(tmp_path, capsys, ["-o", str(tmp_path / "new" / "o.npy")], "unknown input type '.csv'; known input types: "
+           ".txt", src=src)
+
+
+def test_missing_input_and_empty_folder(tmp_path, capsys):
+    _fails(tmp_path, capsys, ["-o", str(tmp_path / "o.npy")], "does not exist", src=tmp_path / "nope.txt")
+    (tmp_path / "empty").mkdir()
+    _fails(tmp_path, capsys, ["-o", str(tmp_path / "o.npy")], "holds no", src=tmp_path / "empty")
+
+
+def test_malformed_input_writes_no_output(tmp_path, capsys, cached_encoders):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "a"}\n{"text": "b"\n', encoding="utf-8")
-    out = tmp_path / "out.npy"
-    assert main(["encode", str(src), "--output", str(out), "--quiet"]) == 2
-    assert "bad.jsonl:2" in capsys.readouterr().err
-    assert not out.exists() and list(tmp_path.iterdir()) == [src]
+    _fails(tmp_path, capsys, ["--output", str(tmp_path / "out" / "o.npy"), "--quiet"], "bad.jsonl:2", src=src)
+    _fails(tmp_path, capsys, ["--output", str(tmp_path / "dir") + "/", "--quiet"], "bad.jsonl:2", src=src)
 
 
-def test_bad_option_is_reported_without_output(tmp_path, capsys):
-    src = tmp_path / "d.txt"
-    src.write_text("x\n", encoding="utf-8")
-    out = tmp_path / "o.npy"
-    assert main(["encode", str(src), "-o", str(out), "--chunk-size", "8", "--overlap", "8"]) == 2
-    assert "overlap (8) must be smaller than chunk_size (8)" in capsys.readouterr().err
-    assert not out.exists()
+@pytest.mark.parametrize("argv,message", [
+    (["--chunk-size", "8", "--overlap", "8"], "overlap (8) must be smaller than chunk_size (8)"),
+    (["--overlap", "300"], "overlap (300) must be smaller than the default chunk_size (254)"),
+    (["--model", "/no/such/model"], "--model /no/such/model: no such model folder"),
+    (["--shard", "2/2"], "--shard 2/2: INDEX must be in 0..COUNT-1"),
+    (["--resume"], "--resume needs a shard folder output"),
+])
+def test_bad_options(tmp_path, capsys, argv, message):
+    _fails(tmp_path, capsys, ["-o", str(tmp_path / "o.npy"), "-q", *argv], message)
+
+
+def test_bad_model_folder_and_unreachable_hub(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    _fails(tmp_path, capsys, ["-o", str(tmp_path / "o.npy"), "--model", str(tmp_path / "m")], "is not a model folder")
+    err = _fails(tmp_path, capsys, ["-o", str(tmp_path / "o.npy"), "--model", "dice-fast-test/no-such-model"],
+                 "dice-fast-test/no-such-model")
+    assert "Hub" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_unavailable(tmp_path, capsys):
+    _fails(tmp_path, capsys, ["-o", str(tmp_path / "o.npy"), "--device", "cuda"], "CUDA is not available")
+
+
+def test_unwritable_output(tmp_path, capsys):
+    (tmp_path / "file").write_text("", encoding="utf-8")
+    _fails(tmp_path, capsys, ["-o", str(tmp_path / "file" / "o.npy")], "file")
+    _fails(tmp_path, capsys, ["-o", str(tmp_path / "o.csv")], "unknown output type '.csv'")
 
 
 def test_help_documents_every_option():
@@ -86,5 +262,23 @@ def test_help_documents_every_option():
     for flag in ("--chunk-size", "--overlap", "--positions", "--pooling", "--aggregation", "--top-k", "--temperature",
                  "--normalize-chunks", "--no-normalize", "--strategy", "--attention", "--attention-backend",
                  "--document-prefix", "--max-chunks-per-document", "--max-batch-tokens", "--device", "--dtype",
-                 "--model", "--field", "--format"):
+                 "--model", "--field", "--format", "--id-field", "--queries", "--overwrite", "--resume", "--shard",
+                 "--shard-rows", "Blank lines", "exit status"):
         assert flag in text
+
+
+def test_progress_eta_counts_tokens_from_bytes(tmp_path):
+    from dice_fast.corpus.job import _Estimate
+    from dice_fast.progress import ProgressBar
+
+    src = tmp_path / "d.txt"
+    src.write_text("a" * 99 + "\n" + "b" * 299 + "\n", encoding="utf-8")  # 100 + 300 bytes
+    corpus = open_corpus(str(src))
+    bar = ProgressBar(None, show=False)
+    est = _Estimate(bar, corpus)
+    for _ in corpus.records():
+        est.offsets.append(corpus.bytes_read)
+    est(1, 50)  # the first document (100 bytes) had 50 tokens: 200 expected in all
+    assert bar.bar.total == 200 and bar.tokens == 50 and bar.documents == 1
+    est(1, 100)
+    assert bar.bar.total == 150 and bar.tokens == 150

@@ -1,0 +1,110 @@
+"""``dice-fast encode INPUT -o OUTPUT``: encode a corpus (or queries) into vectors, streaming.
+
+Argument parsing and error reporting only; the job itself is `dice_fast.corpus.job.EncodeJob`.
+Registering the subcommand imports neither torch, transformers nor pyarrow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..cliargs import add_encoder_arguments
+
+EPILOG = """\
+input:
+  .txt      one document per line; id = line number (1-based)
+  .jsonl    one JSON object per line (.ndjson too); text in --field; id = --id-field, else the line number
+  .parquet  text in column --field; id = column --id-field, else the row number (1-based); read in batches
+  DIR       every .txt/.jsonl/.ndjson/.parquet file below DIR (sorted by path; hidden files skipped);
+            line/row-number ids become "relative/path.txt:LINE"
+  -         stdin; needs --format txt or --format jsonl
+  Blank lines (empty or whitespace only) are skipped in .txt and .jsonl alike and counted in the summary;
+  line numbers still count them, so an id always names its line. Ids are written as strings.
+
+output (-o):
+  OUT.npy      float32 (rows, dim), row i = i-th document; ids in OUT.ids.txt beside it (line i+1)
+  OUT.parquet  columns id (string) and embedding (fixed-size list of float32); options in the metadata
+  DIR/         Parquet shards part-00000.parquet ... of --shard-rows rows and manifest.json, committed
+               shard by shard (a path without extension is a folder too)
+  Files appear only when complete (written to hidden temporary names, fsynced, renamed). An existing
+  output is refused unless --overwrite.
+
+resume and splits (folder output):
+  --resume      continue an interrupted job (Ctrl-C, SIGTERM or kill -9) after its last committed shard;
+                refused, saying what differs, when the options or the input changed. With no manifest
+                yet it starts afresh.
+  --shard I/N   encode documents I, I+N, I+2N ... only; files are named part-IofN-*.parquet and
+                manifest-IofN.json, so N processes can share one folder (load_embeddings reads the
+                N splits back in input order).
+
+exit status: 0 done; 2 a usage or input error, or interrupted by Ctrl-C / SIGTERM (one line on stderr;
+temporary files removed, committed shards kept). Vectors equal an uninterrupted run's to float rounding.
+"""
+
+
+def register_cli(subparsers) -> None:
+    """Add the ``encode`` subcommand."""
+    enc = subparsers.add_parser(
+        "encode", help="encode documents or queries into .npy, .parquet or Parquet shards (resumable)",
+        description="Encode every document (or query, with --queries) of INPUT into one vector, streaming: memory "
+        "does not grow with the corpus. The progress bar counts tokens; its ETA is estimated from the input's "
+        "size in bytes.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    enc.add_argument("input", help="a .txt, .jsonl/.ndjson or .parquet file, a folder of them, or - for stdin")
+    enc.add_argument("--output", "-o", required=True, help="OUT.npy, OUT.parquet, or DIR/ for Parquet shards")
+    enc.add_argument("--format", choices=("auto", "txt", "jsonl", "parquet"), default="auto",
+                     help="input type (default: by extension); for a folder, read only files of this type; "
+                     "required for stdin")
+    enc.add_argument("--field", "--text-field", "--text-column", dest="field", default="text",
+                     help='the JSON field or Parquet column holding the text (default "text")')
+    enc.add_argument("--id-field", "--id-column", dest="id_field", default=None,
+                     help="the JSON field or Parquet column holding the id (default: line or row number)")
+    enc.add_argument("--queries", action="store_true",
+                     help="encode as queries (one model window each, never chunked; --query-prefix applies)")
+    enc.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    enc.add_argument("--resume", action="store_true",
+                     help="continue an interrupted job into the same folder from its last committed shard")
+    enc.add_argument("--shard", metavar="I/N", default=None,
+                     help="encode only split I of N (documents I, I+N, ...), e.g. --shard 0/4")
+    enc.add_argument("--shard-rows", type=int, default=10_000, metavar="N",
+                     help="rows per Parquet shard of a folder output (default 10000)")
+    enc.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    add_encoder_arguments(enc)
+    enc.set_defaults(func=cmd_encode)
+
+
+def cmd_encode(args) -> int:
+    """Run the job; every foreseeable failure becomes one ``dice-fast: error:`` line and exit status 2."""
+    if args.quiet:
+        _quiet_transformers()
+    try:
+        from .job import EncodeJob
+
+        return EncodeJob(args).run()
+    except (ValueError, TypeError, OSError, ImportError) as exc:
+        return _fail(exc)
+    except RuntimeError as exc:
+        if "out of memory" not in str(exc).lower():
+            raise
+        return _fail(f"out of memory ({_one_line(exc)[:200]}); lower --max-batch-tokens")
+
+
+def _fail(exc) -> int:
+    print(f"dice-fast: error: {_one_line(exc)}", file=sys.stderr)
+    return 2
+
+
+def _one_line(exc) -> str:
+    if isinstance(exc, OSError) and exc.strerror and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass

@@ -1,0 +1,392 @@
+"""One ``dice-fast encode`` job: read a corpus as a stream, encode it, write it, and survive interruption.
+
+The order of work is chosen so that mistakes cost nothing: the input is opened and checked (type,
+Parquet columns), the output is checked (overwrite, resume, writable) and, on ``--resume``, the
+options are compared with the interrupted run's manifest, all before the model loads; then the model
+loads, the committed documents are skipped (read and hashed, not encoded, and compared with what the
+manifest recorded), and encoding streams into the writer.
+
+SIGINT and SIGTERM raise `Interrupted` in the main thread (held off while a commit renames files),
+the reader stops, temporary files are removed, committed shards stay, and the command prints one
+line and exits 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import asdict
+from itertools import islice
+from pathlib import Path
+
+from .outputs import (MANIFEST_FORMAT, NpyWriter, ParquetFileWriter, ShardWriter, ids_path_for, manifest_name,
+                      our_files, parse_tag, read_manifest, split_tag)
+from .model import load_encoder
+from .readers import Corpus, open_corpus, text_digest, update_input_hash
+from .signals import Interrupted, Signals, one_line_warnings
+
+OUTPUT_TYPES = ".npy (with NAME.ids.txt beside it), .parquet, or a folder of Parquet shards (DIR/)"
+_QUERY_BATCH = 256
+
+
+def output_type(path: str) -> str:
+    """"npy", "parquet" or "folder" for an ``--output`` value (ValueError for anything else)."""
+    p = Path(path)
+    if path.endswith(("/", os.sep)) or p.is_dir():
+        return "folder"
+    suffix = p.suffix.lower()
+    if suffix in (".npy", ".parquet"):
+        return suffix[1:]
+    if suffix == "":
+        if p.exists():
+            raise ValueError(f"--output {path} exists and is not a folder")
+        return "folder"
+    raise ValueError(f"--output {path}: unknown output type {suffix!r}; known: {OUTPUT_TYPES}")
+
+
+def parse_split(text: str | None) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N) with 0 <= I < N; ``None`` -> (0, 1)."""
+    if text is None:
+        return 0, 1
+    try:
+        index, count = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard takes INDEX/COUNT, e.g. 0/4; got {text!r}") from None
+    if not 0 <= index < count:
+        raise ValueError(f"--shard {text}: INDEX must be in 0..COUNT-1")
+    return index, count
+
+
+# ---------------------------------------------------------------------------------------------
+class EncodeJob:
+    def __init__(self, args):
+        self.args = args
+        self.kind = "queries" if args.queries else "documents"
+        self.split = parse_split(args.shard)
+        self.tag = split_tag(*self.split)
+        self.out_type = output_type(args.output)
+        self.out = Path(args.output)
+        self.created_dirs: list[Path] = []
+        self.writer = None
+        self.resume_from: dict | None = None
+        self.to_remove: list[Path] = []
+        self.stop = threading.Event()
+        if args.shard_rows < 1:
+            raise ValueError(f"--shard-rows must be at least 1, got {args.shard_rows}")
+        if args.resume and args.overwrite:
+            raise ValueError("--resume and --overwrite exclude each other")
+        if args.resume and self.out_type != "folder":
+            raise ValueError(f"--resume needs a shard folder output (-o DIR/), not {args.output}")
+
+    # -----------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run the job; on SIGINT/SIGTERM clean up, print one line and return 2. Other errors propagate
+        (after the same clean-up) for the command to report."""
+        import sys
+
+        with Signals(self.stop) as signals, one_line_warnings():
+            try:
+                return self._run(signals)
+            except (Interrupted, KeyboardInterrupt) as exc:
+                self._clean_up()
+                name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
+                print(f"dice-fast: interrupted by {name}; {self._kept()}", file=sys.stderr)
+                return 2
+            except BaseException:
+                self._clean_up()
+                raise
+
+    def _clean_up(self) -> None:
+        self.stop.set()
+        if self.writer is not None:
+            self.writer.abort()
+        self._remove_created_dirs()
+
+    def _kept(self) -> str:
+        if isinstance(self.writer, ShardWriter) and self.writer.manifest["shards"]:
+            shards = self.writer.manifest["shards"]
+            return (f"{sum(s['rows'] for s in shards):,} rows in {len(shards)} shards are committed in {self.out}; "
+                    "continue with --resume")
+        return "no output written"
+
+    def _run(self, signals: Signals) -> int:
+        args = self.args
+        t0 = time.perf_counter()
+        corpus = open_corpus(args.input, args.format, args.field, args.id_field,
+                             exclude=self.out if self.out_type == "folder" else None)
+        corpus.stop = self.stop
+        requested = self._requested(corpus)
+        self._prepare_output(requested)
+        if self.resume_from is not None and self.resume_from.get("status") == "complete":
+            print(f"nothing to do: {self.out / manifest_name(self.tag)} is complete ({self.resume_from['rows']} rows)")
+            return 0
+        enc = load_encoder(args)
+        resolved = {**requested, **_resolved(enc)}
+        if self.resume_from is not None:
+            _compare(self.resume_from, resolved, ("model", "config"), self.out / manifest_name(self.tag))
+        records = corpus.records()
+        if self.split[1] > 1:
+            records = _take_split(records, *self.split)
+        skipped = 0
+        if self.resume_from is not None:
+            records, skipped = _skip_committed(records, self.resume_from["shards"], self.out)
+        self._open_writer(resolved, signals)
+        from ..progress import ProgressBar
+
+        bar = ProgressBar(None, desc=f"encode {self.kind}", show=not args.quiet)
+        progress = _Estimate(bar, corpus)
+        pending: deque = deque()
+
+        def texts():
+            for doc_id, text in records:
+                pending.append((doc_id, text_digest(text)))
+                progress.offsets.append(corpus.bytes_read)
+                yield text
+
+        try:
+            if self.kind == "documents":
+                blocks = enc.stream_documents(texts(), progress=progress)
+            else:
+                blocks = _query_blocks(enc, texts(), progress)
+            rows = 0
+            for block in blocks:
+                items = [pending.popleft() for _ in range(len(block))]
+                self.writer.write([i for i, _ in items], [d for _, d in items], block)
+                rows += len(block)
+        finally:
+            bar.close()
+        seconds = time.perf_counter() - t0
+        summary = {"rows": skipped + rows, "encoded": rows, "tokens": bar.tokens, "seconds": round(seconds, 3),
+                   "blank_lines": corpus.blank_lines}
+        with signals.critical():
+            self.writer.finish(enc.dim, summary)
+            signals.pending = None  # a signal during the final commit comes too late to stop anything
+        self.writer = None
+        self._print_summary(enc, rows, skipped, bar.tokens, seconds, corpus.blank_lines)
+        return 0
+
+    # -----------------------------------------------------------------------------------------
+    def _requested(self, corpus: Corpus) -> dict:
+        """What the user asked for, comparable before the model loads."""
+        from .. import __version__
+        from ..cliargs import encoder_options
+
+        args = self.args
+        model = args.model
+        if model is not None and Path(model).expanduser().exists():
+            model = str(Path(model).expanduser().resolve())
+        options = encoder_options(args)
+        options["device"] = None if args.device is None else str(args.device).split(":")[0]
+        return {
+            "format": MANIFEST_FORMAT,
+            "dice_fast": __version__,
+            "kind": self.kind,
+            "split": {"index": self.split[0], "count": self.split[1]},
+            "shard_rows": args.shard_rows,
+            "input": {**corpus.fingerprint(), "read_as": args.format, "text_field": args.field,
+                      "id_field": args.id_field},
+            "options": {"model": model or "(bundled all-MiniLM-L6-v2)", **options},
+        }
+
+    def _prepare_output(self, requested: dict) -> None:
+        args, out = self.args, self.out
+        if self.out_type != "folder":
+            targets = [out] + ([ids_path_for(out)] if self.out_type == "npy" else [])
+            for t in targets:
+                if t.is_dir():
+                    raise ValueError(f"--output {t} is a folder; give a file name or DIR/ for shards")
+                if t.exists() and not args.overwrite:
+                    raise ValueError(f"{t} exists; pass --overwrite to replace it")
+            self._make_dirs(out.parent)
+            _check_writable(out.parent)
+            return
+        self._make_dirs(out)
+        _check_writable(out)
+        mine = out / manifest_name(self.tag)
+        if args.resume and mine.exists():
+            self.resume_from = read_manifest(mine)
+            _compare(self.resume_from, requested, ("format", "dice_fast", "kind", "split", "shard_rows", "input",
+                                                   "options"), mine)
+            for shard in self.resume_from["shards"]:
+                p = out / shard["file"]
+                if not p.is_file() or p.stat().st_size != shard["bytes"]:
+                    raise ValueError(f"cannot resume {mine}: committed shard {p.name} is missing or changed "
+                                     f"(expected {shard['bytes']} bytes); start again with --overwrite")
+            committed = {s["file"] for s in self.resume_from["shards"]} | {mine.name}
+            for p in our_files(out):
+                if parse_tag(p.name) == (None if not self.tag else self.split) and p.name not in committed:
+                    p.unlink()  # a temporary or uncommitted shard of the interrupted run
+            return
+        conflicts = [p for p in our_files(out) if self._conflicts(p.name)]
+        if args.resume:  # nothing committed yet: start afresh, dropping only this split's uncommitted files
+            own = None if not self.tag else self.split
+            self.to_remove = [p for p in conflicts if parse_tag(p.name) == own]
+            conflicts = [p for p in conflicts if parse_tag(p.name) != own]
+        if conflicts and not args.overwrite:
+            names = ", ".join(p.name for p in conflicts[:4]) + (" ..." if len(conflicts) > 4 else "")
+            raise ValueError(f"{out} already holds output of dice-fast encode ({names}); pass --resume to continue "
+                             "it or --overwrite to replace it")
+        self.to_remove += conflicts
+
+    def _conflicts(self, name: str) -> bool:
+        """Whether a file of ours in the output folder belongs to (or contradicts) this job's split."""
+        tag = parse_tag(name)
+        if self.split[1] == 1 or tag is None:
+            return True
+        return tag == self.split or tag[1] != self.split[1]
+
+    def _open_writer(self, resolved: dict, signals: Signals) -> None:
+        if self.out_type == "npy":
+            self.writer = NpyWriter(self.out)
+        elif self.out_type == "parquet":
+            self.writer = ParquetFileWriter(self.out, resolved)
+        else:
+            for p in self.to_remove:  # --overwrite (or --resume of nothing): start afresh
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            manifest = dict(resolved)
+            if self.resume_from is not None:
+                manifest["shards"] = list(self.resume_from["shards"])
+            self.writer = ShardWriter(self.out, self.tag, self.args.shard_rows, manifest, guard=signals.critical)
+
+    def _make_dirs(self, folder: Path) -> None:
+        missing = []
+        p = folder.resolve()
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        self.created_dirs = missing  # deepest first
+
+    def _remove_created_dirs(self) -> None:
+        for d in self.created_dirs:
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only when empty: committed shards keep their folder
+
+    def _print_summary(self, enc, rows, skipped, tokens, seconds, blank_lines) -> None:
+        from ..runinfo import model_label
+
+        c = enc.config
+        where = self.out if self.out_type != "folder" else self.out / manifest_name(self.tag)
+        extra = f"; {skipped:,} already committed (resumed)" if skipped else ""
+        if blank_lines:
+            extra += f"; skipped {blank_lines:,} blank line{'s' if blank_lines > 1 else ''}"
+        if self.split[1] > 1:
+            extra += f"; split {self.split[0]}/{self.split[1]}"
+        print(
+            f"encoded {rows:,} {self.kind} ({tokens:,} tokens incl. special tokens) in {seconds:.2f} s: "
+            f"{rows / seconds:,.1f} docs/s, {tokens / seconds:,.0f} tokens/s -> {where} "
+            f"({skipped + rows} x {enc.dim} float32){extra} [{model_label(enc.spec.name)}, {enc.device}, "
+            f"{str(enc.dtype).replace('torch.', '')}, attention={enc.backend}, strategy={c.strategy}, "
+            f"chunk_size={c.chunk_size}, aggregation={c.aggregation}]"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+def _resolved(enc) -> dict:
+    from ..runinfo import model_label
+
+    config = asdict(enc.config)
+    config["device"] = enc.device.type
+    return {"model": {"name": enc.spec.name, "label": model_label(enc.spec.name), "dim": enc.dim}, "config": config}
+
+
+def _flatten(value, prefix: str = "") -> dict:
+    """``{"a": {"b": [{"c": 1}]}}`` -> ``{"a.b[0].c": 1}`` (so that a difference names its setting)."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(value, list) and value:
+        out = {f"{prefix}.length": len(value)}
+        for i, v in enumerate(value):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: value}
+
+
+def _compare(before: dict, now: dict, keys: tuple[str, ...], where: Path) -> None:
+    """ValueError listing every setting in ``keys`` that differs between a manifest and this run."""
+    old = _flatten({k: before.get(k) for k in keys})
+    new = _flatten({k: now.get(k) for k in keys})
+    diffs = [f"{k} is {new.get(k)!r}, was {old.get(k)!r}" for k in sorted(set(old) | set(new))
+             if old.get(k) != new.get(k)]
+    if diffs:
+        shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        raise ValueError(f"cannot resume {where}: this run differs from the interrupted one: {shown} "
+                         "(run with the same options and input, or start again with --overwrite)")
+
+
+def _take_split(records, index: int, count: int):
+    """Documents ``index, index + count, index + 2 count`` ... of the stream."""
+    for d, record in enumerate(records):
+        if d % count == index:
+            yield record
+
+
+def _skip_committed(records, shards: list[dict], folder: Path):
+    """Read past the documents of the committed ``shards`` (not encoding them), checking that they are
+    the same documents (ids and texts) as when committed. Returns (the rest of the stream, count)."""
+    it = iter(records)
+    skipped = 0
+    for shard in shards:
+        h = hashlib.sha256()
+        n = 0
+        for doc_id, text in islice(it, shard["rows"]):
+            update_input_hash(h, doc_id, text_digest(text))
+            n += 1
+        skipped += n
+        if n < shard["rows"]:
+            raise ValueError(f"cannot resume {folder}: the input now has {skipped} documents, fewer than the "
+                             f"{sum(s['rows'] for s in shards)} already committed")
+        if h.hexdigest() != shard["input_sha256"]:
+            raise ValueError(f"cannot resume {folder}: the input changed: the documents of committed shard "
+                             f"{shard['file']} (ids {shard['first_id']} .. {shard['last_id']}) differ from the "
+                             "input's now; start again with --overwrite")
+    return it, skipped
+
+
+def _query_blocks(enc, texts, progress):
+    """Queries encoded in batches of `_QUERY_BATCH` (one window each), as (n, dim) blocks."""
+    while True:
+        batch = list(islice(texts, _QUERY_BATCH))
+        if not batch:
+            return
+        yield enc.encode_queries(batch, progress=progress)
+
+
+class _Estimate:
+    """The engine's progress callback: counts tokens on the bar and sets its total (so its ETA) from
+    the input's size in bytes and the tokens per byte of the documents encoded so far (no total for
+    stdin). ``offsets`` receives, per document read, the input's byte offset just after it."""
+
+    def __init__(self, bar, corpus: Corpus):
+        self.bar, self.corpus = bar, corpus
+        self.total_bytes = corpus.total_bytes
+        self.base = self.done_bytes = corpus.bytes_read
+        self.offsets: deque = deque()
+
+    def __call__(self, documents: int, tokens: int) -> None:
+        for _ in range(min(documents, len(self.offsets))):
+            self.done_bytes = self.offsets.popleft()
+        read = self.done_bytes - self.base
+        done = self.bar.tokens + tokens
+        if self.total_bytes and read > 0 and done > 0:
+            self.bar.bar.total = max(int(done * (self.total_bytes - self.base) / read), done)
+        self.bar(documents, tokens)
+
+
+def _check_writable(folder: Path) -> None:
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".dice-fast-probe.", dir=folder)
+    except OSError as exc:
+        raise ValueError(f"cannot write to {folder}: {exc.strerror}") from None
+    os.close(fd)
+    os.unlink(probe)

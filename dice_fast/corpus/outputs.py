@@ -1,0 +1,337 @@
+"""Where vectors go: a ``.npy`` (+ ids file), a single ``.parquet``, or a folder of Parquet shards with
+a manifest (read back by `dice_fast.corpus.loading.load_embeddings`).
+
+Every writer streams (memory bounded by one row group, never by the corpus) into hidden temporary
+files in the target folder and makes them visible only by ``os.replace`` after ``fsync``:
+
+* ``.npy``: rows are appended to the temporary file behind a fixed-size header that is rewritten with
+  the final row count at the end, so no count pass is needed (stdin works too). The ids go to
+  ``NAME.ids.txt`` beside it (one per line, row ``i`` is line ``i + 1``).
+* ``.parquet``: one file with columns ``id`` (string) and ``embedding`` (fixed-size list of float32),
+  the options in the file's key-value metadata under ``dice_fast``.
+* a folder: shards ``part-00000.parquet``, ``part-00001.parquet`` ... of ``shard_rows`` rows each and
+  ``manifest.json``. A shard is written to a temporary name, fsynced and renamed; then the manifest
+  listing it is rewritten the same way. The manifest is the commit point: a shard file not listed in
+  it (a run killed between the two renames) is rewritten on ``--resume``. With ``--shard I/N`` the
+  names carry the split: ``part-1of4-00000.parquet``, ``manifest-1of4.json``, so the processes of one
+  split can share a folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MANIFEST_FORMAT = "dice_fast.embeddings/1"
+_ROW_GROUP = 4096
+_NPY_HEADER = 128  # bytes: magic, version, length, and the header dict padded with spaces
+_OUR_FILES = re.compile(r"^(manifest(-\d+of\d+)?\.json|part(-\d+of\d+)?-\d{5,}\.parquet)$")
+_OUR_TEMPS = re.compile(r"^\.(manifest|part)(-\d+of\d+)?[-.].*\.tmp$")
+
+
+def split_tag(index: int, count: int) -> str:
+    """The name tag of split ``index`` of ``count``: "" for an unsplit job, else ``-INDEXofCOUNT``."""
+    return "" if count == 1 else f"-{index}of{count}"
+
+
+def manifest_name(tag: str) -> str:
+    return f"manifest{tag}.json"
+
+
+def shard_name(tag: str, k: int) -> str:
+    return f"part{tag}-{k:05d}.parquet"
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system lets a folder be fsynced
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _mktemp(folder: Path, name: str) -> Path:
+    """A new hidden temporary file ``.NAME.XXXXXXXX.tmp`` in ``folder`` (mode 0666 less the umask, as
+    the final file should have)."""
+    for _ in range(100):
+        path = folder / f".{name}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a temporary file for {name} in {folder}")
+
+
+def _fsync_and_hash(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+        os.fsync(fh.fileno())
+    return path.stat().st_size, h.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, fsync, rename, fsync the folder."""
+    tmp = _mktemp(path.parent, path.name)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def _schema(dim: int, metadata: dict):
+    import pyarrow as pa
+
+    return pa.schema([("id", pa.string()), ("embedding", pa.list_(pa.float32(), dim))],
+                     metadata={"dice_fast": json.dumps(metadata, sort_keys=True)})
+
+
+def _table(ids: list[str], vectors: np.ndarray, schema):
+    import pyarrow as pa
+
+    flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1), type=pa.float32())
+    emb = pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
+    return pa.Table.from_arrays([pa.array(ids, type=pa.string()), emb], schema=schema)
+
+
+class _ParquetStream:
+    """Rows appended to one Parquet file in row groups of `_ROW_GROUP` rows."""
+
+    def __init__(self, path: Path, dim: int, metadata: dict):
+        import pyarrow.parquet as pq
+
+        self.schema = _schema(dim, metadata)
+        self.writer = pq.ParquetWriter(str(path), self.schema)
+        self.ids: list[str] = []
+        self.blocks: list[np.ndarray] = []
+        self.pending = 0
+
+    def write(self, ids: list[str], block: np.ndarray) -> None:
+        self.ids.extend(ids)
+        self.blocks.append(block)
+        self.pending += len(block)
+        if self.pending >= _ROW_GROUP:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            self.writer.write_table(_table(self.ids, np.concatenate(self.blocks), self.schema))
+            self.ids, self.blocks, self.pending = [], [], 0
+
+    def close(self) -> None:
+        self._flush()
+        self.writer.close()
+
+
+class NpyWriter:
+    """``OUT.npy`` (float32, rows in input order) and ``OUT.ids.txt`` beside it, both or neither."""
+
+    def __init__(self, path: Path):
+        self.path, self.ids_path = path, ids_path_for(path)
+        self.tmp = self.ids_tmp = None
+        self.tmp = _mktemp(path.parent, path.name)
+        self.ids_tmp = _mktemp(path.parent, self.ids_path.name)
+        self.fh = open(self.tmp, "r+b")
+        self.fh.write(b"\0" * _NPY_HEADER)
+        self.ids_fh = open(self.ids_tmp, "w", encoding="utf-8", newline="\n")
+        self.rows, self.dim = 0, None
+
+    def write(self, ids: list[str], digests, block: np.ndarray) -> None:
+        self.dim = block.shape[1]
+        self.fh.write(np.ascontiguousarray(block, dtype="<f4").tobytes())
+        self.ids_fh.write("".join(i + "\n" for i in ids))
+        self.rows += len(block)
+
+    def finish(self, dim: int, summary: dict | None = None) -> None:
+        """Finish both files and rename them into place (call with signals held off)."""
+        header = "{'descr': '<f4', 'fortran_order': False, 'shape': (%d, %d), }" % (self.rows, dim)
+        header = header.ljust(_NPY_HEADER - 10 - 1) + "\n"
+        self.fh.seek(0)
+        self.fh.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode("latin1"))
+        for fh in (self.fh, self.ids_fh):
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+        os.replace(self.ids_tmp, self.ids_path)
+        os.replace(self.tmp, self.path)
+        self.tmp = self.ids_tmp = None
+        fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        for fh in (getattr(self, "fh", None), getattr(self, "ids_fh", None)):
+            if fh is not None:
+                with contextlib.suppress(OSError):
+                    fh.close()
+        for tmp in (self.tmp, self.ids_tmp):
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+        self.tmp = self.ids_tmp = None
+
+
+class ParquetFileWriter:
+    """One ``OUT.parquet`` with columns ``id`` and ``embedding``, renamed into place when complete."""
+
+    def __init__(self, path: Path, metadata: dict):
+        self.path, self.metadata = path, metadata
+        self.tmp = _mktemp(path.parent, path.name)
+        self.stream = None
+        self.rows = 0
+
+    def write(self, ids: list[str], digests, block: np.ndarray) -> None:
+        if self.stream is None:
+            self.stream = _ParquetStream(self.tmp, block.shape[1], self.metadata)
+        self.stream.write(ids, block)
+        self.rows += len(block)
+
+    def finish(self, dim: int, summary: dict | None = None) -> None:
+        """Close the file and rename it into place (call with signals held off)."""
+        if self.stream is None:
+            self.stream = _ParquetStream(self.tmp, dim, self.metadata)
+        self.stream.close()
+        self.stream = None
+        _fsync_and_hash(self.tmp)
+        os.replace(self.tmp, self.path)
+        self.tmp = None
+        fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        if self.stream is not None:
+            with contextlib.suppress(Exception):
+                self.stream.writer.close()
+            self.stream = None
+        if self.tmp is not None:
+            with contextlib.suppress(OSError):
+                self.tmp.unlink()
+            self.tmp = None
+
+
+class ShardWriter:
+    """A folder of Parquet shards of ``shard_rows`` rows and a manifest, committed shard by shard.
+
+    manifest: the job's description (options, input, split); ``shards`` lists what is committed
+    (carried over from the manifest of an interrupted run on resume). ``guard``: a context manager
+    factory holding off SIGINT/SIGTERM while a commit renames files.
+    """
+
+    def __init__(self, folder: Path, tag: str, shard_rows: int, manifest: dict, guard=contextlib.nullcontext):
+        self.folder, self.tag, self.shard_rows, self.guard = folder, tag, shard_rows, guard
+        self.manifest = manifest
+        self.manifest.setdefault("shards", [])
+        self.tmp = self.stream = None
+        self.rows = 0
+        self.first_id = self.last_id = None
+        self.input_hash = hashlib.sha256()
+
+    @property
+    def committed_rows(self) -> int:
+        return sum(s["rows"] for s in self.manifest["shards"])
+
+    def write(self, ids: list[str], digests: list[bytes], block: np.ndarray) -> None:
+        from .readers import update_input_hash
+
+        start = 0
+        while start < len(block):
+            if self.stream is None:
+                self.tmp = _mktemp(self.folder, shard_name(self.tag, len(self.manifest["shards"])))
+                meta = {k: v for k, v in self.manifest.items() if k not in ("shards", "rows", "status", "summary")}
+                meta["shard"] = len(self.manifest["shards"])
+                self.stream = _ParquetStream(self.tmp, block.shape[1], meta)
+                self.first_id = ids[start]
+            take = min(self.shard_rows - self.rows, len(block) - start)
+            self.stream.write(ids[start : start + take], block[start : start + take])
+            for i in range(start, start + take):
+                update_input_hash(self.input_hash, ids[i], digests[i])
+            self.rows += take
+            self.last_id = ids[start + take - 1]
+            start += take
+            if self.rows == self.shard_rows:
+                self.commit_shard()
+
+    def commit_shard(self) -> None:
+        """Close the open shard, rename it into place and list it in the manifest."""
+        if self.stream is None:
+            return
+        self.stream.close()
+        self.stream = None
+        size, digest = _fsync_and_hash(self.tmp)
+        name = shard_name(self.tag, len(self.manifest["shards"]))
+        entry = {"file": name, "rows": self.rows, "first_id": self.first_id, "last_id": self.last_id,
+                 "bytes": size, "sha256": digest, "input_sha256": self.input_hash.hexdigest()}
+        with self.guard():
+            os.replace(self.tmp, self.folder / name)
+            self.tmp = None
+            fsync_dir(self.folder)
+            self.manifest["shards"].append(entry)
+            self.write_manifest()
+        self.rows, self.input_hash = 0, hashlib.sha256()
+
+    def write_manifest(self, status: str = "running") -> None:
+        self.manifest["status"] = status
+        self.manifest["rows"] = self.committed_rows
+        atomic_write_text(self.folder / manifest_name(self.tag), json.dumps(self.manifest, indent=1) + "\n")
+
+    def finish(self, dim: int, summary: dict | None = None) -> None:
+        """Commit the last (short) shard and mark the manifest complete."""
+        self.commit_shard()
+        self.manifest["summary"] = summary or {}
+        with self.guard():
+            self.write_manifest("complete")
+
+    def abort(self) -> None:
+        if self.stream is not None:
+            with contextlib.suppress(Exception):
+                self.stream.writer.close()
+            self.stream = None
+        if self.tmp is not None:
+            with contextlib.suppress(OSError):
+                self.tmp.unlink()
+            self.tmp = None
+
+
+def ids_path_for(npy: Path) -> Path:
+    """``OUT.ids.txt`` beside ``OUT.npy``."""
+    return npy.with_name(npy.name[: -len(".npy")] + ".ids.txt")
+
+
+def parse_tag(name: str) -> tuple[int, int] | None:
+    """The split ``(index, count)`` a file name of ours carries, ``None`` for an unsplit job's file."""
+    m = re.match(r"^\.?(?:manifest|part)-(\d+)of(\d+)[-.]", name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def our_files(folder: Path, temps_only: bool = False) -> list[Path]:
+    """Shard, manifest and temporary files of ours in ``folder`` (``temps_only``: only temporary
+    files, left by a killed run)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir()
+                  if _OUR_TEMPS.match(p.name) or (not temps_only and _OUR_FILES.match(p.name)))
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"{path} is not a dice_fast manifest (format {MANIFEST_FORMAT})")
+    return manifest

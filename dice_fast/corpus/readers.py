@@ -1,0 +1,282 @@
+"""Reading a corpus as a stream of ``(id, text)`` records: a file, a folder of files, or stdin.
+
+Formats (by extension, or ``fmt`` for every file and for stdin):
+
+* ``.txt``: one document per line; the id is the line number (1-based).
+* ``.jsonl`` / ``.ndjson``: one JSON object per line, the text in ``text_field``; the id is the value
+  of ``id_field`` (a string or an integer) when given, else the line number.
+* ``.parquet``: the text in column ``text_field``; the id in column ``id_field`` when given, else the
+  row number (1-based, like line numbers). Read in record batches, never whole.
+
+Blank lines (empty or only whitespace) are skipped in ``.txt`` and ``.jsonl`` alike and counted in
+``Corpus.blank_lines``; line numbers, and so the ids, still count them, so an id always points at its
+line. An empty string in a JSON field or a Parquet column is an (empty) document, not a blank line.
+
+In a folder, every file with a known extension is read (recursively, hidden files and folders
+skipped, sorted by relative path); line- and row-number ids then carry the file's relative path:
+``"sub/a.txt:12"``. Ids are strings everywhere. A malformed line raises ValueError naming
+``file:line``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import struct
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+KNOWN = ("known input types: .txt (one document per line), .jsonl/.ndjson (JSON lines), .parquet, a folder of them, "
+         "or - (stdin, with --format)")
+_PARQUET_BATCH = 1024
+
+
+class Stopped(Exception):
+    """Reading stopped because ``Corpus.stop`` was set (the job is being interrupted)."""
+
+
+def input_format(path: str | os.PathLike, fmt: str = "auto") -> str:
+    """The format of one input file: ``fmt`` unless "auto", else from the extension (ValueError if unknown)."""
+    if fmt != "auto":
+        if fmt not in FORMATS.values():
+            raise ValueError(f"unknown input format {fmt!r}; allowed: auto, txt, jsonl, parquet")
+        return fmt
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMATS:
+        raise ValueError(f"{path}: unknown input type {suffix or '(no extension)'!r}; {KNOWN}")
+    return FORMATS[suffix]
+
+
+@dataclass
+class Corpus:
+    """An input opened for streaming. ``records()`` yields ``(id, text)``; the counters describe what
+    it read so far (``bytes_read`` is updated as records are read, from any thread)."""
+
+    source: str
+    fmt: str = "auto"
+    text_field: str = "text"
+    id_field: str | None = None
+    files: list[tuple[str, Path, str]] = field(default_factory=list)  # (name in ids, path, format)
+    stdin: bool = False
+    blank_lines: int = 0
+    bytes_read: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Bytes of all input files (``None`` for stdin)."""
+        return None if self.stdin else sum(p.stat().st_size for _, p, _ in self.files)
+
+    def fingerprint(self) -> dict:
+        """What identifies this input: each file's name (relative to the input) and size in bytes."""
+        if self.stdin:
+            return {"stdin": True}
+        return {"files": [{"name": name or Path(self.source).name, "size": p.stat().st_size, "format": f}
+                          for name, p, f in self.files]}
+
+    def records(self) -> Iterator[tuple[str, str]]:
+        """``(id, text)`` of every document, in order; ValueError naming ``file:line`` on bad input."""
+        if self.stdin:
+            yield from self._lines("<stdin>", None, self.fmt, _stdin_lines(self.stop))
+            return
+        for name, path, fmt in self.files:
+            if fmt == "parquet":
+                yield from self._parquet(name, path)
+            else:
+                yield from self._lines(str(path), name, fmt, _file_lines(path))
+
+    # -----------------------------------------------------------------------------------------
+    def _lines(self, where: str, name: str | None, fmt: str, lines: Iterator[bytes]):
+        field_, id_field = self.text_field, self.id_field
+        for number, raw in enumerate(lines, start=1):
+            if self.stop.is_set():
+                raise Stopped("reading stopped")
+            self.bytes_read += len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{where}:{number}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+            line = line.rstrip("\n").rstrip("\r")
+            if not line.strip():
+                self.blank_lines += 1
+                continue
+            line_id = str(number) if name is None else f"{name}:{number}"
+            if fmt == "txt":
+                yield line_id, line
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}:{number}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}:{number}: expected a JSON object, got {type(record).__name__}")
+            if field_ not in record:
+                fields = ", ".join(map(str, record)) or "none"
+                raise ValueError(f"{where}:{number}: no field {field_!r} (fields: {fields})")
+            text = record[field_]
+            if not isinstance(text, str):
+                raise ValueError(f"{where}:{number}: field {field_!r} is {type(text).__name__}, expected a string")
+            if id_field is None:
+                yield line_id, text
+                continue
+            if id_field not in record:
+                raise ValueError(f"{where}:{number}: no id field {id_field!r} (fields: {', '.join(map(str, record))})")
+            yield _check_id(record[id_field], f"{where}:{number}"), text
+
+    def _parquet(self, name: str | None, path: Path):
+        import pyarrow as pa
+
+        pf = _open_parquet(path, self.text_field, self.id_field)
+        columns = [self.text_field] + ([self.id_field] if self.id_field is not None else [])
+        size, total_rows, row = path.stat().st_size, max(pf.metadata.num_rows, 1), 0
+        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
+            if self.stop.is_set():
+                raise Stopped("reading stopped")
+            texts = batch.column(0)
+            if texts.null_count:
+                bad = row + 1 + texts.is_null().to_pylist().index(True)
+                raise ValueError(f"{path}: row {bad}: column {self.text_field!r} is null")
+            texts = texts.to_pylist()
+            if self.id_field is None:
+                ids = [str(r) if name is None else f"{name}:{r}" for r in range(row + 1, row + 1 + len(texts))]
+            else:
+                col = batch.column(1)
+                if col.null_count:
+                    bad = row + 1 + col.is_null().to_pylist().index(True)
+                    raise ValueError(f"{path}: row {bad}: id column {self.id_field!r} is null")
+                if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+                    col = col.cast(pa.string())
+                ids = [_check_id(v, f"{path}: row {row + 1 + i}") for i, v in enumerate(col.to_pylist())]
+            row += len(texts)
+            self.bytes_read += size * len(texts) // total_rows
+            yield from zip(ids, texts)
+
+
+def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_field: str | None = None,
+                exclude: str | os.PathLike | None = None) -> Corpus:
+    """Open ``source`` (a file, a folder of files, or ``"-"`` for stdin) and check what can be
+    checked before reading: it exists, its type is known, Parquet columns exist. ``exclude``: a
+    path never read from a folder (the job's own output)."""
+    corpus = Corpus(source, fmt, text_field, id_field)
+    if source == "-":
+        if fmt == "auto":
+            raise ValueError("reading stdin (-) needs --format txt or --format jsonl")
+        if fmt == "parquet":
+            raise ValueError("Parquet cannot be read from stdin; pass the file or folder")
+        input_format("-", fmt)
+        corpus.stdin = True
+        return corpus
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"input {source} does not exist")
+    if path.is_dir():
+        skip = Path(exclude).resolve() if exclude is not None else None
+        wanted = set(FORMATS) if fmt == "auto" else {s for s, f in FORMATS.items() if f == input_format(path, fmt)}
+        for p in sorted(_walk(path), key=lambda p: p.relative_to(path).as_posix()):
+            inside_output = skip is not None and (p.resolve() == skip or skip in p.resolve().parents)
+            if p.suffix.lower() in wanted and not inside_output:
+                corpus.files.append((p.relative_to(path).as_posix(), p, FORMATS[p.suffix.lower()]))
+        if not corpus.files:
+            kinds = ", ".join(sorted(wanted))
+            raise ValueError(f"input folder {source} holds no {kinds} files; {KNOWN}")
+    else:
+        corpus.files.append((None, path, input_format(path, fmt)))
+    for _, p, f in corpus.files:
+        if f == "parquet":
+            _open_parquet(p, text_field, id_field)
+        elif not os.access(p, os.R_OK):
+            raise PermissionError(f"input {p} is not readable")
+    return corpus
+
+
+def read_documents(path: str, fmt: str = "auto", field: str = "text") -> list[str]:
+    """The texts of every document of ``path`` as a list (see `open_corpus`; blank lines skipped)."""
+    return [text for _, text in open_corpus(path, fmt, field).records()]
+
+
+def text_digest(text: str) -> bytes:
+    """A digest of one document's text, fed with its id to a shard's input hash (what ``--resume`` checks)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def update_input_hash(h, doc_id: str, digest: bytes) -> None:
+    """Add one record (its id and text digest) to a running sha256 ``h``, unambiguously."""
+    raw = doc_id.encode("utf-8", "surrogatepass")
+    h.update(struct.pack("<Q", len(raw)))
+    h.update(raw)
+    h.update(digest)
+
+
+# ---------------------------------------------------------------------------------------------
+def _check_id(value, where: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"{where}: id {value!r} is {type(value).__name__}, expected a string or an integer")
+    value = str(value)
+    if "\n" in value or "\r" in value:
+        raise ValueError(f"{where}: id {value!r} contains a line break")
+    return value
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for f in filenames:
+            if not f.startswith("."):
+                yield Path(dirpath) / f
+
+
+def _open_parquet(path: Path, text_field: str, id_field: str | None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise ValueError(f"{path}: not a readable Parquet file ({exc})") from None
+    names = pf.schema_arrow.names
+    for column, what in ((text_field, "text"), (id_field, "id")):
+        if column is not None and column not in names:
+            raise ValueError(f"{path}: no {what} column {column!r} (columns: {', '.join(names)})")
+    kind = pf.schema_arrow.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"{path}: column {text_field!r} is {kind}, expected strings")
+    return pf
+
+
+def _file_lines(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as fh:
+        yield from fh
+
+
+def _stdin_lines(stop: threading.Event) -> Iterator[bytes]:
+    """Lines of stdin, read by a daemon thread so that a consumer waiting for input can still stop."""
+    lines: queue.Queue = queue.Queue(maxsize=4096)
+    stream = sys.stdin.buffer
+
+    def pump():
+        try:
+            for raw in stream:
+                lines.put(raw)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            lines.put(exc)
+        lines.put(None)
+
+    threading.Thread(target=pump, name="dice_fast-stdin", daemon=True).start()
+    while True:
+        try:
+            item = lines.get(timeout=0.1)
+        except queue.Empty:
+            if stop.is_set():
+                raise Stopped("reading stopped") from None
+            continue
+        if item is None:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item

@@ -1,0 +1,45 @@
+"""Helpers of the corpus tests: cached encoders, a small deterministic corpus, the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+_ENCODERS: dict = {}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def encoder(**options):
+    """The bundled model with ``options``, loaded once per session."""
+    from dice_fast import DiceEncoder
+
+    key = json.dumps(options, sort_keys=True)
+    if key not in _ENCODERS:
+        _ENCODERS[key] = DiceEncoder.from_pretrained(**options)
+    return _ENCODERS[key]
+
+
+def corpus_docs(n: int, seed: int = 0, words: tuple[int, int] = (3, 60)) -> list[str]:
+    """``n`` deterministic documents of ``words`` words (a few thousand distinct words)."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = [f"{a}{b}" for a in ("alpha", "beta", "gamma", "delta", "omega", "sigma") for b in
+             ("river", "stone", "cloud", "field", "light", "house", "tree", "song")]
+    return [" ".join(rng.choice(vocab) for _ in range(rng.randint(*words))) for _ in range(n)]
+
+
+def write_jsonl(path: Path, docs: list[str], ids: list[str] | None = None) -> Path:
+    ids = ids or [f"doc{i:04d}" for i in range(len(docs))]
+    path.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in zip(ids, docs)), encoding="utf-8")
+    return path
+
+
+def cli_process(args: list[str], **kwargs) -> subprocess.Popen:
+    """``python -m dice_fast.cli ARGS`` in a new process (one intra-op thread), pipes for its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "dice_fast.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kwargs)
