@@ -1,0 +1,100 @@
+"""``dice-fast serve`` and ``dice-fast bench-serve``: their arguments and commands, registered by
+`dice_fast.cli`. Registering imports neither fastapi, uvicorn nor httpx; the commands import them."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..cliargs import add_encoder_arguments, make_encoder
+from .limits import DEFAULT_LIMITS, LIMITS
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """The server's limits (see `AsyncDiceEncoder`)."""
+    g = p.add_argument_group("limits (over a limit: 413 for an oversize request, 429 + Retry-After when busy)")
+    for name, (default, meaning) in LIMITS.items():
+        shown = "" if default is None else f" (default {default})"
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=meaning + shown)
+    g.add_argument("--no-cross-request-batching", dest="cross_request_batching", action="store_false",
+                   help="run one request at a time, alone in its batches (a baseline for benchmarks)")
+
+
+def limits(args) -> dict:
+    """The `AsyncDiceEncoder` keyword arguments named by `add_limit_arguments`."""
+    out = {name: getattr(args, name) for name in DEFAULT_LIMITS}
+    out["cross_request_batching"] = args.cross_request_batching
+    return out
+
+
+def register_cli(subparsers) -> None:
+    """Add the ``serve`` and ``bench-serve`` subcommands to ``subparsers``."""
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible embeddings server with cross-request batching",
+        description="Serve POST /v1/embeddings (OpenAI-shaped; input_type document|query), GET /health, "
+        "GET /v1/models and GET /metrics on uvicorn. Requests share packed batches under the token budget. "
+        "SIGTERM or Ctrl-C stops accepting, finishes the requests in flight, then exits.",
+    )
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name in responses and /v1/models (default: the model folder's name)")
+    g.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds to finish requests in flight after SIGTERM before cancelling them (default 30)")
+    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    g.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    add_limit_arguments(p)
+    add_encoder_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+    b = subparsers.add_parser(
+        "bench-serve", help="closed-loop load against the server vs offline encode_documents",
+        description="Start `dice-fast serve` twice (cross-request batching on and off) in subprocesses on "
+        "127.0.0.1, drive each with closed-loop clients at several concurrencies over one corpus, and report "
+        "documents/s, tokens/s, p50/p99 latency and the ratio to offline encode_documents in this process.",
+    )
+    g = b.add_argument_group("benchmark")
+    g.add_argument("--concurrency", default="1,8,64", help="client counts, comma-separated (default 1,8,64)")
+    g.add_argument("--docs", type=int, default=256, help="documents in the corpus (default 256)")
+    g.add_argument("--min-tokens", type=int, default=32, help="shortest document in tokens (default 32)")
+    g.add_argument("--max-tokens", type=int, default=2048, help="longest document in tokens (default 2048)")
+    g.add_argument("--docs-per-request", type=int, default=1, help="documents in each request (default 1)")
+    g.add_argument("--encoding-format", choices=("float", "base64"), default="base64")
+    g.add_argument("--passes", type=int, default=1, help="times the clients go through the corpus (default 1)")
+    g.add_argument("--offline-repeats", type=int, default=3,
+                   help="timed offline runs; their median is the reference (default 3)")
+    g.add_argument("--timeout", type=float, default=600.0, help="give up on a run after this many seconds")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--csv", default=None, help="append the rows to this CSV")
+    g.add_argument("--no-baseline", action="store_true", help="skip the server without cross-request batching")
+    add_encoder_arguments(b)
+    b.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_serve(args) -> int:
+    import warnings
+
+    import uvicorn
+
+    from .app import create_app
+
+    # a query over the window is cut to it, as offline; one warning per such request would flood the log
+    warnings.filterwarnings("ignore", message=r".*longer than the model window", category=UserWarning)
+
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    encoder = make_encoder(args)
+    app = create_app(encoder, model_name=args.served_model_name, **limits(args))
+    print(f"dice-fast serve: {encoder!r}", flush=True)
+    print(f"dice-fast serve: {app.state.core!r}", flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=not args.no_access_log, timeout_graceful_shutdown=args.graceful_timeout,
+                            lifespan="on")
+    uvicorn.Server(config).run()
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from .bench import run_bench_serve
+
+    return run_bench_serve(args)

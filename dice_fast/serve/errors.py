@@ -1,0 +1,62 @@
+"""Errors of the serving layer: what the batching core and the request parser raise, and the
+OpenAI-style JSON body each becomes.
+
+Each error names its culprit in ``param`` ("input[3]", "encoding_format", ...) where there is one.
+The HTTP status of each class is the app's business (`dice_fast.serve.app`); nothing here imports a
+web framework.
+"""
+
+from __future__ import annotations
+
+
+class ServeError(Exception):
+    """Base of the errors a client can cause. message: for the client; param: the offending field."""
+
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict:
+        """The OpenAI-shaped error object: ``{"error": {message, type, param, code}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(ServeError):
+    """The request is malformed: not JSON, wrong types, an empty input, an unknown option (HTTP 422)."""
+
+
+class RequestTooLarge(ServeError):
+    """The request is over a size limit: too many inputs or tokens (HTTP 413). Retrying will not help."""
+
+    code = "request_too_large"
+
+
+class Overloaded(ServeError):
+    """The server is busy: too many tokens queued or too many requests at once (HTTP 429).
+
+    retry_after: seconds after which a retry is likely to be admitted (at least 1).
+    """
+
+    type = "rate_limit_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = max(1, int(retry_after))
+
+
+class ShuttingDown(ServeError):
+    """The encoder is closed or closing and takes no new requests (HTTP 503)."""
+
+    type = "server_error"
+    code = "shutting_down"
+
+
+def internal_error_body() -> dict:
+    """The body of an unexpected server-side failure (HTTP 500); it never echoes internals."""
+    return {"error": {"message": "internal error while encoding; see the server log", "type": "server_error",
+                      "param": None, "code": "internal_error"}}

@@ -1,0 +1,112 @@
+"""Request parsing (every malformed body names its culprit), response serialisation, the metrics text
+format, and the lazy imports of the serve package."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dice_fast.serve.errors import InvalidRequest
+from dice_fast.serve.metrics import Counter, Histogram, Registry
+from dice_fast.serve.schemas import embedding_response, parse_embedding_request
+
+BAD_BODIES = [
+    (b"", None, "empty"),
+    (b"{", None, "not valid JSON"),
+    (b"\xff\xfe{}", None, "not valid UTF-8"),
+    (b'"text"', None, "must be a JSON object, got a string"),
+    (b"[1, 2]", None, "must be a JSON object, got an array"),
+    (b"{}", "input", "'input' is required"),
+    (b'{"input": null}', "input", "got null"),
+    (b'{"input": 3}', "input", "got a number"),
+    (b'{"input": {"text": "x"}}', "input", "got an object"),
+    (b'{"input": []}', "input", "empty list"),
+    (b'{"input": ""}', "input", "empty"),
+    (b'{"input": ["ok", "   "]}', "input[1]", "empty or only whitespace"),
+    (b'{"input": ["ok", 7]}', "input[1]", "token ids"),
+    (b'{"input": [[1, 2, 3]]}', "input[0]", "token ids"),
+    (b'{"input": ["ok", null]}', "input[1]", "must be a string, got null"),
+    (b'{"input": ["ok", true]}', "input[1]", "must be a string, got a boolean"),
+    (b'{"input": "x", "model": 5}', "model", "'model' must be a string"),
+    (b'{"input": "x", "encoding_format": "int8"}', "encoding_format", "'float', 'base64'"),
+    (b'{"input": "x", "input_type": "passage"}', "input_type", "'document', 'query'"),
+    (b'{"input": "x", "input_type": 1}', "input_type", "got 1"),
+    (b'{"input": "x", "dimensions": 128}', "dimensions", "must be 8"),
+    (b'{"input": "x", "dimensions": true}', "dimensions", "must be 8"),
+]
+
+
+@pytest.mark.parametrize("body, param, message", BAD_BODIES, ids=[repr(b[0])[:40] for b in BAD_BODIES])
+def test_malformed_bodies_name_the_culprit(body, param, message):
+    with pytest.raises(InvalidRequest, match=message) as info:
+        parse_embedding_request(body, dim=8)
+    assert info.value.param == param
+    err = info.value.body()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and message.split()[0] in err["message"]
+
+
+def test_valid_bodies():
+    r = parse_embedding_request(b'{"input": "one", "model": "m"}', dim=8)
+    assert (r.input, r.input_type, r.encoding_format, r.model) == (["one"], "document", "float", "m")
+    r = parse_embedding_request(json.dumps({"input": ["a", "b"], "input_type": "search_query",
+                                            "encoding_format": "base64", "dimensions": 8, "user": "u",
+                                            "unknown": 1}).encode(), dim=8)
+    assert (r.input, r.input_type, r.encoding_format) == (["a", "b"], "query", "base64")
+    r = parse_embedding_request('{"input": ["héllo ✓"], "encoding_format": null}'.encode(), dim=8)
+    assert r.input == ["héllo ✓"] and r.encoding_format == "float"
+
+
+def test_response_float_and_base64_are_exact():
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((3, 5)).astype(np.float32)
+    tokens = np.array([4, 7, 1])
+    for fmt in ("float", "base64"):
+        body = json.loads(embedding_response(vectors, tokens, "m", fmt))
+        assert body["object"] == "list" and body["model"] == "m"
+        assert body["usage"] == {"prompt_tokens": 12, "total_tokens": 12}
+        assert [d["index"] for d in body["data"]] == [0, 1, 2]
+        if fmt == "float":
+            got = np.asarray([d["embedding"] for d in body["data"]], dtype=np.float32)
+        else:
+            got = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in body["data"]])
+        np.testing.assert_array_equal(got, vectors)  # bit-exact: JSON floats round-trip float32
+
+
+def test_metrics_text_format_parses():
+    parser = pytest.importorskip("prometheus_client.parser")
+    reg = Registry()
+    c = reg.add(Counter("x_requests_total", "Requests.", ("kind", "status")))
+    h = reg.add(Histogram("x_seconds", "Latency.", (0.1, 1.0), ("kind",)))
+    c.inc(kind='a"b\\c', status="200")
+    c.inc(2, kind="q", status="429")
+    for v in (0.05, 0.5, 5.0):
+        h.observe(v, kind="q")
+    families = {f.name: f for f in parser.text_string_to_metric_families(reg.render())}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("x_requests_total", (("kind", 'a"b\\c'), ("status", "200")))] == 1
+    assert samples[("x_requests_total", (("kind", "q"), ("status", "429")))] == 2
+    assert samples[("x_seconds_bucket", (("kind", "q"), ("le", "0.1")))] == 1
+    assert samples[("x_seconds_bucket", (("kind", "q"), ("le", "1.0")))] == 2
+    assert samples[("x_seconds_bucket", (("kind", "q"), ("le", "+Inf")))] == 3
+    assert samples[("x_seconds_count", (("kind", "q"),))] == 3
+    assert samples[("x_seconds_sum", (("kind", "q"),))] == pytest.approx(5.55)
+    assert h.count(kind="q") == 3 and c.value(kind="q", status="429") == 2
+
+
+def test_importing_the_package_and_registering_the_cli_loads_no_web_stack():
+    code = (
+        "import sys, argparse\n"
+        "import dice_fast, dice_fast.serve, dice_fast.serve.cli\n"
+        "p = argparse.ArgumentParser(); dice_fast.serve.cli.register_cli(p.add_subparsers())\n"
+        "dice_fast.serve.__all__\n"
+        "web = ('fastapi', 'starlette', 'uvicorn', 'httpx', 'prometheus_client')\n"
+        "print(sorted(m for m in web if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
