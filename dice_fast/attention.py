@@ -36,6 +36,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import tuning
+
 ATTENTION_NAME = "dice_fast_varlen"
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_groups")
 
@@ -293,16 +295,19 @@ def _sdpa_groups(q, k, v, groups, causal, scale):
     # written in place, run by run: one copy of the output instead of a copy per run plus a cat
     # (MiniLM on the 2-core CPU: the cat was ~10% of the forward)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    # CPU SDPA in bf16 is slower than in fp32 (2-core EPYC, torch 2.13: a (60,12,256,32) run 116 vs
-    # 97 ms, twenty 1-chunk runs of 20-200 tokens 158 vs 16 ms), so half-precision inputs are
-    # attended in fp32 on the CPU and the result rounded back: as exact or better, and faster.
-    work = torch.float32 if q.device.type == "cpu" else q.dtype
+    # On the CPU the dtype and kernel are measured per machine (`dice_fast.tuning`): bf16 SDPA is
+    # slower than fp32 on an EPYC (a (60,12,256,32) run 116 vs 97 ms) but ~2x faster on an AMX Xeon.
+    cpu = q.device.type == "cpu"
     for start, n, length in groups:
         end = start + n * length
         # (n*L, H, D) -> (n, H, L, D), views of the packed projections
-        qs = q[start:end].reshape(n, length, hq, d).transpose(1, 2).to(work)
-        ks = k[start:end].reshape(n, length, hkv, d).transpose(1, 2).to(work)
-        vs = v[start:end].reshape(n, length, hkv, d).transpose(1, 2).to(work)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal and length > 1, scale=scale, enable_gqa=gqa)
+        qs = q[start:end].reshape(n, length, hq, d).transpose(1, 2)
+        ks = k[start:end].reshape(n, length, hkv, d).transpose(1, 2)
+        vs = v[start:end].reshape(n, length, hkv, d).transpose(1, 2)
+        is_causal = causal and length > 1
+        if cpu:
+            o = tuning.cpu_attend(qs, ks, vs, is_causal, scale, gqa)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=is_causal, scale=scale, enable_gqa=gqa)
         out[start:end].view(n, length, hq, d).copy_(o.transpose(1, 2))
     return out
