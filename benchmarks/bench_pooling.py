@@ -1,21 +1,31 @@
 """Micro-benchmark of token -> chunk mean pooling: achieved GB/s against the measured copy bandwidth.
 
-    python benchmarks/bench_pooling.py [--csv benchmarks/pooling.csv] [--smoke]
+    python benchmarks/bench_pooling.py [--csv benchmarks/pooling.csv] [--smoke] [--native build|skip]
+                                       [--budget-s 40] [--plan]
 
 Implementations timed on the same inputs (bf16 hidden states, fp32 outputs):
-  triton        dice_fast.ops.triton_pool (CUDA)
-  native        the csrc/ CUDA C++ (or CPU C++) twin, built on demand
-  index_add     out.index_add_(0, segment_ids, hidden.float()) / counts  (what a user writes)
+  triton         dice_fast.ops.triton_pool (CUDA)
+  native         the csrc/ CUDA C++ (or CPU C++) twin (``--native build``: built or loaded from its cache)
+  torch          dice_fast.ops.torch_pool, the vectorised PyTorch default without the twin
+  index_add      out.index_add_(0, segment_ids, hidden.float()) / counts  (what a user writes)
   segment_reduce torch.segment_reduce(hidden.float(), "mean", lengths=...)
   scatter_reduce out.scatter_reduce_(0, ids, hidden.float(), "mean", include_self=False)
-Bytes counted: hidden read once + chunk vectors written once. GPU times are medians of
-triton.testing.do_bench (CUDA events); CPU times (--smoke) are medians of a few wall-clock runs.
+
+Inputs are generated on the device (a few GB of random bf16 in milliseconds, not minutes of CPU
+random numbers). Cases: chunks of 258 rows (the default DICE chunk: 256 tokens + 2 specials, one
+row past a 256-row piece: the worst case of the Triton kernel's pieces) at MiniLM's and BERT-base's
+width, the tail-heavy mix of 1-512 rows, 8192-row chunks, and 512-row chunks at Qwen2-1.5B's width.
+Bytes counted: hidden read once + chunk vectors written once. GPU times: CUDA-graph replays (median,
+``triton.testing.do_bench_cudagraph``), or CUDA events around back-to-back calls
+(``triton.testing.do_bench``) when an implementation cannot be captured; CPU (--smoke): median of a
+few wall-clock runs. Every row is appended to the CSV (and printed) as soon as it is measured, so a
+run stopped by a time limit keeps what it measured; cases that would not fit ``--budget-s`` are
+skipped and listed. ``--plan`` prints the cases, their bytes and the planned time, and exits.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import sys
 import time
@@ -25,17 +35,86 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dice_fast.runinfo import device_name, versions  # noqa: E402
 from dice_fast.ops import pool_chunks  # noqa: E402
+from dice_fast.runinfo import append_csv, device_name, versions  # noqa: E402
+
+# (tokens, hidden, kind); kinds: cNNN = every chunk NNN rows, mixed = 1..512 rows, long = 8192 rows
+GPU_CASES = [
+    (1 << 20, 384, "c258"),
+    (1 << 20, 768, "c258"),
+    (1 << 18, 4096, "mixed"),
+    (1 << 18, 4096, "long"),
+    (1 << 19, 1536, "c512"),
+]
+SMOKE_CASES = [(1 << 14, 384, "mixed"), (1 << 13, 384, "c258")]
+COMPOSITES = ("index_add", "segment_reduce", "scatter_reduce")
+# per implementation and case (triton.testing arguments are milliseconds): a graph of ~GRAPH_REP_MS of
+# calls replayed 10 times (median of the 10); without a graph, events around EVENT_REP_MS of calls
+GRAPH_REP_MS, WARMUP_MS, EVENT_REP_MS = 20, 25, 150
+# planned seconds per (case, implementation) beyond the timed replays: the estimate calls, graph
+# capture, the correctness call, allocation; and per Triton compilation (two kernels per case: the
+# reduction and the finalize pass of chunks longer than a 256-row piece), 1-2 s each
+OVERHEAD_S = 0.15
+COMPILE_S = 2.0
+START_S = 12.0  # python + torch + CUDA context + triton import, before the first case
 
 
-def timer(device):
+def plan_seconds(cases, n_impls: int) -> float:
+    """Planned wall time of a GPU run from counts: start-up, the copy benchmark, per case and
+    implementation the timed replays + overhead, and per case two Triton compilations."""
+    return START_S + 1.0 + len(cases) * (n_impls * _per_impl_s() + 2 * COMPILE_S)
+
+
+def _per_impl_s() -> float:
+    return max(10 * GRAPH_REP_MS, WARMUP_MS + EVENT_REP_MS) / 1e3 + OVERHEAD_S
+
+
+def case_bytes(tokens: int, hidden: int, kind: str) -> int:
+    """Bytes one pooling call must move: bf16 hidden read once + fp32 chunk vectors written once."""
+    lengths = chunk_lengths(tokens, kind, torch.Generator().manual_seed(0))
+    return int(lengths.sum()) * hidden * 2 + len(lengths) * hidden * 4
+
+
+def chunk_lengths(tokens: int, kind: str, g: torch.Generator) -> torch.Tensor:
+    """(n_chunks,) int64 chunk lengths of a case, summing to at most ``tokens`` (host tensor)."""
+    if kind == "mixed":  # 1..512-token chunks: the DICE tail-heavy mix
+        lengths = torch.randint(1, 513, (tokens // 256 + 1,), generator=g)
+    elif kind == "long":
+        lengths = torch.full((tokens // 8192 + 1,), 8192)
+    elif kind.startswith("c"):
+        n = int(kind[1:])
+        lengths = torch.full((tokens // n + 1,), n)
+    else:
+        raise ValueError(f"unknown case kind {kind!r}")
+    return lengths[torch.cumsum(lengths, 0) <= tokens]
+
+
+def make_inputs(device: torch.device, tokens: int, hidden: int, kind: str, seed: int = 0):
+    """(hidden (T, H) bf16, cu_seqlens int32, lengths int64), all on ``device``; the big tensor is
+    drawn by the device's own generator."""
+    lengths = chunk_lengths(tokens, kind, torch.Generator().manual_seed(seed))
+    total = int(lengths.sum())
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden_states = torch.randn(total, hidden, device=device, dtype=torch.bfloat16, generator=g)
+    return hidden_states, cu.to(device), lengths.to(device)
+
+
+def timer(device: torch.device):
+    """measure(fn) -> (median s, p20 s, p80 s, how)."""
     if device.type == "cuda":
         import triton.testing
 
         def measure(fn):
-            med, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=200, quantiles=[0.5, 0.2, 0.8])
-            return med * 1e-3, p20 * 1e-3, p80 * 1e-3
+            try:
+                med = triton.testing.do_bench_cudagraph(fn, rep=GRAPH_REP_MS, return_mode="median")
+                return med * 1e-3, float("nan"), float("nan"), "cudagraph"
+            except Exception as exc:  # not capturable (a host sync, say): events around back-to-back calls
+                print(f"    (no CUDA graph: {type(exc).__name__}: {str(exc)[:120]}; timing with events)", flush=True)
+                torch.cuda.synchronize()
+            med, p20, p80 = triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=EVENT_REP_MS, quantiles=[0.5, 0.2, 0.8])
+            return med * 1e-3, p20 * 1e-3, p80 * 1e-3, "events"
 
         return measure
 
@@ -47,32 +126,17 @@ def timer(device):
             fn()
             ts.append(time.perf_counter() - t0)
         ts.sort()
-        return ts[len(ts) // 2], ts[0], ts[-1]
+        return ts[len(ts) // 2], ts[0], ts[-1], "wall"
 
     return measure
 
 
-def copy_bandwidth(device, measure, nbytes: int) -> float:
+def copy_bandwidth(device: torch.device, measure, nbytes: int) -> float:
+    """GB/s of a device copy, counting bytes read + written."""
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    t, _, _ = measure(lambda: dst.copy_(src))
-    return 2 * nbytes / t / 1e9  # read + write
-
-
-def make_inputs(device, tokens: int, hidden: int, kind: str, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "mixed":  # 1..512-token chunks: the DICE tail-heavy mix
-        lengths = torch.randint(1, 513, (tokens // 256 + 1,), generator=g)
-    elif kind == "long":  # 8192-token chunks
-        lengths = torch.full((tokens // 8192 + 1,), 8192)
-    else:  # full 256-token chunks
-        lengths = torch.full((tokens // 256 + 1,), 256)
-    lengths = lengths[torch.cumsum(lengths, 0) <= tokens]
-    total = int(lengths.sum())
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
-    hidden_states = torch.randn(total, hidden, generator=g).to(device=device, dtype=torch.bfloat16)
-    return hidden_states, cu.to(device), lengths.to(device)
+    t = measure(lambda: dst.copy_(src))[0]
+    return 2 * nbytes / t / 1e9
 
 
 def composites(hidden, cu, lengths):
@@ -95,65 +159,86 @@ def composites(hidden, cu, lengths):
     return {"index_add": index_add, "segment_reduce": segment_reduce, "scatter_reduce": scatter_reduce}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--csv", default="benchmarks/pooling.csv")
-    ap.add_argument("--smoke", action="store_true", help="small sizes (CPU check of the script itself)")
-    args = ap.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    measure = timer(device)
-    impls = {}
-    if device.type == "cuda":
-        impls["triton"] = "triton"
+def native_impl(device: torch.device, how: str) -> bool:
+    """Whether the C++ twin can be timed: ``skip`` never; ``build`` builds it (or loads the cached build)."""
+    if how == "skip":
+        return False
     try:
         from dice_fast.ops import native
 
         native.build(with_cuda=device.type == "cuda")
-        impls["native"] = "native"
+        return True
     except Exception as exc:  # the twin is optional: say why it is missing and go on
-        print(f"native extension not built: {exc}", file=sys.stderr)
+        print(f"native extension not used: {exc}", file=sys.stderr, flush=True)
+        return False
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--csv", default="benchmarks/pooling.csv")
+    ap.add_argument("--smoke", action="store_true", help="small sizes (CPU check of the script itself)")
+    ap.add_argument("--native", choices=("build", "skip"), default="build",
+                    help="time the C++ twin (build: build it or load its cached build; skip: leave it out)")
+    ap.add_argument("--budget-s", type=float, default=None, help="skip cases that would not fit in this many seconds")
+    ap.add_argument("--plan", action="store_true", help="print the planned cases and time, and exit")
+    args = ap.parse_args(argv)
+    cases = SMOKE_CASES if args.smoke else GPU_CASES
+    if args.plan:
+        n_impls = 3 + len(COMPOSITES)
+        for c in cases:
+            print(f"case {c}: {case_bytes(*c) / 1e9:.2f} GB per call")
+        print(f"planned {plan_seconds(cases, n_impls):.0f} s for {len(cases)} cases x {n_impls} implementations")
+        return 0
+    t_start = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    measure = timer(device)
+    impls = {}
+    if device.type == "cuda":
+        impls["triton"] = "triton"
+    if native_impl(device, args.native):
+        impls["native"] = "native"
+    impls["torch"] = "torch"
     bw = copy_bandwidth(device, measure, (1 << 24) if args.smoke else (1 << 30))
-    sizes = [(1 << 14, 384, "mixed")] if args.smoke else [
-        (1 << 20, 384, "mixed"), (1 << 20, 1024, "mixed"), (1 << 18, 4096, "mixed"),
-        (1 << 18, 4096, "long"), (1 << 18, 8192, "full"),
-    ]
-    rows, now, v = [], datetime.datetime.now().isoformat(timespec="seconds"), versions()
-    for tokens, hidden, kind in sizes:
+    print(f"copy bandwidth {bw:,.0f} GB/s on {device_name(device)}", flush=True)
+    now, v = datetime.datetime.now().isoformat(timespec="seconds"), versions()
+    per_case = _per_impl_s() * (len(impls) + len(COMPOSITES)) + (2 * COMPILE_S if "triton" in impls else 0)
+    rows, skipped, bad = [], [], []
+    print("| tokens | hidden | chunks | impl | timer | ms | GB/s | % of copy | max err |", flush=True)
+    for tokens, hidden, kind in cases:
+        if args.budget_s is not None and time.perf_counter() - t_start + per_case > args.budget_s:
+            skipped.append((tokens, hidden, kind))
+            continue
         h, cu, lengths = make_inputs(device, tokens, hidden, kind)
-        nbytes = h.numel() * h.element_size() + (len(lengths)) * hidden * 4
+        nbytes = h.numel() * h.element_size() + len(lengths) * hidden * 4
         fns = {name: (lambda which=which: pool_chunks(h, cu, "mean", impl=which)) for name, which in impls.items()}
         fns.update(composites(h, cu, lengths))
         want = fns["index_add"]()
+        case_rows = []
         for name, fn in fns.items():
-            got = fn()
-            err = float((got - want).abs().max())
-            t, p20, p80 = measure(fn)
-            rows.append(dict(date=now, device=device_name(device), **v, impl=name, tokens=h.shape[0], hidden=hidden,
-                             chunks=len(lengths), kind=kind, ms=t * 1e3, p20_ms=p20 * 1e3, p80_ms=p80 * 1e3,
-                             gbps=nbytes / t / 1e9, copy_gbps=bw, pct_of_copy=100 * nbytes / t / 1e9 / bw,
-                             max_abs_err_vs_index_add=err))
-    best = {}
-    for r in rows:
-        if r["impl"] in ("index_add", "segment_reduce", "scatter_reduce"):
-            key = (r["tokens"], r["hidden"], r["kind"])
-            best[key] = min(best.get(key, float("inf")), r["ms"])
-    out = Path(args.csv)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    new = not out.exists()
-    with open(out, "a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]) + ["speedup_vs_best_composite"])
-        if new:
-            w.writeheader()
-        for r in rows:
-            r["speedup_vs_best_composite"] = best[(r["tokens"], r["hidden"], r["kind"])] / r["ms"]
-            w.writerow(r)
-    print(f"\ncopy bandwidth {bw:,.0f} GB/s on {device_name(device)}")
-    print("| tokens | hidden | chunks | impl | ms | GB/s | % of copy | vs best composite | max err |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['tokens']} | {r['hidden']} | {r['kind']} {r['chunks']} | {r['impl']} | {r['ms']:.3f} | "
-              f"{r['gbps']:,.0f} | {r['pct_of_copy']:.0f}% | {r['speedup_vs_best_composite']:.2f}x | "
-              f"{r['max_abs_err_vs_index_add']:.1e} |")
+            err = float((fn() - want).abs().max())
+            t, p20, p80, how = measure(fn)
+            r = dict(date=now, device=device_name(device), **v, impl=name, tokens=h.shape[0], hidden=hidden,
+                     chunks=len(lengths), kind=kind, timer=how, ms=t * 1e3, p20_ms=p20 * 1e3, p80_ms=p80 * 1e3,
+                     gbps=nbytes / t / 1e9, copy_gbps=bw, pct_of_copy=100 * nbytes / t / 1e9 / bw,
+                     max_abs_err_vs_index_add=err)
+            append_csv([r], args.csv)  # flushed on close: a later kill keeps this row
+            print(f"| {r['tokens']} | {hidden} | {kind} {r['chunks']} | {name} | {how} | {r['ms']:.3f} | "
+                  f"{r['gbps']:,.0f} | {r['pct_of_copy']:.0f}% | {err:.1e} |", flush=True)
+            if not err <= 1e-3:
+                bad.append(f"{name} {tokens}x{hidden} {kind}: max error {err:.3g}")
+            case_rows.append(r)
+        best = min(r["ms"] for r in case_rows if r["impl"] in COMPOSITES)
+        for r in case_rows:
+            if r["impl"] not in COMPOSITES:
+                print(f"    {r['impl']}: {best / r['ms']:.2f}x the best PyTorch composite", flush=True)
+        rows += case_rows
+        del h, cu, lengths, fns, want
+    print(f"{len(rows)} rows appended to {args.csv} in {time.perf_counter() - t_start:.0f} s", flush=True)
+    if skipped:
+        print(f"SKIPPED (budget {args.budget_s} s): {skipped}", flush=True)
+    if bad:
+        print("MISMATCH: " + "; ".join(bad), flush=True)
+        return 1
     return 0
 
 

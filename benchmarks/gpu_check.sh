@@ -1,58 +1,192 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark of dice_fast in one run (budget: ~6 minutes on one H200).
+# Every GPU check and benchmark of dice_fast in one run, sized to fit 6 minutes on one H200.
 #
-#   bash benchmarks/gpu_check.sh            # on the GPU machine, from the repo root
-#   SMOKE=1 bash benchmarks/gpu_check.sh    # tiny sizes on the CPU: checks the script itself
+#   bash benchmarks/gpu_check.sh               # on the GPU machine (any working directory)
+#   PREFLIGHT=1 bash benchmarks/gpu_check.sh   # on a CPU (CI, ~2 min): everything checkable without a GPU
 #
-# Needs torch, transformers, triton (no flash-attn, no network, no model download: the benchmark
-# models are random-weight BERT-base and Qwen2-1.5B built from configs with a word-level tokenizer).
-# Writes logs and CSVs under $OUT (default benchmarks/gpu_out) and prints a short table last.
+# The GPU machine has torch, transformers, triton and (probably) pytest and ninja, but no network, no
+# flash-attn and no model download: the models are random-weight BERT-base and Qwen2-1.5B built from
+# configs with a word-level tokenizer. Wheels carried in ./.whl are installed first (device README).
+# A step whose tools are missing is skipped with the reason; no step can outlive its limit or the
+# whole run's deadline; every row is written to its CSV as it is measured and every log is packed
+# after every step, so whatever stops the run, what was measured comes back.
+#
+# Output under $OUT (default benchmarks/gpu_out), at most 8 files (what the device tool returns):
+#   summary.txt   environment, each step's status and time, the last lines of each log
+#   logs.tgz      every step's full log
+#   pooling.csv   e2e.csv   e2e_raw.csv   agreement.csv   (preflight: preflight.json)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"  # the H200 only: one nvcc pass, not one per arch
 OUT="${OUT:-benchmarks/gpu_out}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/dice_fast_gpu_check.XXXXXX")"
 PY="${PYTHON:-python3}"
-SMOKE="${SMOKE:-0}"
-status=0
+PREFLIGHT="${PREFLIGHT:-${SMOKE:-0}}"
 
-step() {  # step NAME TIMEOUT_S CMD... : run with a time limit, log to $OUT/NAME.log, record rc
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/steps.txt"
-  [ $rc -eq 0 ] || status=1
+# ---- the plan: limits (s) and work of every step; `preflight.py sizing` checks the work against the limits
+DEADLINE_S=400          # the whole run; a step never gets more than what is left
+LIMIT_ENV=40
+LIMIT_BUILD=150         # C++/CUDA extension, in the background while the GPU tests run
+LIMIT_GPU_TESTS=110     # engine (every varlen backend x pooling) + Triton/torch pooling vs references
+LIMIT_AGREEMENT=50
+LIMIT_NATIVE_TESTS=60
+LIMIT_POOLING=60
+LIMIT_E2E_ENCODER=65
+LIMIT_E2E_DECODER=65
+AGREEMENT_ARGS="--random-model bert-base --init-std 0.05 --docs 48 --longest 4096"
+POOLING_ARGS=""
+E2E_ENCODER_ARGS="--random-model bert-base --dtypes bfloat16 --docs 1000 --repeats 3"
+E2E_DECODER_ARGS="--random-model qwen2-1.5b --chunk-size 512 --dtypes bfloat16 --docs 120 --repeats 2"
+GPU_TEST_FILES="tests/test_gpu.py tests/ops/test_triton_pool.py tests/ops/test_torch_pool.py"
+NATIVE_TEST_FILES="tests/ops/test_native.py"
+
+# ---- machinery
+START=$SECONDS
+DEADLINE=$((START + DEADLINE_S))
+: >"$WORK/steps.txt"
+pack() {  # the background build packs too: a temporary name of its own, then an atomic rename
+  local tmp="$OUT/.logs.$BASHPID.tgz"
+  tar czf "$tmp" -C "$WORK" . 2>/dev/null && mv -f "$tmp" "$OUT/logs.tgz"
 }
+record() {  # record NAME STATUS SECONDS DETAIL
+  printf '%-14s %-7s %4ss  %s\n' "$1" "$2" "$3" "$4" | tee -a "$WORK/steps.txt"
+  pack
+}
+ext_root() { echo "${TORCH_EXTENSIONS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dice_fast}"; }
+clean_locks() {  # a build killed mid-way leaves torch's lock file, and the next load waits on it forever
+  local f
+  for f in $(find "$(ext_root)" -maxdepth 2 -name lock -type f 2>/dev/null); do
+    echo "removing stale build lock $f" | tee -a "$WORK/steps.txt"
+    rm -f "$f"
+  done
+}
+step() {  # step NAME LIMIT CMD... : run with a time limit (and the deadline), log to $WORK/NAME.log
+  local name=$1 limit=$2; shift 2
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 15 ]; then record "$name" SKIP 0 "no time left before the ${DEADLINE_S} s deadline"; return 0; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0=$SECONDS
+  echo "\$ $*" >"$WORK/$name.log"
+  timeout -k 10 "$limit" "$@" >>"$WORK/$name.log" 2>&1
+  local rc=$? st=PASS why=""
+  case $rc in
+    0) ;;
+    124|137) st=TIMEOUT; why="killed at its ${limit} s limit" ;;
+    *) st=FAIL; why="exit code $rc" ;;
+  esac
+  record "$name" "$st" $((SECONDS - t0)) "$why"
+}
+skip() { record "$1" SKIP 0 "$2"; }
+passed() { grep -q "^$1 *PASS" "$WORK/steps.txt"; }
+have_module() { "$PY" -c "import $1" >/dev/null 2>&1; }
+have_cmd() { command -v "$1" >/dev/null 2>&1 || have_module "$1"; }
 
-{ nvidia-smi 2>/dev/null || echo "no nvidia-smi"; date -u; git rev-parse HEAD 2>/dev/null
-  $PY -c "import sys, torch, transformers; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)
-try:
-    import triton; print('triton', triton.__version__)
-except Exception as e: print('triton missing', e)"; } >"$OUT/env.txt" 2>&1
-: >"$OUT/steps.txt"
+# ---- 0. carried wheels, environment, dependencies
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+{ nvidia-smi 2>/dev/null || echo "no nvidia-smi"; date -u; git rev-parse HEAD 2>/dev/null; nproc
+  "$PY" - <<'EOF'
+import importlib, sys
+print(sys.version)
+for m in ("torch", "transformers", "triton", "tokenizers", "numpy", "sentence_transformers", "pytest", "pytest_timeout", "ninja"):
+    try:
+        print(m, getattr(importlib.import_module(m), "__version__", "?"))
+    except Exception as e:
+        print(m, "MISSING", type(e).__name__)
+import torch
+print("cuda", torch.version.cuda, "available", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+EOF
+  command -v nvcc && nvcc --version | tail -n 2; command -v ninja || echo "no ninja binary"; } >"$WORK/env.log" 2>&1
+PYTEST=""
+if have_module pytest; then
+  PYTEST="$PY -m pytest -q -p no:cacheprovider -rs --durations=8"
+  have_module pytest_timeout && PYTEST="$PYTEST --timeout=120"  # the plugin loads itself (-p would register it twice)
+fi
+NATIVE_DEPS=""
+have_cmd ninja || NATIVE_DEPS="ninja is missing"
+command -v "${CXX:-c++}" >/dev/null 2>&1 || NATIVE_DEPS="${NATIVE_DEPS:+$NATIVE_DEPS; }no C++ compiler"
+record env PASS $((SECONDS - START)) "pytest: $([ -n "$PYTEST" ] && echo found || echo MISSING); native build: ${NATIVE_DEPS:-ok}"
+clean_locks
 
-if [ "$SMOKE" = 1 ]; then
-  step pooling 300 $PY benchmarks/bench_pooling.py --smoke --csv "$OUT/pooling.csv"
-  step e2e_encoder 300 $PY -m dice_fast.cli bench --random-model bert-base --device cpu --dtypes float32 \
-       --docs 8 --longest 1024 --repeats 1 --no-sentence-transformers --flops --csv "$OUT/e2e.csv"
+if [ "$PREFLIGHT" = 1 ]; then
+  # ---- CPU preflight: each step's dependencies on the GPU image's package set, the varlen adapter on meta
+  # tensors, every Triton kernel variant compiled for sm_90 with the GPU's triton, the GPU steps' commands
+  # and assertions at CPU sizes, and each step's planned work against its limit
+  PRE="$PY benchmarks/preflight.py --gpu-check benchmarks/gpu_check.sh --json $OUT/preflight.json"
+  step deps 120 $PRE deps
+  if [ -z "$NATIVE_DEPS" ]; then
+    step build 240 "$PY" -c "from dice_fast.ops import native; print(native.build(with_cuda=False))"
+    clean_locks
+  else
+    skip build "$NATIVE_DEPS"
+  fi
+  step varlen_meta 120 $PRE varlen_meta
+  step triton_sm90 240 $PRE triton_sm90
+  if [ -n "$PYTEST" ]; then step gpu_asserts 240 $PYTEST tests/test_gpu.py -m "not gpu"
+  else skip gpu_asserts "pytest is missing"; fi
+  step agreement 120 "$PY" benchmarks/agreement.py $AGREEMENT_ARGS --device cpu --layers 2 --hidden 128 --docs 6 \
+       --longest 700 --csv "$OUT/agreement.csv"
+  step pooling 120 "$PY" benchmarks/bench_pooling.py $POOLING_ARGS --smoke --native skip --csv "$OUT/pooling.csv"
+  step e2e_encoder 240 "$PY" -m dice_fast.cli bench $E2E_ENCODER_ARGS --device cpu --dtypes float32 --docs 3 \
+       --longest 600 --repeats 1 --no-sentence-transformers --flops --budget-s 60 --csv "$OUT/e2e.csv" \
+       --raw-csv "$OUT/e2e_raw.csv"
+  step sizing 120 $PRE sizing
 else
-  # 1. correctness on the GPU: engine backends vs the per-chunk oracle, Triton and CUDA C++ pooling
-  step gpu_tests 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/ops -m gpu
-  # 2. pooling kernel: GB/s vs copy bandwidth, vs PyTorch composites and the CUDA C++ twin
-  step pooling 60 $PY benchmarks/bench_pooling.py --csv "$OUT/pooling.csv"
-  # 3. end to end vs naive chunk batching, mixed corpus with a long tail to 32k tokens
-  step e2e_encoder 80 $PY -m dice_fast.cli bench --random-model bert-base --dtypes bfloat16 --docs 1200 \
-       --repeats 3 --no-sentence-transformers --flops --csv "$OUT/e2e.csv"
-  step e2e_decoder 80 $PY -m dice_fast.cli bench --random-model qwen2-1.5b --chunk-size 512 --dtypes bfloat16 \
-       --docs 300 --repeats 2 --no-sentence-transformers --flops --csv "$OUT/e2e.csv"
+  # ---- 1. the C++/CUDA extension, in the background (its own step: a kill cannot leave a lock behind
+  #         for a later step), while the GPU tests that do not need it run
+  if [ -z "$NATIVE_DEPS" ]; then
+    ( step build "$LIMIT_BUILD" "$PY" -c "from dice_fast.ops import native; print(native.build(with_cuda=True))" ) &
+    BUILD_PID=$!
+  else
+    skip build "$NATIVE_DEPS"; BUILD_PID=""
+  fi
+  # ---- 2. correctness on the GPU: engine backends vs the per-chunk oracle, Triton / torch pooling
+  if [ -n "$PYTEST" ]; then
+    step gpu_tests "$LIMIT_GPU_TESTS" $PYTEST $GPU_TEST_FILES -m gpu
+  else
+    skip gpu_tests "pytest is missing (carry it as a wheel in .whl/)"
+  fi
+  # ---- 3. bf16 vs fp32 engine on a model whose vectors discriminate between documents
+  step agreement "$LIMIT_AGREEMENT" "$PY" benchmarks/agreement.py $AGREEMENT_ARGS --csv "$OUT/agreement.csv"
+  [ -n "$BUILD_PID" ] && wait "$BUILD_PID"
+  clean_locks
+  NATIVE=skip
+  passed build && NATIVE=build
+  # ---- 4. the CUDA C++ twin vs the references
+  if [ -z "$PYTEST" ]; then skip native_tests "pytest is missing"
+  elif [ "$NATIVE" = skip ]; then skip native_tests "the extension did not build (see build.log)"
+  else step native_tests "$LIMIT_NATIVE_TESTS" $PYTEST $NATIVE_TEST_FILES -m gpu; fi
+  # ---- 5. pooling kernel: GB/s vs copy bandwidth, vs PyTorch composites and the C++ twin
+  step pooling "$LIMIT_POOLING" "$PY" benchmarks/bench_pooling.py $POOLING_ARGS --native "$NATIVE" \
+       --budget-s $((LIMIT_POOLING - 8)) --csv "$OUT/pooling.csv"
+  # ---- 6. end to end vs naive chunk batching, mixed corpus with a long tail to 32k tokens; model
+  #         TFLOP/s and MFU against the bf16 matmul rate measured in the same run; tokenization apart
+  step e2e_encoder "$LIMIT_E2E_ENCODER" "$PY" -m dice_fast.cli bench $E2E_ENCODER_ARGS --no-sentence-transformers \
+       --flops --budget-s $((LIMIT_E2E_ENCODER / 2)) --csv "$OUT/e2e.csv" --raw-csv "$OUT/e2e_raw.csv"
+  step e2e_decoder "$LIMIT_E2E_DECODER" "$PY" -m dice_fast.cli bench $E2E_DECODER_ARGS --no-sentence-transformers \
+       --flops --budget-s $((LIMIT_E2E_DECODER / 2)) --csv "$OUT/e2e.csv" --raw-csv "$OUT/e2e_raw.csv"
 fi
 
-echo
-cat "$OUT/steps.txt"
-for f in gpu_tests pooling e2e_encoder e2e_decoder; do
-  [ -f "$OUT/$f.log" ] || continue
-  echo "== $f (last lines)"
-  grep -v -e '^Loading' -e 'it/s\]' "$OUT/$f.log" | tail -n 14
-done
-exit $status
+# ---- summary (also in $OUT/summary.txt)
+{
+  echo "dice_fast gpu_check ($([ "$PREFLIGHT" = 1 ] && echo preflight || echo GPU)) in $((SECONDS - START)) s"
+  cat "$WORK/env.log"
+  echo
+  cat "$WORK/steps.txt"
+  for f in "$WORK"/*.log; do
+    [ "$(basename "$f")" = env.log ] && continue
+    echo
+    echo "== $(basename "$f" .log) (last lines)"
+    grep -v -e '^Loading' -e 'it/s\]' -e '^  .* round [0-9]*:' "$f" | tail -n 14
+  done
+} >"$OUT/summary.txt" 2>&1
+pack
+tail -n +1 "$OUT/summary.txt" | sed -n "/^env /,\$p"
+rm -rf "$WORK"
+! grep -q -E '^[a-z_0-9]+ +(FAIL|TIMEOUT)' "$OUT/summary.txt"

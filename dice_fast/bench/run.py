@@ -134,7 +134,7 @@ def benchmark(encoders: dict, texts: list[str], corpus: str, model_name: str, re
                                    n_tokens, peak_tflops, dt)
         rows.append(Row(
             date=now, device=device_name(device), model=model_name, corpus=corpus, n_docs=len(texts),
-            doc_tokens=n_tokens, path=path, dtype=dt, attention=encoders[dt].backend if path == ENGINE else "sdpa",
+            doc_tokens=n_tokens, path=path, dtype=dt, attention=_attention_label(encoders[dt]) if path == ENGINE else "sdpa",
             max_batch_tokens=encoders[dt].max_batch_tokens, padded_batch=padded_batch,
             seconds_median=med, seconds_p20=float(np.percentile(times, 20)), seconds_p80=float(np.percentile(times, 80)),
             docs_per_s=len(texts) / med, tokens_per_s=n_tokens / med, peak_mem_mb=peak,
@@ -146,6 +146,14 @@ def benchmark(encoders: dict, texts: list[str], corpus: str, model_name: str, re
             cosine_between_docs=_cosine_between(vecs), **extra, **v,
         ))
     return rows
+
+
+def _attention_label(encoder) -> str:
+    """The engine's attention backend, and on the CPU how its attention computed (`dice_fast.tuning`)."""
+    from .. import tuning
+
+    how = tuning.describe(encoder.dtype) if encoder.device.type == "cpu" else ""
+    return f"{encoder.backend} ({how})" if how else encoder.backend
 
 
 def encode_plan(encoder, plan) -> np.ndarray:

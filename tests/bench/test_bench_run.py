@@ -32,7 +32,7 @@ def test_benchmark_rows_and_csv(tmp_path):
     assert math.isclose(engine.speedup_vs_padded_naive, nai.seconds_median / engine.seconds_median)
     assert engine.speedup_vs_best_naive == min(engine.speedup_vs_padded_sorted, engine.speedup_vs_padded_naive)
     assert engine.tflops > 0 and engine.mfu == engine.tflops and math.isnan(srt.tflops)
-    assert engine.attention == enc.backend and srt.attention == "sdpa"
+    assert engine.attention.startswith(enc.backend) and srt.attention == "sdpa"  # + "(fp32)" once CPU attention is tuned
     out = tmp_path / "r.csv"
     assert save_rows(rows, out) == 3
     save_rows(rows, out)

