@@ -1,0 +1,82 @@
+"""What the integrations share: importing an optional extra with an install hint, building the engine
+from a path or taking a built one, variants of one loaded encoder, and the model's own prompts.
+
+Imports nothing optional at module level (``import dice_fast.integrations`` must stay light).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+from pathlib import Path
+
+
+def require(module: str, extra: str):
+    """Import ``module`` or raise ImportError saying ``pip install dice-fast[extra]``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"this dice_fast integration needs {module!r}: pip install dice-fast[{extra}]") from exc
+
+
+def as_encoder(encoder, options: dict):
+    """``encoder``: a `DiceEncoder` (used as is; ``options`` must then be empty), a local model folder,
+    or None (the bundled all-MiniLM-L6-v2), loaded with ``options`` (`DiceConfig` fields)."""
+    from dice_fast import DiceEncoder
+
+    if isinstance(encoder, DiceEncoder):
+        if options:
+            raise TypeError(f"options {sorted(options)} only apply when loading a model; the DiceEncoder passed "
+                            "already has its options (build it with them, or use encoder.config.replace)")
+        return encoder
+    if encoder is not None and not isinstance(encoder, (str, os.PathLike)):
+        raise TypeError(f"expected a DiceEncoder, a model folder or None, got {type(encoder).__name__}")
+    return DiceEncoder.from_pretrained(encoder, **options)
+
+
+class Variants:
+    """`DiceEncoder`s over one encoder's loaded model and tokenizer with some options changed (a prompt
+    as ``document_prefix`` / ``query_prefix``, a smaller ``max_batch_tokens``): built once per set of
+    changes, shared, thread-safe; the model is never copied or moved."""
+
+    def __init__(self, encoder):
+        self.base = encoder
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, **changes):
+        from dice_fast import DiceEncoder
+
+        base = self.base
+        current = {"max_batch_tokens": base.max_batch_tokens}
+        changes = {k: v for k, v in changes.items() if current.get(k, getattr(base.config, k)) != v}
+        if not changes:
+            return base
+        key = tuple(sorted(changes.items()))
+        with self._lock:
+            enc = self._cache.get(key)
+            if enc is None:
+                enc = DiceEncoder(base.model, base.tokenizer, config=base.config.replace(**changes))
+                if enc.spec != base.spec:
+                    raise ValueError(
+                        "cannot derive an encoder with changed options: the model facts read again differ from the "
+                        f"encoder's ({enc.spec} vs {base.spec}); build the encoder with DiceEncoder.from_pretrained(path)")
+                self._cache[key] = enc
+        return enc
+
+
+def model_prompts(encoder) -> tuple[dict, str | None]:
+    """(prompts, default_prompt_name) from the model folder's ``config_sentence_transformers.json``,
+    ``({}, None)`` when there is none."""
+    path = Path(str(encoder.spec.name)) / "config_sentence_transformers.json"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError):
+        return {}, None
+    prompts = cfg.get("prompts") if isinstance(cfg.get("prompts"), dict) else {}
+    prompts = {str(k): str(v) for k, v in prompts.items()}
+    default = cfg.get("default_prompt_name")
+    return prompts, default if isinstance(default, str) and default in prompts else None

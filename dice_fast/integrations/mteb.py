@@ -1,0 +1,134 @@
+"""dice_fast as an MTEB model (the MTEB 2.x encoder protocol): corpus documents through DICE, queries
+one model window each, prompts per task / task type / query-or-document.
+
+    import mteb
+    from dice_fast.integrations.mteb import DiceMTEBModel
+    model = DiceMTEBModel(None, chunk_size=254, aggregation="mean")     # bundled MiniLM; or a folder / a DiceEncoder
+    results = mteb.evaluate(model, mteb.get_tasks(tasks=["LEMBPasskeyRetrieval"]))
+
+MTEB calls ``encode(dataloader, task_metadata=..., prompt_type=...)``: ``prompt_type`` query -> queries
+(`DiceEncoder.encode_queries`, never chunked), document -> documents (`encode_documents`, DICE);
+tasks without a prompt type (STS, classification, clustering ...) are encoded as documents, which for
+texts of at most ``chunk_size`` tokens is exactly the single-window vector. The loader's
+``batch_size`` only sizes MTEB's DataLoader: the engine packs every text of a call under its own
+``max_batch_tokens``.
+
+Prompts (``prompts={...}``, default: the model folder's sentence-transformers prompts) are looked up
+in MTEB's order: ``"{task name}-{query|document}"``, ``"{task name}"``, ``"{task type}-{query|document}"``,
+``"{task type}"``, ``"query"`` / ``"document"``. The prompt found becomes the ``query_prefix`` or
+``document_prefix`` of that call (its tokens follow the special prefix of every chunk); none found ->
+the encoder's own prefixes. A task's own instruction (``TaskMetadata.prompt``) is not used.
+
+Needs the ``mteb`` extra: ``pip install dice-fast[mteb]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..runinfo import model_label
+from ._common import Variants, as_encoder, model_prompts, require
+
+__all__ = ["DiceMTEBModel"]
+
+# options that change the vectors, recorded in the model's MTEB metadata so runs with different
+# options are kept apart in MTEB's result cache
+_EXPERIMENT_OPTIONS = ("strategy", "chunk_size", "overlap", "positions", "pooling", "aggregation", "top_k",
+                       "temperature", "normalize_chunks", "max_chunks_per_document", "max_length", "dtype")
+
+
+class DiceMTEBModel:
+    """An MTEB encoder over a `DiceEncoder`.
+
+    encoder: a `DiceEncoder`, a local model folder, or None (the bundled all-MiniLM-L6-v2); a folder or
+        None is loaded with ``options`` (`DiceConfig` fields).
+    prompts: ``{key: prompt}`` with MTEB's keys (see the module docstring); None reads the model
+        folder's ``config_sentence_transformers.json`` prompts.
+    name: the model name MTEB records (``"org/model"``; default ``"dice_fast/<model folder>"``).
+    """
+
+    def __init__(self, encoder=None, prompts: dict[str, str] | None = None, *, name: str | None = None, **options):
+        require("mteb", "mteb")
+        self.encoder = as_encoder(encoder, options)
+        self._variants = Variants(self.encoder)
+        self.model_prompts = dict(model_prompts(self.encoder)[0] if prompts is None else prompts)
+        self.name = name or f"dice_fast/{model_label(self.encoder.spec.name)}"
+        self._meta = None
+
+    @property
+    def mteb_model_meta(self):
+        """The `mteb.models.ModelMeta` of this model (name, dimension, cosine similarity, DICE options)."""
+        if self._meta is None:
+            from mteb.models import ModelMeta
+
+            import dice_fast
+
+            c = self.encoder.config
+            options = {k: getattr(c, k) for k in _EXPERIMENT_OPTIONS}
+            options["pooling"] = self.encoder.pooling
+            options["normalize_chunks"] = self.encoder.normalize_chunks
+            options["max_length"] = self.encoder.window
+            self._meta = ModelMeta.create_empty({
+                "name": self.name,
+                "revision": f"dice_fast-{dice_fast.__version__}",
+                "embed_dim": self.encoder.dim,
+                "n_parameters": sum(p.numel() for p in self.encoder.model.parameters()),
+                "similarity_fn_name": "cosine",
+                "framework": ["PyTorch", "Transformers"],
+                "use_instructions": bool(self.model_prompts),
+                "experiment_kwargs": options,
+            })
+        return self._meta
+
+    def encode(self, inputs, *, task_metadata, hf_split: str | None = None, hf_subset: str | None = None,
+               prompt_type=None, **kwargs) -> np.ndarray:
+        """(n, dim) float32 vectors of every text of ``inputs`` (an MTEB DataLoader of ``{"text": [...]}``
+        batches), in order: queries for ``prompt_type`` query, documents (DICE) otherwise."""
+        texts: list[str] = []
+        for batch in inputs:
+            texts.extend(batch["text"])
+        kind = getattr(prompt_type, "value", prompt_type)
+        prompt = self.get_prompt(task_metadata, prompt_type)
+        show = bool(kwargs.get("show_progress_bar", False))
+        if kind == "query":
+            return self._variants.get(**_prefix("query_prefix", prompt)).encode_queries(texts, show_progress=show)
+        return self._variants.get(**_prefix("document_prefix", prompt)).encode_documents(texts, show_progress=show)
+
+    def get_prompt(self, task_metadata, prompt_type) -> str | None:
+        """The prompt for this task and prompt type, in MTEB's order of precedence; None if none applies."""
+        kind = getattr(prompt_type, "value", prompt_type)
+        task_type = getattr(task_metadata, "type", None)
+        task_name = getattr(task_metadata, "name", None)
+        candidates = [f"{task_name}-{kind}" if task_name and kind else None, task_name,
+                      f"{task_type}-{kind}" if task_type and kind else None, task_type, kind]
+        for key in candidates:
+            if key and key in self.model_prompts:
+                return self.model_prompts[key]
+        return None
+
+    def similarity(self, embeddings1, embeddings2):
+        """(n1, n2) cosine similarity, float32 torch tensor."""
+        import torch
+
+        a, b = _tensor(embeddings1), _tensor(embeddings2)
+        return torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T
+
+    def similarity_pairwise(self, embeddings1, embeddings2):
+        """(n,) cosine similarity of row i with row i, float32 torch tensor."""
+        import torch
+
+        return torch.nn.functional.cosine_similarity(_tensor(embeddings1), _tensor(embeddings2), dim=1)
+
+    def __repr__(self) -> str:
+        return f"DiceMTEBModel({self.encoder!r}, name={self.name!r})"
+
+
+def _prefix(field: str, prompt: str | None) -> dict:
+    return {} if prompt is None else {field: prompt}
+
+
+def _tensor(x):
+    import torch
+
+    t = x.detach().float() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x, np.float32))
+    return t[None] if t.ndim == 1 else t

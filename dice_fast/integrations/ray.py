@@ -1,0 +1,185 @@
+"""DICE embeddings of a Ray Data dataset: one engine per actor of an actor pool (the model is loaded
+once per actor), a text column in, an ``embedding`` column out.
+
+    import ray
+    from dice_fast.integrations.ray import encode_dataset
+    ds = ray.data.read_parquet("s3://bucket/corpus/")
+    ds = encode_dataset(ds, "/models/bge-base", text_column="text", concurrency=8, num_gpus=1,
+                        batch_size=512, chunk_size=254, dtype="bfloat16")
+    ds.write_parquet("s3://bucket/embeddings/")
+
+or, as a plain callable class for ``map_batches``::
+
+    ds.map_batches(DiceEmbedder, fn_constructor_kwargs={"model": path, "chunk_size": 254},
+                   batch_format="pyarrow", batch_size=512, compute=ray.data.ActorPoolStrategy(size=8), num_gpus=1)
+
+Each row's vector is the offline ``DiceEncoder.encode_documents`` vector of its text, whatever the
+blocks, batches and actors (a document is never split across batches; the engine's vectors do not
+depend on what else is in a batch). Added columns (the input columns are kept):
+
+* ``embedding``: ``fixed_size_list<float32>[dim]`` (pyarrow batches) or a (n, dim) float32 array
+  (numpy batches);
+* with ``return_chunks=True`` also ``chunk_embeddings`` (list of the chunk vectors as aggregated),
+  ``chunk_start`` / ``chunk_end`` (list<int64>: each chunk's token span ``[start, end)`` in the
+  document, tokenized without special tokens) and ``document_tokens`` (int64).
+
+Needs the ``ray`` extra: ``pip install dice-fast[ray]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ._common import require
+
+__all__ = ["DiceEmbedder", "encode_dataset", "DEFAULT_BATCH_SIZE"]
+
+# documents per actor call: each call ends with one partly filled packed batch, so a call should
+# hold several token budgets' worth of text (see README "Ray Data on a GPU cluster")
+DEFAULT_BATCH_SIZE = 256
+CHUNK_COLUMNS = ("chunk_embeddings", "chunk_start", "chunk_end", "document_tokens")
+
+
+class DiceEmbedder:
+    """Callable class for ``Dataset.map_batches``: loads one `DiceEncoder` when the actor starts and
+    adds the embedding column (and chunk columns, with ``return_chunks``) to every batch.
+
+    model: a local model folder (every node must see it) or None (the bundled all-MiniLM-L6-v2);
+    options: `DiceConfig` fields (chunk_size, aggregation, device, dtype, max_batch_tokens ...).
+    Takes pyarrow, pandas or numpy (dict) batches; returns pyarrow for pyarrow/pandas, a dict for numpy.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, *, text_column: str = "text",
+                 output_column: str = "embedding", return_chunks: bool = False, trust_remote_code: bool = False,
+                 **options):
+        from dice_fast import DiceEncoder
+
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a model folder or None (actors load it themselves), got {type(model).__name__}")
+        self.text_column, self.output_column, self.return_chunks = text_column, output_column, bool(return_chunks)
+        self.encoder = DiceEncoder.from_pretrained(model, trust_remote_code=trust_remote_code, **options)
+
+    def __call__(self, batch):
+        import pyarrow as pa
+
+        if isinstance(batch, dict):
+            return self._numpy_batch(batch)
+        if not isinstance(batch, pa.Table):  # pandas
+            batch = pa.Table.from_pandas(batch, preserve_index=False)
+        self._check_columns(batch.column_names)
+        texts = _texts(batch.column(self.text_column).to_pylist(), self.text_column)
+        out = self.encoder.encode_documents(texts, return_chunks=self.return_chunks)
+        docs = out.documents if self.return_chunks else out
+        batch = batch.append_column(self.output_column, _vectors(docs))
+        if self.return_chunks:
+            for name, array in _chunk_arrays(out).items():
+                batch = batch.append_column(name, array)
+        return batch
+
+    def _numpy_batch(self, batch: dict) -> dict:
+        self._check_columns(list(batch))
+        texts = _texts(list(batch[self.text_column]), self.text_column)
+        out = self.encoder.encode_documents(texts, return_chunks=self.return_chunks)
+        result = dict(batch)
+        if not self.return_chunks:
+            result[self.output_column] = out
+            return result
+        result[self.output_column] = out.documents
+        bounds = _bounds(out.chunk_document, len(texts))
+        for name, values in (("chunk_embeddings", out.chunks), ("chunk_start", out.chunk_start),
+                             ("chunk_end", out.chunk_end)):
+            result[name] = _ragged([values[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+        result["document_tokens"] = np.asarray(out.document_tokens, np.int64)
+        return result
+
+    def _check_columns(self, names) -> None:
+        if self.text_column not in names:
+            raise KeyError(f"text column {self.text_column!r} is not in the batch (columns: {', '.join(names)})")
+        added = (self.output_column, *(CHUNK_COLUMNS if self.return_chunks else ()))
+        clash = [c for c in added if c in names]
+        if clash:
+            raise ValueError(f"the batch already has column(s) {clash}; choose another output_column or drop them")
+
+
+def encode_dataset(ds, model: str | os.PathLike | None = None, *, text_column: str = "text",
+                   output_column: str = "embedding", return_chunks: bool = False,
+                   concurrency: int | tuple[int, int] = 1, batch_size: int = DEFAULT_BATCH_SIZE,
+                   num_gpus: float | None = None, num_cpus: float | None = None, trust_remote_code: bool = False,
+                   **options):
+    """``ds`` with an embedding column: ``ds.map_batches(DiceEmbedder, ...)`` over an actor pool.
+
+    concurrency: actors (an int, or ``(min, max)`` for an autoscaling pool); num_gpus / num_cpus: per
+    actor (``num_gpus=1``: one GPU each, the engine then runs on CUDA in bfloat16 unless ``device`` /
+    ``dtype`` say otherwise); batch_size: documents per actor call (see README on sizing it against
+    ``max_batch_tokens``). Options are checked here, before any actor starts.
+    Each actor reserves ``num_cpus`` (Ray's default: 1): leave CPUs free for the read and write tasks,
+    or a pipeline whose actors hold every CPU waits forever. Ray Data may reorder rows: keep an id column.
+    Returns the lazy `ray.data.Dataset`; rows keep their other columns.
+    """
+    ray_data = require("ray.data", "ray")
+    from dice_fast import DiceConfig
+
+    unknown = set(options) - set(DiceConfig.field_names())
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(DiceConfig.field_names())}")
+    DiceConfig(**options)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    kwargs = dict(model=None if model is None else os.fspath(model), text_column=text_column,
+                  output_column=output_column, return_chunks=return_chunks, trust_remote_code=trust_remote_code,
+                  **options)
+    extra = {k: v for k, v in (("num_gpus", num_gpus), ("num_cpus", num_cpus)) if v is not None}
+    return ds.map_batches(DiceEmbedder, fn_constructor_kwargs=kwargs, batch_format="pyarrow",
+                          batch_size=batch_size, compute=_actor_pool(ray_data, concurrency), **extra)
+
+
+# --------------------------------------------------------------------------------------------------
+def _actor_pool(ray_data, concurrency):
+    if isinstance(concurrency, tuple) and len(concurrency) == 2 and all(isinstance(v, int) for v in concurrency) \
+            and 1 <= concurrency[0] <= concurrency[1]:
+        return ray_data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be a positive int or a (min, max) tuple of them, got {concurrency!r}")
+    return ray_data.ActorPoolStrategy(size=concurrency)
+
+
+def _texts(values: list, column: str) -> list[str]:
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise TypeError(f"column {column!r} holds {type(v).__name__} at row {i} of this batch; every row needs a string")
+    return [v if type(v) is str else str(v) for v in values]  # numpy batches hold np.str_
+
+
+def _vectors(x: np.ndarray):
+    """(n, dim) float32 -> fixed_size_list<float32>[dim] (zero copy)."""
+    import pyarrow as pa
+
+    x = np.ascontiguousarray(x, np.float32)
+    return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
+
+
+def _bounds(chunk_document: np.ndarray, n_docs: int) -> np.ndarray:
+    out = np.zeros(n_docs + 1, np.int64)
+    np.cumsum(np.bincount(np.asarray(chunk_document, np.int64), minlength=n_docs), out=out[1:])
+    return out
+
+
+def _chunk_arrays(out) -> dict:
+    import pyarrow as pa
+
+    offsets = pa.array(_bounds(out.chunk_document, len(out.documents)).astype(np.int32))
+    return {
+        "chunk_embeddings": pa.ListArray.from_arrays(offsets, _vectors(out.chunks)),
+        "chunk_start": pa.ListArray.from_arrays(offsets, pa.array(np.asarray(out.chunk_start, np.int64))),
+        "chunk_end": pa.ListArray.from_arrays(offsets, pa.array(np.asarray(out.chunk_end, np.int64))),
+        "document_tokens": pa.array(np.asarray(out.document_tokens, np.int64)),
+    }
+
+
+def _ragged(parts: list) -> np.ndarray:
+    arr = np.empty(len(parts), dtype=object)
+    for i, p in enumerate(parts):  # element by element: equal shapes must not be broadcast into one array
+        arr[i] = p
+    return arr

@@ -1,0 +1,229 @@
+"""A sentence-transformers-shaped front of the engine, so code written for ``SentenceTransformer`` runs
+unchanged with DICE document vectors.
+
+    from dice_fast.integrations.sentence_transformers import DiceSentenceEncoder
+    model = DiceSentenceEncoder()                         # bundled all-MiniLM-L6-v2; or a folder / a DiceEncoder
+    docs = model.encode(texts, convert_to_tensor=True, normalize_embeddings=True)   # documents through DICE
+    qs = model.encode_query(["what is ...?"])             # one window each, the "query" prompt if any
+    scores = model.similarity(qs, docs)
+
+Differences from ``SentenceTransformer.encode``, by design:
+
+* ``encode`` / ``encode_document`` / ``task="document"`` encode **documents**: chunked, each chunk
+  encoded alone, chunk vectors aggregated (a text of at most ``chunk_size`` tokens is one chunk and
+  gets exactly the single-window vector). ``encode_query`` / ``task="query"`` encode **queries**: one
+  model window each, cut to it with a warning when longer.
+* A prompt is given to the engine as ``document_prefix`` / ``query_prefix``: its tokens follow the
+  special prefix of **every chunk** (of the query), instead of being glued to the text once; for
+  WordPiece/BPE tokenizers that split at spaces this is the same token sequence sentence-transformers
+  builds. A resolved prompt replaces the encoder's own prefix for that call.
+* Vectors are L2-normalised when the encoder's ``normalize`` option is on (the default);
+  ``normalize_embeddings=True`` normalises again (after ``truncate_dim``), ``False`` leaves them as the
+  encoder returns them.
+* ``batch_size`` is a memory cap, not a speed knob: one packed forward holds at most
+  ``batch_size * max_seq_length`` tokens (what a sentence-transformers batch of that size can hold),
+  and never more than the encoder's ``max_batch_tokens``. Default (None): the encoder's budget.
+  Vectors do not depend on it.
+* Only ``output_value="sentence_embedding"`` and ``precision="float32"``; no multi-process ``pool``.
+  An empty input gives an array / tensor of shape ``(0, dim)``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from ._common import Variants, as_encoder, model_prompts
+
+__all__ = ["DiceSentenceEncoder"]
+
+_DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # what encode_document looks for, as in sentence-transformers
+_TASKS = (None, "document", "query")
+
+
+class DiceSentenceEncoder:
+    """sentence-transformers-shaped ``encode`` over a `DiceEncoder`.
+
+    encoder: a `DiceEncoder`, a local model folder, or None (the bundled all-MiniLM-L6-v2); a folder or
+        None is loaded with ``options`` (`DiceConfig` fields: chunk_size, aggregation, device, dtype ...).
+    prompts: ``{name: text}`` as in sentence-transformers (``{"query": "query: ", "document": "passage: "}``);
+        None reads ``prompts`` / ``default_prompt_name`` from the model folder's
+        ``config_sentence_transformers.json``. default_prompt_name: used when a call names no prompt.
+    truncate_dim: keep the first ``truncate_dim`` dimensions of every vector (Matryoshka models).
+    """
+
+    similarity_fn_name = "cosine"
+
+    def __init__(self, encoder=None, prompts: dict[str, str] | None = None, default_prompt_name: str | None = None,
+                 truncate_dim: int | None = None, **options):
+        self.encoder = as_encoder(encoder, options)
+        self._variants = Variants(self.encoder)
+        own, own_default = model_prompts(self.encoder)
+        self.prompts = dict(own if prompts is None else prompts)
+        self.default_prompt_name = default_prompt_name if default_prompt_name is not None else (
+            own_default if prompts is None else None)
+        if self.default_prompt_name is not None and self.default_prompt_name not in self.prompts:
+            raise ValueError(f"default_prompt_name {self.default_prompt_name!r} is not in prompts {sorted(self.prompts)}")
+        self.truncate_dim = _check_truncate(truncate_dim, self.encoder.dim)
+
+    # -- what sentence-transformers code reads off a model -------------------------------------
+    @property
+    def device(self):
+        return self.encoder.device
+
+    @property
+    def tokenizer(self):
+        return self.encoder.tokenizer
+
+    @property
+    def max_seq_length(self) -> int:
+        """The model window in tokens (special tokens included): the most a query holds."""
+        return self.encoder.window
+
+    def get_sentence_embedding_dimension(self) -> int:
+        return self.truncate_dim or self.encoder.dim
+
+    def get_embedding_dimension(self) -> int:
+        return self.get_sentence_embedding_dimension()
+
+    def __repr__(self) -> str:
+        return f"DiceSentenceEncoder({self.encoder!r}, prompts={self.prompts!r})"
+
+    # -- encoding ----------------------------------------------------------------------------------
+    def encode(self, sentences: str | Iterable[str] | None = None, prompt_name: str | None = None,
+               prompt: str | None = None, batch_size: int | None = None, show_progress_bar: bool | None = None,
+               output_value: str | None = "sentence_embedding", precision: str = "float32",
+               convert_to_numpy: bool = True, convert_to_tensor: bool = False, device=None,
+               normalize_embeddings: bool = False, truncate_dim: int | None = None, pool=None,
+               chunk_size: int | None = None, *, inputs: str | Iterable[str] | None = None,
+               task: str | None = None, **kwargs):
+        """Encode a string (-> 1-D vector) or a list of strings (-> 2-D), as documents, or as queries
+        with ``task="query"``. Arguments as in ``SentenceTransformer.encode`` (``inputs`` is the newer
+        name of ``sentences``); see the module docstring for what differs."""
+        if kwargs:
+            raise TypeError(f"DiceSentenceEncoder.encode() got unexpected keyword arguments {sorted(kwargs)}")
+        if inputs is not None:
+            if sentences is not None:
+                raise TypeError("pass sentences or inputs, not both")
+            sentences = inputs
+        if sentences is None:
+            raise TypeError("encode() needs the texts to encode (sentences=...)")
+        _check_unsupported(output_value, precision, pool, chunk_size, task)
+        if device is not None and _device_type(device) != self.encoder.device.type:
+            raise ValueError(f"this encoder runs on {self.encoder.device}; build it with device={device!r} instead")
+        truncate = _check_truncate(truncate_dim, self.encoder.dim) or self.truncate_dim
+
+        single = isinstance(sentences, str)
+        texts = [sentences] if single else (sentences.tolist() if isinstance(sentences, np.ndarray) else list(sentences))
+        enc = self._encoder_for(task, self._resolve_prompt(prompt, prompt_name), batch_size)
+        show = bool(show_progress_bar)
+        vecs = enc.encode_queries(texts, show_progress=show) if task == "query" else \
+            enc.encode_documents(texts, show_progress=show)
+        if truncate:
+            vecs = np.ascontiguousarray(vecs[:, :truncate])
+        if normalize_embeddings and len(vecs):
+            vecs = vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12).astype(np.float32)
+        return _convert(vecs.astype(np.float32, copy=False), single, convert_to_numpy, convert_to_tensor,
+                        self.encoder.device)
+
+    def encode_query(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
+        """``encode`` of queries (one window each); the ``"query"`` prompt when there is one and none is named."""
+        if prompt_name is None and prompt is None and "query" in self.prompts:
+            prompt_name = "query"
+        return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, task="query", **kwargs)
+
+    def encode_document(self, sentences=None, prompt_name: str | None = None, prompt: str | None = None, **kwargs):
+        """``encode`` of documents (DICE); the first of the ``"document"``, ``"passage"``, ``"corpus"``
+        prompts there is when none is named."""
+        if prompt_name is None and prompt is None:
+            prompt_name = next((p for p in _DOCUMENT_PROMPTS if p in self.prompts), None)
+        return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, task="document", **kwargs)
+
+    # -- similarity (cosine, as the bundled model's sentence-transformers config says) ---------------
+    def similarity(self, embeddings1, embeddings2):
+        """(n1, n2) cosine similarity as a float32 torch tensor; 1-D inputs count as one row."""
+        import torch
+
+        a, b = _rows(embeddings1), _rows(embeddings2)
+        a = torch.nn.functional.normalize(a, dim=1)
+        b = torch.nn.functional.normalize(b, dim=1)
+        return a @ b.T
+
+    def similarity_pairwise(self, embeddings1, embeddings2):
+        """(n,) cosine similarity of row i with row i, as a float32 torch tensor."""
+        import torch
+
+        a, b = _rows(embeddings1), _rows(embeddings2)
+        return torch.nn.functional.cosine_similarity(a, b, dim=1)
+
+    # ----------------------------------------------------------------------------------------------
+    def _resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str | None:
+        if prompt is not None:
+            return prompt
+        name = prompt_name if prompt_name is not None else self.default_prompt_name
+        if name is None:
+            return None
+        if name not in self.prompts:
+            raise ValueError(f"prompt name {name!r} is not among the prompts {sorted(self.prompts)}")
+        return self.prompts[name]
+
+    def _encoder_for(self, task, prompt: str | None, batch_size: int | None):
+        changes = {}
+        if prompt is not None:
+            changes["query_prefix" if task == "query" else "document_prefix"] = prompt
+        if batch_size is not None:
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+            changes["max_batch_tokens"] = min(self.encoder.max_batch_tokens, batch_size * self.encoder.window)
+        return self._variants.get(**changes)
+
+
+# --------------------------------------------------------------------------------------------------
+def _check_unsupported(output_value, precision, pool, chunk_size, task) -> None:
+    if output_value != "sentence_embedding":
+        raise ValueError(f"output_value {output_value!r} is not supported; DICE returns 'sentence_embedding' only")
+    if precision not in ("float32", None):
+        raise ValueError(f"precision {precision!r} is not supported (float32 only); quantize afterwards, e.g. with "
+                         "sentence_transformers.quantization.quantize_embeddings")
+    if pool is not None:
+        raise ValueError("multi-process pools are not supported: one encoder packs all texts itself")
+    if chunk_size is not None:
+        raise ValueError("chunk_size here is sentence-transformers' multi-process chunking, which is not supported; "
+                         "DICE's chunk size is an encoder option: DiceSentenceEncoder(..., chunk_size=...)")
+    if task not in _TASKS:
+        raise ValueError(f"task must be one of {_TASKS}, got {task!r}")
+
+
+def _check_truncate(truncate_dim, dim: int) -> int | None:
+    if truncate_dim is None:
+        return None
+    if isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int) or not 1 <= truncate_dim <= dim:
+        raise ValueError(f"truncate_dim must be an integer in [1, {dim}], got {truncate_dim!r}")
+    return truncate_dim
+
+
+def _device_type(device) -> str:
+    return getattr(device, "type", None) or str(device).split(":")[0]
+
+
+def _convert(vecs: np.ndarray, single: bool, to_numpy: bool, to_tensor: bool, device):
+    import torch
+
+    if to_tensor:
+        out = torch.from_numpy(vecs).to(device)
+        return out[0] if single else out
+    if to_numpy:
+        return vecs[0] if single else vecs
+    rows = list(torch.from_numpy(vecs))
+    return rows[0] if single else rows
+
+
+def _rows(x):
+    import torch
+
+    if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
+        t = torch.stack([r.detach().float() for r in x])
+    else:
+        t = x.detach().float() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x, np.float32))
+    return t[None] if t.ndim == 1 else t

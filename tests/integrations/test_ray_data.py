@@ -1,0 +1,161 @@
+"""Ray Data: Parquet in, two actors, Parquet out; every row's vector (and chunks) equal to the offline
+`encode_documents` of its text, whatever the blocks, batches and actors."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from dice_fast import DiceEncoder  # noqa: E402
+from dice_fast.integrations.ray import DiceEmbedder, encode_dataset  # noqa: E402
+
+CHUNK = 32
+OPTIONS = dict(chunk_size=CHUNK, max_batch_tokens=512)  # many chunks, several packed batches per call
+WORDS = ("river stone lantern quiet engine maple harbor violet signal orchard copper meadow thunder cedar "
+         "galaxy pencil whisper canyon").split()
+
+
+def _corpus(n: int = 36) -> list[str]:
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 260, n)
+    lengths[:3] = (0, 1, 500)  # empty, one word, many chunks
+    return [" ".join(rng.choice(WORDS, int(k))) for k in lengths]
+
+
+def _matrix(column) -> np.ndarray:
+    """fixed_size_list<float32>[dim] column -> (n, dim)."""
+    col = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    return col.flatten().to_numpy().reshape(len(col), -1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    ctx = ray.data.DataContext.get_current()
+    saved = ctx.wait_for_min_actors_s, ctx.enable_progress_bars
+    ctx.wait_for_min_actors_s, ctx.enable_progress_bars = 120, False  # both actors up before the first batch
+    try:
+        yield
+    finally:
+        ctx.wait_for_min_actors_s, ctx.enable_progress_bars = saved
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    texts = _corpus()
+    enc = DiceEncoder.from_pretrained(None, **OPTIONS)
+    return texts, enc.encode_documents(texts, return_chunks=True)
+
+
+@pytest.fixture(scope="module")
+def parquet_in(tmp_path_factory):
+    texts = _corpus()
+    root = tmp_path_factory.mktemp("corpus")
+    ids = np.arange(len(texts))
+    for part in range(3):  # three files: several blocks
+        sel = ids[part::3]
+        pq.write_table(pa.table({"id": pa.array(sel, pa.int64()), "text": [texts[i] for i in sel]}),
+                       root / f"part-{part}.parquet")
+    return root
+
+
+class PidEmbedder(DiceEmbedder):
+    """Records which actor encoded each row."""
+
+    def __call__(self, batch):
+        out = super().__call__(batch)
+        return out.append_column("pid", pa.array(np.full(out.num_rows, os.getpid(), np.int64)))
+
+
+def test_parquet_to_parquet_on_two_actors_equals_offline(cluster, offline, parquet_in, tmp_path):
+    texts, want = offline
+    ds = ray.data.read_parquet(str(parquet_in)).repartition(4)
+    out_dir = tmp_path / "out"
+    # half a CPU per actor: two actors holding both CPUs of this 2-CPU cluster would starve the read and
+    # write tasks, and the pipeline would wait forever
+    encode_dataset(ds, None, return_chunks=True, concurrency=2, batch_size=5, num_cpus=0.5, **OPTIONS) \
+        .write_parquet(str(out_dir))
+
+    table = pq.read_table(out_dir).sort_by("id")
+    assert table.column("id").to_pylist() == list(range(len(texts)))
+    assert table.column("text").to_pylist() == texts               # input columns kept
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+    np.testing.assert_allclose(_matrix(table.column("embedding")), want.documents, atol=1e-6)
+
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(want.chunk_document, minlength=len(texts)))])
+    chunks = table.column("chunk_embeddings").to_pylist()
+    starts, ends = table.column("chunk_start").to_pylist(), table.column("chunk_end").to_pylist()
+    for i in range(len(texts)):
+        a, b = bounds[i], bounds[i + 1]
+        np.testing.assert_allclose(np.asarray(chunks[i], np.float32).reshape(b - a, 384), want.chunks[a:b], atol=1e-6)
+        assert starts[i] == want.chunk_start[a:b].tolist() and ends[i] == want.chunk_end[a:b].tolist()
+    assert table.column("document_tokens").to_pylist() == want.document_tokens.tolist()
+    assert max(len(c) for c in chunks) > 10                          # the long document really is chunked
+
+
+def test_map_batches_callable_class_uses_both_actors(cluster, offline, parquet_in):
+    texts, want = offline
+    # the subclass lives in this test module, which the actors cannot import: ship it by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ds = ray.data.read_parquet(str(parquet_in)).repartition(6).map_batches(  # 6 blocks: work for both actors
+        PidEmbedder, fn_constructor_kwargs=OPTIONS, batch_format="pyarrow", batch_size=3,
+        compute=ray.data.ActorPoolStrategy(size=2), num_cpus=0.5)
+    table = pa.concat_tables(list(ds.iter_batches(batch_format="pyarrow", batch_size=None))).sort_by("id")
+    np.testing.assert_allclose(_matrix(table.column("embedding")), want.documents, atol=1e-6)
+    assert len(set(table.column("pid").to_pylist())) == 2
+
+
+def test_embedder_batch_formats_and_errors(offline):
+    """The callable class itself, without Ray: pyarrow, pandas and numpy batches."""
+    import pandas as pd
+
+    texts, want = offline
+    emb = DiceEmbedder(None, **OPTIONS)
+    got = emb(pa.table({"text": texts[:6], "k": list(range(6))}))
+    assert got.column_names == ["text", "k", "embedding"]
+    np.testing.assert_allclose(_matrix(got.column("embedding")), want.documents[:6], atol=1e-6)
+    got = emb(pd.DataFrame({"text": texts[:4]}))
+    np.testing.assert_allclose(_matrix(got.column("embedding")), want.documents[:4], atol=1e-6)
+    got = emb({"text": np.array(texts[:4]), "k": np.arange(4)})               # a '<U' array of np.str_
+    assert got["embedding"].shape == (4, 384) and list(got["k"]) == [0, 1, 2, 3]
+    np.testing.assert_allclose(got["embedding"], want.documents[:4], atol=1e-6)
+
+    emb_chunks = DiceEmbedder(None, return_chunks=True, **OPTIONS)
+    got = emb_chunks({"text": np.array(texts[:3], dtype=object)})
+    n0 = int((want.chunk_document == 0).sum())
+    np.testing.assert_allclose(got["chunk_embeddings"][0], want.chunks[:n0], atol=1e-6)
+    assert list(got["document_tokens"]) == want.document_tokens[:3].tolist()
+
+    with pytest.raises(KeyError, match="text column 'body'"):
+        DiceEmbedder.__call__(_with(emb, text_column="body"), pa.table({"text": ["x"]}))
+    with pytest.raises(ValueError, match="already has"):
+        emb(pa.table({"text": ["x"], "embedding": [1.0]}))
+    with pytest.raises(TypeError, match="row 1"):
+        emb(pa.table({"text": ["x", None]}))
+
+
+def test_encode_dataset_checks_options_before_starting_actors(cluster):
+    ds = ray.data.from_items([{"text": "x"}])  # lazily built; nothing runs
+    with pytest.raises(TypeError, match="unknown option"):
+        encode_dataset(ds, None, chunk_sise=3)
+    with pytest.raises(ValueError, match="overlap"):
+        encode_dataset(ds, None, chunk_size=8, overlap=8)
+    with pytest.raises(ValueError, match="concurrency"):
+        encode_dataset(ds, None, concurrency=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        encode_dataset(ds, None, batch_size=0)
+
+
+def _with(emb, **attrs):
+    clone = object.__new__(type(emb))
+    clone.__dict__.update(emb.__dict__, **attrs)
+    return clone

@@ -1,0 +1,159 @@
+"""The sentence-transformers-shaped encode: code written for SentenceTransformer runs unchanged, gives
+the engine's vectors, and for one-chunk texts the real SentenceTransformer's vectors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dice_fast import DiceEncoder
+from dice_fast.integrations.sentence_transformers import DiceSentenceEncoder
+
+SHORT = ["A cat sat on the mat.", "Packed attention keeps every chunk to itself.",
+         "Où est la gare ?", "", "Numbers 12345 and symbols #$%!"]
+QUERIES = ["where does the cat sit?", "what does packed attention do?"]
+
+
+def _long(n_words: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    words = ("river stone lantern quiet engine maple harbor violet signal orchard copper meadow "
+             "thunder cedar galaxy pencil").split()
+    return " ".join(rng.choice(words, n_words))
+
+
+DOCS = SHORT + [_long(120, 1), _long(300, 2)]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TRANSFORMERS_OFFLINE", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def enc(offline):
+    return DiceEncoder.from_pretrained(None, chunk_size=32)  # long documents get many chunks
+
+
+@pytest.fixture(scope="module")
+def model(enc):
+    return DiceSentenceEncoder(enc)
+
+
+@pytest.fixture(scope="module")
+def st_model(offline):
+    from sentence_transformers import SentenceTransformer
+
+    from dice_fast.models import default_model_path
+
+    return SentenceTransformer(default_model_path(), device="cpu")
+
+
+def test_sentence_transformers_code_runs_unchanged(model, enc):
+    want = enc.encode_documents(DOCS)
+
+    emb = model.encode(DOCS, convert_to_tensor=True, normalize_embeddings=True)
+    assert isinstance(emb, torch.Tensor) and emb.shape == (len(DOCS), 384) and emb.dtype == torch.float32
+    np.testing.assert_allclose(emb.numpy(), want, atol=1e-6)
+
+    arr = model.encode(DOCS, batch_size=16, show_progress_bar=False)      # numpy by default
+    assert isinstance(arr, np.ndarray) and arr.shape == (len(DOCS), 384)
+    np.testing.assert_allclose(arr, want, atol=1e-6)
+
+    one = model.encode(DOCS[-1])                                          # a string -> 1-D
+    assert one.shape == (384,)
+    np.testing.assert_allclose(one, want[-1], atol=1e-6)
+    one_t = model.encode(DOCS[0], convert_to_tensor=True)
+    assert one_t.shape == (384,)
+
+    rows = model.encode(DOCS, convert_to_numpy=False)                     # a list of 1-D tensors
+    assert isinstance(rows, list) and len(rows) == len(DOCS) and rows[0].shape == (384,)
+    np.testing.assert_allclose(torch.stack(rows).numpy(), want, atol=1e-6)
+    np.testing.assert_allclose(model.encode(inputs=DOCS), want, atol=1e-6)  # sentence-transformers 6 name
+    np.testing.assert_allclose(model.encode(np.array(DOCS, dtype=object)), want, atol=1e-6)
+
+    q = model.encode_query(QUERIES)
+    np.testing.assert_allclose(q, enc.encode_queries(QUERIES), atol=1e-6)
+    np.testing.assert_allclose(model.encode(QUERIES, task="query"), q, atol=1e-6)
+    np.testing.assert_allclose(model.encode_document(DOCS), want, atol=1e-6)
+
+    sim = model.similarity(q, arr)
+    assert isinstance(sim, torch.Tensor) and sim.shape == (len(QUERIES), len(DOCS))
+    np.testing.assert_allclose(sim.numpy(), q @ want.T, atol=1e-5)
+    assert model.similarity_pairwise(arr[:2], arr[:2]).shape == (2,)
+    assert model.get_sentence_embedding_dimension() == 384 and model.max_seq_length == enc.window
+    assert model.encode([]).shape == (0, 384)
+
+
+def test_equals_sentence_transformers_on_one_chunk_texts(st_model, offline):
+    model = DiceSentenceEncoder()                 # bundled model, default chunk size: every text is one chunk
+    texts = [t for t in SHORT if t] + QUERIES     # ("" is one chunk too, but ST pads it differently: skip)
+    for ours, theirs in (
+        (model.encode(texts), st_model.encode(texts)),
+        (model.encode(texts, normalize_embeddings=True, convert_to_tensor=True).numpy(),
+         st_model.encode(texts, normalize_embeddings=True, convert_to_tensor=True).numpy()),
+        (model.encode_query(texts), st_model.encode_query(texts)),
+        (model.encode_document(texts), st_model.encode_document(texts)),
+    ):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+def test_prompts_match_sentence_transformers_and_apply_per_chunk(enc, st_model):
+    prompts = {"query": "query: ", "passage": "passage: ", "topic": "topic: "}
+    model = DiceSentenceEncoder(enc, prompts=prompts)
+    short = [t for t in SHORT if t]
+
+    # one-chunk texts: the prompt as a prefix is what sentence-transformers builds (WordPiece)
+    st_model.prompts = prompts
+    try:
+        np.testing.assert_allclose(model.encode_query(short), st_model.encode_query(short), atol=1e-5)
+        np.testing.assert_allclose(model.encode(short[:3], prompt_name="topic"),
+                                   st_model.encode(short[:3], prompt_name="topic"), atol=1e-5)
+        np.testing.assert_allclose(model.encode(short[:3], prompt="x: "), st_model.encode(short[:3], prompt="x: "),
+                                   atol=1e-5)
+    finally:
+        st_model.prompts = {"query": "", "document": ""}
+
+    # long documents: the prompt is the document prefix of every chunk
+    with_prefix = DiceEncoder(enc.model, enc.tokenizer, config=enc.config.replace(document_prefix="passage: "))
+    np.testing.assert_allclose(model.encode_document(DOCS), with_prefix.encode_documents(DOCS), atol=1e-6)
+    with_q = DiceEncoder(enc.model, enc.tokenizer, config=enc.config.replace(query_prefix="query: "))
+    np.testing.assert_allclose(model.encode_query(QUERIES), with_q.encode_queries(QUERIES), atol=1e-6)
+    np.testing.assert_allclose(model.encode(DOCS), enc.encode_documents(DOCS), atol=1e-6)  # no prompt named
+
+    with pytest.raises(ValueError, match="not among the prompts"):
+        model.encode(DOCS, prompt_name="nope")
+
+
+def test_batch_size_caps_the_token_budget_not_the_vectors(model, enc):
+    want = enc.encode_documents(DOCS)
+    np.testing.assert_allclose(model.encode(DOCS, batch_size=1), want, atol=1e-6)
+    assert model._encoder_for(None, None, 1).max_batch_tokens == enc.window
+    assert model._encoder_for(None, None, 10**6) is enc                 # never above the encoder's budget
+    with pytest.raises(ValueError, match="batch_size"):
+        model.encode(DOCS, batch_size=0)
+
+
+def test_truncate_dim_and_normalize(enc):
+    model = DiceSentenceEncoder(enc, truncate_dim=64)
+    out = model.encode(DOCS, normalize_embeddings=True)
+    assert out.shape == (len(DOCS), 64) and model.get_sentence_embedding_dimension() == 64
+    np.testing.assert_allclose(np.linalg.norm(out, axis=1), 1.0, atol=1e-6)
+    full = enc.encode_documents(DOCS)[:, :32]
+    np.testing.assert_allclose(model.encode(DOCS, truncate_dim=32), full, atol=1e-6)
+
+
+def test_unsupported_arguments_say_what_to_do(model):
+    for kwargs, match in (({"precision": "int8"}, "float32 only"), ({"output_value": "token_embeddings"}, "sentence_embedding"),
+                          ({"device": "cuda"}, "runs on cpu"), ({"chunk_size": 8}, "encoder option"),
+                          ({"task": "passage"}, "task must be"), ({"truncate_dim": 1000}, "truncate_dim")):
+        with pytest.raises(ValueError, match=match):
+            model.encode(DOCS, **kwargs)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        model.encode(DOCS, not_an_argument=1)
+    with pytest.raises(TypeError, match="options"):
+        DiceSentenceEncoder(model.encoder, chunk_size=16)
+    assert model.encode(DOCS[:2], device="cpu").shape == (2, 384)
