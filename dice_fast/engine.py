@@ -32,7 +32,7 @@ from .packing import PackedBatch
 from .progress import ProgressBar
 from .runner import ModelRunner
 from .scheduler import ChunkQueue
-from .streaming import Prefetch, as_iterator, windows
+from .streaming import Prefetch, as_iterator, release_freed_memory, windows
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # CPU: activations of a 4k-token batch stay in cache; MiniLM, 40 mixed documents on the 2-core EPYC:
@@ -276,6 +276,8 @@ class DiceEncoder:
                         progress(sum(queue.documents_pooled(j) for j in batch.jobs), batch.packed.n_tokens)
                 while jobs and jobs[0].done:
                     job = jobs.popleft()
+                    if self.device.type == "cpu":
+                        release_freed_memory()
                     if progress is not None and job.plan.n_chunks == 0:
                         progress(0, 0)
                     yield _output(job) if return_chunks else job.documents
