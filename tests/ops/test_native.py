@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from dice_fast.ops.spec import AGGREGATIONS, POOLINGS, SCHEMAS, aggregate_documents_ref, pool_chunks_ref
+import pool_data
 from helpers import TOLERANCES, assert_close
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,24 +124,7 @@ def native(nvcc_job):
 # --------------------------------------------------------------------------------------------
 # data
 # --------------------------------------------------------------------------------------------
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _cu(lengths, dtype=torch.int32, device="cpu") -> torch.Tensor:
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    cu[1:] = torch.as_tensor(list(lengths), dtype=torch.int64).cumsum(0)
-    return cu.to(dtype).to(device)
-
-
-def _hidden(total: int, H: int, dtype, seed: int, device="cpu") -> torch.Tensor:
-    # offset mean so that pooled vectors are not ~0 (relative errors stay meaningful)
-    return (torch.randn(total, H, generator=_gen(seed)) + 0.5).to(dtype).to(device)
-
-
-def _lengths(n: int, hi: int, seed: int, extra=()) -> list[int]:
-    lens = torch.randint(1, hi + 1, (n,), generator=_gen(seed)).tolist()
-    return list(extra) + lens
+_gen, _cu, _hidden, _lengths = pool_data.gen, pool_data.cu, pool_data.hidden, pool_data.lengths
 
 
 def _docs(doc_lens, H: int, seed: int, device="cpu"):

@@ -17,6 +17,7 @@ import torch
 
 from dice_fast.ops import torch_pool as tpo
 from dice_fast.ops.spec import AGGREGATIONS, POOLINGS, aggregate_documents_ref, pool_chunks_ref
+import pool_data
 from helpers import TOLERANCES, assert_close
 
 F32_TOL = TOLERANCES[torch.float32]
@@ -25,23 +26,7 @@ DTYPE_IDS = ("f32", "bf16", "f16")
 pool, aggregate = tpo.pool_chunks_torch, tpo.aggregate_documents_torch
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _cu(lengths, dtype=torch.int32, device="cpu") -> torch.Tensor:
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    cu[1:] = torch.as_tensor(list(lengths), dtype=torch.int64).cumsum(0)
-    return cu.to(dtype).to(device)
-
-
-def _hidden(total: int, H: int, dtype, seed: int, device="cpu") -> torch.Tensor:
-    # offset mean so that pooled vectors are not ~0 (relative errors stay meaningful)
-    return (torch.randn(total, H, generator=_gen(seed)) + 0.5).to(dtype).to(device)
-
-
-def _lengths(n: int, hi: int, seed: int, extra=()) -> list[int]:
-    return list(extra) + torch.randint(1, hi + 1, (n,), generator=_gen(seed)).tolist()
+_gen, _cu, _hidden, _lengths = pool_data.gen, pool_data.cu, pool_data.hidden, pool_data.lengths
 
 
 def _docs(doc_lens, H: int, seed: int, device="cpu"):

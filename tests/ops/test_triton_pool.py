@@ -18,6 +18,7 @@ import torch
 
 from dice_fast.ops import triton_pool as tp
 from dice_fast.ops.spec import AGGREGATIONS, POOLINGS, aggregate_documents_ref, pool_chunks_ref
+import pool_data
 from helpers import TOLERANCES, assert_close
 
 # whether `available()` tells the truth is tested in test_dispatch.py, where nothing is skipped
@@ -31,26 +32,7 @@ AGGS = AGGREGATIONS
 TINY = tp.LaunchConfig(block_h=16, block_r=4, num_warps=1, piece=8)
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _cu(lengths, dtype=torch.int32) -> torch.Tensor:
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    cu[1:] = torch.as_tensor(lengths, dtype=torch.int64).cumsum(0)
-    return cu.to(dtype).to(DEVICE)
-
-
-def _hidden(total: int, H: int, dtype, seed: int) -> torch.Tensor:
-    # offset mean so that pooled vectors are not ~0 (relative errors stay meaningful)
-    return (torch.randn(total, H, generator=_gen(seed)) + 0.5).to(dtype).to(DEVICE)
-
-
-def _lengths(n: int, hi: int, seed: int, extra=()) -> list[int]:
-    g = _gen(seed)
-    lens = torch.randint(1, hi + 1, (n,), generator=g).tolist()
-    lens[0] = 1  # always a 1-token chunk
-    return lens + list(extra)
+_gen, _cu, _hidden, _lengths = pool_data.gen, pool_data.cu, pool_data.hidden, pool_data.lengths
 
 
 # --------------------------------------------------------------------------------------------
