@@ -7,16 +7,32 @@ import os
 from typing import Iterator
 
 
+def decode_line(raw: bytes, where: str) -> str:
+    """``raw`` as text without its line break; ValueError naming ``where`` ("file:line") if not UTF-8."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    return line.rstrip("\n").rstrip("\r")
+
+
+def parse_json_object(line: str, where: str) -> dict:
+    """The JSON object on ``line``; ValueError naming ``where`` for malformed JSON or a non-object."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
 def read_lines(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
     """Yield ("file:line", line without its line break); ValueError on bytes that are not UTF-8."""
     with open(path, "rb") as fh:
         for number, raw in enumerate(fh, start=1):
             where = f"{path}:{number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-            yield where, line.rstrip("\n").rstrip("\r")
+            yield where, decode_line(raw, where)
 
 
 def read_json_objects(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
@@ -27,10 +43,4 @@ def read_json_objects(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
     for where, line in read_lines(path):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        yield where, record
+        yield where, parse_json_object(line, where)

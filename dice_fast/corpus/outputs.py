@@ -187,6 +187,18 @@ class NpyWriter:
         self.tmp = self.ids_tmp = None
 
 
+def _discard_stream(writer) -> None:
+    """Close ``writer``'s open Parquet stream and delete its temporary file, if any (abort paths)."""
+    if writer.stream is not None:
+        with contextlib.suppress(Exception):
+            writer.stream.writer.close()
+        writer.stream = None
+    if writer.tmp is not None:
+        with contextlib.suppress(OSError):
+            writer.tmp.unlink()
+        writer.tmp = None
+
+
 class ParquetFileWriter:
     """One ``OUT.parquet`` with columns ``id`` and ``embedding``, renamed into place when complete."""
 
@@ -214,14 +226,7 @@ class ParquetFileWriter:
         fsync_dir(self.path.parent)
 
     def abort(self) -> None:
-        if self.stream is not None:
-            with contextlib.suppress(Exception):
-                self.stream.writer.close()
-            self.stream = None
-        if self.tmp is not None:
-            with contextlib.suppress(OSError):
-                self.tmp.unlink()
-            self.tmp = None
+        _discard_stream(self)
 
 
 class ShardWriter:
@@ -297,14 +302,7 @@ class ShardWriter:
             self.write_manifest("complete")
 
     def abort(self) -> None:
-        if self.stream is not None:
-            with contextlib.suppress(Exception):
-                self.stream.writer.close()
-            self.stream = None
-        if self.tmp is not None:
-            with contextlib.suppress(OSError):
-                self.tmp.unlink()
-            self.tmp = None
+        _discard_stream(self)
 
 
 def ids_path_for(npy: Path) -> Path:

@@ -21,7 +21,6 @@ skipped, sorted by relative path); line- and row-number ids then carry the file'
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import queue
 import struct
@@ -30,6 +29,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+from ..textio import decode_line, parse_json_object
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 KNOWN = ("known input types: .txt (one document per line), .jsonl/.ndjson (JSON lines), .parquet, a folder of them, "
@@ -98,11 +99,7 @@ class Corpus:
             if self.stop.is_set():
                 raise Stopped("reading stopped")
             self.bytes_read += len(raw)
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{where}:{number}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-            line = line.rstrip("\n").rstrip("\r")
+            line = decode_line(raw, f"{where}:{number}")
             if not line.strip():
                 self.blank_lines += 1
                 continue
@@ -110,12 +107,7 @@ class Corpus:
             if fmt == "txt":
                 yield line_id, line
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}:{number}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}:{number}: expected a JSON object, got {type(record).__name__}")
+            record = parse_json_object(line, f"{where}:{number}")
             if field_ not in record:
                 fields = ", ".join(map(str, record)) or "none"
                 raise ValueError(f"{where}:{number}: no field {field_!r} (fields: {fields})")
