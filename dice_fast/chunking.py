@@ -175,13 +175,3 @@ class EncodingPlan:
         d, s, n = int(self.chunks.document[c]), int(self.chunks.start[c]), int(self.chunks.length[c])
         o = int(self.tokens.offsets[d])
         return np.concatenate([self.prefix, self.tokens.ids[o + s : o + s + n], self.suffix])
-
-    def documents(self, lo: int, hi: int) -> EncodingPlan:
-        """The plan of documents ``lo:hi`` alone (token ids and chunk indices rebased to 0)."""
-        t_lo, t_hi = int(self.tokens.offsets[lo]), int(self.tokens.offsets[hi])
-        c_lo, c_hi = int(self.chunks.cu_doc_chunks[lo]), int(self.chunks.cu_doc_chunks[hi])
-        tokens = TokenizedDocuments(self.tokens.ids[t_lo:t_hi], self.tokens.offsets[lo : hi + 1] - t_lo)
-        ch = self.chunks
-        chunks = ChunkPlan(ch.document[c_lo:c_hi] - lo, ch.start[c_lo:c_hi], ch.length[c_lo:c_hi],
-                           ch.cu_doc_chunks[lo : hi + 1] - c_lo)
-        return EncodingPlan(tokens, chunks, self.prefix, self.suffix, self.global_positions)

@@ -39,29 +39,6 @@ class PackedBatch:
         return int(self.cu_seqlens[-1])
 
 
-def wrapped_lengths(plan: ChunkPlan, n_prefix: int, n_suffix: int) -> np.ndarray:
-    """(n_chunks,) int64 tokens of every chunk once wrapped with its prefix and suffix."""
-    return plan.length + (n_prefix + n_suffix)
-
-
-def batch_ranges(lengths: np.ndarray, max_batch_tokens: int) -> list[np.ndarray]:
-    """Split chunk indices with ``lengths`` (n,) > 0 into consecutive groups of <= max_batch_tokens tokens.
-
-    Chunks of zero length are skipped (they have no tokens to run); a chunk longer than the budget
-    gets a batch of its own. Returns a list of int64 index arrays, in order.
-    """
-    keep = np.flatnonzero(lengths > 0)
-    cum = np.cumsum(lengths[keep])
-    out, lo, base = [], 0, 0
-    while lo < len(keep):
-        hi = int(np.searchsorted(cum, base + max_batch_tokens, side="right"))
-        hi = max(hi, lo + 1)
-        out.append(keep[lo:hi])
-        base = int(cum[hi - 1])
-        lo = hi
-    return out
-
-
 def pack(
     docs: TokenizedDocuments,
     plan: ChunkPlan,

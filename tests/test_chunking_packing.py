@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from dice_fast.chunking import check_texts, plan_chunks
-from dice_fast.packing import batch_ranges, pack
-from dice_fast.chunking import TokenizedDocuments
+from dice_fast.packing import pack
+from dice_fast.scheduler import ChunkQueue
+from dice_fast.chunking import EncodingPlan, TokenizedDocuments
 from reference import chunk_token_lists
 
 
@@ -34,8 +37,18 @@ def test_plan_rejects_bad_overlap():
 
 
 def test_batches_respect_budget_and_order():
+    """ChunkQueue hands chunks out in order under the budget (a chunk over it alone) and runs no
+    zero-length chunk."""
     lengths = np.array([5, 0, 3, 9, 2, 2, 20, 1])
-    batches = batch_ranges(lengths, 10)
+    docs = TokenizedDocuments(np.arange(int(lengths.sum())), np.concatenate([[0], np.cumsum(lengths)]))
+    plan = EncodingPlan(docs, plan_chunks(lengths, 100), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    enc = SimpleNamespace(max_batch_tokens=10, spec=SimpleNamespace(first_position=0),
+                          config=SimpleNamespace(aggregation="mean"))
+    queue = ChunkQueue(enc)
+    queue.submit(plan)
+    batches = []
+    while (batch := queue.next_batch()) is not None:
+        batches.append(np.sort(batch.packed.chunk_ids))
     flat = np.concatenate(batches)
     assert flat.tolist() == [0, 2, 3, 4, 5, 6, 7]  # in order, zero-length chunk skipped
     for b in batches:
