@@ -38,20 +38,41 @@ def model_label(name_or_path: str) -> str:
 
 
 def append_csv(rows: list[dict], path, fieldnames=None) -> int:
-    """Append ``rows`` (dicts) to the CSV at ``path``; the header (``fieldnames``, default the first
-    row's keys) is written when the file is new. Keys outside ``fieldnames`` are ignored. Returns
-    the number of rows written."""
+    """Append ``rows`` (dicts) to the CSV at ``path``. A new file gets the header ``fieldnames``
+    (default: the first row's keys, then any new keys of later rows). An existing file keeps its
+    header and column order; when the rows bring columns it lacks, the file is rewritten (to a
+    temporary name, then renamed) with those columns added at the end and left empty in its old rows,
+    so no value ever lands under another column's name. Keys outside an explicit ``fieldnames`` are
+    ignored. Returns the number of rows written."""
     import csv
+    import os
     from pathlib import Path
 
     if not rows:
         return 0
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    with open(path, "a", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(fieldnames or rows[0]), extrasaction="ignore")
-        if new:
-            w.writeheader()
+    wanted = list(fieldnames) if fieldnames else list(dict.fromkeys(k for r in rows for k in r))
+    old_rows: list[dict] = []
+    header: list[str] = []
+    if path.exists() and path.stat().st_size > 0:
+        with open(path, newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            header = list(reader.fieldnames or [])
+            missing = [k for k in wanted if k not in header]
+            if missing:
+                old_rows = list(reader)
+    missing = [k for k in wanted if k not in header]
+    if header and not missing:
+        with open(path, "a", newline="", encoding="utf-8") as fh:
+            csv.DictWriter(fh, fieldnames=header, extrasaction="ignore").writerows(rows)
+        return len(rows)
+    header = header + missing
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=header, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(old_rows)
         w.writerows(rows)
+    os.replace(tmp, path)
     return len(rows)
