@@ -23,7 +23,8 @@ from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
 
-from .outputs import (MANIFEST_FORMAT, NpyWriter, ParquetFileWriter, ShardWriter, ids_path_for, manifest_name,
+from .outputs import (MANIFEST_FORMAT, NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, ids_path_for,
+                      manifest_name,
                       our_files, parse_tag, read_manifest, split_tag)
 from .model import load_encoder
 from .readers import Corpus, open_corpus, text_digest, update_input_hash
@@ -216,6 +217,10 @@ class EncodeJob:
                 if not p.is_file() or p.stat().st_size != shard["bytes"]:
                     raise ValueError(f"cannot resume {mine}: committed shard {p.name} is missing or changed "
                                      f"(expected {shard['bytes']} bytes); start again with --overwrite")
+                if file_sha256(p) != shard["sha256"]:
+                    raise ValueError(f"cannot resume {mine}: committed shard {p.name} is corrupted (its sha256 "
+                                     f"is not the {shard['sha256'][:12]}... recorded at commit); start again "
+                                     "with --overwrite")
             committed = {s["file"] for s in self.resume_from["shards"]} | {mine.name}
             for p in our_files(out):
                 if parse_tag(p.name) == (None if not self.tag else self.split) and p.name not in committed:

@@ -72,13 +72,20 @@ def _mktemp(folder: Path, name: str) -> Path:
     raise FileExistsError(f"cannot create a temporary file for {name} in {folder}")
 
 
-def _fsync_and_hash(path: Path) -> tuple[int, str]:
+def file_sha256(path: Path, fsync: bool = False) -> str:
+    """Hex sha256 of the file's bytes (read in 1 MiB blocks); ``fsync``: also flush it to disk."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
-        os.fsync(fh.fileno())
-    return path.stat().st_size, h.hexdigest()
+        if fsync:
+            os.fsync(fh.fileno())
+    return h.hexdigest()
+
+
+def _fsync_and_hash(path: Path) -> tuple[int, str]:
+    digest = file_sha256(path, fsync=True)
+    return path.stat().st_size, digest
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -132,6 +132,21 @@ def test_resume_with_a_changed_input_is_refused(done, tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == before
 
 
+def test_committed_shard_corrupted_in_place_is_refused(done, tmp_path, capsys):
+    """Same size, different bytes (a flipped byte inside a committed shard): caught by its sha256."""
+    src, ref, _ = done
+    out = tmp_path / "out"
+    _interrupted_copy(ref, out)
+    shard = out / "part-00000.parquet"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = sorted((p.name, p.stat().st_size) for p in out.iterdir())
+    assert _run(src, out, "--resume", "--shard-rows", "8") == 2
+    assert "committed shard part-00000.parquet is corrupted (its sha256 is not the" in capsys.readouterr().err
+    assert sorted((p.name, p.stat().st_size) for p in out.iterdir()) == before  # nothing removed or written
+
+
 def test_committed_shard_missing_is_refused(done, tmp_path, capsys):
     src, ref, _ = done
     out = tmp_path / "out"
