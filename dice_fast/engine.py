@@ -32,7 +32,8 @@ from .packing import PackedBatch
 from .progress import ProgressBar
 from .runner import ModelRunner
 from .scheduler import ChunkQueue
-from .streaming import Prefetch, as_iterator, release_freed_memory, windows
+from .cpu_heap import keep_freed_pages, release_freed_memory
+from .streaming import Prefetch, as_iterator, windows
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # CPU: activations of a 4k-token batch stay in cache; MiniLM, 40 mixed documents on the 2-core EPYC:
@@ -75,7 +76,9 @@ class DiceEncoder:
     function, which computes exactly the original attention outside dice_fast's own forwards (or,
     for a model that cannot run packed, leaves the config as it was). After that nothing is changed
     per call: any number of threads may encode with one encoder at once, each getting the vectors
-    of a call made alone.
+    of a call made alone. On a CPU the first encoder also sets the process's glibc heap thresholds
+    so activation pages are reused between operations (`dice_fast.cpu_heap`;
+    ``DICE_FAST_CPU_HEAP=default`` keeps glibc's defaults).
     """
 
     def __init__(self, model, tokenizer, config: DiceConfig | None = None, *, model_path: str | None = None, **options):
@@ -92,6 +95,8 @@ class DiceEncoder:
         if device != param.device or dtype != param.dtype:
             model.to(device=device, dtype=dtype)
         model.eval().requires_grad_(False)
+        if device.type == "cpu":
+            keep_freed_pages()
         self.model, self.tokenizer = model, tokenizer
         self.spec: ModelSpec = inspect_model(model, tokenizer, model_path)
         self.device, self.dtype = device, dtype

@@ -3,7 +3,6 @@ matmul rate (the MFU denominator), and the interleaved timing loop."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import threading
@@ -11,6 +10,8 @@ import time
 
 import numpy as np
 import torch
+
+from ..cpu_heap import release_freed_memory
 
 
 class PeakMemory:
@@ -31,10 +32,7 @@ class PeakMemory:
     def _release_cpu_memory() -> None:
         """Return freed heap pages to the OS so the baseline RSS is the live working set (glibc only)."""
         gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+        release_freed_memory()
 
     def __enter__(self):
         if self.device.type == "cuda":

@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..chunking import check_texts
+from ..cpu_heap import release_freed_memory
 from ..scheduler import ChunkQueue, Job
 from .errors import Overloaded, RequestTooLarge, ShuttingDown
 from .limits import DEFAULT_LIMITS, QUEUE_BATCHES
@@ -272,16 +273,22 @@ class AsyncDiceEncoder:
 
     # --------------------------------------------------------------------------- worker side
     def _work(self) -> None:
+        busy = False  # ran a batch since the worker last went idle
         while True:
             with self._cond:
-                while True:
-                    self._admit()
-                    batch = self._queue.next_batch()
-                    if batch is not None:
-                        break
+                self._admit()
+                batch = self._queue.next_batch()
+                if batch is None and not busy:
                     if self._closing and not self._pending:
                         return
                     self._cond.wait()
+                    continue
+            if batch is None:  # going idle: hand the kept activation pages back to the OS (CPU)
+                busy = False
+                if self.encoder.device.type == "cpu":
+                    release_freed_memory()
+                continue
+            busy = True
             self._run(batch)
 
     def _admit(self) -> None:

@@ -1,0 +1,70 @@
+"""The glibc heap under CPU forwards: keep activation pages between operations, hand them back
+between windows.
+
+A CPU forward allocates and frees activations of megabytes per operation (MiniLM, 4096 tokens:
+6 MB per projection, 25 MB per feed-forward input). With glibc's default, adaptive thresholds the
+freed top of the heap is returned to the OS after each free and faulted back in, zero-filled, by
+the next operation: 150,000-300,000 minor page faults and ~1.1 s of system time per 41,500-token
+encode on a 2-core EPYC (9 % of the wall time), spent inside ``addmm``'s bias copy and ``gelu``.
+Raising the mmap threshold to glibc's ceiling (32 MiB on 64-bit) and the trim threshold to 1 GiB
+keeps those pages: 0 faults, 0.17 s of system time. Page faults cost the same on any x86 CPU, so this
+is a rule, not a per-machine measurement.
+
+    keep_freed_pages()       # once per process, at the first CPU encoder; True if applied
+    release_freed_memory()   # after each window of a CPU stream: the kept pages go back to the OS
+
+Both are process-wide (glibc has one heap policy per process); a program that must keep glibc's
+defaults sets ``DICE_FAST_CPU_HEAP=default`` before it builds an encoder. Allocations above 32 MiB
+(larger models or budgets) are still mapped per allocation. Not glibc (musl, macOS): nothing happens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+
+ENV = "DICE_FAST_CPU_HEAP"
+MMAP_THRESHOLD = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (HEAP_MAX_SIZE / 2)
+TRIM_THRESHOLD = 2**30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+
+_LOCK = threading.Lock()
+_applied: bool | None = None
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018  (both must exist: glibc)
+        return libc
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def keep_freed_pages() -> bool:
+    """Set glibc's mmap and trim thresholds so freed activation pages are reused, not re-faulted;
+    once per process. Returns whether the policy is in force (False: not glibc, or
+    ``DICE_FAST_CPU_HEAP=default``)."""
+    global _applied
+    with _LOCK:
+        if _applied is None:
+            mode = os.environ.get(ENV, "keep").strip().lower() or "keep"
+            if mode not in ("keep", "default"):
+                raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 'keep' (the default) or 'default'")
+            libc = _libc()
+            _applied = (mode == "keep" and libc is not None
+                        and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+                        and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
+        return _applied
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (the kept activation pages, and token buffers of varying
+    sizes). Called after each window of a CPU stream: the resident size after every window then stays
+    at 564-568 MB over 24 windows (MiniLM, 2-core EPYC)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
