@@ -64,6 +64,28 @@ def test_queries_equal_offline(tiny_encoder):
     assert_close(d.vectors, tiny_encoder.encode_documents(texts), atol=1e-5)
 
 
+def test_worker_hands_memory_back_once_per_busy_spell(tiny_encoder, monkeypatch):
+    """On the CPU the worker trims the heap when its queue runs dry (not after every batch, not while
+    idle): two bursts of requests separated by idleness give two trims."""
+    from dice_fast.serve import batcher
+
+    trims = []
+    monkeypatch.setattr(batcher, "release_freed_memory", lambda: trims.append(1))
+    texts = word_texts(6, 20, 120, seed=3)
+
+    async def main():
+        async with AsyncDiceEncoder(tiny_encoder) as core:
+            batches = []
+            core.add_batch_listener(batches.append)
+            for _ in range(2):
+                await asyncio.gather(*(core.embed_documents([t]) for t in texts))
+                await asyncio.sleep(0.2)  # idle
+            return len(batches), len(trims)
+
+    n_batches, n_trims_open = run(main())
+    assert n_batches > 2 and n_trims_open == 2 == len(trims)
+
+
 def test_without_cross_request_batching_each_batch_holds_one_request(tiny_encoder):
     texts = word_texts(10, 5, 80, seed=3)
     ref = tiny_encoder.encode_documents(texts)
