@@ -18,16 +18,17 @@ import hashlib
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
 
 from .outputs import (MANIFEST_FORMAT, NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, ids_path_for,
-                      manifest_name,
-                      our_files, parse_tag, read_manifest, split_tag)
+                      manifest_name, our_files, parse_tag, read_manifest, split_tag)
+from .ids import DuplicateIds
 from .model import load_encoder
-from .readers import Corpus, open_corpus, text_digest, update_input_hash
+from .readers import Corpus, ReadProgress, open_corpus, text_digest, update_input_hash
 from .signals import Interrupted, Signals, one_line_warnings
 
 OUTPUT_TYPES = ".npy (with NAME.ids.txt beside it), .parquet, or a folder of Parquet shards (DIR/)"
@@ -133,13 +134,14 @@ class EncodeJob:
         if self.split[1] > 1:
             records = _take_split(records, *self.split)
         skipped = 0
+        duplicates = DuplicateIds()
         if self.resume_from is not None:
-            records, skipped = _skip_committed(records, self.resume_from["shards"], self.out)
+            records, skipped = _skip_committed(records, self.resume_from["shards"], self.out, duplicates.add)
         self._open_writer(resolved, signals)
         from ..progress import ProgressBar
 
         bar = ProgressBar(None, desc=f"encode {self.kind}", show=not args.quiet)
-        progress = _Estimate(bar, corpus)
+        progress = ReadProgress(bar, corpus)
         pending: deque = deque()
 
         def texts():
@@ -156,18 +158,22 @@ class EncodeJob:
             rows = 0
             for block in blocks:
                 items = [pending.popleft() for _ in range(len(block))]
-                self.writer.write([i for i, _ in items], [d for _, d in items], block)
+                ids = [i for i, _ in items]
+                duplicates.add(ids)
+                self.writer.write(ids, [d for _, d in items], block)
                 rows += len(block)
         finally:
             bar.close()
         seconds = time.perf_counter() - t0
         summary = {"rows": skipped + rows, "encoded": rows, "tokens": bar.tokens, "seconds": round(seconds, 3),
-                   "blank_lines": corpus.blank_lines}
+                   "blank_lines": corpus.blank_lines, "duplicate_ids": duplicates.count}
         with signals.critical():
             self.writer.finish(enc.dim, summary)
             signals.pending = None  # a signal during the final commit comes too late to stop anything
         self.writer = None
         self._print_summary(enc, rows, skipped, bar.tokens, seconds, corpus.blank_lines)
+        if duplicates.count:
+            warnings.warn(duplicates.message(), UserWarning, stacklevel=1)
         return 0
 
     # -----------------------------------------------------------------------------------------
@@ -334,17 +340,20 @@ def _take_split(records, index: int, count: int):
             yield record
 
 
-def _skip_committed(records, shards: list[dict], folder: Path):
+def _skip_committed(records, shards: list[dict], folder: Path, on_ids):
     """Read past the documents of the committed ``shards`` (not encoding them), checking that they are
-    the same documents (ids and texts) as when committed. Returns (the rest of the stream, count)."""
+    the same documents (ids and texts) as when committed; ``on_ids(ids)`` gets each shard's ids.
+    Returns (the rest of the stream, count)."""
     it = iter(records)
     skipped = 0
     for shard in shards:
         h = hashlib.sha256()
-        n = 0
+        ids = []
         for doc_id, text in islice(it, shard["rows"]):
             update_input_hash(h, doc_id, text_digest(text))
-            n += 1
+            ids.append(doc_id)
+        on_ids(ids)
+        n = len(ids)
         skipped += n
         if n < shard["rows"]:
             raise ValueError(f"cannot resume {folder}: the input now has {skipped} documents, fewer than the "
@@ -363,27 +372,6 @@ def _query_blocks(enc, texts, progress):
         if not batch:
             return
         yield enc.encode_queries(batch, progress=progress)
-
-
-class _Estimate:
-    """The engine's progress callback: counts tokens on the bar and sets its total (so its ETA) from
-    the input's size in bytes and the tokens per byte of the documents encoded so far (no total for
-    stdin). ``offsets`` receives, per document read, the input's byte offset just after it."""
-
-    def __init__(self, bar, corpus: Corpus):
-        self.bar, self.corpus = bar, corpus
-        self.total_bytes = corpus.total_bytes
-        self.base = self.done_bytes = corpus.bytes_read
-        self.offsets: deque = deque()
-
-    def __call__(self, documents: int, tokens: int) -> None:
-        for _ in range(min(documents, len(self.offsets))):
-            self.done_bytes = self.offsets.popleft()
-        read = self.done_bytes - self.base
-        done = self.bar.tokens + tokens
-        if self.total_bytes and read > 0 and done > 0:
-            self.bar.bar.total = max(int(done * (self.total_bytes - self.base) / read), done)
-        self.bar(documents, tokens)
 
 
 def _check_writable(folder: Path) -> None:

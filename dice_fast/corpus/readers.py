@@ -26,6 +26,7 @@ import queue
 import struct
 import sys
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -272,3 +273,24 @@ def _stdin_lines(stop: threading.Event) -> Iterator[bytes]:
         if isinstance(item, BaseException):
             raise item
         yield item
+
+
+class ReadProgress:
+    """The engine's progress callback: counts tokens on the bar and sets its total (so its ETA) from
+    the input's size in bytes and the tokens per byte of the documents encoded so far (no total for
+    stdin). ``offsets`` receives, per document read, the input's byte offset just after it."""
+
+    def __init__(self, bar, corpus: Corpus):
+        self.bar, self.corpus = bar, corpus
+        self.total_bytes = corpus.total_bytes
+        self.base = self.done_bytes = corpus.bytes_read
+        self.offsets: deque = deque()
+
+    def __call__(self, documents: int, tokens: int) -> None:
+        for _ in range(min(documents, len(self.offsets))):
+            self.done_bytes = self.offsets.popleft()
+        read = self.done_bytes - self.base
+        done = self.bar.tokens + tokens
+        if self.total_bytes and read > 0 and done > 0:
+            self.bar.bar.total = max(int(done * (self.total_bytes - self.base) / read), done)
+        self.bar(documents, tokens)

@@ -268,14 +268,14 @@ def test_help_documents_every_option():
 
 
 def test_progress_eta_counts_tokens_from_bytes(tmp_path):
-    from dice_fast.corpus.job import _Estimate
+    from dice_fast.corpus.readers import ReadProgress
     from dice_fast.progress import ProgressBar
 
     src = tmp_path / "d.txt"
     src.write_text("a" * 99 + "\n" + "b" * 299 + "\n", encoding="utf-8")  # 100 + 300 bytes
     corpus = open_corpus(str(src))
     bar = ProgressBar(None, show=False)
-    est = _Estimate(bar, corpus)
+    est = ReadProgress(bar, corpus)
     for _ in corpus.records():
         est.offsets.append(corpus.bytes_read)
     est(1, 50)  # the first document (100 bytes) had 50 tokens: 200 expected in all
