@@ -37,13 +37,34 @@ def model_label(name_or_path: str) -> str:
     return parts[-2] if parts[-1] == "model" and len(parts) > 1 else parts[-1]
 
 
+def check_csv(path) -> list[str] | None:
+    """The header of the CSV at ``path`` (None when there is no such file or it is empty); ValueError
+    naming the line when a row has more values than the header (rows appended by a version with more
+    columns), since appending to or widening such a file would put values under the wrong names."""
+    import csv
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.reader(fh)
+        header = next(reader, [])
+        for i, row in enumerate(reader, start=2):
+            if len(row) > len(header):
+                raise ValueError(f"{path}:{i}: {len(row)} values under a header of {len(header)} columns; "
+                                 "fix the file or write to another CSV")
+    return header
+
+
 def append_csv(rows: list[dict], path, fieldnames=None) -> int:
     """Append ``rows`` (dicts) to the CSV at ``path``. A new file gets the header ``fieldnames``
     (default: the first row's keys, then any new keys of later rows). An existing file keeps its
     header and column order; when the rows bring columns it lacks, the file is rewritten (to a
     temporary name, then renamed) with those columns added at the end and left empty in its old rows,
-    so no value ever lands under another column's name. Keys outside an explicit ``fieldnames`` are
-    ignored. Returns the number of rows written."""
+    so no value ever lands under another column's name (a file whose rows are already wider than
+    its header is refused: `check_csv`). Keys outside an explicit ``fieldnames`` are ignored.
+    Returns the number of rows written."""
     import csv
     import os
     from pathlib import Path
@@ -53,26 +74,24 @@ def append_csv(rows: list[dict], path, fieldnames=None) -> int:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     wanted = list(fieldnames) if fieldnames else list(dict.fromkeys(k for r in rows for k in r))
-    old_rows: list[dict] = []
-    header: list[str] = []
-    if path.exists() and path.stat().st_size > 0:
-        with open(path, newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            header = list(reader.fieldnames or [])
-            missing = [k for k in wanted if k not in header]
-            if missing:
-                old_rows = list(reader)
+    header = check_csv(path) or []
     missing = [k for k in wanted if k not in header]
     if header and not missing:
         with open(path, "a", newline="", encoding="utf-8") as fh:
             csv.DictWriter(fh, fieldnames=header, extrasaction="ignore").writerows(rows)
         return len(rows)
-    header = header + missing
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=header, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(old_rows)
-        w.writerows(rows)
-    os.replace(tmp, path)
+    old_rows: list[dict] = []
+    if header:
+        with open(path, newline="", encoding="utf-8") as fh:
+            old_rows = list(csv.DictReader(fh))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", newline="", encoding="utf-8") as fh:
+            w = csv.DictWriter(fh, fieldnames=header + missing, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(old_rows)
+            w.writerows(rows)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return len(rows)

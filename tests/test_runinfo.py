@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 
+import pytest
+
 from dice_fast.runinfo import append_csv
 
 
@@ -43,3 +45,12 @@ def test_explicit_fieldnames_ignore_other_keys(tmp_path):
 def test_no_rows_writes_nothing(tmp_path):
     assert append_csv([], tmp_path / "r.csv") == 0
     assert not (tmp_path / "r.csv").exists()
+
+
+def test_a_file_with_rows_wider_than_its_header_is_refused_not_rewritten(tmp_path):
+    path = tmp_path / "r.csv"
+    path.write_text("a,b\n1,2,EXTRA\n", encoding="utf-8")
+    for row in ({"a": 3, "b": 4}, {"a": 3, "c": 5}):  # appending, and widening
+        with pytest.raises(ValueError, match=r"r.csv:2: 3 values under a header of 2 columns"):
+            append_csv([row], path)
+    assert path.read_text(encoding="utf-8") == "a,b\n1,2,EXTRA\n"

@@ -51,7 +51,8 @@ def cmd_bench(args) -> int:
     from ..runinfo import device_name, model_label
     from .corpora import corpus_lengths, make_corpus, random_model
     from .measure import matmul_tflops
-    from .run import benchmark, check_csv, format_table, save_rows
+    from ..runinfo import check_csv
+    from .run import benchmark, format_table, save_rows
 
     for name in ("docs", "repeats", "padded_batch"):
         if getattr(args, name) < 1:

@@ -24,12 +24,10 @@ same dtype measured in the same run.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import datetime
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -211,43 +209,10 @@ def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def save_rows(rows: list[Row], path: str | os.PathLike) -> int:
-    """Append ``rows`` to the CSV at ``path``; returns the number written.
-
-    A file written by an older version with other columns is first rewritten (atomically) with the
-    union of both headers, old columns first, so every row keeps its values under their own names.
-    A file whose rows do not match its own header raises ValueError (see `check_csv`).
-    """
-    path = Path(path)
-    header = check_csv(path)
-    if header is None or header == FIELDS:
-        return append_csv([asdict(r) for r in rows], path, fieldnames=FIELDS)
-    with open(path, newline="", encoding="utf-8") as fh:
-        old = list(csv.DictReader(fh))
-    union = header + [f for f in FIELDS if f not in header]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        append_csv(old + [asdict(r) for r in rows], tmp, fieldnames=union)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return len(rows)
-
-
-def check_csv(path: str | os.PathLike) -> list[str] | None:
-    """The header of the CSV at ``path`` (None when there is no such file or it is empty); ValueError
-    when a row has more values than the header (rows appended by a version with more columns), since
-    widening such a file would shift values under the wrong names."""
-    path = Path(path)
-    if not path.exists() or path.stat().st_size == 0:
-        return None
-    with open(path, newline="", encoding="utf-8") as fh:
-        reader = csv.reader(fh)
-        header = next(reader, [])
-        for i, row in enumerate(reader, start=2):
-            if len(row) > len(header):
-                raise ValueError(f"{path}:{i}: {len(row)} values under a header of {len(header)} columns; "
-                                 "fix the file or pass another --csv")
-    return header
+    """Append ``rows`` to the CSV at ``path`` (`runinfo.append_csv`: a file written by an older
+    version with other columns is widened, old columns first; one whose rows do not match its own
+    header raises ValueError); returns the number written."""
+    return append_csv([asdict(r) for r in rows], path, fieldnames=FIELDS)
 
 
 def format_table(rows: list[Row]) -> str:
