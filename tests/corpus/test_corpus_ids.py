@@ -38,6 +38,9 @@ def test_duplicate_ids_counts_and_names_the_first_few():
     assert dup.count == 8  # a; then b, b, c, d, f, e, g
     assert dup.examples == ["a", "b", "c", "d", "f"]
     assert dup.message().startswith("8 documents have an id that occurred earlier in the input ('a', 'b', 'c', 'd', 'f', ...)")
+    single = DuplicateIds()
+    single.add(["a", "a", "a"])
+    assert single.message().startswith("2 documents have an id that occurred earlier in the input ('a');")
 
 
 def test_job_warns_about_duplicate_ids_and_keeps_every_row(tmp_path, capsys, cached_encoders):
