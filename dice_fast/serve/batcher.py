@@ -35,6 +35,8 @@ from ..scheduler import ChunkQueue, Job
 from .errors import Overloaded, RequestTooLarge, ShuttingDown
 from .limits import DEFAULT_LIMITS, QUEUE_BATCHES
 
+IDLE_TRIM_S = 1.0  # seconds without work after which a CPU worker hands its kept heap pages back
+
 log = logging.getLogger("dice_fast.serve")
 
 
@@ -111,6 +113,9 @@ class AsyncDiceEncoder:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.encoder = encoder
+        # CPU: trim the heap (`dice_fast.cpu_heap`) once the queue has been empty this long
+        self._trims_heap = getattr(getattr(encoder, "device", None), "type", None) == "cpu"
+        self.idle_trim_s = IDLE_TRIM_S
         self._queue = ChunkQueue(encoder, max_batch_tokens)
         self.max_inputs_per_request = max_inputs_per_request
         self.max_tokens_per_document = max_tokens_per_document
@@ -273,20 +278,22 @@ class AsyncDiceEncoder:
 
     # --------------------------------------------------------------------------- worker side
     def _work(self) -> None:
-        busy = False  # ran a batch since the worker last went idle
+        busy = False  # ran a batch since the heap was last trimmed
         while True:
             with self._cond:
                 self._admit()
                 batch = self._queue.next_batch()
-                if batch is None and not busy:
+                if batch is None:
                     if self._closing and not self._pending:
                         return
-                    self._cond.wait()
-                    continue
-            if batch is None:  # going idle: hand the kept activation pages back to the OS (CPU)
+                    if not busy or not self._trims_heap:
+                        self._cond.wait()
+                        continue
+                    if self._cond.wait(timeout=self.idle_trim_s):
+                        continue  # woken within the quiet period: look for work again, no trim
+            if batch is None:  # quiet for idle_trim_s: hand the kept activation pages back (CPU)
                 busy = False
-                if self.encoder.device.type == "cpu":
-                    release_freed_memory()
+                release_freed_memory()
                 continue
             busy = True
             self._run(batch)

@@ -64,9 +64,10 @@ def test_queries_equal_offline(tiny_encoder):
     assert_close(d.vectors, tiny_encoder.encode_documents(texts), atol=1e-5)
 
 
-def test_worker_hands_memory_back_once_per_busy_spell(tiny_encoder, monkeypatch):
-    """On the CPU the worker trims the heap when its queue runs dry (not after every batch, not while
-    idle): two bursts of requests separated by idleness give two trims."""
+def test_worker_hands_memory_back_after_a_quiet_period(tiny_encoder, monkeypatch):
+    """On the CPU the worker trims the heap once its queue has been empty for ``idle_trim_s``: not
+    after every batch, not between requests that follow each other closely, not again while idle.
+    Each burst is one request of several documents spanning several batches."""
     from dice_fast.serve import batcher
 
     trims = []
@@ -75,15 +76,20 @@ def test_worker_hands_memory_back_once_per_busy_spell(tiny_encoder, monkeypatch)
 
     async def main():
         async with AsyncDiceEncoder(tiny_encoder) as core:
+            core.idle_trim_s = 0.5
             batches = []
             core.add_batch_listener(batches.append)
+            counts = []
             for _ in range(2):
-                await asyncio.gather(*(core.embed_documents([t]) for t in texts))
-                await asyncio.sleep(0.2)  # idle
-            return len(batches), len(trims)
+                await core.embed_documents(texts)
+                await core.embed_documents(texts[:2])  # right after: within the quiet period
+                counts.append(len(trims))
+                await asyncio.sleep(1.5)  # quiet: one trim, then none while idle
+                counts.append(len(trims))
+            return len(batches), counts
 
-    n_batches, n_trims_open = run(main())
-    assert n_batches > 2 and n_trims_open == 2 == len(trims)
+    n_batches, counts = run(main())
+    assert n_batches > 4 and counts == [0, 1, 1, 2]
 
 
 def test_without_cross_request_batching_each_batch_holds_one_request(tiny_encoder):
