@@ -5,7 +5,7 @@ the name `ATTENTION_NAME`. Every model that dispatches attention through that in
 RoBERTa/XLM-R, Llama, Mistral, Qwen2/3, ...) then runs packed: the engine passes
 ``cu_seq_lens_q/k`` (int32, leading 0) and ``max_length_q/k`` (host ints) as forward keyword
 arguments, which transformers forwards to every attention call; nothing is inferred per layer.
-Since no mask function is registered for the name, transformers builds no attention mask.
+The mask function registered beside it builds no mask inside a packed forward.
 
 Backends (all exact: a chunk attends only to itself):
 
@@ -14,6 +14,12 @@ Backends (all exact: a chunk attends only to itself):
 * ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn``; CUDA, fp16/bf16, no extra package.
 * ``sdpa_groups``: any device and dtype; the packer orders each batch's chunks by length, so runs
   of equal-length chunks are contiguous token ranges that one dense SDPA call handles as a batch.
+
+Sliding-window layers (Mistral/Qwen2 windows, ModernBERT's local layers) pass ``sliding_window=W``
+as transformers' flash-attention path expects it: a token sees the tokens at distance <= W - 1
+(and only earlier ones when causal), the same band the model's own masks cut. Every backend applies
+that band inside each chunk: flash-attn and ``varlen_attn`` through ``window_size``, ``sdpa_groups``
+through a banded boolean mask per run of chunks longer than the band.
 
 `install` points a model's config at this function once, when a `DiceEncoder` is built; nothing is
 switched per call. `attention_context` sets, for the duration of one packed forward and only in the
@@ -30,7 +36,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -49,6 +55,7 @@ class _Run:
     groups: tuple[tuple[int, int, int], ...]  # (token_start, n_chunks, length) runs for sdpa_groups
     calls: int = 0  # attention calls seen in this forward (the construction-time probe reads it)
     extra_bias: bool = False  # a layer passed a mask or position bias of its own (packing would drop it)
+    band_masks: dict = field(default_factory=dict)  # (length, band, causal) -> (L, L) bool, for sdpa_groups
 
 
 _CURRENT: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("dice_fast_attention", default=None)
@@ -88,6 +95,14 @@ def backend_available(backend: str, device: torch.device) -> bool:
     if backend == "torch_varlen":
         return _torch_varlen_func() is not None
     raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+
+
+def supports_sliding_window(backend: str) -> bool:
+    """Whether ``backend`` can apply a sliding window inside chunks (``varlen_attn`` of torch 2.9-2.10
+    has no ``window_size``: the runner sends chunks longer than the window to the padded path)."""
+    if backend == "torch_varlen":
+        return _torch_varlen_func() is not None and "window_size" in _torch_varlen_params()
+    return backend in ("flash_attn", "sdpa_groups")
 
 
 def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -239,27 +254,30 @@ def dice_varlen_attention(
     causal = run.causal
     if causal is None:
         causal = kwargs["is_causal"] if kwargs.get("is_causal") is not None else bool(getattr(module, "is_causal", False))
-    window = getattr(module, "sliding_window", None) or kwargs.get("sliding_window")
-    if window is not None and max_len > window:
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    # tokens further apart than `band` may not attend to each other; None: no chunk is that long
+    band = int(window) - 1 if window is not None and max_len > window else None
+    if band is not None and not supports_sliding_window(run.backend):
         raise ValueError(
-            f"a chunk of {max_len} tokens exceeds the model's sliding attention window of {window}; "
-            "use a smaller chunk_size"
+            f"a chunk of {max_len} tokens exceeds the model's sliding attention window of {window}, which the "
+            f"{run.backend} backend cannot apply; use a smaller chunk_size or attention_backend='sdpa_groups'"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # (T, Hq, D)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     if run.backend == "flash_attn":
-        out = _flash(q, k, v, cu, max_len, causal, scale)
+        out = _flash(q, k, v, cu, max_len, causal, scale, band)
     elif run.backend == "torch_varlen":
-        out = _torch_varlen(q, k, v, cu, max_len, causal, scale)
+        out = _torch_varlen(q, k, v, cu, max_len, causal, scale, band)
     else:
-        out = _sdpa_groups(q, k, v, run.groups, causal, scale)
+        out = _sdpa_groups(q, k, v, run, causal, scale, band)
     return out.unsqueeze(0), None
 
 
-def _flash(q, k, v, cu, max_len, causal, scale):
-    out = _flash_attn_func()(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=causal)
+def _flash(q, k, v, cu, max_len, causal, scale, band=None):
+    extra = {} if band is None else {"window_size": (band, band)}  # inclusive; causal drops the right side
+    out = _flash_attn_func()(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=causal, **extra)
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -268,13 +286,14 @@ def _torch_varlen_params() -> frozenset:
     return frozenset(inspect.signature(_torch_varlen_func()).parameters)
 
 
-def _torch_varlen(q, k, v, cu, max_len, causal, scale):
+def _torch_varlen(q, k, v, cu, max_len, causal, scale, band=None):
     params = _torch_varlen_params()
     extra = {}
-    if "is_causal" in params:  # torch 2.9 - 2.10
+    if "is_causal" in params:  # torch 2.9 - 2.10 (no sliding window: refused before this call)
         extra["is_causal"] = causal
-    elif causal:  # newer torch: a (left, right) window, (-1, 0) is causal
-        extra["window_size"] = (-1, 0)
+    elif causal or band is not None:  # newer torch: a (left, right) window, (-1, 0) is causal
+        left = -1 if band is None else band
+        extra["window_size"] = (left, 0 if causal else band)
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             extra["enable_gqa"] = True
@@ -288,8 +307,22 @@ def _torch_varlen(q, k, v, cu, max_len, causal, scale):
     return _torch_varlen_func()(q, k, v, cu, cu, max_len, max_len, **extra)
 
 
-def _sdpa_groups(q, k, v, groups, causal, scale):
-    """Exact block-diagonal attention as one dense SDPA call per run of equal-length chunks."""
+def _band_mask(run, length: int, band: int, causal: bool, device) -> torch.Tensor:
+    """(L, L) bool, True where query i may attend to key j: |i - j| <= band (and j <= i when causal);
+    made once per forward and shape."""
+    key = (length, band, causal)
+    mask = run.band_masks.get(key)
+    if mask is None:
+        i = torch.arange(length, device=device)
+        dist = i[:, None] - i[None, :]
+        mask = (dist <= band) & ((dist >= 0) if causal else (dist >= -band))
+        run.band_masks[key] = mask
+    return mask
+
+
+def _sdpa_groups(q, k, v, run, causal, scale, band=None):
+    """Exact block-diagonal attention as one dense SDPA call per run of equal-length chunks (banded
+    inside chunks longer than ``band + 1`` tokens when a sliding window applies)."""
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     gqa = hq != hkv
     # written in place, run by run: one copy of the output instead of a copy per run plus a cat
@@ -298,16 +331,18 @@ def _sdpa_groups(q, k, v, groups, causal, scale):
     # On the CPU the dtype and kernel are measured per machine (`dice_fast.tuning`): bf16 SDPA is
     # slower than fp32 on an EPYC (a (60,12,256,32) run 116 vs 97 ms) but ~2x faster on an AMX Xeon.
     cpu = q.device.type == "cpu"
-    for start, n, length in groups:
+    for start, n, length in run.groups:
         end = start + n * length
         # (n*L, H, D) -> (n, H, L, D), views of the packed projections
         qs = q[start:end].reshape(n, length, hq, d).transpose(1, 2)
         ks = k[start:end].reshape(n, length, hkv, d).transpose(1, 2)
         vs = v[start:end].reshape(n, length, hkv, d).transpose(1, 2)
-        is_causal = causal and length > 1
+        mask = _band_mask(run, length, band, causal, q.device) if band is not None and length > band + 1 else None
+        is_causal = causal and length > 1 and mask is None
         if cpu:
-            o = tuning.cpu_attend(qs, ks, vs, is_causal, scale, gqa)
+            o = tuning.cpu_attend(qs, ks, vs, is_causal, scale, gqa, mask)
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                               enable_gqa=gqa)
         out[start:end].view(n, length, hq, d).copy_(o.transpose(1, 2))
     return out

@@ -8,7 +8,8 @@
 * **padded** (the fallback): the batch's chunks, already sorted by length, padded into dense
   sub-batches of at most ``max_batch_tokens`` padded tokens and run with the model's own attention
   and mask. Used for models that bypass the interface (MPNet, DeBERTa-v2, T5 encoders: relative
-  position biases) and for chunks longer than a sliding attention window (ModernBERT's local layers).
+  position biases), and for chunks longer than a sliding attention window on a ``torch_varlen``
+  without ``window_size`` (torch 2.9-2.10); every other backend bands the window inside chunks.
 
 Which path a model takes is found at construction by a probe: two short chunks are run packed and
 each alone, and the packed path is kept only if the attention function saw every layer without a
@@ -62,7 +63,8 @@ class ModelRunner:
         params = inspect.signature(model.forward).parameters
         self._takes_positions = "position_ids" in params
         self._takes_cache = "use_cache" in params
-        self.packed_limit = sliding_window(model.config)
+        # chunks longer than a sliding window run packed where the backend applies the window itself
+        self.packed_limit = None if attn.supports_sliding_window(backend) else sliding_window(model.config)
         self.fallback_reason: str | None = None
         if backend == PADDED:
             self.backend = PADDED

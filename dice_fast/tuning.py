@@ -115,18 +115,19 @@ def cpu_attention(dtype: torch.dtype, head_dim: int = 64) -> CpuAttention:
 
 
 def cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-               enable_gqa: bool = False) -> torch.Tensor:
+               enable_gqa: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one run of equal-length chunks on the CPU, the way this machine does it fastest.
 
-    q: (n, Hq, L, D); k, v: (n, Hkv, L, D), any strides, same dtype. Returns (n, Hq, L, D) in the
-    dtype it was computed in (the caller copies it into its output, rounding once).
+    q: (n, Hq, L, D); k, v: (n, Hkv, L, D), any strides, same dtype; mask: None or (L, L) bool, True
+    where attention is allowed (a sliding-window band; ``causal`` is then False). Returns
+    (n, Hq, L, D) in the dtype it was computed in (the caller copies it into its output, rounding once).
     """
     choice = cpu_attention(q.dtype, q.shape[-1])
-    if q.shape[2] <= choice.matmul_max_len:
+    if mask is None and q.shape[2] <= choice.matmul_max_len:
         return matmul_attention(q.float(), k.float(), v.float(), causal, scale)
     work = choice.dtype
-    return F.scaled_dot_product_attention(q.to(work), k.to(work), v.to(work), is_causal=causal, scale=scale,
-                                          enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q.to(work), k.to(work), v.to(work), attn_mask=mask, is_causal=causal,
+                                          scale=scale, enable_gqa=enable_gqa)
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:

@@ -15,14 +15,19 @@ from dice_fast import attention as attn
 from helpers import assert_close
 
 
-def _per_chunk(q, k, v, cu, causal, scale):
-    """(T, H, D) reference: SDPA on every chunk alone, GQA by repeating kv heads."""
+def _per_chunk(q, k, v, cu, causal, scale, window=(-1, -1)):
+    """(T, H, D) reference: SDPA on every chunk alone, GQA by repeating kv heads; ``window``: (left,
+    right) inclusive distances a query may look back / ahead (-1: unlimited), flash-attention style."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     out = torch.empty_like(q)
+    left, right = window
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        n = b - a
+        allowed = torch.tensor([[(left < 0 or i - j <= left) and (right < 0 or j - i <= right) and (not causal or j <= i)
+                                 for j in range(n)] for i in range(n)], dtype=torch.bool)
         o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                                           is_causal=causal, scale=scale)
+                                           attn_mask=allowed, scale=scale)
         out[a:b] = o.transpose(0, 1)
     return out
 
@@ -30,7 +35,7 @@ def _per_chunk(q, k, v, cu, causal, scale):
 def fake_new(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
              window_size=(-1, -1), enable_gqa=False):
     assert enable_gqa or query.shape[1] == key.shape[1]
-    return _per_chunk(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale)
+    return _per_chunk(query, key, value, cu_seq_q, False, scale, tuple(window_size))
 
 
 def fake_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None):
@@ -38,39 +43,71 @@ def fake_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=F
     return _per_chunk(query, key, value, cu_seq_q, is_causal, None)
 
 
+def _band_window(band, causal):
+    """The (left, right) window a sliding band of ``band`` tokens means (-1: unlimited)."""
+    return (-1, -1) if band is None else (band, 0 if causal else band)
+
+
 @pytest.mark.parametrize("fake", [fake_new, fake_old], ids=["window_size-scale-gqa", "is_causal-only"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hkv", [4, 2])
 @pytest.mark.parametrize("scale", [None, 0.3])
-def test_torch_varlen_adapter_matches_per_chunk_attention(monkeypatch, fake, causal, hkv, scale):
+@pytest.mark.parametrize("band", [None, 2])
+def test_torch_varlen_adapter_matches_per_chunk_attention(monkeypatch, fake, causal, hkv, scale, band):
     attn._torch_varlen_params.cache_clear()
     monkeypatch.setattr(attn, "_torch_varlen_func", lambda: fake)
     try:
+        assert attn.supports_sliding_window("torch_varlen") == (fake is fake_new)
+        if band is not None and fake is fake_old:
+            return  # refused before the call (test_sliding_window_beyond_the_backend_is_refused)
         torch.manual_seed(0)
         lengths = [5, 1, 9, 3]
         cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
         q = torch.randn(sum(lengths), 4, 8)
         k, v = torch.randn(sum(lengths), hkv, 8), torch.randn(sum(lengths), hkv, 8)
         s = scale if scale is not None else 8**-0.5
-        got = attn._torch_varlen(q, k, v, cu, max(lengths), causal, s)
-        assert_close(got, _per_chunk(q, k, v, cu, causal, s), 1e-5, what="varlen adapter")
+        got = attn._torch_varlen(q, k, v, cu, max(lengths), causal, s, band)
+        want = _per_chunk(q, k, v, cu, causal, s, _band_window(band, causal))
+        assert_close(got, want, 1e-5, what="varlen adapter")
     finally:
         attn._torch_varlen_params.cache_clear()
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_groups_matches_per_chunk_attention(causal):
+@pytest.mark.parametrize("band", [None, 3, 4, 8])
+def test_sdpa_groups_matches_per_chunk_attention(causal, band):
+    """band 3: every run longer than the band is masked; 4: only the 9-token run (5 = band + 1 needs
+    no mask); 8: as None (no chunk longer than 9)."""
     torch.manual_seed(1)
     lengths = [9, 9, 5, 5, 5, 1]  # packed longest first, as the packer orders them
     cu = torch.tensor([0, 9, 18, 23, 28, 33, 34], dtype=torch.int32)
     q, k, v = torch.randn(34, 4, 8), torch.randn(34, 2, 8), torch.randn(34, 2, 8)
     groups = attn._length_runs(lengths, cu.tolist())
     assert groups == ((0, 2, 9), (18, 3, 5), (33, 1, 1))
-    got = attn._sdpa_groups(q, k, v, groups, causal, 0.25)
-    assert_close(got, _per_chunk(q, k, v, cu, causal, 0.25), 1e-5, what="sdpa_groups")
-    low = attn._sdpa_groups(q.bfloat16(), k.bfloat16(), v.bfloat16(), groups, causal, 0.25)
+    run = attn._Run("sdpa_groups", causal, groups)
+    want = _per_chunk(q, k, v, cu, causal, 0.25, _band_window(band, causal))
+    got = attn._sdpa_groups(q, k, v, run, causal, 0.25, band)
+    assert_close(got, want, 1e-5, what="sdpa_groups")
+    low = attn._sdpa_groups(q.bfloat16(), k.bfloat16(), v.bfloat16(), run, causal, 0.25, band)
     assert low.dtype == torch.bfloat16
-    assert_close(low, _per_chunk(q, k, v, cu, causal, 0.25), 3e-2, what="sdpa_groups bf16")
+    assert_close(low, want, 3e-2, what="sdpa_groups bf16")
+    if band is not None and band < 8:  # the band really cut something: it differs from full attention
+        assert (got - _per_chunk(q, k, v, cu, causal, 0.25)).abs().max() > 1e-2
+
+
+def test_sliding_window_beyond_the_backend_is_refused(monkeypatch):
+    """A chunk longer than a sliding window on a varlen_attn without window_size: a clear error, never
+    full attention (the runner keeps such chunks on the padded path, so this is a guard)."""
+    attn._torch_varlen_params.cache_clear()
+    monkeypatch.setattr(attn, "_torch_varlen_func", lambda: fake_old)
+    try:
+        q = torch.randn(1, 4, 12, 8)
+        cu = torch.tensor([0, 12], dtype=torch.int32)
+        with attn.attention_context("torch_varlen", None), pytest.raises(ValueError, match="sliding attention window of 5"):
+            attn.dice_varlen_attention(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=cu, max_length_q=12,
+                                       sliding_window=5)
+    finally:
+        attn._torch_varlen_params.cache_clear()
 
 
 def test_attention_outside_a_packed_forward_is_the_models_own():

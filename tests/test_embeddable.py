@@ -14,7 +14,7 @@ import torch
 from dice_fast import DiceEncoder
 from helpers import assert_close
 from oracle import K, check, corpus, text_of
-from tiny_models import FALLBACK_ARCHS, tiny
+from tiny_models import FALLBACK_ARCHS, WINDOWED_ARCHS, tiny
 
 
 # ---------------------------------------------------------------------------------------------
@@ -23,8 +23,8 @@ from tiny_models import FALLBACK_ARCHS, tiny
 @pytest.mark.parametrize("arch", sorted(FALLBACK_ARCHS))
 def test_fallback_architectures_match_per_chunk_reference(arch):
     enc, _ = check(arch, pooling="mean")
-    if arch == "modernbert":  # packed up to its sliding window, padded beyond
-        assert enc.backend == "sdpa_groups" and enc.runner.packed_limit == 8
+    if arch in WINDOWED_ARCHS:  # packed, the window banded inside chunks longer than it
+        assert enc.backend == "sdpa_groups" and enc.runner.packed_limit is None and enc.runner.uses_packed(10**6)
     else:
         assert enc.backend == "padded" and enc.runner.fallback_reason
     assert enc.backend.split()[0] in repr(enc)
@@ -37,9 +37,22 @@ def test_fallback_architectures_with_options(arch, options):
     check(arch, **options)
 
 
-def test_sliding_window_model_runs_packed_when_chunks_fit_the_window():
-    enc, _ = check("modernbert", chunk_size=6, pooling="mean")  # 6 + CLS + SEP = 8 = the window
-    assert enc.runner.uses_packed(8) and not enc.runner.uses_packed(9)
+@pytest.mark.parametrize("arch", WINDOWED_ARCHS)
+@pytest.mark.parametrize("chunk_size", [4, 30])
+def test_sliding_window_models_are_exact_within_and_beyond_the_window(arch, chunk_size):
+    """Chunks shorter than the window (no band) and much longer (banded), against per-chunk forwards
+    with the model's own sliding-window mask; and the band matters: full attention would differ."""
+    enc, _ = check(arch, chunk_size=chunk_size, pooling="mean")
+    if chunk_size == 30:
+        model, *_ = tiny(arch)
+        config = type(model.config)(**{**model.config.to_dict(), **{
+            "modernbert": dict(local_attention=512), "mistral-swa": dict(sliding_window=None)}[arch]})
+        unwindowed = type(model)(config).eval()  # same weights, window wider than any chunk
+        unwindowed.load_state_dict(model.state_dict())
+        ids = torch.randint(4, 40, (1, 30))
+        with torch.no_grad():
+            gap = (model(input_ids=ids).last_hidden_state - unwindowed(input_ids=ids).last_hidden_state).abs().max()
+        assert gap > 1e-3
 
 
 def test_padded_backend_can_be_forced_and_is_exact():

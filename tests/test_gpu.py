@@ -31,7 +31,7 @@ from dice_fast import DiceEncoder
 from dice_fast.attention import backend_available
 from reference import reference_encode
 from test_engine import K, corpus
-from tiny_models import tiny
+from tiny_models import WINDOWED_ARCHS, tiny
 
 FACTOR = 2.0
 ARCHS = ["bert", "roberta", "llama", "qwen2", "qwen3"]
@@ -104,7 +104,8 @@ def compare_with_plain_model(arch: str, device: str, dtype: torch.dtype, **engin
 # CPU: the same comparison, so the logic above runs in CI
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("arch", ["bert", "qwen2"])  # qwen2 adds no special tokens: an empty document is zero
+# qwen2 adds no special tokens: an empty document is zero; the windowed models' chunks exceed their window
+@pytest.mark.parametrize("arch", ["bert", "qwen2", *WINDOWED_ARCHS])
 def test_cpu_engine_within_plain_model_error(arch, dtype):
     compare_with_plain_model(arch, "cpu", dtype)
 
@@ -157,6 +158,15 @@ def _backends():
 @pytest.mark.parametrize("pooling_impl", ["triton", "torch", "ref"])
 def test_cuda_bf16_within_plain_model_error(arch, backend, pooling_impl):
     compare_with_plain_model(arch, "cuda", torch.bfloat16, attention_backend=backend, pooling_impl=pooling_impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", WINDOWED_ARCHS)
+@pytest.mark.parametrize("backend", _backends() or ["torch_varlen"])
+def test_cuda_bf16_sliding_window_within_plain_model_error(arch, backend):
+    """Chunks longer than the window: banded by varlen_attn's window_size (or sent to the padded path
+    by a varlen_attn without one) and by sdpa_groups' mask."""
+    compare_with_plain_model(arch, "cuda", torch.bfloat16, attention_backend=backend, pooling_impl="torch")
 
 
 @pytest.mark.gpu

@@ -33,8 +33,9 @@ ARCHS = {
     "qwen2": ("Qwen2Config", dict(_SMALL, max_position_embeddings=256, num_key_value_heads=2), (), (), 0),
     "qwen3": ("Qwen3Config", dict(_SMALL, max_position_embeddings=256, num_key_value_heads=2, head_dim=8), (), (SEP,), 0),
 }
-# architectures whose attention cannot run packed (relative position biases, attention of their own)
-# or only up to a sliding window; the engine must be exact on them too. name -> as ARCHS + model class
+# architectures beyond plain packed attention, on which the engine must be exact too: attention that
+# cannot run packed (relative position biases, attention of their own: the padded fallback) and
+# sliding windows shorter than the chunks (banded inside each chunk). name -> as ARCHS + model class
 FALLBACK_ARCHS = {
     "mpnet": ("MPNetConfig", dict(_SMALL, max_position_embeddings=130, pad_token_id=1), (CLS,), (SEP,), 2, None),
     "deberta-v2": ("DebertaV2Config", dict(_SMALL, max_position_embeddings=128, relative_attention=True,
@@ -42,11 +43,15 @@ FALLBACK_ARCHS = {
                                            max_relative_positions=64, position_buckets=16), (CLS,), (SEP,), 0, None),
     "t5-encoder": ("T5Config", dict(vocab_size=len(VOCAB), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                                     relative_attention_num_buckets=8), (), (SEP,), 0, "T5EncoderModel"),
-    # local attention of 16 tokens: chunks of <= 8 tokens run packed, longer ones on the padded path
+    # local attention of 16 tokens: a token sees those within 8 on its local layers
     "modernbert": ("ModernBertConfig", dict(_SMALL, num_hidden_layers=3, max_position_embeddings=128,
                                             local_attention=16, global_attn_every_n_layers=3, pad_token_id=0,
                                             cls_token_id=CLS, sep_token_id=SEP, bos_token_id=CLS, eos_token_id=SEP), (CLS,), (SEP,), 0, None),
+    # causal sliding window of 6 tokens (a token sees itself and the 5 before it) on every layer
+    "mistral-swa": ("MistralConfig", dict(_SMALL, max_position_embeddings=256, num_key_value_heads=2, sliding_window=6),
+                    (), (SEP,), 0, None),
 }
+WINDOWED_ARCHS = ("modernbert", "mistral-swa")
 
 
 def make_tokenizer(prefix: tuple[int, ...], suffix: tuple[int, ...]):
