@@ -9,12 +9,18 @@ from ..data import prose, prose_documents as make_corpus  # noqa: F401  (re-expo
 
 CORPORA = ("mixed", "short", "long")
 RANDOM_MODELS = {
-    # BERT-base-size encoder and a 1.5B Qwen2-style decoder (GQA), random weights, for speed only
+    # BERT-base-size encoder, a 1.5B Qwen2-style decoder (GQA) and ModernBERT-base, random weights, for speed only
     "bert-base": ("BertConfig", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                      intermediate_size=3072, max_position_embeddings=512)),
     "qwen2-1.5b": ("Qwen2Config", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                                        num_key_value_heads=2, intermediate_size=8960,
                                        max_position_embeddings=32768)),
+    # ModernBERT-base: local attention of 128 tokens on two layers of three (a window inside 512-token chunks)
+    "modernbert-base": ("ModernBertConfig", dict(hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
+                                                 intermediate_size=1152, local_attention=128,
+                                                 global_attn_every_n_layers=3, max_position_embeddings=8192,
+                                                 pad_token_id=0, cls_token_id=2, sep_token_id=3, bos_token_id=2,
+                                                 eos_token_id=3)),
 }
 
 
