@@ -25,3 +25,17 @@ def test_make_corpus_hits_token_counts():
     got = [len(tok(d, add_special_tokens=False)["input_ids"]) for d in docs]
     assert all(abs(g - n) <= 0.02 * n + 2 for g, n in zip(got, lengths)), got
     assert make_corpus(tok, lengths, seed=0) == docs and make_corpus(tok, lengths, seed=1) != docs
+
+
+@pytest.mark.parametrize("name,billions", [("bert-base", 0.085), ("modernbert-base", 0.110), ("qwen2-1.5b", 1.31)])
+def test_random_models_have_their_namesakes_size(name, billions):
+    """Each benchmark architecture builds (on the meta device: no memory, no time) with the size of
+    the model it stands for: non-embedding parameters within 10 %."""
+    import torch
+
+    from dice_fast.bench.corpora import random_model
+
+    model, tok = random_model(name, torch.device("meta"), torch.float32)
+    n = sum(p.numel() for n_, p in model.named_parameters() if "embed" not in n_)
+    assert abs(n / 1e9 - billions) <= 0.1 * billions, f"{name}: {n / 1e9:.3f}B non-embedding parameters"
+    assert model.config.vocab_size == len(tok)
