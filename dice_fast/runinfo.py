@@ -6,19 +6,22 @@ import os
 import platform
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` says)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine() or "cpu"
+
+
 def device_name(device) -> str:
     """A readable name of ``device``: the GPU's name, or the CPU model with core and thread counts."""
     import torch
 
     if getattr(device, "type", str(device)) == "cuda":
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine() or "cpu"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    return f"{cpu_model()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
 def versions() -> dict:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +41,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .runinfo import cpu_model
 
 ENV_DTYPE = "DICE_FAST_CPU_ATTENTION_DTYPE"
 ENV_KERNEL = "DICE_FAST_CPU_ATTENTION_KERNEL"
@@ -331,12 +332,7 @@ def cpu_flags() -> set[str]:
 
 def machine_key() -> str:
     """CPU model, the ISA flags that matter, threads and torch version: a cache entry is reused only there."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            model = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    model = cpu_model()
     isa = sorted(f for f in cpu_flags() if f in ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16",
                                                  "avx512f", "avx2", "avx_vnni"))
     return f"{model} | {','.join(isa) or 'no-isa-flags'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
