@@ -38,6 +38,18 @@ def write_jsonl(path: Path, docs: list[str], ids: list[str] | None = None) -> Pa
     return path
 
 
+def interrupted_copy(ref: Path, out: Path, shards: int = 2) -> list[str]:
+    """``out``: the shard folder ``ref`` as a job interrupted after its first ``shards`` shards left it
+    (those shards, and a manifest listing only them, status "running"); returns its file names."""
+    out.mkdir()
+    manifest = json.loads((ref / "manifest.json").read_text())
+    for s in manifest["shards"][:shards]:
+        (out / s["file"]).write_bytes((ref / s["file"]).read_bytes())
+    manifest.update(status="running", shards=manifest["shards"][:shards])
+    (out / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    return sorted(p.name for p in out.iterdir())
+
+
 def cli_process(args: list[str], **kwargs) -> subprocess.Popen:
     """``python -m dice_fast.cli ARGS`` in a new process (one intra-op thread), pipes for its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

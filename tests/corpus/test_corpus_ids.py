@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 
-from corpus_util import corpus_docs, write_jsonl
+from corpus_util import corpus_docs, interrupted_copy, write_jsonl
 from dice_fast.cli import main
 from dice_fast.corpus import load_embeddings
 from dice_fast.corpus.ids import DuplicateIds, IdSet
@@ -64,12 +64,7 @@ def test_resume_counts_duplicates_of_committed_shards(tmp_path, capsys, cached_e
     ref = tmp_path / "ref"
     assert main(["encode", str(src), "-o", str(ref), *OPTS, "--shard-rows", "4"]) == 0
     out = tmp_path / "out"
-    out.mkdir()
-    manifest = json.loads((ref / "manifest.json").read_text())
-    for s in manifest["shards"][:2]:  # doc0..doc7 committed
-        (out / s["file"]).write_bytes((ref / s["file"]).read_bytes())
-    manifest.update(status="running", shards=manifest["shards"][:2])
-    (out / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    interrupted_copy(ref, out, shards=2)  # doc0..doc7 committed
     capsys.readouterr()
     assert main(["encode", str(src), "-o", str(out), *OPTS, "--shard-rows", "4", "--resume"]) == 0
     assert "2 documents have an id that occurred earlier in the input ('doc1', 'doc7')" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from corpus_util import corpus_docs, write_jsonl
+from corpus_util import corpus_docs, interrupted_copy, write_jsonl
 from dice_fast.cli import main
 from dice_fast.corpus import load_embeddings
 
@@ -83,16 +83,6 @@ def test_resume_continues_after_the_last_committed_shard(done, tmp_path, capsys)
     assert "nothing to do" in capsys.readouterr().out
 
 
-def _interrupted_copy(ref, out, shards=2):
-    out.mkdir()
-    manifest = json.loads((ref / "manifest.json").read_text())
-    for s in manifest["shards"][:shards]:
-        (out / s["file"]).write_bytes((ref / s["file"]).read_bytes())
-    manifest.update(status="running", shards=manifest["shards"][:shards])
-    (out / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
-    return sorted(p.name for p in out.iterdir())
-
-
 @pytest.mark.parametrize("extra,message", [
     (["--shard-rows", "8", "--chunk-size", "32"], "options.chunk_size is 32, was 16"),
     (["--shard-rows", "8", "--aggregation", "max"], "options.aggregation is 'max', was 'mean'"),
@@ -102,7 +92,7 @@ def _interrupted_copy(ref, out, shards=2):
 def test_resume_with_other_options_is_refused(done, tmp_path, capsys, extra, message):
     src, ref, _ = done
     out = tmp_path / "out"
-    before = _interrupted_copy(ref, out)
+    before = interrupted_copy(ref, out)
     capsys.readouterr()
     assert _run(src, out, "--resume", *extra) == 2
     err = capsys.readouterr().err
@@ -113,7 +103,7 @@ def test_resume_with_other_options_is_refused(done, tmp_path, capsys, extra, mes
 def test_resume_with_a_changed_input_is_refused(done, tmp_path, capsys):
     src, ref, _ = done
     out = tmp_path / "out"
-    before = _interrupted_copy(ref, out)
+    before = interrupted_copy(ref, out)
     text = src.read_text(encoding="utf-8")
     grown = tmp_path / "grown" / "c.jsonl"
     grown.parent.mkdir()
@@ -136,7 +126,7 @@ def test_committed_shard_corrupted_in_place_is_refused(done, tmp_path, capsys):
     """Same size, different bytes (a flipped byte inside a committed shard): caught by its sha256."""
     src, ref, _ = done
     out = tmp_path / "out"
-    _interrupted_copy(ref, out)
+    interrupted_copy(ref, out)
     shard = out / "part-00000.parquet"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -150,7 +140,7 @@ def test_committed_shard_corrupted_in_place_is_refused(done, tmp_path, capsys):
 def test_committed_shard_missing_is_refused(done, tmp_path, capsys):
     src, ref, _ = done
     out = tmp_path / "out"
-    _interrupted_copy(ref, out)
+    interrupted_copy(ref, out)
     (out / "part-00001.parquet").unlink()
     assert _run(src, out, "--resume", "--shard-rows", "8") == 2
     assert "committed shard part-00001.parquet is missing or changed" in capsys.readouterr().err
