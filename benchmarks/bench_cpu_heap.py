@@ -38,14 +38,13 @@ def child(args) -> dict:
 
     enc = DiceEncoder.from_pretrained(args.model, device="cpu", max_batch_tokens=args.max_batch_tokens)
     texts = make_corpus(enc.tokenizer, corpus_lengths("mixed", args.docs, seed=0, longest=args.longest))
-    tokens = int(enc.plan(texts).chunk_lengths.sum())
+    plan = enc.plan(texts)
+    tokens = int(plan.chunk_lengths.sum())
     if args.path == "encode":
         def run():
             enc.encode_documents(texts)
     else:  # the engine's batches back to back, no per-window trim: a server under steady load
         from dice_fast.bench.run import encode_plan
-
-        plan = enc.plan(texts)
 
         def run():
             encode_plan(enc, plan)
