@@ -229,7 +229,7 @@ class DiceEncoder:
         """
         plan = self.plan(texts, "queries")
         with _progress(show_progress, progress, int(plan.chunk_lengths.sum())) as report:
-            return _concat(list(self._run(iter([plan]), "mean", False, report)), self.dim, False)
+            return _concat(list(self._run(iter([plan]), "mean", False, report, "queries")), self.dim, False)
 
     def run_batch(self, batch: PackedBatch) -> torch.Tensor:
         """Chunk vectors (n_chunks, dim) float32, in packing order, of one packed batch (see `ChunkQueue`)."""
@@ -256,19 +256,23 @@ class DiceEncoder:
             self._check_global_positions(plan, base)
         return plan
 
-    def _run(self, plans: Iterator[EncodingPlan], aggregation: str, return_chunks: bool, progress) -> Iterator:
+    def _run(self, plans: Iterator[EncodingPlan], aggregation: str, return_chunks: bool, progress,
+             what: str = "documents") -> Iterator:
         """Encode ``plans`` through one `ChunkQueue`, keeping the next plan queued (and the one after
         being prepared in a worker thread) so batches run across plan boundaries; yield each plan's
-        result in order."""
+        result in order. A batch that runs out of memory is split and retried (`ChunkQueue.run`); a
+        chunk that fails alone raises `InputOutOfMemory` naming its text as ``what[i]`` in the call."""
         queue = ChunkQueue(self)
         jobs: deque = deque()
+        submitted = [0]  # texts in the plans submitted so far: a job's tag is its first text's index
         with Prefetch(plans) as ahead:
             def top_up():
                 while len(jobs) < 2:
                     plan = ahead.next()
                     if plan is None:
                         return
-                    jobs.append(queue.submit(plan, aggregation, keep_chunks=return_chunks))
+                    jobs.append(queue.submit(plan, aggregation, keep_chunks=return_chunks, tag=submitted[0]))
+                    submitted[0] += plan.n_docs
 
             top_up()
             while jobs:
@@ -276,7 +280,10 @@ class DiceEncoder:
                 if batch is None and not jobs[0].done:  # pragma: no cover - a scheduler bug, never silent
                     raise RuntimeError("dice_fast: a queued plan has no chunks left to run but is not done")
                 if batch is not None:
-                    queue.complete(batch, self.run_batch(batch.packed))
+                    failed = queue.run(batch, self.run_batch)[1]
+                    if failed:  # nothing of the call is returned: raise naming the text
+                        err = failed[0].error
+                        raise err.renamed(f"{what}[{failed[0].tag + err.index}]", failed[0].tag) from None
                     if progress is not None:
                         progress(sum(queue.documents_pooled(j) for j in batch.jobs), batch.packed.n_tokens)
                 while jobs and jobs[0].done:

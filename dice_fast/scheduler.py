@@ -12,6 +12,10 @@ several requests share one forward and a long document's chunks may span batches
 not depend on what else was in its batches (attention is block-diagonal, pooling per chunk).
 `cancel` drops a job's chunks that have not been handed out. Packing work per batch is proportional
 to the batch, never to what is queued.
+
+Faults stay small (`dice_fast.faults`): `run` runs a batch with out-of-memory split-and-retry and
+fails only the jobs of a chunk that ran out of memory alone (``job.error`` names its document), while
+the budget of the next batches backs off; `fail`, `fail_packing` and `fail_all` end jobs with an error.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 
 from .chunking import EncodingPlan
+from .faults import BudgetBackoff, InputOutOfMemory, release_cached_memory, run_split
 from .ops import aggregate_documents
 from .packing import PackedBatch, merge, pack
 from .runner import to_device
@@ -42,6 +47,7 @@ class Job:
     documents: np.ndarray | None = None
     chunks: np.ndarray | None = None
     cancelled: bool = False
+    error: BaseException | None = None  # why it failed (it is then cancelled and never done)
     _vectors: torch.Tensor | None = None
     _cum: np.ndarray = field(default=None, repr=False)  # cumulative wrapped tokens per chunk
     _handed: int = 0  # chunks handed out to batches
@@ -78,6 +84,7 @@ class ChunkQueue:
         self._jobs: deque[Job] = deque()
         self._lock = threading.Lock()
         self._waiting = 0
+        self._backoff = BudgetBackoff(self.max_batch_tokens)
 
     @property
     def tokens_waiting(self) -> int:
@@ -109,7 +116,7 @@ class ChunkQueue:
         """The next chunks, first in first out, up to ``max_batch_tokens`` wrapped tokens (a chunk
         longer than the budget comes alone); None when nothing is waiting."""
         with self._lock:
-            budget = self.max_batch_tokens
+            budget = self.budget
             jobs, ranges, parts = [], [], []
             for job in self._jobs:
                 if job._handed >= job.plan.n_chunks:
@@ -123,9 +130,7 @@ class ChunkQueue:
                 lo = job._handed
                 ids = np.arange(lo, hi, dtype=np.int64)
                 ids = ids[job.plan.chunks.length[ids] + len(job.plan.prefix) + len(job.plan.suffix) > 0]
-                p = job.plan
-                parts.append(pack(p.tokens, p.chunks, ids, p.prefix, p.suffix, self.encoder.spec.first_position,
-                                  p.global_positions))
+                parts.append(self._pack(job, ids))
                 jobs.append(job)
                 ranges.append((lo, hi))
                 used = int(job._cum[hi - 1] - base)
@@ -180,3 +185,77 @@ class ChunkQueue:
             job.chunks = out.cpu().numpy()
         job._vectors = None
         job.documents = docs.cpu().numpy()
+
+    # ------------------------------------------------------------------ faults (see dice_fast.faults)
+    @property
+    def budget(self) -> int:
+        """Token budget of the next batch: ``max_batch_tokens``, or less while backing off after an
+        out-of-memory batch (`dice_fast.faults.BudgetBackoff`)."""
+        return self._backoff.budget
+
+    def run(self, batch: Batch, run_batch) -> tuple[list[Job], list[Job]]:
+        """Run ``batch`` with ``run_batch`` (PackedBatch -> (n, dim) float32), splitting it on
+        out-of-memory down to single chunks, and complete it. Returns (jobs finished, jobs failed): a
+        job fails when one of its chunks ran out of memory alone (``job.error``, an `InputOutOfMemory`
+        naming its document within the plan); every other chunk keeps its exact vector. Other errors
+        of ``run_batch`` propagate (the caller fails the batch's jobs). The consumer of `next_batch`
+        calls this from one thread."""
+        device = getattr(self.encoder, "device", torch.device("cpu"))
+        ooms = []
+
+        def on_oom():
+            ooms.append(1)
+            release_cached_memory(device)
+
+        vectors, failed = run_split(run_batch, batch.packed, self.encoder.dim, on_oom)
+        self._backoff.failed() if ooms else self._backoff.succeeded()
+        failed_jobs = []
+        for row, cause in sorted(failed.items()):
+            job = batch.jobs[int(batch.part[row])]
+            if job.error is None and not job.cancelled:
+                document = int(job.plan.chunks.document[batch.packed.chunk_ids[row]])
+                self.fail(job, InputOutOfMemory(document, int(batch.packed.lengths[row]), cause))
+                failed_jobs.append(job)
+        return self.complete(batch, vectors), failed_jobs
+
+    def fail(self, job: Job, error: BaseException) -> None:
+        """End ``job`` with ``error`` (kept in ``job.error`` unless it has one): its chunks not handed
+        out are dropped and it will never be done."""
+        if job.error is None:
+            job.error = error
+        self.cancel(job)
+
+    def _pack(self, job: Job, ids: np.ndarray) -> PackedBatch:
+        """`pack` ``job``'s chunks ``ids``; an error raised names the job (for `fail_packing`)."""
+        p = job.plan
+        try:
+            return pack(p.tokens, p.chunks, ids, p.prefix, p.suffix, self.encoder.spec.first_position,
+                        p.global_positions)
+        except Exception as exc:
+            exc.dice_fast_job = job
+            raise
+
+    def fail_packing(self, error: BaseException) -> list[Job]:
+        """After `next_batch` raised ``error``: fail the job whose packing raised and hand the chunks it
+        had handed out to other jobs back to the queue (they go into the next batch); if the error
+        names no job, fail the jobs it had handed chunks of (batches complete before the next is
+        formed, so those are the jobs with chunks handed but not pooled). Returns the failed jobs."""
+        culprit = getattr(error, "dice_fast_job", None)
+        with self._lock:
+            touched = [job for job in self._jobs if not job.cancelled and job._handed > job._pooled]
+            if culprit is not None:
+                for job in touched:
+                    self._waiting += int(job._cum[job._handed - 1] - (job._cum[job._pooled - 1] if job._pooled else 0))
+                    job._handed = job._pooled
+                touched = [culprit]
+        for job in touched:
+            self.fail(job, error)
+        return touched
+
+    def fail_all(self, error: BaseException) -> list[Job]:
+        """Fail every queued job that is not done (the consumer cannot go on) and return them."""
+        with self._lock:
+            live = [job for job in self._jobs if not job.cancelled and not job.done]
+        for job in live:
+            self.fail(job, error)
+        return live

@@ -9,8 +9,10 @@ status codes and serialises; batching, limits and encoding live in the core.
 
 Status codes: 200; 413 a request over a size limit; 422 a malformed body; 429 (with ``Retry-After``)
 the queue or the concurrency limit is full; 503 shutting down; 499 is logged (never sent) when the client
-went away and its unstarted chunks were dropped; 500 only for a failure of the model itself. Error
-bodies are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+went away and its unstarted chunks were dropped; 503 ``out_of_memory`` (naming the input) when one of
+its chunks ran out of memory alone, 503 ``unhealthy`` when the worker has stopped; 504 past
+``request_timeout``; 500 only for another failure of the model itself. Error bodies are OpenAI's
+``{"error": {"message", "type", "param", "code"}}``.
 
 This module imports fastapi; ``dice_fast.serve`` imports it only when `create_app` is first used.
 """
@@ -31,12 +33,14 @@ from .. import __version__
 from ..runinfo import model_label
 from .batcher import AsyncDiceEncoder
 from .errors import InvalidRequest, Overloaded, RequestTooLarge, ServeError, ShuttingDown, internal_error_body
+from .errors import DeadlineExceeded, OutOfMemory, Unhealthy
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .schemas import REQUEST_SCHEMA, embedding_response, parse_embedding_request
 
 log = logging.getLogger("dice_fast.serve")
 
 STATUS = {InvalidRequest: 422, RequestTooLarge: 413, Overloaded: 429, ShuttingDown: 503}
+STATUS.update({OutOfMemory: 503, Unhealthy: 503, DeadlineExceeded: 504})  # faults (dice_fast.serve.worker)
 CLIENT_GONE = 499  # nginx's "client closed request": counted in metrics, never sent
 _OFF_LOOP_FLOATS = 1 << 16  # responses with more floats than this are serialised in a worker thread
 
@@ -61,6 +65,7 @@ def create_app(encoder, *, model_name: str | None = None, **limits):
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        core.start()  # the worker runs a warm-up forward; /health is 503 "starting" until it has
         yield
         if owned:  # uvicorn has finished the requests in flight by now; drain and stop the worker
             await core.aclose()
@@ -112,11 +117,14 @@ def create_app(encoder, *, model_name: str | None = None, **limits):
         metrics.observe_request(input_type, 200, time.perf_counter() - start, len(req.input), int(out.tokens.sum()))
         return Response(content, media_type="application/json")
 
-    @app.get("/health", summary="Liveness and queue state")
-    async def health():
-        body = {"status": "shutting_down" if core.closed else "ok", "model": name,
-                "queue_tokens": core.tokens_waiting, "requests_in_flight": core.requests_in_flight}
-        return JSONResponse(body, status_code=503 if core.closed else 200)
+    @app.get("/health", summary="Readiness and queue state")
+    async def health():  # 200 "ok"; 503 "starting" (no warm-up yet), "draining" (SIGTERM), "unhealthy"
+        status, detail = core.health
+        body = {"status": status, "model": name, "queue_tokens": core.tokens_waiting,
+                "requests_in_flight": core.requests_in_flight}
+        if detail:
+            body["detail"] = detail
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/models", summary="The served model")
     async def models():

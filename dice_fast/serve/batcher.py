@@ -10,10 +10,19 @@ and queued; one worker thread owns the model and forms token-budget batches firs
 the chunks of every queued request (`dice_fast.scheduler.ChunkQueue`), so the documents of several
 requests share one forward and a long document's chunks may span batches. When a request's last
 chunk is pooled its vectors are handed back to its event loop. A request whose awaiting task is
-cancelled (the client went away) drops its chunks that have not run yet.
+cancelled (the client went away) or past its deadline (``request_timeout``) drops its chunks that
+have not run yet.
 
-Nothing here knows about HTTP: limits raise `RequestTooLarge` / `Overloaded` / `ShuttingDown`
-(`dice_fast.serve.errors`) and the app maps them to status codes.
+Faults stay small. A batch that runs out of memory is split and retried down to single chunks while
+the batch budget backs off (`ChunkQueue.run`, `dice_fast.faults`); a chunk that fails alone fails only
+its own request (`OutOfMemory` naming the input). Any other error in the worker loop (admission,
+packing, the forward, pooling) fails only the requests it touches and the worker goes on; if the worker
+itself stops, the core is unhealthy and refuses new requests at once (`Unhealthy`). `health` is
+"starting" until a forward has run (`start` runs a warm-up forward), "draining" once `drain` or
+`close` was called.
+
+Nothing here knows about HTTP: limits raise `RequestTooLarge` / `Overloaded` / `ShuttingDown` /
+`DeadlineExceeded` (`dice_fast.serve.errors`) and the app maps them to status codes.
 """
 
 from __future__ import annotations
@@ -30,14 +39,14 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..chunking import check_texts
-from ..cpu_heap import release_freed_memory
 from ..scheduler import ChunkQueue, Job
-from .errors import Overloaded, RequestTooLarge, ShuttingDown
+from .errors import DeadlineExceeded, Overloaded, RequestTooLarge, ShuttingDown, Unhealthy
 from .limits import DEFAULT_LIMITS, QUEUE_BATCHES
+from .worker import IDLE_TRIM_S, BatchStats, WorkerLoop
 
-IDLE_TRIM_S = 1.0  # seconds without work after which a CPU worker hands its kept heap pages back
 
 log = logging.getLogger("dice_fast.serve")
+__all__ = ["AsyncDiceEncoder", "BatchStats", "Embeddings"]
 
 
 @dataclass(frozen=True)
@@ -47,23 +56,6 @@ class Embeddings:
 
     vectors: np.ndarray
     tokens: np.ndarray
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """One forward of the worker: ``tokens`` of ``chunks`` chunks from ``requests`` requests, against a
-    budget of ``budget`` tokens, in ``seconds``."""
-
-    tokens: int
-    chunks: int
-    requests: int
-    budget: int
-    seconds: float
-
-    @property
-    def fill(self) -> float:
-        """tokens / budget (above 1 only for a single chunk longer than the budget)."""
-        return self.tokens / self.budget
 
 
 @dataclass(eq=False)
@@ -78,7 +70,7 @@ class _Request:
     submitted: float = field(default_factory=time.perf_counter)
 
 
-class AsyncDiceEncoder:
+class AsyncDiceEncoder(WorkerLoop):
     """Awaitable DICE encoding with batches formed across concurrent requests.
 
     encoder: a `DiceEncoder` (or any object with its ``plan`` / ``run_batch`` / ``config`` / ``dim`` /
@@ -92,18 +84,22 @@ class AsyncDiceEncoder:
                                raises `Overloaded` (retry later), one larger than the whole queue raises
                                `RequestTooLarge`. None = 64 x max_batch_tokens.
       max_concurrent_requests  calls in progress at once; one more raises `Overloaded`.
+      request_timeout          seconds a call may take; past it, it raises `DeadlineExceeded` and its
+                               chunks that have not run are dropped. 0 = no deadline.
     max_batch_tokens: token budget of one forward (default: the encoder's).
     cross_request_batching: False runs one request at a time, each alone in its batches (the baseline
     the benchmark compares against).
 
-    The worker thread starts on the first request; `close` / `aclose` (or ``async with``) drain the queue
-    and stop it. Requests from several event loops may share one core.
+    The worker thread starts with `start` (which runs a warm-up forward first) or on the first request;
+    `close` / `aclose` (or ``async with``) drain the queue and stop it. Requests from several event
+    loops may share one core.
     """
 
     def __init__(self, encoder, *, max_inputs_per_request: int = DEFAULT_LIMITS["max_inputs_per_request"],
                  max_tokens_per_document: int = DEFAULT_LIMITS["max_tokens_per_document"],
                  max_queue_tokens: int | None = DEFAULT_LIMITS["max_queue_tokens"],
                  max_concurrent_requests: int = DEFAULT_LIMITS["max_concurrent_requests"],
+                 request_timeout: float = DEFAULT_LIMITS["request_timeout"],
                  max_batch_tokens: int | None = None, cross_request_batching: bool = True):
         for name, value, low in (("max_inputs_per_request", max_inputs_per_request, 1),
                                  ("max_tokens_per_document", max_tokens_per_document, 0),
@@ -112,6 +108,9 @@ class AsyncDiceEncoder:
                                  ("max_batch_tokens", max_batch_tokens, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if isinstance(request_timeout, bool) or not isinstance(request_timeout, (int, float)) or \
+                not 0 <= request_timeout < math.inf:
+            raise ValueError(f"request_timeout must be a number of seconds >= 0 (0 = none), got {request_timeout!r}")
         self.encoder = encoder
         # CPU: trim the heap (`dice_fast.cpu_heap`) once the queue has been empty this long
         self._trims_heap = getattr(getattr(encoder, "device", None), "type", None) == "cpu"
@@ -121,6 +120,7 @@ class AsyncDiceEncoder:
         self.max_tokens_per_document = max_tokens_per_document
         self.max_queue_tokens = max_queue_tokens or QUEUE_BATCHES * self._queue.max_batch_tokens
         self.max_concurrent_requests = max_concurrent_requests
+        self.request_timeout = float(request_timeout)
         self.cross_request_batching = cross_request_batching
         self._cond = threading.Condition()
         self._pending: deque[_Request] = deque()  # planned, not yet handed to the ChunkQueue
@@ -128,6 +128,9 @@ class AsyncDiceEncoder:
         self._current: Job | None = None  # the running job when cross_request_batching is off
         self._in_flight = 0
         self._closing = False
+        self._draining = False
+        self._ran = False  # a forward (the warm-up or a request's) has completed
+        self._broken: str | None = None  # why the worker cannot go on
         self._worker: threading.Thread | None = None
         self._listeners: list[Callable[[BatchStats], None]] = []
         self._rate: float | None = None  # tokens/s of recent batches, for Retry-After
@@ -156,6 +159,32 @@ class AsyncDiceEncoder:
     @property
     def closed(self) -> bool:
         return self._closing
+
+    @property
+    def health(self) -> tuple[str, str | None]:
+        """(state, detail): "ok"; "starting" until a forward has run; "draining" after `drain` or
+        `close`; "unhealthy" when the worker has stopped (detail says why). Only "ok" is ready."""
+        worker = self._worker
+        if self._broken is None and worker is not None and not worker.is_alive() and not self._closing:
+            self._broken = "the worker thread has stopped"
+        if self._broken is not None:
+            return "unhealthy", self._broken
+        if self._closing or self._draining:
+            return "draining", "shutting down: requests in flight finish, new ones are refused"
+        if not self._ran:
+            return "starting", "the warm-up forward has not run yet"
+        return "ok", None
+
+    def start(self) -> None:
+        """Start the worker now (idempotent); it runs a warm-up forward before any request, and
+        `health` is "starting" until that has run."""
+        with self._cond:
+            self._start_worker(warm_up=True)
+
+    def drain(self) -> None:
+        """Say "draining" in `health` (e.g. on SIGTERM, while the server finishes the requests it has);
+        `close` stops the core afterwards."""
+        self._draining = True
 
     async def embed_documents(self, texts: Iterable[str]) -> Embeddings:
         """Encode n documents (chunked and aggregated) -> `Embeddings` with vectors (n, dim) float32,
@@ -199,13 +228,14 @@ class AsyncDiceEncoder:
     def __repr__(self) -> str:
         return (f"AsyncDiceEncoder({self.encoder!r}, max_inputs_per_request={self.max_inputs_per_request}, "
                 f"max_tokens_per_document={self.max_tokens_per_document}, max_queue_tokens={self.max_queue_tokens}, "
-                f"max_concurrent_requests={self.max_concurrent_requests}, max_batch_tokens={self.max_batch_tokens}, "
+                f"max_concurrent_requests={self.max_concurrent_requests}, request_timeout={self.request_timeout:g}, "
+                f"max_batch_tokens={self.max_batch_tokens}, "
                 f"cross_request_batching={self.cross_request_batching})")
 
     # ------------------------------------------------------------------------- request side
     async def _embed(self, texts, kind: str, aggregation: str | None) -> Embeddings:
-        if self._closing:
-            raise ShuttingDown("the encoder is shutting down and takes no new requests")
+        self._check_accepting()
+        deadline = asyncio.get_running_loop().time() + self.request_timeout if self.request_timeout else None
         texts = check_texts(texts, "input")
         if len(texts) > self.max_inputs_per_request:
             raise RequestTooLarge(f"{len(texts)} inputs in one request; the limit is {self.max_inputs_per_request} "
@@ -221,20 +251,37 @@ class AsyncDiceEncoder:
             if self.tokens_waiting >= self.max_queue_tokens:  # full already: do not spend time tokenizing
                 raise self._queue_full(0)
             loop = asyncio.get_running_loop()
-            plan = await loop.run_in_executor(None, self.encoder.plan, texts, kind)
+            plan = await self._until(deadline, loop.run_in_executor(None, self.encoder.plan, texts, kind))
             tokens = plan.document_tokens
             self._check_sizes(tokens)
             request = _Request(plan, aggregation, int(tokens.sum()), loop, loop.create_future())
             self._submit(request)
             try:
-                vectors = await request.future
-            except asyncio.CancelledError:
+                vectors = await self._until(deadline, request.future)
+            except (asyncio.CancelledError, DeadlineExceeded):
                 self._cancel(request)
                 raise
             return Embeddings(vectors, tokens)
         finally:
             with self._cond:
                 self._in_flight -= 1
+
+    def _check_accepting(self) -> None:
+        if self.health[0] == "unhealthy":
+            raise Unhealthy(f"the encoder cannot serve: {self._broken}")
+        if self._closing:
+            raise ShuttingDown("the encoder is shutting down and takes no new requests")
+
+    async def _until(self, deadline: float | None, awaitable):
+        """Await ``awaitable`` until ``deadline`` (event-loop time; None: no deadline), else raise
+        `DeadlineExceeded` (a future is cancelled)."""
+        if deadline is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, max(0.0, deadline - asyncio.get_running_loop().time()))
+        except TimeoutError:
+            raise DeadlineExceeded(f"the request did not finish within {self.request_timeout:g} s "
+                                   "(request_timeout); its chunks that had not run were dropped") from None
 
     def _check_sizes(self, tokens: np.ndarray) -> None:
         limit = self.max_tokens_per_document
@@ -255,16 +302,13 @@ class AsyncDiceEncoder:
 
     def _submit(self, request: _Request) -> None:
         with self._cond:
-            if self._closing:
-                raise ShuttingDown("the encoder is shutting down and takes no new requests")
+            self._check_accepting()
             waiting = self.tokens_waiting
             if waiting and waiting + request.tokens > self.max_queue_tokens:
                 raise self._queue_full(request.tokens)
             self._pending.append(request)
             self._pending_tokens += request.tokens
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._work, name="dice-fast-serve-worker", daemon=True)
-                self._worker.start()
+            self._start_worker(warm_up=False)
             self._cond.notify()
 
     def _cancel(self, request: _Request) -> None:
@@ -275,78 +319,3 @@ class AsyncDiceEncoder:
             elif request in self._pending:
                 self._pending.remove(request)
                 self._pending_tokens -= request.tokens
-
-    # --------------------------------------------------------------------------- worker side
-    def _work(self) -> None:
-        busy = False  # ran a batch since the heap was last trimmed
-        while True:
-            with self._cond:
-                self._admit()
-                batch = self._queue.next_batch()
-                if batch is None:
-                    if self._closing and not self._pending:
-                        return
-                    if not busy or not self._trims_heap:
-                        self._cond.wait()
-                        continue
-                    if self._cond.wait(timeout=self.idle_trim_s):
-                        continue  # woken within the quiet period: look for work again, no trim
-            if batch is None:  # quiet for idle_trim_s: hand the kept activation pages back (CPU)
-                busy = False
-                release_freed_memory()
-                continue
-            busy = True
-            self._run(batch)
-
-    def _admit(self) -> None:
-        """Hand planned requests to the ChunkQueue: all of them, or one at a time without cross-request
-        batching. Called with ``_cond`` held."""
-        while self._pending:
-            if not self.cross_request_batching:
-                cur = self._current
-                if cur is not None and not (cur.done or cur.cancelled):
-                    return
-            request = self._pending.popleft()
-            self._pending_tokens -= request.tokens
-            request.job = self._current = self._queue.submit(request.plan, request.aggregation, tag=request)
-
-    def _run(self, batch) -> None:
-        start = time.perf_counter()
-        try:
-            vectors = self.encoder.run_batch(batch.packed)
-            finished = self._queue.complete(batch, vectors)
-        except Exception as exc:  # the model failed: fail every request in the batch, keep serving
-            log.exception("dice_fast.serve: a batch of %d tokens failed", batch.packed.n_tokens)
-            with self._cond:
-                for job in batch.jobs:
-                    self._queue.cancel(job)
-                    _settle(job.tag, exc=exc)
-            return
-        seconds = time.perf_counter() - start
-        for job in finished:
-            _settle(job.tag, value=job.documents)
-        tokens = batch.packed.n_tokens
-        rate = tokens / max(seconds, 1e-6)
-        self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
-        stats = BatchStats(tokens, len(batch.packed.chunk_ids), len(batch.jobs), self.max_batch_tokens, seconds)
-        for listener in self._listeners:
-            try:
-                listener(stats)
-            except Exception:  # a broken listener must not stop the worker
-                log.exception("dice_fast.serve: batch listener %r failed", listener)
-
-
-def _settle(request: _Request, value=None, exc: BaseException | None = None) -> None:
-    """Resolve ``request``'s future on its own event loop (from the worker thread)."""
-
-    def settle():
-        if not request.future.done():
-            if exc is not None:
-                request.future.set_exception(exc)
-            else:
-                request.future.set_result(value)
-
-    try:
-        request.loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # its event loop is closed: nobody is waiting
-        pass

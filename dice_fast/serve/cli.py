@@ -14,7 +14,8 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits (over a limit: 413 for an oversize request, 429 + Retry-After when busy)")
     for name, (default, meaning) in LIMITS.items():
         shown = "" if default is None else f" (default {default})"
-        g.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=meaning + shown)
+        g.add_argument("--" + name.replace("_", "-"), type=float if isinstance(default, float) else int,
+                       default=default, help=meaning + shown)
     g.add_argument("--no-cross-request-batching", dest="cross_request_batching", action="store_false",
                    help="run one request at a time, alone in its batches (a baseline for benchmarks)")
 
@@ -90,8 +91,20 @@ def cmd_serve(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.no_access_log, timeout_graceful_shutdown=args.graceful_timeout,
                             lifespan="on")
-    uvicorn.Server(config).run()
+    draining_server(uvicorn, app.state.core)(config).run()
     return 0
+
+
+def draining_server(uvicorn, core):
+    """A ``uvicorn.Server`` class whose SIGTERM / Ctrl-C first marks ``core`` draining (``/health`` 503
+    "draining") while uvicorn finishes the requests in flight."""
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            core.drain()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
 
 
 def cmd_bench_serve(args) -> int:

@@ -56,6 +56,29 @@ class ShuttingDown(ServeError):
     code = "shutting_down"
 
 
+class OutOfMemory(ServeError):
+    """One of the request's chunks ran out of memory even alone in its batch (HTTP 503): ``param`` names
+    the input. The other requests of its batches were served; memory may be free again later."""
+
+    type = "server_error"
+    code = "out_of_memory"
+
+
+class Unhealthy(ServeError):
+    """The worker has stopped and the encoder cannot serve (HTTP 503, at once): restart the server."""
+
+    type = "server_error"
+    code = "unhealthy"
+
+
+class DeadlineExceeded(ServeError):
+    """The request took longer than ``request_timeout`` (HTTP 504); its chunks that had not run were
+    dropped."""
+
+    type = "server_error"
+    code = "timeout"
+
+
 def internal_error_body() -> dict:
     """The body of an unexpected server-side failure (HTTP 500); it never echoes internals."""
     return {"error": {"message": "internal error while encoding; see the server log", "type": "server_error",

@@ -11,6 +11,8 @@ LIMITS = {
     "max_queue_tokens": (None, "tokens waiting to run, all requests together (default 64 x max_batch_tokens); "
                                "a request that would pass it: 429 + Retry-After; one larger than it: 413"),
     "max_concurrent_requests": (512, "requests in progress at once (TEI's default); one more: 429 + Retry-After"),
+    "request_timeout": (120.0, "seconds a request may take from arrival to its vectors, 0 = none; past it: "
+                               "504 and its chunks that have not run are dropped"),
 }
 DEFAULT_LIMITS = {name: default for name, (default, _) in LIMITS.items()}
 QUEUE_BATCHES = 64  # the default max_queue_tokens, in batches of max_batch_tokens

@@ -68,10 +68,10 @@ def test_worker_hands_memory_back_after_a_quiet_period(tiny_encoder, monkeypatch
     """On the CPU the worker trims the heap once its queue has been empty for ``idle_trim_s``: not
     after every batch, not between requests that follow each other closely, not again while idle.
     Each burst is one request of several documents spanning several batches."""
-    from dice_fast.serve import batcher
+    from dice_fast.serve import worker
 
     trims = []
-    monkeypatch.setattr(batcher, "release_freed_memory", lambda: trims.append(1))
+    monkeypatch.setattr(worker, "release_freed_memory", lambda: trims.append(1))
     texts = word_texts(6, 20, 120, seed=3)
 
     async def main():

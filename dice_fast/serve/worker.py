@@ -1,0 +1,197 @@
+"""The worker side of `AsyncDiceEncoder`: one supervised thread that owns the model.
+
+    admit planned requests -> ChunkQueue.next_batch -> ChunkQueue.run (forward, split on OOM) -> settle
+
+Every step is guarded, so a fault costs only the requests it touches and the thread goes on:
+
+* admission (``ChunkQueue.submit``) raises: that request fails;
+* packing (``ChunkQueue.next_batch``) raises: the requests whose chunks it was handing out fail
+  (`ChunkQueue.fail_packing`);
+* the forward raises out-of-memory: the batch is split and retried, and only a request with a chunk
+  that fails alone gets `OutOfMemory` naming its input; any other error of the forward or of pooling
+  fails the requests of that batch which had not finished;
+* a batch listener raises: it is logged.
+
+Anything that escapes a step (or the warm-up forward failing) stops the worker: the core is marked
+unhealthy with the reason, every waiting request fails with `Unhealthy`, and new ones are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from ..cpu_heap import release_freed_memory
+from ..faults import InputOutOfMemory
+from ..scheduler import ChunkQueue
+from .errors import OutOfMemory, Unhealthy
+
+IDLE_TRIM_S = 1.0  # seconds without work after which a CPU worker hands its kept heap pages back
+WARM_UP_TEXT = "warm up"  # the query of the warm-up forward that `AsyncDiceEncoder.start` runs
+
+log = logging.getLogger("dice_fast.serve")
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """One forward of the worker: ``tokens`` of ``chunks`` chunks from ``requests`` requests, against a
+    budget of ``budget`` tokens, in ``seconds``."""
+
+    tokens: int
+    chunks: int
+    requests: int
+    budget: int
+    seconds: float
+
+    @property
+    def fill(self) -> float:
+        """tokens / budget (above 1 only for a single chunk longer than the budget)."""
+        return self.tokens / self.budget
+
+
+class WorkerLoop:
+    """The worker thread of `AsyncDiceEncoder` (a base class: it shares the core's ``_cond``, ``_queue``,
+    ``_pending``, ``_closing``, ``_ran``, ``_broken`` and ``_worker``)."""
+
+    def _start_worker(self, warm_up: bool) -> None:
+        """Start the worker thread unless it runs. Called with ``_cond`` held."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._supervise, args=(warm_up,), name="dice-fast-serve-worker",
+                                            daemon=True)
+            self._worker.start()
+
+    def _supervise(self, warm_up: bool) -> None:
+        try:
+            if warm_up:
+                self._warm_up()
+            self._work()
+        except BaseException as exc:  # noqa: BLE001 - the worker cannot go on: say so, fail what waits
+            log.critical("dice_fast.serve: the worker stopped; the encoder is unhealthy", exc_info=True)
+            self._stop_broken(f"the worker stopped ({type(exc).__name__}: {exc})")
+
+    def _stop_broken(self, reason: str) -> None:
+        with self._cond:
+            self._broken = reason
+            error = Unhealthy(f"the encoder cannot serve: {reason}")
+            waiting = list(self._pending)
+            self._pending.clear()
+            self._pending_tokens = 0
+            waiting += [job.tag for job in self._queue.fail_all(error)]
+        for request in waiting:
+            _settle(request, exc=error)
+
+    def _warm_up(self) -> None:
+        """One forward of a short query through the whole path (plan, pack, model, pooling), alone."""
+        queue = ChunkQueue(self.encoder)
+        job = queue.submit(self.encoder.plan([WARM_UP_TEXT], "queries"), "mean")
+        while (batch := queue.next_batch()) is not None:
+            queue.run(batch, self.encoder.run_batch)
+        if job.error is not None:
+            raise RuntimeError(f"the warm-up forward failed: {job.error}")
+        self._ran = True
+
+    def _work(self) -> None:
+        busy = False  # ran a batch since the heap was last trimmed
+        while True:
+            with self._cond:
+                self._admit()
+                batch = self._next_batch()
+                if batch is None:
+                    if self._closing and not self._pending:
+                        return
+                    if not busy or not self._trims_heap:
+                        self._cond.wait()
+                        continue
+                    if self._cond.wait(timeout=self.idle_trim_s):
+                        continue  # woken within the quiet period: look for work again, no trim
+            if batch is None:  # quiet for idle_trim_s: hand the kept activation pages back (CPU)
+                busy = False
+                release_freed_memory()
+                continue
+            busy = True
+            self._run(batch)
+
+    def _admit(self) -> None:
+        """Hand planned requests to the ChunkQueue: all of them, or one at a time without cross-request
+        batching. Called with ``_cond`` held; a request whose admission raises fails alone."""
+        while self._pending:
+            if not self.cross_request_batching:
+                cur = self._current
+                if cur is not None and not (cur.done or cur.cancelled):
+                    return
+            request = self._pending.popleft()
+            self._pending_tokens -= request.tokens
+            try:
+                request.job = self._current = self._queue.submit(request.plan, request.aggregation, tag=request)
+            except Exception as exc:
+                log.exception("dice_fast.serve: admitting a request failed")
+                _settle(request, exc=exc)
+
+    def _next_batch(self):
+        """`ChunkQueue.next_batch`; when packing raises, fail the requests it touched and try again.
+        Called with ``_cond`` held."""
+        while True:
+            try:
+                return self._queue.next_batch()
+            except Exception as exc:
+                failed = self._queue.fail_packing(exc)
+                if not failed:  # nothing to blame: the queue cannot go on
+                    raise
+                log.exception("dice_fast.serve: packing a batch failed; %d request(s) fail", len(failed))
+                for job in failed:
+                    _settle(job.tag, exc=exc)
+
+    def _run(self, batch) -> None:
+        start = time.perf_counter()
+        try:
+            finished, failed = self._queue.run(batch, self.encoder.run_batch)
+        except Exception as exc:  # the forward or pooling failed: its unfinished requests fail, keep serving
+            log.exception("dice_fast.serve: a batch of %d tokens failed", batch.packed.n_tokens)
+            with self._cond:
+                for job in batch.jobs:
+                    if job.done:  # finished before the error
+                        _settle(job.tag, value=job.documents)
+                    elif not job.cancelled or job.error is not None:
+                        self._queue.fail(job, exc)
+                        _settle(job.tag, exc=_client_error(job.error))
+            return
+        self._ran = True
+        seconds = time.perf_counter() - start
+        for job in finished:
+            _settle(job.tag, value=job.documents)
+        for job in failed:
+            _settle(job.tag, exc=_client_error(job.error))
+        tokens = batch.packed.n_tokens
+        rate = tokens / max(seconds, 1e-6)
+        self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
+        stats = BatchStats(tokens, len(batch.packed.chunk_ids), len(batch.jobs), self.max_batch_tokens, seconds)
+        for listener in self._listeners:
+            try:
+                listener(stats)
+            except Exception:  # a broken listener must not stop the worker
+                log.exception("dice_fast.serve: batch listener %r failed", listener)
+
+
+def _client_error(error: BaseException) -> BaseException:
+    """What the client of a failed request gets: `OutOfMemory` naming its input, else the error."""
+    if isinstance(error, InputOutOfMemory):
+        return OutOfMemory(str(error), param=error.name)
+    return error
+
+
+def _settle(request, value=None, exc: BaseException | None = None) -> None:
+    """Resolve ``request``'s future on its own event loop (from the worker thread)."""
+
+    def settle():
+        if not request.future.done():
+            if exc is not None:
+                request.future.set_exception(exc)
+            else:
+                request.future.set_result(value)
+
+    try:
+        request.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # its event loop is closed: nobody is waiting
+        pass
