@@ -32,7 +32,7 @@ def encoder():
 
 
 def test_batches_over_a_size_are_split_and_every_vector_is_exact(encoder):
-    texts = texts_of(10, 1, 60, seed=0)
+    texts = texts_of(6, 1, 60, seed=0)
     ref = encoder.encode_documents(texts, return_chunks=True)
     with failing_forward(encoder.model, lambda ids: ids.numel() > 40) as seen:
         got = encoder.encode_documents(texts, return_chunks=True)
@@ -82,18 +82,18 @@ def test_a_chunk_failing_alone_fails_only_its_job(encoder):
 
 
 def test_encode_documents_names_the_document_and_streams_exact_windows(encoder):
-    small = DiceEncoder(encoder.model, encoder.tokenizer, chunk_size=16, max_batch_tokens=32)  # 2 kB windows
-    texts = texts_of(16, 35, 45, seed=4)  # ~3 kB: two streaming windows
-    texts[15] = poisoned(texts[15])
-    ref = small.encode_documents(texts[:15])
+    small = DiceEncoder(encoder.model, encoder.tokenizer, chunk_size=16, max_batch_tokens=16)  # 1 kB windows
+    texts = texts_of(10, 25, 35, seed=4)  # ~1.5 kB: two streaming windows
+    texts[9] = poisoned(texts[9])
+    ref = encoder.encode_documents(texts[:9])
     blocks = []
     with failing_forward(small.model, has_poison):
-        with pytest.raises(InputOutOfMemory, match=r"out of memory encoding documents\[15\]") as info:
+        with pytest.raises(InputOutOfMemory, match=r"out of memory encoding documents\[9\]") as info:
             for block in small.stream_documents(texts):
                 blocks.append(block)
         with pytest.raises(InputOutOfMemory, match=r"queries\[1\]"):
-            small.encode_queries([texts[0], texts[15]])
-    assert info.value.index == 15 and info.value.tokens == 18
+            small.encode_queries([texts[0], texts[9]])
+    assert info.value.index == 9 and info.value.tokens == 18
     assert blocks, "the window before the failing document was not streamed"
     got = np.concatenate(blocks)
     assert_close(got, ref[: len(got)], atol=1e-5)

@@ -147,6 +147,12 @@ class AsyncDiceEncoder(WorkerLoop):
         return self._queue.max_batch_tokens
 
     @property
+    def batch_budget(self) -> int:
+        """Token budget of the next forward: ``max_batch_tokens``, or less while backing off after an
+        out-of-memory batch (`dice_fast.faults.BudgetBackoff`)."""
+        return self._queue.budget
+
+    @property
     def tokens_waiting(self) -> int:
         """Tokens of queued requests not yet handed to a forward (what ``max_queue_tokens`` bounds)."""
         return self._queue.tokens_waiting + self._pending_tokens
