@@ -67,6 +67,7 @@ def test_out_of_memory_fails_only_the_request_of_the_chunk(tiny_encoder):
 
         first, good = run(main())
         failed = good.pop(2)
+        backed_off = core.batch_budget
         after = httpx.post(server.url + "/v1/embeddings", json={"input": texts[:3]}, timeout=60)
         health = httpx.get(server.url + "/health")
         m = httpx.get(server.url + "/metrics").text
@@ -76,6 +77,7 @@ def test_out_of_memory_fails_only_the_request_of_the_chunk(tiny_encoder):
     assert err["code"] == "out_of_memory" and err["type"] == "server_error" and err["param"] == "input[1]"
     assert "out of memory" in err["message"] and "input[1]" in err["message"]
     assert max(n for n, raised in seen if raised) > 20, "the poisoned chunk never shared a batch"
+    assert backed_off < core.max_batch_tokens, "the batch budget did not back off"
     for g, r in zip(groups, good):
         assert r.status_code == 200, r.text
         assert_close(embeddings_of(r.json()), ref[g], atol=1e-5, what=f"request {g}")
