@@ -202,6 +202,8 @@ class DiceEncoder:
         Returns (n_docs, dim) float32 (row i is text i), or a `DiceOutput` when ``return_chunks``.
         ``show_progress`` draws a bar (tokens, documents, tokens/s); ``progress(documents, tokens)``
         is instead called with the documents finished and tokens encoded since its last call.
+        A batch that runs out of memory is split and retried (`dice_fast.faults`); a chunk that runs
+        out alone raises `dice_fast.faults.InputOutOfMemory` naming its document (``documents[i]``).
         """
         blocks = list(self.stream_documents(texts, return_chunks, show_progress, progress))
         return _concat(blocks, self.dim, return_chunks)
