@@ -5,8 +5,9 @@
     out.vectors   # (2, dim) float32, exactly encoder.encode_documents(texts) (to float32 rounding)
     out.tokens    # (2,) int64 tokens the model ran per input, special tokens included
 
-A request is tokenized and planned on the event loop's default executor, checked against the limits
-and queued; one worker thread owns the model and forms token-budget batches first in, first out over
+A request is checked against the character limit, tokenized in bounded pieces on the event loop's
+default executor (`dice_fast.chunking.tokenize_bounded`: the tokenizer lock is held per piece, and
+tokenizing stops as soon as the request is over a token limit), planned, checked and queued; one worker thread owns the model and forms token-budget batches first in, first out over
 the chunks of every queued request (`dice_fast.scheduler.ChunkQueue`), so the documents of several
 requests share one forward and a long document's chunks may span batches. When a request's last
 chunk is pooled its vectors are handed back to its event loop. A request whose awaiting task is
@@ -29,11 +30,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ..chunking import check_texts
+from ..chunking import PIECE_CHARS, TextError, TokenizedDocuments, check_texts, cuts_are_exact, tokenize_bounded
 from ..cpu_heap import release_freed_memory
 from ..scheduler import ChunkQueue, Job
-from .errors import Overloaded, RequestTooLarge, ShuttingDown
-from .limits import DEFAULT_LIMITS, QUEUE_BATCHES
+from .errors import InvalidRequest, Overloaded, RequestTooLarge, ShuttingDown
+from .limits import DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
 
 IDLE_TRIM_S = 1.0  # seconds without work after which a CPU worker hands its kept heap pages back
 
@@ -43,10 +44,12 @@ log = logging.getLogger("dice_fast.serve")
 @dataclass(frozen=True)
 class Embeddings:
     """The result of one request. vectors: (n, dim) float32, row i is input i; tokens: (n,) int64
-    tokens the model ran for input i (all its chunks, special tokens and prefix included)."""
+    tokens the model ran for input i (all its chunks, special tokens and prefix included); truncated:
+    the indices of queries cut to the window (``auto_truncate``)."""
 
     vectors: np.ndarray
     tokens: np.ndarray
+    truncated: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class AsyncDiceEncoder:
 
     Limits (keyword arguments; defaults in `dice_fast.serve.limits`):
       max_inputs_per_request   more inputs in one call raise `RequestTooLarge`.
+      max_input_chars          an input of more characters raises `RequestTooLarge` naming it, before
+                               any tokenizing. None = 8 per token of the tightest token limit.
       max_tokens_per_document  an input of more tokens (special tokens included) raises `RequestTooLarge`
                                naming it; 0 = unlimited.
       max_queue_tokens         tokens waiting to run, all requests together; a request that would go over
@@ -93,6 +98,8 @@ class AsyncDiceEncoder:
                                `RequestTooLarge`. None = 64 x max_batch_tokens.
       max_concurrent_requests  calls in progress at once; one more raises `Overloaded`.
     max_batch_tokens: token budget of one forward (default: the encoder's).
+    auto_truncate: a query longer than the window is cut to it (its index in ``Embeddings.truncated``);
+    False (the default) raises `RequestTooLarge` naming it.
     cross_request_batching: False runs one request at a time, each alone in its batches (the baseline
     the benchmark compares against).
 
@@ -101,11 +108,14 @@ class AsyncDiceEncoder:
     """
 
     def __init__(self, encoder, *, max_inputs_per_request: int = DEFAULT_LIMITS["max_inputs_per_request"],
+                 max_input_chars: int | None = DEFAULT_LIMITS["max_input_chars"],
                  max_tokens_per_document: int = DEFAULT_LIMITS["max_tokens_per_document"],
                  max_queue_tokens: int | None = DEFAULT_LIMITS["max_queue_tokens"],
                  max_concurrent_requests: int = DEFAULT_LIMITS["max_concurrent_requests"],
-                 max_batch_tokens: int | None = None, cross_request_batching: bool = True):
+                 max_batch_tokens: int | None = None, cross_request_batching: bool = True,
+                 auto_truncate: bool = False):
         for name, value, low in (("max_inputs_per_request", max_inputs_per_request, 1),
+                                 ("max_input_chars", max_input_chars, 1),
                                  ("max_tokens_per_document", max_tokens_per_document, 0),
                                  ("max_queue_tokens", max_queue_tokens, 1),
                                  ("max_concurrent_requests", max_concurrent_requests, 1),
@@ -121,7 +131,13 @@ class AsyncDiceEncoder:
         self.max_tokens_per_document = max_tokens_per_document
         self.max_queue_tokens = max_queue_tokens or QUEUE_BATCHES * self._queue.max_batch_tokens
         self.max_concurrent_requests = max_concurrent_requests
+        self.max_input_chars = max_input_chars or default_max_input_chars(max_tokens_per_document,
+                                                                          self.max_queue_tokens)
+        self.auto_truncate = bool(auto_truncate)
         self.cross_request_batching = cross_request_batching
+        # tokenize long texts in pieces only where that gives the ids of the whole (checked once)
+        with encoder._tokenizer_lock:
+            self._piece_chars = PIECE_CHARS if cuts_are_exact(encoder.tokenizer) else None
         self._cond = threading.Condition()
         self._pending: deque[_Request] = deque()  # planned, not yet handed to the ChunkQueue
         self._pending_tokens = 0
@@ -198,8 +214,9 @@ class AsyncDiceEncoder:
 
     def __repr__(self) -> str:
         return (f"AsyncDiceEncoder({self.encoder!r}, max_inputs_per_request={self.max_inputs_per_request}, "
-                f"max_tokens_per_document={self.max_tokens_per_document}, max_queue_tokens={self.max_queue_tokens}, "
-                f"max_concurrent_requests={self.max_concurrent_requests}, max_batch_tokens={self.max_batch_tokens}, "
+                f"max_input_chars={self.max_input_chars}, max_tokens_per_document={self.max_tokens_per_document}, "
+                f"max_queue_tokens={self.max_queue_tokens}, max_concurrent_requests={self.max_concurrent_requests}, "
+                f"max_batch_tokens={self.max_batch_tokens}, auto_truncate={self.auto_truncate}, "
                 f"cross_request_batching={self.cross_request_batching})")
 
     # ------------------------------------------------------------------------- request side
@@ -220,8 +237,14 @@ class AsyncDiceEncoder:
                 return Embeddings(np.zeros((0, self.dim), np.float32), np.zeros(0, np.int64))
             if self.tokens_waiting >= self.max_queue_tokens:  # full already: do not spend time tokenizing
                 raise self._queue_full(0)
+            self._check_chars(texts)
             loop = asyncio.get_running_loop()
-            plan = await loop.run_in_executor(None, self.encoder.plan, texts, kind)
+            abandoned = threading.Event()
+            try:
+                plan, truncated = await loop.run_in_executor(None, self._plan, texts, kind, abandoned)
+            except asyncio.CancelledError:
+                abandoned.set()  # stop tokenizing at the next piece
+                raise
             tokens = plan.document_tokens
             self._check_sizes(tokens)
             request = _Request(plan, aggregation, int(tokens.sum()), loop, loop.create_future())
@@ -231,23 +254,65 @@ class AsyncDiceEncoder:
             except asyncio.CancelledError:
                 self._cancel(request)
                 raise
-            return Embeddings(vectors, tokens)
+            return Embeddings(vectors, tokens, truncated)
         finally:
             with self._cond:
                 self._in_flight -= 1
 
-    def _check_sizes(self, tokens: np.ndarray) -> None:
+    def _check_chars(self, texts: list[str]) -> None:
+        limit = self.max_input_chars
+        for i, text in enumerate(texts):
+            if len(text) > limit:
+                raise RequestTooLarge(f"input[{i}] has {len(text)} characters; the limit is {limit} per input "
+                                      "(max_input_chars)", param=f"input[{i}]")
+
+    def _plan(self, texts: list[str], kind: str, abandoned: threading.Event):
+        """(plan, indices of queries cut to the window) for ``texts``; refuses as soon as the tokens
+        found so far pass a limit. Runs in an executor thread; stops early once ``abandoned`` is set."""
+        enc = self.encoder
+        used = enc.max_tokens_used(kind)  # None, or what a longer text is cut to
+        refuse_long = kind == "queries" and not self.auto_truncate
+
+        def check(counts: np.ndarray) -> None:
+            if abandoned.is_set():
+                raise _Abandoned
+            if refuse_long and (over := np.flatnonzero(counts > used)).size:
+                i = int(over[0])
+                raise RequestTooLarge(f"input[{i}] is a query of more than {used} tokens, more than the model "
+                                      f"window ({enc.window} tokens with special tokens) holds; shorten it, or "
+                                      "let the server cut it (auto_truncate, dice-fast serve --auto-truncate)",
+                                      param=f"input[{i}]")
+            self._check_sizes(counts if used is None else np.minimum(counts, used), at_least=True)
+
+        try:
+            tokens = tokenize_bounded(enc.tokenizer, texts, enc._tokenizer_lock, piece_chars=self._piece_chars,
+                                      check=check, enough=used if kind == "queries" else None, what="input")
+        except TextError as exc:  # not valid Unicode
+            raise InvalidRequest(str(exc), param=f"input[{exc.index}]") from None
+        truncated = ()
+        if kind == "queries" and (over := np.flatnonzero(tokens.lengths > used)).size:
+            truncated = tuple(int(i) for i in over)
+            tokens = _keep_first(tokens, used)
+        try:
+            return enc.plan_tokens(tokens, kind), truncated
+        except TextError as exc:  # positions="global": more positions than the model has
+            raise RequestTooLarge(f"input[{exc.index}]: {exc}", param=f"input[{exc.index}]") from None
+
+    def _check_sizes(self, tokens: np.ndarray, at_least: bool = False) -> None:
+        """Refuse a request of ``tokens`` (n,) per input (``at_least``: lower bounds found so far)."""
         limit = self.max_tokens_per_document
         if limit:
             over = np.flatnonzero(tokens > limit)
             if len(over):
                 i = int(over[0])
-                raise RequestTooLarge(f"input[{i}] has {int(tokens[i])} tokens; the limit is {limit} tokens per "
-                                      "input, special tokens included (max_tokens_per_document)", param=f"input[{i}]")
+                n = f"more than {limit}" if at_least else int(tokens[i])
+                raise RequestTooLarge(f"input[{i}] has {n} tokens; the limit is {limit} tokens per input, special "
+                                      "tokens included (max_tokens_per_document)", param=f"input[{i}]")
         total = int(tokens.sum())
         if total > self.max_queue_tokens:
-            raise RequestTooLarge(f"the request has {total} tokens, more than the {self.max_queue_tokens} tokens the "
-                                  "queue holds (max_queue_tokens); split it into smaller requests", param="input")
+            n = f"more than {self.max_queue_tokens}" if at_least else total
+            raise RequestTooLarge(f"the request has {n} tokens, more than the {self.max_queue_tokens} tokens the queue "
+                                  "holds (max_queue_tokens); split it into smaller requests", param="input")
 
     def _queue_full(self, tokens: int) -> Overloaded:
         return Overloaded(f"the queue holds {self.tokens_waiting} tokens; {tokens} more would pass its limit of "
@@ -334,6 +399,19 @@ class AsyncDiceEncoder:
                 listener(stats)
             except Exception:  # a broken listener must not stop the worker
                 log.exception("dice_fast.serve: batch listener %r failed", listener)
+
+
+class _Abandoned(Exception):
+    """The request's awaiting task was cancelled while its texts were being tokenized."""
+
+
+def _keep_first(tokens: TokenizedDocuments, n: int) -> TokenizedDocuments:
+    """``tokens`` with every text cut to its first ``n`` ids."""
+    lengths = np.minimum(tokens.lengths, n)
+    keep = np.concatenate([np.arange(a, a + k) for a, k in zip(tokens.offsets[:-1], lengths)]) if len(lengths) else []
+    offsets = np.zeros_like(tokens.offsets)
+    np.cumsum(lengths, out=offsets[1:])
+    return TokenizedDocuments(tokens.ids[np.asarray(keep, dtype=np.int64)], offsets)
 
 
 def _settle(request: _Request, value=None, exc: BaseException | None = None) -> None:
