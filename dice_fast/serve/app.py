@@ -92,7 +92,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     app.state.core, app.state.metrics, app.state.model_name = core, metrics, name
     app.state.max_body_bytes = body_limit
     if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=check_api_key(api_key))
 
     def error(exc: ServeError) -> JSONResponse:
         status = STATUS.get(type(exc), 422)

@@ -273,15 +273,18 @@ class AsyncDiceEncoder:
         used = enc.max_tokens_used(kind)  # None, or what a longer text is cut to
         refuse_long = kind == "queries" and not self.auto_truncate
 
-        def check(counts: np.ndarray) -> None:
-            if abandoned.is_set():
-                raise _Abandoned
+        def refuse_long_queries(counts: np.ndarray) -> None:
             if refuse_long and (over := np.flatnonzero(counts > used)).size:
                 i = int(over[0])
                 raise RequestTooLarge(f"input[{i}] is a query of more than {used} tokens, more than the model "
                                       f"window ({enc.window} tokens with special tokens) holds; shorten it, or "
                                       "let the server cut it (auto_truncate, dice-fast serve --auto-truncate)",
                                       param=f"input[{i}]")
+
+        def check(counts: np.ndarray) -> None:
+            if abandoned.is_set():
+                raise _Abandoned
+            refuse_long_queries(counts)
             self._check_sizes(counts if used is None else np.minimum(counts, used), at_least=True)
 
         try:
@@ -289,6 +292,7 @@ class AsyncDiceEncoder:
                                       check=check, enough=used if kind == "queries" else None, what="input")
         except TextError as exc:  # not valid Unicode
             raise InvalidRequest(str(exc), param=f"input[{exc.index}]") from None
+        refuse_long_queries(tokens.lengths)
         truncated = ()
         if kind == "queries" and (over := np.flatnonzero(tokens.lengths > used)).size:
             truncated = tuple(int(i) for i in over)
