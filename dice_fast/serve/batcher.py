@@ -180,7 +180,9 @@ class AsyncDiceEncoder:
 
     async def embed_queries(self, texts: Iterable[str]) -> Embeddings:
         """Encode n queries (one window each, never chunked) -> `Embeddings` with vectors (n, dim)
-        float32, equal to ``encoder.encode_queries(texts)``."""
+        float32, equal to ``encoder.encode_queries(texts)``. A query longer than the window raises
+        `RequestTooLarge` naming it, or with ``auto_truncate`` is cut to it (as offline) and listed in
+        ``truncated``."""
         return await self._embed(texts, "queries", "mean")
 
     def add_batch_listener(self, listener: Callable[[BatchStats], None]) -> None:

@@ -10,7 +10,8 @@ Request (``POST /v1/embeddings``), a JSON object:
     dimensions       optional; must equal the model's width (truncation is not offered)
     user             ignored, as are unknown fields
 Response: {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}],
-           "model": name, "usage": {"prompt_tokens": n, "total_tokens": n}}
+           "model": name, "usage": {"prompt_tokens": n, "total_tokens": n}}, and in usage
+           "truncated_inputs": [i, ...] when queries were cut to the window (auto-truncate)
 """
 
 from __future__ import annotations
