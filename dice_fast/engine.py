@@ -195,6 +195,18 @@ class DiceEncoder:
         """
         return self._plan(check_texts(texts, _check_kind(kind)), kind)
 
+    def plan_tokens(self, tokens: TokenizedDocuments, kind: str = "documents") -> EncodingPlan:
+        """`plan` for texts already tokenized (``tokens``: n texts' ids without special tokens, as
+        `dice_fast.chunking.tokenize` gives them with this encoder's tokenizer)."""
+        return self._plan_tokens(tokens, _check_kind(kind))
+
+    def max_tokens_used(self, kind: str = "documents") -> int | None:
+        """Most tokens of one text the model runs (special tokens and prefix aside); a longer text is
+        cut to them: a query to one window, a document with ``strategy="single"`` or
+        ``max_chunks_per_document``. None: every token runs."""
+        _, size, overlap, cap, _ = self._chunking(_check_kind(kind))
+        return None if cap is None else size + (cap - 1) * (size - overlap)
+
     def encode_documents(self, texts: Iterable[str], return_chunks: bool = False, show_progress: bool = False,
                          progress: Callable[[int, int], None] | None = None):
         """Encode documents. texts: any iterable of n_docs strings (a list, a generator, a file reader).
@@ -236,18 +248,6 @@ class DiceEncoder:
         return self.runner.run(batch)
 
     # ----------------------------------------------------------------------------------------
-    def plan_tokens(self, tokens: TokenizedDocuments, kind: str = "documents") -> EncodingPlan:
-        """`plan` for texts already tokenized (``tokens``: n texts' ids without special tokens, as
-        `dice_fast.chunking.tokenize` gives them with this encoder's tokenizer)."""
-        return self._plan_tokens(tokens, _check_kind(kind))
-
-    def max_tokens_used(self, kind: str = "documents") -> int | None:
-        """Most tokens of one text the model runs (special tokens and prefix aside); a longer text is
-        cut to them: a query to one window, a document with ``strategy="single"`` or
-        ``max_chunks_per_document``. None: every token runs."""
-        _, size, overlap, cap, _ = self._chunking(_check_kind(kind))
-        return None if cap is None else size + (cap - 1) * (size - overlap)
-
     def _chunking(self, kind: str):
         """(wrap, chunk size, overlap, max chunks per text, global positions) for ``kind``."""
         c = self.config

@@ -5,9 +5,9 @@
     out.vectors   # (2, dim) float32, exactly encoder.encode_documents(texts) (to float32 rounding)
     out.tokens    # (2,) int64 tokens the model ran per input, special tokens included
 
-A request is checked against the character limit, tokenized in bounded pieces on the event loop's
-default executor (`dice_fast.chunking.tokenize_bounded`: the tokenizer lock is held per piece, and
-tokenizing stops as soon as the request is over a token limit), planned, checked and queued; one worker thread owns the model and forms token-budget batches first in, first out over
+A request is checked against the character limit, tokenized in bounded pieces and planned on the event
+loop's default executor (`dice_fast.serve.planning`: the tokenizer lock is held per piece, and
+tokenizing stops as soon as the request is over a token limit), checked and queued; one worker thread owns the model and forms token-budget batches first in, first out over
 the chunks of every queued request (`dice_fast.scheduler.ChunkQueue`), so the documents of several
 requests share one forward and a long document's chunks may span batches. When a request's last
 chunk is pooled its vectors are handed back to its event loop. A request whose awaiting task is
@@ -30,11 +30,12 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ..chunking import PIECE_CHARS, TextError, TokenizedDocuments, check_texts, cuts_are_exact, tokenize_bounded
+from ..chunking import check_texts
 from ..cpu_heap import release_freed_memory
 from ..scheduler import ChunkQueue, Job
-from .errors import InvalidRequest, Overloaded, RequestTooLarge, ShuttingDown
+from .errors import Overloaded, RequestTooLarge, ShuttingDown
 from .limits import DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
+from .planning import check_chars, piece_chars, plan_request
 
 IDLE_TRIM_S = 1.0  # seconds without work after which a CPU worker hands its kept heap pages back
 
@@ -84,8 +85,9 @@ class _Request:
 class AsyncDiceEncoder:
     """Awaitable DICE encoding with batches formed across concurrent requests.
 
-    encoder: a `DiceEncoder` (or any object with its ``plan`` / ``run_batch`` / ``config`` / ``dim`` /
-    ``max_batch_tokens`` API); the core is its only user of ``run_batch``.
+    encoder: a `DiceEncoder` (or any object with its ``tokenizer`` / ``plan_tokens`` / ``max_tokens_used`` /
+    ``run_batch`` / ``window`` / ``dim`` / ``max_batch_tokens`` API and its tokenizer lock); the core is
+    its only user of ``run_batch``.
 
     Limits (keyword arguments; defaults in `dice_fast.serve.limits`):
       max_inputs_per_request   more inputs in one call raise `RequestTooLarge`.
@@ -135,9 +137,7 @@ class AsyncDiceEncoder:
                                                                           self.max_queue_tokens)
         self.auto_truncate = bool(auto_truncate)
         self.cross_request_batching = cross_request_batching
-        # tokenize long texts in pieces only where that gives the ids of the whole (checked once)
-        with encoder._tokenizer_lock:
-            self._piece_chars = PIECE_CHARS if cuts_are_exact(encoder.tokenizer) else None
+        self._piece_chars = piece_chars(encoder)
         self._cond = threading.Condition()
         self._pending: deque[_Request] = deque()  # planned, not yet handed to the ChunkQueue
         self._pending_tokens = 0
@@ -239,11 +239,14 @@ class AsyncDiceEncoder:
                 return Embeddings(np.zeros((0, self.dim), np.float32), np.zeros(0, np.int64))
             if self.tokens_waiting >= self.max_queue_tokens:  # full already: do not spend time tokenizing
                 raise self._queue_full(0)
-            self._check_chars(texts)
+            check_chars(texts, self.max_input_chars)
             loop = asyncio.get_running_loop()
             abandoned = threading.Event()
             try:
-                plan, truncated = await loop.run_in_executor(None, self._plan, texts, kind, abandoned)
+                plan, truncated = await loop.run_in_executor(
+                    None, lambda: plan_request(self.encoder, texts, kind, piece_chars=self._piece_chars,
+                                               auto_truncate=self.auto_truncate, check_sizes=self._check_sizes,
+                                               abandoned=abandoned))
             except asyncio.CancelledError:
                 abandoned.set()  # stop tokenizing at the next piece
                 raise
@@ -260,49 +263,6 @@ class AsyncDiceEncoder:
         finally:
             with self._cond:
                 self._in_flight -= 1
-
-    def _check_chars(self, texts: list[str]) -> None:
-        limit = self.max_input_chars
-        for i, text in enumerate(texts):
-            if len(text) > limit:
-                raise RequestTooLarge(f"input[{i}] has {len(text)} characters; the limit is {limit} per input "
-                                      "(max_input_chars)", param=f"input[{i}]")
-
-    def _plan(self, texts: list[str], kind: str, abandoned: threading.Event):
-        """(plan, indices of queries cut to the window) for ``texts``; refuses as soon as the tokens
-        found so far pass a limit. Runs in an executor thread; stops early once ``abandoned`` is set."""
-        enc = self.encoder
-        used = enc.max_tokens_used(kind)  # None, or what a longer text is cut to
-        refuse_long = kind == "queries" and not self.auto_truncate
-
-        def refuse_long_queries(counts: np.ndarray) -> None:
-            if refuse_long and (over := np.flatnonzero(counts > used)).size:
-                i = int(over[0])
-                raise RequestTooLarge(f"input[{i}] is a query of more than {used} tokens, more than the model "
-                                      f"window ({enc.window} tokens with special tokens) holds; shorten it, or "
-                                      "let the server cut it (auto_truncate, dice-fast serve --auto-truncate)",
-                                      param=f"input[{i}]")
-
-        def check(counts: np.ndarray) -> None:
-            if abandoned.is_set():
-                raise _Abandoned
-            refuse_long_queries(counts)
-            self._check_sizes(counts if used is None else np.minimum(counts, used), at_least=True)
-
-        try:
-            tokens = tokenize_bounded(enc.tokenizer, texts, enc._tokenizer_lock, piece_chars=self._piece_chars,
-                                      check=check, enough=used if kind == "queries" else None, what="input")
-        except TextError as exc:  # not valid Unicode
-            raise InvalidRequest(str(exc), param=f"input[{exc.index}]") from None
-        refuse_long_queries(tokens.lengths)
-        truncated = ()
-        if kind == "queries" and (over := np.flatnonzero(tokens.lengths > used)).size:
-            truncated = tuple(int(i) for i in over)
-            tokens = _keep_first(tokens, used)
-        try:
-            return enc.plan_tokens(tokens, kind), truncated
-        except TextError as exc:  # positions="global": more positions than the model has
-            raise RequestTooLarge(f"input[{exc.index}]: {exc}", param=f"input[{exc.index}]") from None
 
     def _check_sizes(self, tokens: np.ndarray, at_least: bool = False) -> None:
         """Refuse a request of ``tokens`` (n,) per input (``at_least``: lower bounds found so far)."""
@@ -405,19 +365,6 @@ class AsyncDiceEncoder:
                 listener(stats)
             except Exception:  # a broken listener must not stop the worker
                 log.exception("dice_fast.serve: batch listener %r failed", listener)
-
-
-class _Abandoned(Exception):
-    """The request's awaiting task was cancelled while its texts were being tokenized."""
-
-
-def _keep_first(tokens: TokenizedDocuments, n: int) -> TokenizedDocuments:
-    """``tokens`` with every text cut to its first ``n`` ids."""
-    lengths = np.minimum(tokens.lengths, n)
-    keep = np.concatenate([np.arange(a, a + k) for a, k in zip(tokens.offsets[:-1], lengths)]) if len(lengths) else []
-    offsets = np.zeros_like(tokens.offsets)
-    np.cumsum(lengths, out=offsets[1:])
-    return TokenizedDocuments(tokens.ids[np.asarray(keep, dtype=np.int64)], offsets)
 
 
 def _settle(request: _Request, value=None, exc: BaseException | None = None) -> None:

@@ -18,7 +18,7 @@ from helpers import assert_close
 from serve_testing import ServerThread, embeddings_of, word_texts
 from tiny_models import WORDS
 
-FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 class Errors(logging.Handler):

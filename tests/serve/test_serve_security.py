@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import socket
+import warnings
 
 import httpx
 import pytest
@@ -43,8 +44,6 @@ def raw_request(port: int, headers: dict, body_parts=(), path: str = "/v1/embedd
 
 
 def test_api_key_guards_every_route_but_health(tiny_encoder):
-    import openai
-
     texts = word_texts(3, 3, 30, seed=30)
     ref = tiny_encoder.encode_documents(texts)
     with ServerThread(create_app(tiny_encoder, api_key=KEY)) as server, httpx.Client(base_url=server.url) as http:
@@ -69,12 +68,17 @@ def test_api_key_guards_every_route_but_health(tiny_encoder):
         status, fields, _ = raw_request(server.port, {"Content-Length": str(64 << 20), "Content-Type": "application/json"})
         assert status == 401 and fields["www-authenticate"].startswith("Bearer")
 
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-        out = client.embeddings.create(input=texts, model="tiny")
-        assert_close(embeddings_of(out.model_dump()), ref, atol=1e-5)
+
+def test_the_openai_client_sends_the_key(tiny_encoder):
+    openai = pytest.importorskip("openai")
+    texts = word_texts(3, 3, 30, seed=32)
+    with ServerThread(create_app(tiny_encoder, api_key=KEY)) as server:
+        out = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0).embeddings.create(
+            input=texts, model="tiny")
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).embeddings.create(
                 input=texts, model="tiny")
+    assert_close(embeddings_of(out.model_dump()), tiny_encoder.encode_documents(texts), atol=1e-5)
 
 
 def test_api_key_of_a_mounted_app(tiny_encoder):
@@ -208,3 +212,16 @@ def test_core_names_a_text_that_is_not_unicode(tiny_encoder):
 
     out = asyncio.run(asyncio.wait_for(main(), 60))
     assert_close(out.vectors, tiny_encoder.encode_documents(["fine"]), atol=1e-5)
+
+
+def test_max_tokens_used_is_what_the_plan_covers(tiny_encoder):
+    model, tokenizer, *_ = tiny("bert")
+    capped = DiceEncoder(model, tokenizer, chunk_size=16, overlap=4, max_chunks_per_document=3)
+    for encoder, kind in ((tiny_encoder, "queries"), (tiny_encoder, "documents"), (capped, "documents")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the query cut to the window
+            plan = encoder.plan([" ".join(WORDS * 5)], kind)
+        covered = int(plan.chunks.start[-1] + plan.chunks.length[-1])
+        used = encoder.max_tokens_used(kind)
+        assert (used is None and covered == plan.tokens.lengths[0]) or used == covered < plan.tokens.lengths[0]
+    assert capped.max_tokens_used("documents") == 16 + 2 * 12
