@@ -55,7 +55,7 @@ setup(
         # cannot take tensor loop bounds with numpy 2 (compiled 3.6 is fine: every kernel was built
         # for sm_90 with it); the tests pass under 3.9, and the bound keeps CI off untried releases
         "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja",
-                 *SERVE, *RAY, *MTEB],
+                 "hypothesis>=6", *SERVE, *RAY, *MTEB],
         "gpu": ["triton>=3.0"],
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
         "native": ["ninja"],

@@ -68,15 +68,117 @@ def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "t
     return TokenizedDocuments(ids, offsets)
 
 
+class TextError(ValueError):
+    """A text that cannot be encoded as it is; ``index``: its position among the texts passed in."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
 def _raise_for_unencodable(batch: list[str], base: int, what: str, exc: Exception) -> None:
     """Name the first text the tokenizer cannot take (e.g. a lone surrogate, which is not UTF-8)."""
     for j, text in enumerate(batch):
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as bad:
-            raise ValueError(
-                f"{what}[{base + j}] is not valid Unicode: {bad.reason} at character {bad.start}"
+            raise TextError(
+                f"{what}[{base + j}] is not valid Unicode: {bad.reason} at character {bad.start}", base + j
             ) from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization in bounded pieces (the server: no lock held for a whole huge text, refusal midway)
+PIECE_CHARS = 32_768  # characters per tokenizer call: ~8k English tokens, ~30 ms on one CPU core
+_PROBE = ("Hello  world, it's A test: naïve café, 3.14159 x^2 foo-bar_baz \"quoted\" (paren) 中文字符 "
+          "ＦＵＬＬ　width 🙂 tab\there new\nline don't   stop.\u00a0end co-operate e.g. U.S.A. http://x.y/z?q=1")
+
+
+def word_gap(text: str, j: int) -> bool:
+    """Whether ``text[j]`` is a space between two characters that are not whitespace."""
+    return (0 < j < len(text) - 1 and text[j] == " " and not text[j - 1].isspace()
+            and not text[j + 1].isspace())
+
+
+def cut_point(text: str, start: int, size: int) -> int:
+    """End of the piece of ``text`` that begins at ``start``: just before a `word_gap` space, at most
+    ``size`` characters on, or the first one beyond that (the text's end when there is none)."""
+    if len(text) - start <= size:
+        return len(text)
+    j = start + size
+    while (j := text.rfind(" ", start + 1, j)) > start:
+        if word_gap(text, j):
+            return j
+    j = start + size
+    while (j := text.find(" ", j)) >= 0:
+        if word_gap(text, j):
+            return j
+        j += 1
+    return len(text)
+
+
+def cuts_are_exact(tokenizer) -> bool:
+    """Whether ``tokenizer`` gives a text's ids as the ids of its pieces cut at word gaps, back to back
+    (true of WordPiece, byte-level BPE and Metaspace tokenizers; false where a normalizer prepends to
+    every call, as Llama 2's does), checked on a probe text cut at every word gap."""
+    cuts = [0] + [j for j in range(len(_PROBE)) if word_gap(_PROBE, j)] + [len(_PROBE)]
+    pieces = [_PROBE[a:b] for a, b in zip(cuts, cuts[1:])]
+    whole = tokenize(tokenizer, [_PROBE]).ids
+    return np.array_equal(whole, tokenize(tokenizer, pieces).ids)
+
+
+def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | None = PIECE_CHARS,
+                     check=None, enough: int | None = None, what: str = "texts") -> TokenizedDocuments:
+    """`tokenize`'s result, computed in tokenizer calls of about ``piece_chars`` characters, each holding
+    ``lock`` (a context manager) alone, so another thread's call waits at most one piece.
+
+    A text longer than ``piece_chars`` is cut just before a space between two words (`cut_point`): the
+    same ids only where `cuts_are_exact(tokenizer)`; pass ``piece_chars=None`` otherwise (whole texts,
+    a call per ~`PIECE_CHARS` characters of them). ``check(counts)``, if given, is called between
+    calls with (n,) int64 tokens found so far per text (a lower bound of each final count; read it, do
+    not keep it) and stops everything by raising. A text with more than ``enough`` tokens is not
+    tokenized further: its ids are then a prefix (of more than ``enough`` tokens) of its full ids. A
+    text the tokenizer cannot take raises `TextError` naming ``what[i]``.
+    """
+    counts = np.zeros(len(texts), dtype=np.int64)
+    parts: list[list[np.ndarray]] = [[] for _ in texts]
+    group: list[tuple[int, str]] = []  # (text index, piece) to tokenize in one call
+    size = piece_chars or PIECE_CHARS
+    done = [0]  # calls made
+
+    def flush():
+        if check is not None and done[0]:
+            check(counts)
+        done[0] += 1
+        first = group[0][0]
+        try:
+            with lock:
+                out = tokenize(tokenizer, [piece for _, piece in group], what=what)
+        except ValueError as exc:  # name the text, not the piece
+            _raise_for_unencodable(texts[first : group[-1][0] + 1], first, what, exc)
+            raise
+        for (i, _), a, b in zip(group, out.offsets[:-1], out.offsets[1:]):
+            parts[i].append(out.ids[a:b])
+            counts[i] += b - a
+        group.clear()
+
+    chars = 0
+    for i, text in enumerate(texts):
+        start = 0
+        while start < len(text) and not (enough is not None and counts[i] > enough):
+            end = cut_point(text, start, size) if piece_chars else len(text)
+            group.append((i, text[start:end]))
+            chars += end - start
+            start = end
+            if chars >= size:
+                flush()
+                chars = 0
+    if group:
+        flush()
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    ids = np.concatenate([a for p in parts for a in p]) if offsets[-1] else np.zeros(0, dtype=np.int64)
+    return TokenizedDocuments(ids, offsets)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import attention as attn
-from .chunking import EncodingPlan, check_texts, plan_chunks, tokenize
+from .chunking import EncodingPlan, TextError, TokenizedDocuments, check_texts, plan_chunks, tokenize
 from .config import DEFAULT_CHUNK_SIZE, DiceConfig
 from .models import ModelSpec, inspect_model, load_model
 from .ops import resolve_impl
@@ -195,6 +195,18 @@ class DiceEncoder:
         """
         return self._plan(check_texts(texts, _check_kind(kind)), kind)
 
+    def plan_tokens(self, tokens: TokenizedDocuments, kind: str = "documents") -> EncodingPlan:
+        """`plan` for texts already tokenized (``tokens``: n texts' ids without special tokens, as
+        `dice_fast.chunking.tokenize` gives them with this encoder's tokenizer)."""
+        return self._plan_tokens(tokens, _check_kind(kind))
+
+    def max_tokens_used(self, kind: str = "documents") -> int | None:
+        """Most tokens of one text the model runs (special tokens and prefix aside); a longer text is
+        cut to them: a query to one window, a document with ``strategy="single"`` or
+        ``max_chunks_per_document``. None: every token runs."""
+        _, size, overlap, cap, _ = self._chunking(_check_kind(kind))
+        return None if cap is None else size + (cap - 1) * (size - overlap)
+
     def encode_documents(self, texts: Iterable[str], return_chunks: bool = False, show_progress: bool = False,
                          progress: Callable[[int, int], None] | None = None):
         """Encode documents. texts: any iterable of n_docs strings (a list, a generator, a file reader).
@@ -238,7 +250,8 @@ class DiceEncoder:
         return self.runner.run(batch)
 
     # ----------------------------------------------------------------------------------------
-    def _plan(self, texts: list[str], kind: str, base: int = 0) -> EncodingPlan:
+    def _chunking(self, kind: str):
+        """(wrap, chunk size, overlap, max chunks per text, global positions) for ``kind``."""
         c = self.config
         if kind == "queries":
             wrap, size, overlap, cap, global_positions = self._query_prefix, None, 0, 1, False
@@ -249,8 +262,15 @@ class DiceEncoder:
             cap, global_positions = c.max_chunks_per_document, c.positions == "global"
         if size is None:
             size = self.window - self._overhead(wrap)
+        return wrap, size, overlap, cap, global_positions
+
+    def _plan(self, texts: list[str], kind: str, base: int = 0) -> EncodingPlan:
         with self._tokenizer_lock:
             tokens = tokenize(self.tokenizer, texts, what=kind, base=base)
+        return self._plan_tokens(tokens, kind, base)
+
+    def _plan_tokens(self, tokens: TokenizedDocuments, kind: str, base: int = 0) -> EncodingPlan:
+        wrap, size, overlap, cap, global_positions = self._chunking(kind)
         plan = EncodingPlan(tokens, plan_chunks(tokens.lengths, size, overlap, cap), wrap[0], wrap[1], global_positions)
         if kind == "queries":
             _warn_truncated(tokens.lengths, size, self.window, kind)
@@ -311,9 +331,9 @@ class DiceEncoder:
         bad = np.flatnonzero(last > self.spec.position_limit)
         if len(bad):
             d = int(plan.chunks.document[bad[0]]) + base
-            raise ValueError(
+            raise TextError(
                 f"positions='global' needs {int(last[bad[0]])} positions for document {d}, but the model has "
-                f"{self.spec.position_limit}; use positions='local' or max_chunks_per_document"
+                f"{self.spec.position_limit}; use positions='local' or max_chunks_per_document", d
             )
 
 

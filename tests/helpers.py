@@ -1,6 +1,9 @@
-"""Assertion helpers shared by the tests: tolerances travel with dtype, NaN is always a failure."""
+"""Assertion helpers shared by the tests: tolerances travel with dtype, NaN is always a failure; a lock
+that counts (and can hold) its acquisitions."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -30,3 +33,27 @@ def assert_close(actual, expected, atol: float, rtol: float = 0.0, what: str = "
             f"{what} mismatch in {int(bad.sum())}/{a.size} entries (max abs err {err.max():.3g}, "
             f"atol {atol}, rtol {rtol}); first: {rows}"
         )
+
+
+class CountingLock:
+    """A lock that counts its acquisitions and can hold the ``hold_at``-th one until ``release_hold`` is set."""
+
+    def __init__(self, hold_at: int | None = None):
+        self._lock = threading.Lock()
+        self.acquired = 0
+        self.hold_at = hold_at
+        self.holding = threading.Event()
+        self.release_hold = threading.Event()
+
+    def __enter__(self):
+        self._lock.acquire()
+        self.acquired += 1
+        if self.acquired == self.hold_at:
+            self._lock.release()  # wait for the other thread without the lock, then take it again
+            self.holding.set()
+            assert self.release_hold.wait(60), "the other thread never finished"
+            self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()

@@ -5,8 +5,9 @@
     out.vectors   # (2, dim) float32, exactly encoder.encode_documents(texts) (to float32 rounding)
     out.tokens    # (2,) int64 tokens the model ran per input, special tokens included
 
-A request is tokenized and planned on the event loop's default executor, checked against the limits
-and queued; one worker thread owns the model and forms token-budget batches first in, first out over
+A request is checked against the character limit, tokenized in bounded pieces and planned on the event
+loop's default executor (`dice_fast.serve.planning`: the tokenizer lock is held per piece, and
+tokenizing stops as soon as the request is over a token limit), checked and queued; one worker thread owns the model and forms token-budget batches first in, first out over
 the chunks of every queued request (`dice_fast.scheduler.ChunkQueue`), so the documents of several
 requests share one forward and a long document's chunks may span batches. When a request's last
 chunk is pooled its vectors are handed back to its event loop. A request whose awaiting task is
@@ -41,7 +42,8 @@ import numpy as np
 from ..chunking import check_texts
 from ..scheduler import ChunkQueue, Job
 from .errors import DeadlineExceeded, Overloaded, RequestTooLarge, ShuttingDown, Unhealthy
-from .limits import DEFAULT_LIMITS, QUEUE_BATCHES
+from .limits import DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
+from .planning import check_chars, piece_chars, plan_request
 from .worker import IDLE_TRIM_S, BatchStats, WorkerLoop
 
 
@@ -52,10 +54,12 @@ __all__ = ["AsyncDiceEncoder", "BatchStats", "Embeddings"]
 @dataclass(frozen=True)
 class Embeddings:
     """The result of one request. vectors: (n, dim) float32, row i is input i; tokens: (n,) int64
-    tokens the model ran for input i (all its chunks, special tokens and prefix included)."""
+    tokens the model ran for input i (all its chunks, special tokens and prefix included); truncated:
+    the indices of queries cut to the window (``auto_truncate``)."""
 
     vectors: np.ndarray
     tokens: np.ndarray
+    truncated: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -73,11 +77,14 @@ class _Request:
 class AsyncDiceEncoder(WorkerLoop):
     """Awaitable DICE encoding with batches formed across concurrent requests.
 
-    encoder: a `DiceEncoder` (or any object with its ``plan`` / ``run_batch`` / ``config`` / ``dim`` /
-    ``max_batch_tokens`` API); the core is its only user of ``run_batch``.
+    encoder: a `DiceEncoder` (or any object with its ``tokenizer`` / ``plan_tokens`` / ``max_tokens_used`` /
+    ``run_batch`` / ``window`` / ``dim`` / ``max_batch_tokens`` API and its tokenizer lock); the core is
+    its only user of ``run_batch``.
 
     Limits (keyword arguments; defaults in `dice_fast.serve.limits`):
       max_inputs_per_request   more inputs in one call raise `RequestTooLarge`.
+      max_input_chars          an input of more characters raises `RequestTooLarge` naming it, before
+                               any tokenizing. None = 8 per token of the tightest token limit.
       max_tokens_per_document  an input of more tokens (special tokens included) raises `RequestTooLarge`
                                naming it; 0 = unlimited.
       max_queue_tokens         tokens waiting to run, all requests together; a request that would go over
@@ -87,6 +94,8 @@ class AsyncDiceEncoder(WorkerLoop):
       request_timeout          seconds a call may take; past it, it raises `DeadlineExceeded` and its
                                chunks that have not run are dropped. 0 = no deadline.
     max_batch_tokens: token budget of one forward (default: the encoder's).
+    auto_truncate: a query longer than the window is cut to it (its index in ``Embeddings.truncated``);
+    False (the default) raises `RequestTooLarge` naming it.
     cross_request_batching: False runs one request at a time, each alone in its batches (the baseline
     the benchmark compares against).
 
@@ -96,12 +105,15 @@ class AsyncDiceEncoder(WorkerLoop):
     """
 
     def __init__(self, encoder, *, max_inputs_per_request: int = DEFAULT_LIMITS["max_inputs_per_request"],
+                 max_input_chars: int | None = DEFAULT_LIMITS["max_input_chars"],
                  max_tokens_per_document: int = DEFAULT_LIMITS["max_tokens_per_document"],
                  max_queue_tokens: int | None = DEFAULT_LIMITS["max_queue_tokens"],
                  max_concurrent_requests: int = DEFAULT_LIMITS["max_concurrent_requests"],
                  request_timeout: float = DEFAULT_LIMITS["request_timeout"],
-                 max_batch_tokens: int | None = None, cross_request_batching: bool = True):
+                 max_batch_tokens: int | None = None, cross_request_batching: bool = True,
+                 auto_truncate: bool = False):
         for name, value, low in (("max_inputs_per_request", max_inputs_per_request, 1),
+                                 ("max_input_chars", max_input_chars, 1),
                                  ("max_tokens_per_document", max_tokens_per_document, 0),
                                  ("max_queue_tokens", max_queue_tokens, 1),
                                  ("max_concurrent_requests", max_concurrent_requests, 1),
@@ -121,7 +133,11 @@ class AsyncDiceEncoder(WorkerLoop):
         self.max_queue_tokens = max_queue_tokens or QUEUE_BATCHES * self._queue.max_batch_tokens
         self.max_concurrent_requests = max_concurrent_requests
         self.request_timeout = float(request_timeout)
+        self.max_input_chars = max_input_chars or default_max_input_chars(max_tokens_per_document,
+                                                                          self.max_queue_tokens)
+        self.auto_truncate = bool(auto_truncate)
         self.cross_request_batching = cross_request_batching
+        self._piece_chars = piece_chars(encoder)
         self._cond = threading.Condition()
         self._pending: deque[_Request] = deque()  # planned, not yet handed to the ChunkQueue
         self._pending_tokens = 0
@@ -199,7 +215,9 @@ class AsyncDiceEncoder(WorkerLoop):
 
     async def embed_queries(self, texts: Iterable[str]) -> Embeddings:
         """Encode n queries (one window each, never chunked) -> `Embeddings` with vectors (n, dim)
-        float32, equal to ``encoder.encode_queries(texts)``."""
+        float32, equal to ``encoder.encode_queries(texts)``. A query longer than the window raises
+        `RequestTooLarge` naming it, or with ``auto_truncate`` is cut to it (as offline) and listed in
+        ``truncated``."""
         return await self._embed(texts, "queries", "mean")
 
     def add_batch_listener(self, listener: Callable[[BatchStats], None]) -> None:
@@ -233,9 +251,10 @@ class AsyncDiceEncoder(WorkerLoop):
 
     def __repr__(self) -> str:
         return (f"AsyncDiceEncoder({self.encoder!r}, max_inputs_per_request={self.max_inputs_per_request}, "
-                f"max_tokens_per_document={self.max_tokens_per_document}, max_queue_tokens={self.max_queue_tokens}, "
-                f"max_concurrent_requests={self.max_concurrent_requests}, request_timeout={self.request_timeout:g}, "
-                f"max_batch_tokens={self.max_batch_tokens}, "
+                f"max_input_chars={self.max_input_chars}, max_tokens_per_document={self.max_tokens_per_document}, "
+                f"max_queue_tokens={self.max_queue_tokens}, max_concurrent_requests={self.max_concurrent_requests}, "
+                f"request_timeout={self.request_timeout:g}, max_batch_tokens={self.max_batch_tokens}, "
+                f"auto_truncate={self.auto_truncate}, "
                 f"cross_request_batching={self.cross_request_batching})")
 
     # ------------------------------------------------------------------------- request side
@@ -256,8 +275,17 @@ class AsyncDiceEncoder(WorkerLoop):
                 return Embeddings(np.zeros((0, self.dim), np.float32), np.zeros(0, np.int64))
             if self.tokens_waiting >= self.max_queue_tokens:  # full already: do not spend time tokenizing
                 raise self._queue_full(0)
+            check_chars(texts, self.max_input_chars)
             loop = asyncio.get_running_loop()
-            plan = await self._until(deadline, loop.run_in_executor(None, self.encoder.plan, texts, kind))
+            abandoned = threading.Event()
+            try:
+                plan, truncated = await self._until(deadline, loop.run_in_executor(
+                    None, lambda: plan_request(self.encoder, texts, kind, piece_chars=self._piece_chars,
+                                               auto_truncate=self.auto_truncate, check_sizes=self._check_sizes,
+                                               abandoned=abandoned)))
+            except (asyncio.CancelledError, DeadlineExceeded):
+                abandoned.set()  # stop tokenizing at the next piece
+                raise
             tokens = plan.document_tokens
             self._check_sizes(tokens)
             request = _Request(plan, aggregation, int(tokens.sum()), loop, loop.create_future())
@@ -267,7 +295,7 @@ class AsyncDiceEncoder(WorkerLoop):
             except (asyncio.CancelledError, DeadlineExceeded):
                 self._cancel(request)
                 raise
-            return Embeddings(vectors, tokens)
+            return Embeddings(vectors, tokens, truncated)
         finally:
             with self._cond:
                 self._in_flight -= 1
@@ -289,18 +317,21 @@ class AsyncDiceEncoder(WorkerLoop):
             raise DeadlineExceeded(f"the request did not finish within {self.request_timeout:g} s "
                                    "(request_timeout); its chunks that had not run were dropped") from None
 
-    def _check_sizes(self, tokens: np.ndarray) -> None:
+    def _check_sizes(self, tokens: np.ndarray, at_least: bool = False) -> None:
+        """Refuse a request of ``tokens`` (n,) per input (``at_least``: lower bounds found so far)."""
         limit = self.max_tokens_per_document
         if limit:
             over = np.flatnonzero(tokens > limit)
             if len(over):
                 i = int(over[0])
-                raise RequestTooLarge(f"input[{i}] has {int(tokens[i])} tokens; the limit is {limit} tokens per "
-                                      "input, special tokens included (max_tokens_per_document)", param=f"input[{i}]")
+                n = f"more than {limit}" if at_least else int(tokens[i])
+                raise RequestTooLarge(f"input[{i}] has {n} tokens; the limit is {limit} tokens per input, special "
+                                      "tokens included (max_tokens_per_document)", param=f"input[{i}]")
         total = int(tokens.sum())
         if total > self.max_queue_tokens:
-            raise RequestTooLarge(f"the request has {total} tokens, more than the {self.max_queue_tokens} tokens the "
-                                  "queue holds (max_queue_tokens); split it into smaller requests", param="input")
+            n = f"more than {self.max_queue_tokens}" if at_least else total
+            raise RequestTooLarge(f"the request has {n} tokens, more than the {self.max_queue_tokens} tokens the queue "
+                                  "holds (max_queue_tokens); split it into smaller requests", param="input")
 
     def _queue_full(self, tokens: int) -> Overloaded:
         return Overloaded(f"the queue holds {self.tokens_waiting} tokens; {tokens} more would pass its limit of "

@@ -4,18 +4,24 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..cliargs import add_encoder_arguments, make_encoder
-from .limits import DEFAULT_LIMITS, LIMITS
+from .limits import DEFAULT_LIMITS, HTTP_LIMITS, LIMITS
+
+API_KEY_ENV = "DICE_FAST_API_KEY"
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     """The server's limits (see `AsyncDiceEncoder`)."""
     g = p.add_argument_group("limits (over a limit: 413 for an oversize request, 429 + Retry-After when busy)")
-    for name, (default, meaning) in LIMITS.items():
+    for name, (default, meaning) in {**HTTP_LIMITS, **LIMITS}.items():
         shown = "" if default is None else f" (default {default})"
         g.add_argument("--" + name.replace("_", "-"), type=float if isinstance(default, float) else int,
                        default=default, help=meaning + shown)
+    g.add_argument("--auto-truncate", action="store_true",
+                   help="cut a query longer than the model window to it and list it in the response's "
+                        "usage.truncated_inputs (default: refuse it with 413 naming the input)")
     g.add_argument("--no-cross-request-batching", dest="cross_request_batching", action="store_false",
                    help="run one request at a time, alone in its batches (a baseline for benchmarks)")
 
@@ -24,7 +30,30 @@ def limits(args) -> dict:
     """The `AsyncDiceEncoder` keyword arguments named by `add_limit_arguments`."""
     out = {name: getattr(args, name) for name in DEFAULT_LIMITS}
     out["cross_request_batching"] = args.cross_request_batching
+    out["auto_truncate"] = args.auto_truncate
     return out
+
+
+def api_key(args, environ=os.environ) -> str | None:
+    """The API key from ``--api-key``, ``--api-key-file`` (its first line) or ``$DICE_FAST_API_KEY``, in that
+    order; None when none is given. A source that is given but empty is an error, never an open server."""
+    from .app import check_api_key
+
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key, source = f.readline().strip(), f"--api-key-file {args.api_key_file}"
+    elif args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif API_KEY_ENV in environ:
+        key, source = environ[API_KEY_ENV], f"${API_KEY_ENV}"
+    else:
+        return None
+    try:
+        return check_api_key(key)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def register_cli(subparsers) -> None:
@@ -44,6 +73,12 @@ def register_cli(subparsers) -> None:
                    help="seconds to finish requests in flight after SIGTERM before cancelling them (default 30)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    a = p.add_argument_group("authentication (every route but /health; see README 'Security and limits')")
+    a.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (visible in ps: prefer ${API_KEY_ENV} or --api-key-file)")
+    a.add_argument("--api-key-file", default=None, help="read the key from this file's first line")
+    # testing aid for benchmarks/soak.py only: fail this fraction of forwards with torch.OutOfMemoryError
+    g.add_argument("--testing-inject-oom", type=float, default=0.0, help=argparse.SUPPRESS)
     add_limit_arguments(p)
     add_encoder_arguments(p)
     p.set_defaults(func=cmd_serve)
@@ -84,10 +119,19 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    key = api_key(args)
     encoder = make_encoder(args)
-    app = create_app(encoder, model_name=args.served_model_name, **limits(args))
+    if args.testing_inject_oom:
+        from .fault_injection import inject_oom
+
+        inject_oom(encoder.model, args.testing_inject_oom)
+    app = create_app(encoder, model_name=args.served_model_name, api_key=key, max_body_bytes=args.max_body_bytes,
+                     **limits(args))
     print(f"dice-fast serve: {encoder!r}", flush=True)
-    print(f"dice-fast serve: {app.state.core!r}", flush=True)
+    print(f"dice-fast serve: {app.state.core!r}, max_body_bytes={app.state.max_body_bytes}", flush=True)
+    if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"dice-fast serve: WARNING: listening on {args.host} without an API key; anyone who can reach it "
+              f"can use the model (set ${API_KEY_ENV} or --api-key-file)", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=not args.no_access_log, timeout_graceful_shutdown=args.graceful_timeout,
                             lifespan="on")

@@ -29,8 +29,21 @@ class InvalidRequest(ServeError):
     """The request is malformed: not JSON, wrong types, an empty input, an unknown option (HTTP 422)."""
 
 
+class UnsupportedMediaType(InvalidRequest):
+    """The body is declared as something other than JSON in UTF-8 (HTTP 415)."""
+
+    code = "unsupported_media_type"
+
+
+class Unauthorized(ServeError):
+    """No API key, or the wrong one (HTTP 401 with ``WWW-Authenticate: Bearer``)."""
+
+    code = "invalid_api_key"
+
+
 class RequestTooLarge(ServeError):
-    """The request is over a size limit: too many inputs or tokens (HTTP 413). Retrying will not help."""
+    """The request is over a size limit: too many bytes, inputs, characters or tokens (HTTP 413).
+    Retrying will not help."""
 
     code = "request_too_large"
 

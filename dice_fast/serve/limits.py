@@ -1,11 +1,14 @@
-"""The server's limits: names, defaults and meanings in one place, for `AsyncDiceEncoder`, the
-``dice-fast serve`` flags and the README table. Imports nothing heavy (the CLI registers from it)."""
+"""The server's limits: names, defaults and meanings in one place, for `AsyncDiceEncoder`, `create_app`,
+the ``dice-fast serve`` flags and the README table. Imports nothing heavy (the CLI registers from it)."""
 
 from __future__ import annotations
 
-# name -> (default, meaning); the flag is --name-with-dashes
+# name -> (default, meaning); the flag is --name-with-dashes. The batching core's limits:
 LIMITS = {
     "max_inputs_per_request": (2048, "inputs in one request (OpenAI's own limit); more: 413"),
+    "max_input_chars": (None, "characters of one input, checked before tokenizing (default 8 per token of the "
+                              "tightest token limit: max_tokens_per_document, else max_queue_tokens); more: "
+                              "413 naming the input"),
     "max_tokens_per_document": (0, "tokens of one input, special tokens included, 0 = unlimited; "
                                    "more: 413 naming the input"),
     "max_queue_tokens": (None, "tokens waiting to run, all requests together (default 64 x max_batch_tokens); "
@@ -16,3 +19,25 @@ LIMITS = {
 }
 DEFAULT_LIMITS = {name: default for name, (default, _) in LIMITS.items()}
 QUEUE_BATCHES = 64  # the default max_queue_tokens, in batches of max_batch_tokens
+# Default byte and character limits, per token of the token limit they guard: English runs ~4.5
+# characters per token; 8 leaves room for code, markup, JSON escapes and multi-byte UTF-8, so a text
+# that could ever fit passes, and one that cannot is refused before it costs a tokenizer call.
+# With the CPU defaults (max_queue_tokens 262,144) both are 2 MiB, TEI's --payload-limit.
+CHARS_PER_TOKEN = 8
+BYTES_PER_TOKEN = 8
+
+# The HTTP app's own limit (`create_app`): the body is counted while it streams in.
+HTTP_LIMITS = {
+    "max_body_bytes": (None, f"bytes of a request body, counted as it arrives (default {BYTES_PER_TOKEN} per token "
+                             "of max_queue_tokens: 2 MiB on the CPU defaults); more: 413 before it is read whole"),
+}
+
+
+def default_max_input_chars(max_tokens_per_document: int, max_queue_tokens: int) -> int:
+    """The default ``max_input_chars``: `CHARS_PER_TOKEN` per token of the tightest token limit."""
+    return CHARS_PER_TOKEN * min(max_tokens_per_document or max_queue_tokens, max_queue_tokens)
+
+
+def default_max_body_bytes(max_queue_tokens: int) -> int:
+    """The default ``max_body_bytes``: `BYTES_PER_TOKEN` per token the queue holds."""
+    return BYTES_PER_TOKEN * max_queue_tokens

@@ -10,13 +10,15 @@ Request (``POST /v1/embeddings``), a JSON object:
     dimensions       optional; must equal the model's width (truncation is not offered)
     user             ignored, as are unknown fields
 Response: {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}],
-           "model": name, "usage": {"prompt_tokens": n, "total_tokens": n}}
+           "model": name, "usage": {"prompt_tokens": n, "total_tokens": n}}, and in usage
+           "truncated_inputs": [i, ...] when queries were cut to the window (auto-truncate)
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,18 +65,10 @@ def parse_embedding_request(body: bytes, dim: int) -> EmbeddingRequest:
     """Parse and check a request body; `InvalidRequest` naming the field for anything malformed.
 
     body: the raw bytes (must be UTF-8 JSON); dim: the model's vector width (for ``dimensions``).
+    Strict JSON: no NaN / Infinity, no key twice in an object; nesting deeper than Python's recursion
+    limit is refused as malformed, as is an input that is not valid Unicode (a lone surrogate escape).
     """
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid UTF-8 (byte {exc.start}); send JSON in UTF-8") from None
-    if not text.strip():
-        raise InvalidRequest("the request body is empty; send a JSON object with an 'input' field")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} "
-                             f"(line {exc.lineno}, column {exc.colno})") from None
+    obj = _load_json(body)
     if not isinstance(obj, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {_json_type(obj)}")
 
@@ -88,15 +82,15 @@ def parse_embedding_request(body: bytes, dim: int) -> EmbeddingRequest:
     encoding_format = obj.get("encoding_format") or "float"
     if encoding_format not in ENCODING_FORMATS:
         raise InvalidRequest(f"'encoding_format' must be one of {', '.join(map(repr, ENCODING_FORMATS))}, got "
-                             f"{encoding_format!r}", param="encoding_format")
+                             f"{_short(encoding_format)}", param="encoding_format")
     input_type = obj.get("input_type") or "document"
     if not isinstance(input_type, str) or input_type not in INPUT_TYPES:
-        raise InvalidRequest(f"'input_type' must be one of {', '.join(map(repr, INPUT_TYPES))}, got {input_type!r}",
-                             param="input_type")
+        raise InvalidRequest(f"'input_type' must be one of {', '.join(map(repr, INPUT_TYPES))}, got "
+                             f"{_short(input_type)}", param="input_type")
     dimensions = obj.get("dimensions")
     if dimensions is not None and (not _is_int(dimensions) or dimensions != dim):
         raise InvalidRequest(f"'dimensions' must be {dim}, the model's width (vectors are not truncated), got "
-                             f"{dimensions!r}", param="dimensions")
+                             f"{_short(dimensions)}", param="dimensions")
     return EmbeddingRequest(texts, INPUT_TYPES[input_type], encoding_format, model)
 
 
@@ -119,15 +113,62 @@ def _parse_input(value) -> list[str]:
     for name, t in zip(names, texts):
         if not t.strip():
             raise InvalidRequest(f"{name} is empty or only whitespace; every input needs text", param=name)
+        if bad := _SURROGATE.search(t):
+            raise InvalidRequest(f"{name} is not valid Unicode: a lone surrogate (\\u{ord(bad.group()):04x}) at "
+                                 f"character {bad.start()}", param=name)
     return texts
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON can escape them; UTF-8 (and the tokenizer) cannot hold them
+
+
+def _load_json(body: bytes):
+    """The JSON value of ``body`` (UTF-8, strict); `InvalidRequest` saying what is wrong and where."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid UTF-8 (byte {exc.start}); send JSON in UTF-8") from None
+    if not text.strip():
+        raise InvalidRequest("the request body is empty; send a JSON object with an 'input' field")
+    try:
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} "
+                             f"(line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise InvalidRequest("the request body is nested too deeply; an embeddings request is an object of "
+                             "strings and lists of strings") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise InvalidRequest(f"the request body has a value that cannot be read: {_short(str(exc), 200)}") from None
+
+
+def _no_constant(name: str):
+    raise InvalidRequest(f"the request body is not valid JSON: {name} is not a JSON value")
+
+
+def _unique_keys(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise InvalidRequest(f"the key {_short(key)} appears twice in one object; send it once", param=key[:100])
+    return obj
+
+
+def _short(value, most: int = 60) -> str:
+    """``repr(value)``, cut to ``most`` characters (an error never echoes a whole huge field)."""
+    text = repr(value)
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def embedding_response(vectors: np.ndarray, tokens: np.ndarray, model: str, encoding_format: str) -> bytes:
-    """The JSON response body. vectors: (n, dim) float32; tokens: (n,) tokens per input."""
+def embedding_response(vectors: np.ndarray, tokens: np.ndarray, model: str, encoding_format: str,
+                       truncated: tuple[int, ...] = ()) -> bytes:
+    """The JSON response body. vectors: (n, dim) float32; tokens: (n,) tokens per input; truncated: the
+    indices of inputs cut to the window (listed in ``usage.truncated_inputs`` when there are any)."""
     if encoding_format == "base64":
         little = np.ascontiguousarray(vectors, dtype="<f4")
         embeddings = [base64.b64encode(row.tobytes()).decode("ascii") for row in little]
@@ -140,4 +181,6 @@ def embedding_response(vectors: np.ndarray, tokens: np.ndarray, model: str, enco
         "model": model,
         "usage": {"prompt_tokens": total, "total_tokens": total},
     }
+    if truncated:
+        body["usage"]["truncated_inputs"] = list(truncated)
     return json.dumps(body, separators=(",", ":")).encode("utf-8")

@@ -24,13 +24,14 @@ def prose_texts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def real_server(real_encoder):
-    app = create_app(real_encoder, max_inputs_per_request=8, max_tokens_per_document=1000)
+    app = create_app(real_encoder, max_inputs_per_request=8, max_tokens_per_document=1000, max_input_chars=10**5,
+                     auto_truncate=True)
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
 
 
 @pytest.mark.filterwarnings("ignore:.*longer than the model window")  # the long passage as a query is cut
-def test_documents_and_queries_equal_offline(real_server, real_encoder):
+def test_documents_and_queries_equal_offline(real_server, real_encoder):  # auto_truncate: the long query is cut
     texts = prose_texts()
     plan = real_encoder.plan(texts)
     assert plan.n_chunks > len(texts), "the long passage should span several chunks"
@@ -46,6 +47,7 @@ def test_documents_and_queries_equal_offline(real_server, real_encoder):
         r = real_server.post("/v1/embeddings", json={"input": texts, "input_type": "query", "encoding_format": fmt})
         assert r.status_code == 200, r.text
         assert_close(embeddings_of(r.json()), queries, atol=1e-5, what=f"queries ({fmt})")
+        assert r.json()["usage"]["truncated_inputs"] == [3]  # the long passage, cut to the window
     r = real_server.post("/v1/embeddings", json={"input": texts[2]})  # a bare string
     assert len(r.json()["data"]) == 1
     assert_close(embeddings_of(r.json()), docs[2:3], atol=1e-5)

@@ -1,0 +1,111 @@
+"""Tokenization in bounded pieces (`dice_fast.chunking.tokenize_bounded`): the same ids as tokenizing whole
+texts, the lock held per piece only (another thread's call gets in between), and refusal midway."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dice_fast.chunking import TextError, cut_point, cuts_are_exact, tokenize, tokenize_bounded, word_gap
+from helpers import CountingLock
+from tiny_models import CLS, SEP, WORDS, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def bert_tokenizer():
+    from dice_fast.models import default_model_path
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path())
+
+
+TEXT_CHARS = st.sampled_from(list("abc XYZ.,'- éß中\n\t ") + ["  ", "don't", "3.14", "🙂"])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(st.lists(TEXT_CHARS, max_size=60).map("".join), min_size=1, max_size=6),
+       piece_chars=st.integers(1, 40))
+def test_pieces_give_the_ids_of_whole_texts(bert_tokenizer, texts, piece_chars):
+    whole = tokenize(bert_tokenizer, texts)
+    lock = CountingLock()
+    got = tokenize_bounded(bert_tokenizer, texts, lock, piece_chars=piece_chars)
+    np.testing.assert_array_equal(got.offsets, whole.offsets)
+    np.testing.assert_array_equal(got.ids, whole.ids)
+    assert lock.acquired <= 1 + sum(len(t) for t in texts) // piece_chars + len(texts)
+
+
+def test_cut_points_fall_before_a_space_between_words():
+    text = "one two  three four\tfive six"
+    assert [j for j in range(len(text)) if word_gap(text, j)] == [3, 14, 24]
+    assert cut_point(text, 0, 10) == 3  # the last gap within 10 characters
+    assert cut_point(text, 3, 10) == 14  # none within: the first one beyond
+    assert cut_point(text, 14, 100) == len(text)
+    assert cut_point("nospacesatall" * 10, 0, 5) == 130
+
+
+def test_cuts_are_exact_where_they_are(bert_tokenizer):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    assert cuts_are_exact(bert_tokenizer)
+    assert cuts_are_exact(make_tokenizer((CLS,), (SEP,)))
+    # a normalizer that prepends to every call (as Llama 2's "▁") gives other ids for cut pieces
+    base = Tokenizer(models.WordLevel({"[UNK]": 0, "▁": 1, "▁a": 2, "a": 3}, unk_token="[UNK]"))
+    base.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    base.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    assert not cuts_are_exact(PreTrainedTokenizerFast(tokenizer_object=base, unk_token="[UNK]"))
+
+
+def test_the_lock_is_released_between_pieces(bert_tokenizer):
+    """While one thread tokenizes a long text, another thread's whole call gets in between its pieces."""
+    long_text = " ".join(WORDS * 500)  # ~25k characters: many pieces of 1,000
+    lock = CountingLock(hold_at=3)  # the long text's third piece waits until the short call is done
+    out = {}
+
+    def long_call():
+        out["long"] = tokenize_bounded(bert_tokenizer, [long_text], lock, piece_chars=1000)
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    assert lock.holding.wait(60)
+    out["short"] = tokenize_bounded(bert_tokenizer, ["a short text"], lock)  # would deadlock under a held lock
+    lock.release_hold.set()
+    t.join(60)
+    assert not t.is_alive()
+    np.testing.assert_array_equal(out["long"].ids, tokenize(bert_tokenizer, [long_text]).ids)
+    np.testing.assert_array_equal(out["short"].ids, tokenize(bert_tokenizer, ["a short text"]).ids)
+    assert lock.acquired > 20
+
+
+def test_check_stops_midway_and_enough_keeps_a_prefix(bert_tokenizer):
+    text = " ".join(WORDS * 2000)  # ~100k characters
+    seen = []
+
+    class Over(Exception):
+        pass
+
+    def check(counts):
+        seen.append(int(counts[1]))
+        if counts[1] > 3000:
+            raise Over
+
+    lock = CountingLock()
+    with pytest.raises(Over):
+        tokenize_bounded(bert_tokenizer, ["short", text], lock, piece_chars=4000, check=check)
+    assert lock.acquired < 10 and seen == sorted(seen)  # stopped after ~3000 of the text's ~20k tokens
+    full = tokenize(bert_tokenizer, [text]).ids
+    cut = tokenize_bounded(bert_tokenizer, [text, "x y"], CountingLock(), piece_chars=4000, enough=100)
+    assert 100 < cut.lengths[0] < len(full)
+    np.testing.assert_array_equal(cut.ids[: cut.lengths[0]], full[: cut.lengths[0]])
+    np.testing.assert_array_equal(cut.ids[cut.lengths[0] :], tokenize(bert_tokenizer, ["x y"]).ids)
+
+
+def test_a_text_that_is_not_unicode_is_named(bert_tokenizer):
+    texts = ["fine", "also fine " * 10, "bad \ud800 text"]
+    with pytest.raises(TextError, match=r"input\[2\] is not valid Unicode") as e:
+        tokenize_bounded(bert_tokenizer, texts, CountingLock(), piece_chars=8, what="input")
+    assert e.value.index == 2
