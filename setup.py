@@ -55,7 +55,9 @@ setup(
         # cannot take tensor loop bounds with numpy 2 (compiled 3.6 is fine: every kernel was built
         # for sm_90 with it); the tests pass under 3.9, and the bound keeps CI off untried releases
         "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja",
-                 "hypothesis>=6", *SERVE, *RAY, *MTEB],
+                 # per-test timeouts (pytest.ini), property-based tests, the metrics-format test
+                 "pytest-timeout>=2.1", "hypothesis>=6.80", "prometheus_client>=0.17",
+                 *SERVE, *RAY, *MTEB],
         "gpu": ["triton>=3.0"],
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
         "native": ["ninja"],

@@ -6,6 +6,9 @@ first imported, so it is set here, at collection time, whenever no GPU is presen
 Markers: ``gpu`` tests are skipped without a CUDA device; ``slow`` tests (long load and scale runs)
 are skipped unless ``DICE_FAST_SLOW=1`` is set or ``-m slow`` selects them, so the default run
 (README's test command, CI) stays lean; every slow test has a bounded variant in the default run.
+
+Timeouts (pytest-timeout): 120 s per test by default (pytest.ini); a ``slow`` test gets `SLOW_TIMEOUT`
+unless it carries its own ``@pytest.mark.timeout``.
 """
 
 import os
@@ -20,6 +23,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 torch.manual_seed(0)
+
+SLOW_TIMEOUT = 900  # seconds, for tests marked slow (the default, 120 s, is in pytest.ini)
 
 
 def pytest_configure(config):
@@ -36,3 +41,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if skip_slow is not None and "slow" in item.keywords:
             item.add_marker(skip_slow)
+        if "slow" in item.keywords and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))

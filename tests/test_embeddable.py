@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -92,28 +93,56 @@ def test_model_outside_the_engine_is_unchanged(arch):
 # ---------------------------------------------------------------------------------------------
 # threads
 # ---------------------------------------------------------------------------------------------
+def _interleaved(model, call_a, call_b):
+    """Run ``call_a`` and ``call_b`` in two threads, provably interleaved: a forward pre-hook holds
+    thread A inside its first forward until thread B has started one (B starts only once A is held),
+    so all of B's forwards run in the middle of A's call. Returns (A's result, B's result)."""
+    role = threading.local()
+    a_held, b_ran = threading.Event(), threading.Event()
+
+    def gate(module, args, kwargs):
+        if getattr(role, "name", None) == "A" and not a_held.is_set():
+            a_held.set()
+            assert b_ran.wait(60), "thread B ran no forward while thread A was held inside its first one"
+        elif getattr(role, "name", None) == "B":
+            b_ran.set()
+
+    def run(name, call):
+        role.name = name
+        return call()
+
+    handle = model.register_forward_pre_hook(gate, with_kwargs=True)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            a = pool.submit(run, "A", call_a)
+            assert a_held.wait(60) or a.done(), "thread A never reached a forward"
+            b = pool.submit(run, "B", call_b)
+            return a.result(timeout=120), b.result(timeout=120)
+    finally:
+        handle.remove()
+
+
 def test_threads_get_exactly_the_vectors_of_sequential_calls():
+    """Calls of one encoder and of a twin sharing its model, interleaved inside each other's forwards
+    (with different options, batch budgets, queries, chunk outputs and a generator), give exactly
+    the vectors of the same calls made one after another."""
     model, tok, *_ = tiny("bert")
     enc = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=40)
     twin = DiceEncoder(model, tok, chunk_size=5, aggregation="max", max_batch_tokens=23, document_prefix="passage:")
     rng = random.Random(7)
     queries = [text_of(n, rng) for n in (3, 9, 1, 30)]
-    calls = [
-        lambda: enc.encode_documents(corpus(seed=1)),
-        lambda: enc.encode_documents(corpus(seed=2, longest=90)),
-        lambda: enc.encode_queries(queries),
-        lambda: twin.encode_documents(corpus(seed=3)),
-        lambda: enc.encode_documents(corpus(seed=4), return_chunks=True).chunks,
-        lambda: twin.encode_queries(queries[::-1]),
-        lambda: enc.encode_documents(iter(corpus(seed=5))),
-        lambda: twin.encode_documents(corpus(seed=6), return_chunks=True).documents,
+    pairs = [
+        (lambda: enc.encode_documents(corpus(seed=1)), lambda: twin.encode_documents(corpus(seed=3))),
+        (lambda: enc.encode_documents(corpus(seed=2, longest=90)), lambda: enc.encode_queries(queries)),
+        (lambda: twin.encode_documents(corpus(seed=6), return_chunks=True).documents,
+         lambda: enc.encode_documents(corpus(seed=4), return_chunks=True).chunks),
+        (lambda: enc.encode_documents(iter(corpus(seed=5))), lambda: twin.encode_queries(queries[::-1])),
     ]
-    want = [call() for call in calls]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        for _ in range(2):
-            got = list(pool.map(lambda c: c(), calls))
-            for i, (g, w) in enumerate(zip(got, want)):
-                assert_close(g, w, 1e-6, what=f"call {i} in a thread")
+    for i, (call_a, call_b) in enumerate(pairs):
+        want = call_a(), call_b()
+        got = _interleaved(model, call_a, call_b)
+        for name, g, w in zip("AB", got, want):
+            assert_close(g, w, 1e-6, what=f"pair {i}, thread {name}")
 
 
 # ---------------------------------------------------------------------------------------------

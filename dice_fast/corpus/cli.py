@@ -23,12 +23,16 @@ input:
   line numbers still count them, so an id always names its line. Ids are written as strings.
 
 output (-o):
-  OUT.npy      float32 (rows, dim), row i = i-th document; ids in OUT.ids.txt beside it (line i+1)
+  OUT.npy      float32 (rows, dim), row i = i-th document; ids in OUT.ids.txt beside it (line i+2, after a
+               line recording the .npy's rows and sha256; the ids file is renamed last, and load_embeddings
+               refuses a pair that does not match)
   OUT.parquet  columns id (string) and embedding (fixed-size list of float32); options in the metadata
   DIR/         Parquet shards part-00000.parquet ... of --shard-rows rows and manifest.json, committed
                shard by shard (a path without extension is a folder too)
   Files appear only when complete (written to hidden temporary names, fsynced, renamed). An existing
-  output is refused unless --overwrite.
+  output is refused unless --overwrite. A running job locks its output (a hidden .dice-fast*.lock file
+  held with flock, released by the kernel even on kill -9): a second job on the same file, on the same
+  folder, or on a conflicting split of it (an unsplit job, or another split count) is refused.
 
 resume and splits (folder output):
   --resume      continue an interrupted job (Ctrl-C, SIGTERM or kill -9) after its last committed shard;
@@ -38,7 +42,8 @@ resume and splits (folder output):
                 manifest-IofN.json, so N processes can share one folder (load_embeddings reads the
                 N splits back in input order).
 
-exit status: 0 done; 2 a usage or input error, or interrupted by Ctrl-C / SIGTERM (one line on stderr;
+exit status: 0 done; 2 a usage or input error, the output locked by a running job (the line names its pid,
+host, start time and command), or interrupted by Ctrl-C / SIGTERM (one line on stderr;
 temporary files removed, committed shards kept). Vectors equal an uninterrupted run's to float rounding.
 """
 

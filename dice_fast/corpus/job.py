@@ -27,6 +27,7 @@ from pathlib import Path
 from .outputs import (MANIFEST_FORMAT, NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, ids_path_for,
                       manifest_name, our_files, parse_tag, read_manifest, split_tag)
 from .ids import DuplicateIds
+from .lock import OutputLock
 from .model import load_encoder
 from .readers import Corpus, ReadProgress, open_corpus, text_digest, update_input_hash
 from .signals import Interrupted, Signals, one_line_warnings
@@ -74,6 +75,7 @@ class EncodeJob:
         self.out = Path(args.output)
         self.created_dirs: list[Path] = []
         self.writer = None
+        self.lock: OutputLock | None = None
         self.resume_from: dict | None = None
         self.to_remove: list[Path] = []
         self.stop = threading.Event()
@@ -101,12 +103,20 @@ class EncodeJob:
             except BaseException:
                 self._clean_up()
                 raise
+            finally:
+                self._unlock()
 
     def _clean_up(self) -> None:
         self.stop.set()
         if self.writer is not None:
             self.writer.abort()
+        self._unlock()
         self._remove_created_dirs()
+
+    def _unlock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def _kept(self) -> str:
         if isinstance(self.writer, ShardWriter) and self.writer.manifest["shards"]:
@@ -206,13 +216,16 @@ class EncodeJob:
             for t in targets:
                 if t.is_dir():
                     raise ValueError(f"--output {t} is a folder; give a file name or DIR/ for shards")
-                if t.exists() and not args.overwrite:
-                    raise ValueError(f"{t} exists; pass --overwrite to replace it")
             self._make_dirs(out.parent)
             _check_writable(out.parent)
+            self.lock = OutputLock.for_file(out).acquire()  # a live job on this file: refused naming it
+            for t in targets:
+                if t.exists() and not args.overwrite:
+                    raise ValueError(f"{t} exists; pass --overwrite to replace it")
             return
         self._make_dirs(out)
         _check_writable(out)
+        self.lock = OutputLock.for_folder(out, *self.split).acquire()  # before reading what another job writes
         mine = out / manifest_name(self.tag)
         if args.resume and mine.exists():
             self.resume_from = read_manifest(mine)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .outputs import ids_path_for, read_manifest
+from .outputs import IDS_RECORD, file_sha256, ids_path_for, read_manifest
 
 
 def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> tuple[list[str], np.ndarray]:
@@ -18,12 +18,14 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
     folder of split jobs (``--shard I/N``) every split must be complete and rows are interleaved back
     into input order (split ``I`` holds documents ``I, I+N, I+2N`` ...). ``allow_incomplete``: read the
     committed shards of an unfinished (unsplit) job instead of failing.
+
+    Raises ValueError naming the files when ids and vectors do not agree: an ids file that is not the
+    one committed with its ``.npy`` (row count and sha256 recorded in its first line), or a shard with
+    another row count than its manifest lists.
     """
     path = Path(path)
     if path.suffix == ".npy":
-        vectors = np.load(path)
-        ids = ids_path_for(path).read_text(encoding="utf-8").split("\n")[:-1]
-        return ids, vectors
+        return _read_npy(path)
     if path.suffix == ".parquet" and path.is_file():
         return _read_parquet([path])
     manifests = sorted(path.glob("manifest*.json"))
@@ -33,7 +35,7 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
         m = read_manifest(manifests[0])
         if m["status"] != "complete" and not allow_incomplete:
             raise ValueError(f"{manifests[0]}: the job is not complete ({m['rows']} rows committed)")
-        return _read_parquet([path / s["file"] for s in m["shards"]])
+        return _read_shards(path, m)
     splits = [read_manifest(p) for p in manifests]
     count = splits[0]["split"]["count"]
     have = {m["split"]["index"]: m for m in splits if m["split"]["count"] == count}
@@ -44,7 +46,7 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
         m = have[i]
         if m["status"] != "complete":
             raise ValueError(f"{path}: split {i}/{count} is not complete ({m['rows']} rows committed)")
-        parts.append(_read_parquet([path / s["file"] for s in m["shards"]]))
+        parts.append(_read_shards(path, m))
     total = sum(len(ids) for ids, _ in parts)
     dim = next((v.shape[1] for _, v in parts if v.ndim == 2 and v.shape[0]), 0)
     ids_out: list = [None] * total
@@ -57,6 +59,47 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
         if len(ids):
             vectors[i::count] = vecs
     return ids_out, vectors
+
+
+def _read_npy(path: Path) -> tuple[list[str], np.ndarray]:
+    ids_path = ids_path_for(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist" + (f" (but {ids_path.name} does: a job stopped while "
+                                                            "committing? encode again with --overwrite)"
+                                                            if ids_path.is_file() else ""))
+    if not ids_path.is_file():
+        raise FileNotFoundError(f"{path} has no ids file {ids_path.name} beside it (a job stopped before "
+                                "committing it? encode again with --overwrite)")
+    lines = ids_path.read_text(encoding="utf-8").split("\n")[:-1]
+    record = IDS_RECORD.match(lines[0]) if lines else None
+    if record is not None:
+        ids, rows, digest = lines[1:], int(record.group(1)), record.group(2)
+        actual = file_sha256(path)
+        if actual != digest:
+            raise ValueError(f"{ids_path.name} does not belong to {path.name}: it was committed with a vector file "
+                             f"of {rows} rows and sha256 {digest[:12]}..., {path.name} has sha256 {actual[:12]}... "
+                             "(a job stopped between committing the two files, or one was replaced); encode again "
+                             "with --overwrite")
+        if len(ids) != rows:
+            raise ValueError(f"{ids_path.name} records {rows} rows but lists {len(ids)} ids (edited after commit?)")
+    else:  # an ids file without a record (written by hand or by an older version): counts only
+        ids = lines
+    vectors = np.load(path)
+    if vectors.ndim != 2 or len(vectors) != len(ids):
+        raise ValueError(f"{path.name} holds {vectors.shape[0] if vectors.ndim else 0} rows (shape "
+                         f"{tuple(vectors.shape)}) but {ids_path.name} lists {len(ids)} ids; they are not one pair")
+    return ids, vectors
+
+
+def _read_shards(folder: Path, manifest: dict) -> tuple[list[str], np.ndarray]:
+    import pyarrow.parquet as pq
+
+    files = [folder / s["file"] for s in manifest["shards"]]
+    for f, shard in zip(files, manifest["shards"]):
+        rows = pq.ParquetFile(f).metadata.num_rows
+        if rows != shard["rows"]:
+            raise ValueError(f"{f}: {rows} rows, but its manifest lists {shard['rows']} (replaced after commit?)")
+    return _read_parquet(files)
 
 
 def _read_parquet(files: list[Path]) -> tuple[list[str], np.ndarray]:

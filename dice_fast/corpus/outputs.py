@@ -6,7 +6,10 @@ files in the target folder and makes them visible only by ``os.replace`` after `
 
 * ``.npy``: rows are appended to the temporary file behind a fixed-size header that is rewritten with
   the final row count at the end, so no count pass is needed (stdin works too). The ids go to
-  ``NAME.ids.txt`` beside it (one per line, row ``i`` is line ``i + 1``).
+  ``NAME.ids.txt`` beside it: a first line ``#dice_fast-ids rows=N vectors_sha256=HEX`` recording the
+  vector file it belongs to, then one id per line (row ``i`` is line ``i + 2``). The ``.npy`` is
+  renamed into place first, the ids file last: the ids file is the commit point, and a job stopped
+  between the two renames leaves a pair whose record does not match, which `load_embeddings` refuses.
 * ``.parquet``: one file with columns ``id`` (string) and ``embedding`` (fixed-size list of float32),
   the options in the file's key-value metadata under ``dice_fast``.
 * a folder: shards ``part-00000.parquet``, ``part-00001.parquet`` ... of ``shard_rows`` rows each and
@@ -33,6 +36,8 @@ import numpy as np
 MANIFEST_FORMAT = "dice_fast.embeddings/1"
 _ROW_GROUP = 4096
 _NPY_HEADER = 128  # bytes: magic, version, length, and the header dict padded with spaces
+_IDS_HEADER = 128  # bytes: the ids file's first line, padded with spaces
+IDS_RECORD = re.compile(r"^#dice_fast-ids rows=(\d+) vectors_sha256=([0-9a-f]{64}) *$")
 _OUR_FILES = re.compile(r"^(manifest(-\d+of\d+)?\.json|part(-\d+of\d+)?-\d{5,}\.parquet)$")
 _OUR_TEMPS = re.compile(r"^\.(manifest|part)(-\d+of\d+)?[-.].*\.tmp$")
 
@@ -149,7 +154,8 @@ class _ParquetStream:
 
 
 class NpyWriter:
-    """``OUT.npy`` (float32, rows in input order) and ``OUT.ids.txt`` beside it, both or neither."""
+    """``OUT.npy`` (float32, rows in input order) and ``OUT.ids.txt`` beside it, both or neither: the
+    ids file, renamed last, records the row count and sha256 of the ``.npy`` it belongs to."""
 
     def __init__(self, path: Path):
         self.path, self.ids_path = path, ids_path_for(path)
@@ -158,28 +164,34 @@ class NpyWriter:
         self.ids_tmp = _mktemp(path.parent, self.ids_path.name)
         self.fh = open(self.tmp, "r+b")
         self.fh.write(b"\0" * _NPY_HEADER)
-        self.ids_fh = open(self.ids_tmp, "w", encoding="utf-8", newline="\n")
+        self.ids_fh = open(self.ids_tmp, "r+b")
+        self.ids_fh.write(b" " * (_IDS_HEADER - 1) + b"\n")
         self.rows, self.dim = 0, None
 
     def write(self, ids: list[str], digests, block: np.ndarray) -> None:
         self.dim = block.shape[1]
         self.fh.write(np.ascontiguousarray(block, dtype="<f4").tobytes())
-        self.ids_fh.write("".join(i + "\n" for i in ids))
+        self.ids_fh.write("".join(i + "\n" for i in ids).encode("utf-8"))
         self.rows += len(block)
 
     def finish(self, dim: int, summary: dict | None = None) -> None:
-        """Finish both files and rename them into place (call with signals held off)."""
+        """Finish both files and rename them into place, the ids file last (call with signals held off)."""
         header = "{'descr': '<f4', 'fortran_order': False, 'shape': (%d, %d), }" % (self.rows, dim)
         header = header.ljust(_NPY_HEADER - 10 - 1) + "\n"
         self.fh.seek(0)
         self.fh.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode("latin1"))
-        for fh in (self.fh, self.ids_fh):
-            fh.flush()
-            os.fsync(fh.fileno())
-            fh.close()
-        os.replace(self.ids_tmp, self.ids_path)
+        self.fh.close()
+        record = f"#dice_fast-ids rows={self.rows} vectors_sha256={file_sha256(self.tmp, fsync=True)}"
+        self.ids_fh.seek(0)
+        self.ids_fh.write(record.ljust(_IDS_HEADER - 1).encode("ascii") + b"\n")
+        self.ids_fh.flush()
+        os.fsync(self.ids_fh.fileno())
+        self.ids_fh.close()
         os.replace(self.tmp, self.path)
-        self.tmp = self.ids_tmp = None
+        self.tmp = None
+        fsync_dir(self.path.parent)
+        os.replace(self.ids_tmp, self.ids_path)  # the commit point
+        self.ids_tmp = None
         fsync_dir(self.path.parent)
 
     def abort(self) -> None:

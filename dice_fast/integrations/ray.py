@@ -23,6 +23,12 @@ depend on what else is in a batch). Added columns (the input columns are kept):
   ``chunk_start`` / ``chunk_end`` (list<int64>: each chunk's token span ``[start, end)`` in the
   document, tokenized without special tokens) and ``document_tokens`` (int64).
 
+A row whose text is null or not a string stops the stage with a ValueError naming the row by its
+``id_column`` value (default column ``id``). With ``on_invalid="null"`` such rows are kept instead,
+with a null embedding (and null chunk columns) and the reason in an ``error`` column (a string
+column, null for good rows; present in every batch, so the schema does not change). Numpy batches
+cannot hold nulls: there an invalid row's embedding is NaN and its ``document_tokens`` is -1.
+
 Needs the ``ray`` extra: ``pip install dice-fast[ray]``.
 """
 
@@ -40,6 +46,7 @@ __all__ = ["DiceEmbedder", "encode_dataset", "DEFAULT_BATCH_SIZE"]
 # hold several token budgets' worth of text (see README "Ray Data on a GPU cluster")
 DEFAULT_BATCH_SIZE = 256
 CHUNK_COLUMNS = ("chunk_embeddings", "chunk_start", "chunk_end", "document_tokens")
+ON_INVALID = ("raise", "null")
 
 
 class DiceEmbedder:
@@ -48,17 +55,22 @@ class DiceEmbedder:
 
     model: a local model folder (every node must see it) or None (the bundled all-MiniLM-L6-v2);
     options: `DiceConfig` fields (chunk_size, aggregation, device, dtype, max_batch_tokens ...).
+    id_column: the column that names a row in errors (if the batch has it; else its row in the batch).
+    on_invalid: "raise" (a ValueError naming the first row whose text is null or not a string) or
+    "null" (such rows get a null embedding and the reason in ``error_column``).
     Takes pyarrow, pandas or numpy (dict) batches; returns pyarrow for pyarrow/pandas, a dict for numpy.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, text_column: str = "text",
                  output_column: str = "embedding", return_chunks: bool = False, trust_remote_code: bool = False,
-                 **options):
+                 id_column: str | None = "id", on_invalid: str = "raise", error_column: str = "error", **options):
         from dice_fast import DiceEncoder
 
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a model folder or None (actors load it themselves), got {type(model).__name__}")
+        _check_on_invalid(on_invalid)
         self.text_column, self.output_column, self.return_chunks = text_column, output_column, bool(return_chunks)
+        self.id_column, self.on_invalid, self.error_column = id_column, on_invalid, error_column
         self.encoder = DiceEncoder.from_pretrained(model, trust_remote_code=trust_remote_code, **options)
 
     def __call__(self, batch):
@@ -69,35 +81,74 @@ class DiceEmbedder:
         if not isinstance(batch, pa.Table):  # pandas
             batch = pa.Table.from_pandas(batch, preserve_index=False)
         self._check_columns(batch.column_names)
-        texts = _texts(batch.column(self.text_column).to_pylist(), self.text_column)
+        ids = batch.column(self.id_column).to_pylist() if self.id_column in batch.column_names else None
+        texts, keep, errors = self._valid(batch.column(self.text_column).to_pylist(), ids)
         out = self.encoder.encode_documents(texts, return_chunks=self.return_chunks)
         docs = out.documents if self.return_chunks else out
-        batch = batch.append_column(self.output_column, _vectors(docs))
+        # rows in batch order; an invalid row takes a null index, which `take` turns into a null
+        rows = None if errors is None else pa.array(_row_index(keep, batch.num_rows), pa.int64())
+        batch = batch.append_column(self.output_column, _scatter(_vectors(docs, self.encoder.dim), rows))
         if self.return_chunks:
             for name, array in _chunk_arrays(out).items():
-                batch = batch.append_column(name, array)
+                batch = batch.append_column(name, _scatter(array, rows))
+        if self.on_invalid == "null":
+            batch = batch.append_column(self.error_column, pa.array(errors or [None] * batch.num_rows, pa.string()))
         return batch
 
     def _numpy_batch(self, batch: dict) -> dict:
         self._check_columns(list(batch))
-        texts = _texts(list(batch[self.text_column]), self.text_column)
+        ids = list(batch[self.id_column]) if self.id_column in batch else None
+        values = list(batch[self.text_column])
+        texts, keep, errors = self._valid(values, ids)
         out = self.encoder.encode_documents(texts, return_chunks=self.return_chunks)
         result = dict(batch)
+        docs = out.documents if self.return_chunks else out
+        if errors is not None:
+            full = np.full((len(values), self.encoder.dim), np.nan, np.float32)
+            full[keep] = docs
+            docs = full
+        result[self.output_column] = docs
+        if self.on_invalid == "null":
+            result[self.error_column] = np.array(errors or [None] * len(values), dtype=object)
         if not self.return_chunks:
-            result[self.output_column] = out
             return result
-        result[self.output_column] = out.documents
         bounds = _bounds(out.chunk_document, len(texts))
-        for name, values in (("chunk_embeddings", out.chunks), ("chunk_start", out.chunk_start),
-                             ("chunk_end", out.chunk_end)):
-            result[name] = _ragged([values[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
-        result["document_tokens"] = np.asarray(out.document_tokens, np.int64)
+        slot = _row_index(keep, len(values))
+        for name, values_ in (("chunk_embeddings", out.chunks), ("chunk_start", out.chunk_start),
+                              ("chunk_end", out.chunk_end)):
+            parts = [values_[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            result[name] = _ragged([None if j is None else parts[j] for j in slot])
+        tokens = np.asarray(out.document_tokens, np.int64)
+        result["document_tokens"] = np.array([-1 if j is None else tokens[j] for j in slot], np.int64)
         return result
+
+    def _valid(self, values: list, ids: list | None) -> tuple[list[str], list[int], list | None]:
+        """(texts of the valid rows, their positions, per-row error or None; the list is None when every
+        row is valid). Raises ValueError naming the first invalid row unless ``on_invalid="null"``."""
+        errors = None
+        texts, keep = [], []
+        for i, v in enumerate(values):
+            if isinstance(v, str):
+                texts.append(v if type(v) is str else str(v))  # numpy batches hold np.str_
+                keep.append(i)
+                continue
+            why = (f"column {self.text_column!r} is null" if v is None else
+                   f"column {self.text_column!r} holds {type(v).__name__}, not a string")
+            if self.on_invalid == "raise":
+                where = (f"row with {self.id_column} {_plain(ids[i])!r}" if ids is not None else
+                         f"row {i} of this batch (it has no {self.id_column!r} column to name the row)")
+                raise ValueError(f"{where}: {why}; every row needs a string (or pass on_invalid='null' to "
+                                 f"keep such rows with a null embedding and an {self.error_column!r} column)")
+            if errors is None:
+                errors = [None] * len(values)
+            errors[i] = why
+        return texts, keep, errors
 
     def _check_columns(self, names) -> None:
         if self.text_column not in names:
             raise KeyError(f"text column {self.text_column!r} is not in the batch (columns: {', '.join(names)})")
-        added = (self.output_column, *(CHUNK_COLUMNS if self.return_chunks else ()))
+        added = (self.output_column, *(CHUNK_COLUMNS if self.return_chunks else ()),
+                 *((self.error_column,) if self.on_invalid == "null" else ()))
         clash = [c for c in added if c in names]
         if clash:
             raise ValueError(f"the batch already has column(s) {clash}; choose another output_column or drop them")
@@ -107,13 +158,14 @@ def encode_dataset(ds, model: str | os.PathLike | None = None, *, text_column: s
                    output_column: str = "embedding", return_chunks: bool = False,
                    concurrency: int | tuple[int, int] = 1, batch_size: int = DEFAULT_BATCH_SIZE,
                    num_gpus: float | None = None, num_cpus: float | None = None, trust_remote_code: bool = False,
-                   **options):
+                   id_column: str | None = "id", on_invalid: str = "raise", error_column: str = "error", **options):
     """``ds`` with an embedding column: ``ds.map_batches(DiceEmbedder, ...)`` over an actor pool.
 
     concurrency: actors (an int, or ``(min, max)`` for an autoscaling pool); num_gpus / num_cpus: per
     actor (``num_gpus=1``: one GPU each, the engine then runs on CUDA in bfloat16 unless ``device`` /
     ``dtype`` say otherwise); batch_size: documents per actor call (see README on sizing it against
-    ``max_batch_tokens``). Options are checked here, before any actor starts.
+    ``max_batch_tokens``); id_column / on_invalid / error_column: rows whose text is null or not a
+    string (see `DiceEmbedder`). Options are checked here, before any actor starts.
     Each actor reserves ``num_cpus`` (Ray's default: 1): leave CPUs free for the read and write tasks,
     or a pipeline whose actors hold every CPU waits forever. Ray Data may reorder rows: keep an id column.
     Returns the lazy `ray.data.Dataset`; rows keep their other columns.
@@ -125,11 +177,12 @@ def encode_dataset(ds, model: str | os.PathLike | None = None, *, text_column: s
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(DiceConfig.field_names())}")
     DiceConfig(**options)
+    _check_on_invalid(on_invalid)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     kwargs = dict(model=None if model is None else os.fspath(model), text_column=text_column,
                   output_column=output_column, return_chunks=return_chunks, trust_remote_code=trust_remote_code,
-                  **options)
+                  id_column=id_column, on_invalid=on_invalid, error_column=error_column, **options)
     extra = {k: v for k, v in (("num_gpus", num_gpus), ("num_cpus", num_cpus)) if v is not None}
     return ds.map_batches(DiceEmbedder, fn_constructor_kwargs=kwargs, batch_format="pyarrow",
                           batch_size=batch_size, compute=_actor_pool(ray_data, concurrency), **extra)
@@ -145,19 +198,35 @@ def _actor_pool(ray_data, concurrency):
     return ray_data.ActorPoolStrategy(size=concurrency)
 
 
-def _texts(values: list, column: str) -> list[str]:
-    for i, v in enumerate(values):
-        if not isinstance(v, str):
-            raise TypeError(f"column {column!r} holds {type(v).__name__} at row {i} of this batch; every row needs a string")
-    return [v if type(v) is str else str(v) for v in values]  # numpy batches hold np.str_
+def _check_on_invalid(on_invalid) -> None:
+    if on_invalid not in ON_INVALID:
+        raise ValueError(f"on_invalid must be one of {ON_INVALID}, got {on_invalid!r}")
 
 
-def _vectors(x: np.ndarray):
+def _plain(value):
+    """A numpy scalar as the Python value it holds (so that an id prints as 7, not np.int64(7))."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _row_index(keep: list[int], n: int) -> list:
+    """For each of ``n`` rows, its index among the valid rows ``keep`` (None for an invalid row)."""
+    slot: list = [None] * n
+    for j, i in enumerate(keep):
+        slot[i] = j
+    return slot
+
+
+def _scatter(array, rows):
+    """``array`` (one entry per valid row) spread over all rows, null where ``rows`` is null."""
+    return array if rows is None else array.take(rows)
+
+
+def _vectors(x: np.ndarray, dim: int | None = None):
     """(n, dim) float32 -> fixed_size_list<float32>[dim] (zero copy)."""
     import pyarrow as pa
 
     x = np.ascontiguousarray(x, np.float32)
-    return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
+    return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1] if x.ndim == 2 else dim)
 
 
 def _bounds(chunk_document: np.ndarray, n_docs: int) -> np.ndarray:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 _ENCODERS: dict = {}
@@ -55,3 +56,19 @@ def cli_process(args: list[str], **kwargs) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "dice_fast.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kwargs)
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120.0, what: str = "the job to start encoding") -> None:
+    """Poll ``predicate`` until true; fail (with the process's output) if ``proc`` ends first or after
+    ``timeout`` seconds."""
+    import pytest
+
+    t0 = time.monotonic()
+    while not predicate():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the job ended (status {proc.returncode}) before the test could stop it:\n{out}\n{err}")
+        if time.monotonic() - t0 > timeout:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)

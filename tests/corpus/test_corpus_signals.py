@@ -13,20 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from corpus_util import cli_process, corpus_docs, encoder, write_jsonl
+from corpus_util import cli_process, corpus_docs, encoder, wait_for, write_jsonl
 from dice_fast.corpus import load_embeddings
-
-
-def _wait_for(predicate, proc, timeout=120.0):
-    t0 = time.monotonic()
-    while not predicate():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"the job ended (status {proc.returncode}) before the test could stop it:\n{out}\n{err}")
-        if time.monotonic() - t0 > timeout:
-            proc.kill()
-            pytest.fail("timed out waiting for the job to start encoding")
-        time.sleep(0.02)
 
 
 def _committed(folder: Path) -> dict | None:
@@ -45,9 +33,9 @@ def test_signal_leaves_no_partial_output(tmp_path, sig, output):
     proc = cli_process(["encode", str(src), "-o", str(target), "--id-field", "id", "-q", "--shard-rows", "4",
                         "--max-batch-tokens", "64", "--chunk-size", "30"])
     if output.endswith("/"):
-        _wait_for(lambda: _committed(target) is not None, proc)  # mid-run, with shards committed
+        wait_for(lambda: _committed(target) is not None, proc)  # mid-run, with shards committed
     else:
-        _wait_for(lambda: out.exists() and any(p.name.endswith(".tmp") for p in out.iterdir()), proc)
+        wait_for(lambda: out.exists() and any(p.name.endswith(".tmp") for p in out.iterdir()), proc)
         time.sleep(0.5)
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
@@ -73,7 +61,7 @@ def test_kill_9_then_resume_equals_a_clean_run(tmp_path):
     opts = ["--id-field", "id", "-q", "--shard-rows", "6", "--max-batch-tokens", "64", "--chunk-size", "30"]
     out = tmp_path / "out"
     proc = cli_process(["encode", str(src), "-o", str(out), *opts])
-    _wait_for(lambda: _committed(out) is not None, proc)
+    wait_for(lambda: _committed(out) is not None, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     manifest = json.loads((out / "manifest.json").read_text())

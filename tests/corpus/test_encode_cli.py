@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import subprocess
@@ -119,7 +120,9 @@ def test_npy_output_rows_ids_and_summary(tmp_path, capsys, cached_encoders):
     assert rc == 0
     got = np.load(out)
     assert_close(got, encoder(chunk_size=32, aggregation="max").encode_documents(docs), 1e-5, what="CLI rows")
-    assert (tmp_path / "sub" / "vecs.ids.txt").read_text(encoding="utf-8") == "k0\nk1\nk2\nk3\n"
+    record, *ids = (tmp_path / "sub" / "vecs.ids.txt").read_text(encoding="utf-8").split("\n")
+    assert ids == ["k0", "k1", "k2", "k3", ""]
+    assert record.rstrip() == f"#dice_fast-ids rows=4 vectors_sha256={hashlib.sha256(out.read_bytes()).hexdigest()}"
     summary = capsys.readouterr().out
     assert "encoded 4 documents" in summary and "tokens/s" in summary and "skipped 1 blank line" in summary
     assert sorted(p.name for p in out.parent.iterdir()) == ["vecs.ids.txt", "vecs.npy"]  # no temporary left

@@ -12,6 +12,11 @@ import pytest
 ray = pytest.importorskip("ray")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
+pc = pytest.importorskip("pyarrow.compute")
+
+# Ray starts its cluster and actor pools in the first test that needs them: more than the default 120 s
+# on a loaded 2-core machine
+pytestmark = pytest.mark.timeout(300)
 
 from dice_fast import DiceEncoder  # noqa: E402
 from dice_fast.integrations.ray import DiceEmbedder, encode_dataset  # noqa: E402
@@ -139,8 +144,62 @@ def test_embedder_batch_formats_and_errors(offline):
         DiceEmbedder.__call__(_with(emb, text_column="body"), pa.table({"text": ["x"]}))
     with pytest.raises(ValueError, match="already has"):
         emb(pa.table({"text": ["x"], "embedding": [1.0]}))
-    with pytest.raises(TypeError, match="row 1"):
+    with pytest.raises(ValueError, match="row 1 of this batch .it has no 'id' column to name the row.: column "
+                                         "'text' is null; every row needs a string .or pass on_invalid='null'"):
         emb(pa.table({"text": ["x", None]}))
+    with pytest.raises(ValueError, match="row with id 'b': column 'text' is null"):
+        emb(pa.table({"id": ["a", "b"], "text": ["x", None]}))
+    with pytest.raises(ValueError, match="row with id 7: column 'text' holds int, not a string"):
+        emb({"id": np.array([6, 7]), "text": np.array(["x", 3], dtype=object)})
+    with pytest.raises(ValueError, match="on_invalid must be one of"):
+        DiceEmbedder(None, on_invalid="skip")
+
+
+def test_invalid_rows_kept_with_a_null_embedding_and_the_reason(offline):
+    """on_invalid="null": bad rows get a null embedding (NaN in numpy batches) and an error; the other
+    rows are exactly the offline vectors, chunk columns included."""
+    texts, want = offline
+    emb = DiceEmbedder(None, on_invalid="null", return_chunks=True, **OPTIONS)
+    got = emb(pa.table({"id": [0, 1, 2, 3], "text": [texts[0], None, texts[2], None]}))
+    assert got.column("error").to_pylist() == [None, "column 'text' is null", None, "column 'text' is null"]
+    assert got.column("embedding").null_count == 2 and got.column("chunk_embeddings").null_count == 2
+    good = got.filter(pa.array([True, False, True, False]))
+    np.testing.assert_allclose(_matrix(good.column("embedding")), want.documents[[0, 2]], atol=1e-6)
+    assert good.column("document_tokens").to_pylist() == want.document_tokens[[0, 2]].tolist()
+    n0 = int((want.chunk_document == 0).sum())
+    np.testing.assert_allclose(np.asarray(good.column("chunk_embeddings").to_pylist()[0], np.float32).reshape(n0, -1),
+                               want.chunks[:n0], atol=1e-6)
+    only_bad = emb(pa.table({"text": pa.array([None], pa.string())}))  # nothing valid to encode
+    assert only_bad.column("embedding").to_pylist() == [None]
+    assert emb(pa.table({"text": texts[:2]})).column("error").null_count == 2  # the column is always there
+
+    got = DiceEmbedder(None, on_invalid="null", **OPTIONS)({"text": np.array([texts[1], 5], dtype=object)})
+    assert np.isnan(got["embedding"][1]).all() and list(got["error"]) == [None, "column 'text' holds int, not a string"]
+    np.testing.assert_allclose(got["embedding"][:1], want.documents[1:2], atol=1e-6)
+
+
+def test_a_null_text_names_its_row_or_is_kept_with_an_error(cluster, offline):
+    """Through Ray: the default stops the job naming the row by its id; on_invalid="null" keeps it."""
+    texts, want = offline
+    table = pa.table({"id": [f"r{i}" for i in range(6)], "text": [texts[0], texts[1], None, texts[3], None, texts[5]]})
+    ds = ray.data.from_arrow(table)
+    kept = encode_dataset(ds, None, on_invalid="null", num_cpus=0.5, batch_size=3, **OPTIONS).to_arrow_refs()
+    got = pa.concat_tables(ray.get(kept)).sort_by("id")
+    assert got.column("error").to_pylist() == [None, None, "column 'text' is null", None, "column 'text' is null", None]
+    good = got.filter(pc.is_valid(got.column("embedding")))
+    np.testing.assert_allclose(_matrix(good.column("embedding")), want.documents[[0, 1, 3, 5]], atol=1e-6)
+    with pytest.raises(Exception) as failure:
+        encode_dataset(ds, None, num_cpus=0.5, batch_size=3, **OPTIONS).materialize()
+    assert "row with id 'r2': column 'text' is null" in _chain(failure.value)
+
+
+def _chain(exc: BaseException) -> str:
+    """Every message in an exception's chain (Ray wraps the actor's error)."""
+    parts = []
+    while exc is not None and len(parts) < 10:
+        parts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(parts)
 
 
 def test_encode_dataset_checks_options_before_starting_actors(cluster):
@@ -153,6 +212,8 @@ def test_encode_dataset_checks_options_before_starting_actors(cluster):
         encode_dataset(ds, None, concurrency=0)
     with pytest.raises(ValueError, match="batch_size"):
         encode_dataset(ds, None, batch_size=0)
+    with pytest.raises(ValueError, match="on_invalid"):
+        encode_dataset(ds, None, on_invalid="drop")
 
 
 def _with(emb, **attrs):

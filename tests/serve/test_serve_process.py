@@ -1,8 +1,14 @@
 """``dice-fast serve`` as its own process with the bundled model: the flags reach the limits, and SIGTERM
-stops accepting, finishes the requests in flight with correct vectors, then exits."""
+stops accepting, finishes the requests in flight with correct vectors, then exits.
+
+The drain is proved, not hoped for: the server runs with a gate in its model (a forward pre-hook that
+holds every forward while a gate file exists). The test closes the gate, sends requests, sees them all
+accepted and one forward held at the gate, sends SIGTERM, sees the server stop taking requests, and
+only then opens the gate: every request was in flight when the signal landed."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -17,6 +23,33 @@ from dice_fast.data import prose
 from helpers import assert_close
 from serve_testing import embeddings_of, metric, wait_until
 
+# `dice-fast serve` with a gate in the model's forward (paths in the environment): while GATE exists,
+# every forward first touches HELD, then waits for GATE to go. A warm-up forward passes: the test
+# creates GATE only once /health says ready.
+GATED_SERVE = """
+import os, sys, time
+import dice_fast.cliargs as cliargs
+
+gate, held = os.environ["DICE_FAST_TEST_GATE"], os.environ["DICE_FAST_TEST_HELD"]
+make = cliargs.make_encoder
+
+def gated(args):
+    enc = make(args)
+
+    def hold(module, inputs):
+        if os.path.exists(gate):
+            open(held, "a").close()
+            while os.path.exists(gate):
+                time.sleep(0.01)
+
+    enc.model.register_forward_pre_hook(hold)
+    return enc
+
+cliargs.make_encoder = gated
+from dice_fast.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -25,46 +58,50 @@ def free_port() -> int:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_sigterm_finishes_requests_in_flight_then_exits(real_encoder):
+def test_sigterm_finishes_requests_in_flight_then_exits(real_encoder, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "dice_fast.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    gate, held = tmp_path / "gate", tmp_path / "held"
+    cmd = [sys.executable, "-c", GATED_SERVE, "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-batch-tokens", "512", "--max-inputs-per-request", "1", "--graceful-timeout", "120",
            "--served-model-name", "minilm", "--no-access-log", "--device", "cpu", "--dtype", "float32"]
+    env = {**os.environ, "DICE_FAST_TEST_GATE": str(gate), "DICE_FAST_TEST_HELD": str(held)}
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     words = prose().split()
-    # 4 requests of one ~1200-token document: ~10 forwards of 512 tokens, about a second on a quiet machine
-    texts = [" ".join(words[i * 1000 : i * 1000 + 950]) for i in range(4)]
+    texts = [" ".join(words[i * 1000 : i * 1000 + 950]) for i in range(4)]  # ~1200 tokens each
     try:
-        def healthy():
+        def status(path):
             assert proc.poll() is None, proc.stdout.read()
             try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
+                return httpx.get(url + path, timeout=5).status_code
             except httpx.TransportError:
-                return False
+                return None
 
-        wait_until(healthy, timeout=180, what="dice-fast serve to start")
-        print(f"server up after {time.monotonic() - started:.1f} s")
+        wait_until(lambda: status("/health") == 200, timeout=180, what="dice-fast serve to be ready")
+        print(f"server ready after {time.monotonic() - started:.1f} s")
         too_many = httpx.post(url + "/v1/embeddings", json={"input": texts[:2]}, timeout=30)
         assert too_many.status_code == 413 and "limit is 1" in too_many.json()["error"]["message"]
 
+        gate.touch()  # from here every forward waits at the gate
         with ThreadPoolExecutor(4) as pool, httpx.Client(base_url=url, timeout=180) as http:
-            futures = [pool.submit(http.post, "/v1/embeddings", json={"input": [texts[i]]})
-                       for i in range(4)]
+            futures = [pool.submit(http.post, "/v1/embeddings", json={"input": [texts[i]]}) for i in range(4)]
 
-            def all_accepted_some_running():
-                m = http.get("/metrics").text
-                running = metric(m, "dice_fast_requests_in_flight")
-                return running > 0 and running + metric(m, "dice_fast_requests_total", input_type="document",
-                                                        status="200") == 4
+            def all_accepted_and_held():
+                running = metric(http.get("/metrics").text, "dice_fast_requests_in_flight")
+                return running == 4 and held.exists()
 
-            wait_until(all_accepted_some_running, timeout=60, what="4 requests accepted, some still running")
+            wait_until(all_accepted_and_held, timeout=60, what="4 requests in flight, a forward held at the gate")
             proc.send_signal(signal.SIGTERM)
-            print(f"SIGTERM after {time.monotonic() - started:.1f} s")
-            time.sleep(0.5)
-            with pytest.raises(httpx.TransportError):  # no longer accepting
-                httpx.post(url + "/v1/embeddings", json={"input": ["late"]}, timeout=5)
+            # draining: /health stops answering 200 (503, or the socket closed), and so do new requests
+            wait_until(lambda: status("/health") != 200, timeout=60, what="the server to start draining")
+            try:
+                late = httpx.post(url + "/v1/embeddings", json={"input": ["late"]}, timeout=5).status_code
+            except httpx.TransportError:
+                late = None
+            assert late in (None, 503), late
+            assert not any(f.done() for f in futures)  # all four still in flight when the signal landed
+            gate.unlink()  # let the held forwards run
             responses = [f.result(timeout=180) for f in futures]
         code = proc.wait(timeout=60)
     finally:
