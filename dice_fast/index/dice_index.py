@@ -20,13 +20,15 @@ a hit's score is exact, but a document the graph does not propose is missed (rec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from .. import scoring as sc
 
+# encoder options a loaded index does not pin (the machine's business, not the vectors')
+_MACHINE_OPTIONS = ("device", "dtype", "max_batch_tokens", "pooling_impl", "attention_backend")
 _BLOCK_SCORES = 1 << 22  # query x chunk scores per exact-search block (16 MiB of float32)
 CHUNK_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -56,13 +58,17 @@ class DiceIndex:
     """
 
     def __init__(self, dim: int, encoder=None, *, store_text: bool = True, chunk_dtype: str = "float32",
-                 model: str | None = None):
+                 model: str | None = None, encoder_options: dict | None = None):
         if chunk_dtype not in CHUNK_DTYPES:
             raise ValueError(f"chunk_dtype must be one of {', '.join(CHUNK_DTYPES)}, got {chunk_dtype!r}")
         if encoder is not None and encoder.dim != dim:
             raise ValueError(f"the encoder gives {encoder.dim}-wide vectors, the index holds {dim}")
         self.dim, self.encoder, self.store_text, self.chunk_dtype = int(dim), encoder, bool(store_text), chunk_dtype
+        # the model and options the vectors were made with, so a query encoder can be rebuilt to match
         self.model = model if model is not None else (encoder.spec.name if encoder is not None else None)
+        if encoder_options is None and encoder is not None:
+            encoder_options = {k: v for k, v in asdict(encoder.config).items() if k not in _MACHINE_OPTIONS}
+        self.encoder_options = dict(encoder_options or {})
         self.ids: list[str] = []
         self.texts: list[str] | None = [] if store_text else None
         self.documents = np.zeros((0, self.dim), np.float32)

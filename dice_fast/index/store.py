@@ -1,7 +1,8 @@
 """A `DiceIndex` on disk: a folder of ``.npy`` arrays and a JSON description.
 
     index.json               {"format": "dice_fast.index/1", "dim", "n_documents", "n_chunks",
-                              "chunk_dtype", "store_text", "model", "files": {name: [shape, dtype]}}
+                              "chunk_dtype", "store_text", "model", "encoder_options",
+                              "files": {name: [shape, dtype]}}
     ids.json                 the document ids, in order
     texts.json               the document texts (only with store_text)
     documents.npy            (n_documents, dim) float32
@@ -42,7 +43,8 @@ def save(index, path) -> None:
     if index.store_text:
         _write_json(folder / "texts.json", index.texts)
     meta = {"format": FORMAT, "dim": index.dim, "n_documents": len(index), "n_chunks": index.n_chunks,
-            "chunk_dtype": index.chunk_dtype, "store_text": index.store_text, "model": index.model, "files": files}
+            "chunk_dtype": index.chunk_dtype, "store_text": index.store_text, "model": index.model,
+            "encoder_options": index.encoder_options, "files": files}
     _write_json(folder / "index.json", meta)
 
 
@@ -58,7 +60,7 @@ def load(cls, path, encoder=None):
     try:
         dim, n_docs, n_chunks = int(meta["dim"]), int(meta["n_documents"]), int(meta["n_chunks"])
         index = cls(dim, encoder, store_text=bool(meta["store_text"]), chunk_dtype=meta["chunk_dtype"],
-                    model=meta.get("model"))
+                    model=meta.get("model"), encoder_options=meta.get("encoder_options"))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{meta_path}: damaged description ({exc})") from None
     want = {"documents": (n_docs, dim), "chunks": (n_chunks, dim), "cu_doc_chunks": (n_docs + 1,),
