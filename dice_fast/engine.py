@@ -70,6 +70,22 @@ class DiceOutput:
     chunk_start_char: np.ndarray
     chunk_end_char: np.ndarray
 
+    @classmethod
+    def of_plan(cls, plan: EncodingPlan, documents: np.ndarray, chunks: np.ndarray) -> DiceOutput:
+        """The output of ``plan`` given its (n_docs, dim) document and (n_chunks, dim) chunk vectors
+        (what a `ChunkQueue` job submitted with ``keep_chunks=True`` holds when done)."""
+        start_char, end_char = plan.chunk_char_spans
+        return cls(
+            documents=documents,
+            chunks=chunks,
+            chunk_document=plan.chunks.document.copy(),
+            chunk_start=plan.chunks.start.copy(),
+            chunk_end=plan.chunks.start + plan.chunks.length,
+            document_tokens=plan.tokens.lengths.copy(),
+            chunk_start_char=start_char,
+            chunk_end_char=end_char,
+        )
+
 
 class DiceEncoder:
     """Packed, exact DICE encoder around a frozen Hugging Face model.
@@ -328,18 +344,7 @@ def _check_kind(kind: str) -> str:
 
 
 def _output(job) -> DiceOutput:
-    p = job.plan
-    start_char, end_char = p.chunk_char_spans
-    return DiceOutput(
-        documents=job.documents,
-        chunks=job.chunks,
-        chunk_document=p.chunks.document.copy(),
-        chunk_start=p.chunks.start.copy(),
-        chunk_end=p.chunks.start + p.chunks.length,
-        document_tokens=p.tokens.lengths.copy(),
-        chunk_start_char=start_char,
-        chunk_end_char=end_char,
-    )
+    return DiceOutput.of_plan(job.plan, job.documents, job.chunks)
 
 
 def _concat(blocks: list, dim: int, return_chunks: bool):

@@ -33,6 +33,7 @@ from .batcher import AsyncDiceEncoder
 from .errors import InvalidRequest, Overloaded, RequestTooLarge, ServeError, ShuttingDown, internal_error_body
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .schemas import REQUEST_SCHEMA, embedding_response, parse_embedding_request
+from .evidence import add_evidence_route
 
 log = logging.getLogger("dice_fast.serve")
 
@@ -89,13 +90,17 @@ def create_app(encoder, *, model_name: str | None = None, **limits):
         try:
             req = parse_embedding_request(await request.body(), core.dim)
             input_type = req.input_type
-            embed = core.embed_queries if req.input_type == "query" else core.embed_documents
-            out = await _unless_disconnected(request, embed(req.input))
+            if req.input_type == "query":
+                work = core.embed_queries(req.input)
+            else:
+                work = core.embed_documents(req.input, return_chunks=req.return_chunks)
+            out = await _unless_disconnected(request, work)
             if out is None:
                 metrics.observe_request(input_type, CLIENT_GONE)
                 return Response(status_code=CLIENT_GONE)
-            args = (out.vectors, out.tokens, name, req.encoding_format)
-            if out.vectors.size > _OFF_LOOP_FLOATS:
+            args = (out.vectors, out.tokens, name, req.encoding_format, out.chunks)
+            floats = out.vectors.size + (out.chunks.chunks.size if out.chunks is not None else 0)
+            if floats > _OFF_LOOP_FLOATS:
                 content = await asyncio.get_running_loop().run_in_executor(None, embedding_response, *args)
             else:
                 content = embedding_response(*args)
@@ -111,6 +116,8 @@ def create_app(encoder, *, model_name: str | None = None, **limits):
             return JSONResponse(internal_error_body(), status_code=500)
         metrics.observe_request(input_type, 200, time.perf_counter() - start, len(req.input), int(out.tokens.sum()))
         return Response(content, media_type="application/json")
+
+    add_evidence_route(app, core, metrics, name, error, STATUS, _unless_disconnected)
 
     @app.get("/health", summary="Liveness and queue state")
     async def health():

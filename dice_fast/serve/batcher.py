@@ -43,10 +43,13 @@ log = logging.getLogger("dice_fast.serve")
 @dataclass(frozen=True)
 class Embeddings:
     """The result of one request. vectors: (n, dim) float32, row i is input i; tokens: (n,) int64
-    tokens the model ran for input i (all its chunks, special tokens and prefix included)."""
+    tokens the model ran for input i (all its chunks, special tokens and prefix included); chunks:
+    with ``return_chunks``, the `DiceOutput` (chunk vectors and spans) equal to
+    ``encoder.encode_documents(texts, return_chunks=True)``, else None."""
 
     vectors: np.ndarray
     tokens: np.ndarray
+    chunks: object = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class _Request:
     future: asyncio.Future
     job: Job | None = None
     cancelled: bool = False
+    keep_chunks: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -157,10 +161,11 @@ class AsyncDiceEncoder:
     def closed(self) -> bool:
         return self._closing
 
-    async def embed_documents(self, texts: Iterable[str]) -> Embeddings:
+    async def embed_documents(self, texts: Iterable[str], return_chunks: bool = False) -> Embeddings:
         """Encode n documents (chunked and aggregated) -> `Embeddings` with vectors (n, dim) float32,
-        equal to ``encoder.encode_documents(texts)`` whatever else is in flight."""
-        return await self._embed(texts, "documents", None)
+        equal to ``encoder.encode_documents(texts)`` whatever else is in flight (and, with
+        ``return_chunks``, its ``chunks`` equal to ``encode_documents(texts, return_chunks=True)``)."""
+        return await self._embed(texts, "documents", None, return_chunks)
 
     async def embed_queries(self, texts: Iterable[str]) -> Embeddings:
         """Encode n queries (one window each, never chunked) -> `Embeddings` with vectors (n, dim)
@@ -203,7 +208,7 @@ class AsyncDiceEncoder:
                 f"cross_request_batching={self.cross_request_batching})")
 
     # ------------------------------------------------------------------------- request side
-    async def _embed(self, texts, kind: str, aggregation: str | None) -> Embeddings:
+    async def _embed(self, texts, kind: str, aggregation: str | None, return_chunks: bool = False) -> Embeddings:
         if self._closing:
             raise ShuttingDown("the encoder is shutting down and takes no new requests")
         texts = check_texts(texts, "input")
@@ -224,13 +229,18 @@ class AsyncDiceEncoder:
             plan = await loop.run_in_executor(None, self.encoder.plan, texts, kind)
             tokens = plan.document_tokens
             self._check_sizes(tokens)
-            request = _Request(plan, aggregation, int(tokens.sum()), loop, loop.create_future())
+            request = _Request(plan, aggregation, int(tokens.sum()), loop, loop.create_future(),
+                               keep_chunks=return_chunks)
             self._submit(request)
             try:
                 vectors = await request.future
             except asyncio.CancelledError:
                 self._cancel(request)
                 raise
+            if return_chunks:
+                from ..engine import DiceOutput
+
+                return Embeddings(vectors[0], tokens, DiceOutput.of_plan(plan, *vectors))
             return Embeddings(vectors, tokens)
         finally:
             with self._cond:
@@ -308,7 +318,8 @@ class AsyncDiceEncoder:
                     return
             request = self._pending.popleft()
             self._pending_tokens -= request.tokens
-            request.job = self._current = self._queue.submit(request.plan, request.aggregation, tag=request)
+            request.job = self._current = self._queue.submit(request.plan, request.aggregation, tag=request,
+                                                             keep_chunks=request.keep_chunks)
 
     def _run(self, batch) -> None:
         start = time.perf_counter()
@@ -324,7 +335,7 @@ class AsyncDiceEncoder:
             return
         seconds = time.perf_counter() - start
         for job in finished:
-            _settle(job.tag, value=job.documents)
+            _settle(job.tag, value=(job.documents, job.chunks) if job.keep_chunks else job.documents)
         tokens = batch.packed.n_tokens
         rate = tokens / max(seconds, 1e-6)
         self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
