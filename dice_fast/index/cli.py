@@ -14,6 +14,8 @@ EPILOG = """\
 input (one document per line or record):
   .txt      one document per line (blank lines skipped); id = line number (1-based)
   .jsonl    one JSON object per line; text in --field, id in --id-field (default: the line number)
+  .parquet / DIR   the output of `dice-fast encode ... --chunks` (vectors already made, no model run;
+            it holds no texts, so search prints character spans; the model options come from it)
 
 The index is a folder (documents.npy, chunks.npy, spans, ids.json, texts.json, index.json). Texts
 are stored by default so `dice-fast search` can print the evidence passage; --no-store-text keeps
@@ -28,7 +30,7 @@ def register_cli(subparsers) -> None:
         description="Encode every document of INPUT with its chunk vectors and character spans into an index "
         "folder that `dice-fast search` ranks by document and reads by chunk.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    build.add_argument("input", help="a .txt (one document per line) or .jsonl file")
+    build.add_argument("input", help="a .txt (one document per line) or .jsonl file, or an encode --chunks output")
     build.add_argument("--output", "-o", required=True, help="the index folder to write")
     build.add_argument("--field", default="text", help='JSON field holding the text (default "text")')
     build.add_argument("--id-field", default=None, help="JSON field holding the id (default: the line number)")
@@ -57,11 +59,16 @@ def _build(args) -> int:
     from ..cliargs import make_encoder
     from . import DiceIndex
 
-    texts, ids = _read_input(args.input, args.field, args.id_field)
-    if not texts:
-        raise ValueError(f"{args.input}: no documents")
-    index = DiceIndex.from_texts(make_encoder(args), texts, ids, store_text=args.store_text,
-                                 chunk_dtype=args.chunk_dtype)
+    from pathlib import Path
+
+    if Path(args.input).is_dir() or args.input.endswith(".parquet"):
+        index = DiceIndex.from_corpus(args.input, chunk_dtype=args.chunk_dtype)
+    else:
+        texts, ids = _read_input(args.input, args.field, args.id_field)
+        if not texts:
+            raise ValueError(f"{args.input}: no documents")
+        index = DiceIndex.from_texts(make_encoder(args), texts, ids, store_text=args.store_text,
+                                     chunk_dtype=args.chunk_dtype)
     index.save(args.output)
     print(f"{args.output}: {len(index)} documents, {index.n_chunks} chunks, {index.nbytes / 2**20:.1f} MiB of vectors",
           file=sys.stderr)

@@ -90,6 +90,24 @@ class DiceIndex:
         index.add(texts, ids)
         return index
 
+    @classmethod
+    def from_corpus(cls, path, encoder=None, *, chunk_dtype: str = "float32") -> DiceIndex:
+        """Index the output of ``dice-fast encode INPUT -o PATH --chunks`` (a .parquet file or a shard
+        folder). Such an output holds no texts: hits carry spans, and ``text`` is None."""
+        from .corpus_output import corpus_encoder, read_corpus_output
+
+        model, options = corpus_encoder(path)
+        options = {k: v for k, v in options.items() if k not in _MACHINE_OPTIONS}
+        index = None
+        for ids, documents, chunks, chunk_document, start, end, tokens in read_corpus_output(path):
+            if index is None:
+                index = cls(documents.shape[1], encoder, store_text=False, chunk_dtype=chunk_dtype, model=model,
+                            encoder_options=options)
+            index.add_arrays(ids, documents, chunks, chunk_document, start, end, tokens)
+        if index is None:
+            raise ValueError(f"{path}: the output holds no shards")
+        return index
+
     def add(self, texts: Iterable[str], ids: Sequence | None = None) -> None:
         """Encode and append ``texts`` (n strings) under ``ids`` (n, default their position in the
         index as strings). A duplicate id (within ``ids`` or already indexed) is refused by name
