@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from importlib import resources
 
+import pytest
+
 from dice_fast.cli import main
+from dice_fast.engine import DiceEncoder
 
 PLANTED = "The silver key to the lighthouse is hidden beneath the third blue stone."
 
@@ -20,7 +23,21 @@ def _haystack(path, n_docs=6, chars=1500, planted_in=4):
     return planted_in + 1  # the id: its line number
 
 
-def test_search_prints_the_planted_passage(tmp_path, capsys):
+@pytest.fixture
+def loaded_once(monkeypatch):
+    """Each `DiceEncoder.from_pretrained` call with the same arguments loads the model once."""
+    real, cache = DiceEncoder.from_pretrained.__func__, {}
+
+    def load(cls, path=None, **options):
+        key = (str(path), json.dumps(options, sort_keys=True, default=str))
+        if key not in cache:
+            cache[key] = real(cls, path, **options)
+        return cache[key]
+
+    monkeypatch.setattr(DiceEncoder, "from_pretrained", classmethod(load))
+
+
+def test_search_prints_the_planted_passage(tmp_path, capsys, loaded_once):
     planted_id = _haystack(tmp_path / "haystack.txt")
     assert main(["index", str(tmp_path / "haystack.txt"), "-o", str(tmp_path / "ix"), "--chunk-size", "48",
                  "--chunk-dtype", "float16"]) == 0

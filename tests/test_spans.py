@@ -142,10 +142,11 @@ def test_encode_documents_returns_spans_through_streaming_windows(family, arch, 
     across several streaming windows (per-window token offsets): the prefix is in no span."""
     model, tok = (tiny(arch) if family == "word" else tiny_subword(arch, family))[:2]
     texts = _texts(2, n=12)
-    monkeypatch.setattr(engine, "_WINDOW_BATCHES", 1)  # windows of 64 * 4 characters
-    options = dict(chunk_size=5, overlap=overlap, max_batch_tokens=64, pooling="mean", pooling_impl="torch")
+    monkeypatch.setattr(engine, "_WINDOW_BATCHES", 1)  # windows of 256 characters
+    monkeypatch.setattr(engine, "_CHARS_PER_TOKEN", 1)
+    options = dict(chunk_size=5, overlap=overlap, max_batch_tokens=256, pooling="mean", pooling_impl="torch")
     # guard: the engine's streaming windows really split the corpus (same sizing as the engine)
-    assert len(list(windows(iter(texts), 64 * engine._WINDOW_BATCHES * engine._CHARS_PER_TOKEN, 10**6))) > 1
+    assert len(list(windows(iter(texts), 256 * engine._WINDOW_BATCHES * engine._CHARS_PER_TOKEN, 10**6))) > 2
     want = DiceEncoder(model, tok, **options).plan(texts).chunk_char_spans
     got = DiceEncoder(model, tok, document_prefix="passage: ", **options).encode_documents(texts, return_chunks=True)
     assert got.chunk_start_char.dtype == got.chunk_end_char.dtype == np.int64
