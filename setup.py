@@ -29,6 +29,7 @@ class build_py(_build_py):
 SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "httpx>=0.27"]
 RAY = ["ray[data]>=2.9"]
 MTEB = ["mteb>=2.0"]
+INDEX = ["faiss-cpu>=1.7"]  # approximate DiceIndex search only
 
 setup(
     name="dice-fast",
@@ -57,13 +58,14 @@ setup(
         "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja",
                  # per-test timeouts (pytest.ini), property-based tests, the metrics-format test
                  "pytest-timeout>=2.1", "hypothesis>=6.80", "prometheus_client>=0.17",
-                 *SERVE, *RAY, *MTEB],
+                 *SERVE, *RAY, *MTEB, *INDEX],
         "gpu": ["triton>=3.0"],
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
         "native": ["ninja"],
         "serve": SERVE,
         "ray": RAY,
         "mteb": MTEB,
+        "index": INDEX,
     },
     cmdclass={"build_py": build_py},
     entry_points={"console_scripts": ["dice-fast=dice_fast.cli:main"]},

@@ -35,6 +35,8 @@ def test_pieces_give_the_ids_of_whole_texts(bert_tokenizer, texts, piece_chars):
     got = tokenize_bounded(bert_tokenizer, texts, lock, piece_chars=piece_chars)
     np.testing.assert_array_equal(got.offsets, whole.offsets)
     np.testing.assert_array_equal(got.ids, whole.ids)
+    np.testing.assert_array_equal(got.char_start, whole.char_start)  # spans in the text, not the piece
+    np.testing.assert_array_equal(got.char_end, whole.char_end)
     assert lock.acquired <= 1 + sum(len(t) for t in texts) // piece_chars + len(texts)
 
 

@@ -29,6 +29,8 @@ output (-o):
   OUT.parquet  columns id (string) and embedding (fixed-size list of float32); options in the metadata
   DIR/         Parquet shards part-00000.parquet ... of --shard-rows rows and manifest.json, committed
                shard by shard (a path without extension is a folder too)
+  --chunks     Parquet outputs also get chunk_embeddings, chunk_start_char, chunk_end_char and
+               chunk_tokens (one list per row); refused with .npy and --queries
   Files appear only when complete (written to hidden temporary names, fsynced, renamed). An existing
   output is refused unless --overwrite. A running job locks its output (a hidden .dice-fast*.lock file
   held with flock, released by the kernel even on kill -9): a second job on the same file, on the same
@@ -74,6 +76,9 @@ def register_cli(subparsers) -> None:
                      help="encode only split I of N (documents I, I+N, ...), e.g. --shard 0/4")
     enc.add_argument("--shard-rows", type=int, default=10_000, metavar="N",
                      help="rows per Parquet shard of a folder output (default 10000)")
+    enc.add_argument("--chunks", action="store_true",
+                     help="also write each document's chunk vectors, character spans and token counts (Parquet "
+                     "outputs only), so `dice-fast index OUTPUT` or DiceIndex.from_corpus can index them")
     enc.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     add_encoder_arguments(enc)
     enc.set_defaults(func=cmd_encode)

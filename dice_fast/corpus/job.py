@@ -24,7 +24,7 @@ from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
 
-from .outputs import (MANIFEST_FORMAT, NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, ids_path_for,
+from .outputs import (MANIFEST_FORMAT, ChunkRows, NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, ids_path_for,
                       manifest_name, our_files, parse_tag, read_manifest, split_tag)
 from .ids import DuplicateIds
 from .lock import OutputLock
@@ -85,6 +85,10 @@ class EncodeJob:
             raise ValueError("--resume and --overwrite exclude each other")
         if args.resume and self.out_type != "folder":
             raise ValueError(f"--resume needs a shard folder output (-o DIR/), not {args.output}")
+        self.chunks = bool(getattr(args, "chunks", False))
+        if self.chunks and (self.out_type == "npy" or self.kind == "queries"):
+            raise ValueError("--chunks needs documents written to a .parquet or a folder output (a .npy holds one "
+                             f"vector per row), not {'--queries' if self.kind == 'queries' else args.output}")
 
     # -----------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -162,15 +166,17 @@ class EncodeJob:
 
         try:
             if self.kind == "documents":
-                blocks = enc.stream_documents(texts(), progress=progress)
+                blocks = enc.stream_documents(texts(), return_chunks=self.chunks, progress=progress)
             else:
                 blocks = _query_blocks(enc, texts(), progress)
             rows = 0
             for block in blocks:
+                chunks = ChunkRows.of_output(block) if self.chunks else None
+                block = block.documents if self.chunks else block
                 items = [pending.popleft() for _ in range(len(block))]
                 ids = [i for i, _ in items]
                 duplicates.add(ids)
-                self.writer.write(ids, [d for _, d in items], block)
+                self.writer.write(ids, [d for _, d in items], block, *([chunks] if self.chunks else []))
                 rows += len(block)
         finally:
             bar.close()
@@ -206,7 +212,8 @@ class EncodeJob:
             "shard_rows": args.shard_rows,
             "input": {**corpus.fingerprint(), "read_as": args.format, "text_field": args.field,
                       "id_field": args.id_field},
-            "options": {"model": model or "(bundled all-MiniLM-L6-v2)", **options},
+            "options": {"model": model or "(bundled all-MiniLM-L6-v2)", **options,
+                        **({"chunks": True} if self.chunks else {})},
         }
 
     def _prepare_output(self, requested: dict) -> None:
@@ -267,7 +274,7 @@ class EncodeJob:
         if self.out_type == "npy":
             self.writer = NpyWriter(self.out)
         elif self.out_type == "parquet":
-            self.writer = ParquetFileWriter(self.out, resolved)
+            self.writer = ParquetFileWriter(self.out, resolved, chunks=self.chunks)
         else:
             for p in self.to_remove:  # --overwrite (or --resume of nothing): start afresh
                 with contextlib.suppress(FileNotFoundError):
@@ -275,7 +282,8 @@ class EncodeJob:
             manifest = dict(resolved)
             if self.resume_from is not None:
                 manifest["shards"] = list(self.resume_from["shards"])
-            self.writer = ShardWriter(self.out, self.tag, self.args.shard_rows, manifest, guard=signals.critical)
+            self.writer = ShardWriter(self.out, self.tag, self.args.shard_rows, manifest, guard=signals.critical,
+                                      chunks=self.chunks)
 
     def _make_dirs(self, folder: Path) -> None:
         missing = []

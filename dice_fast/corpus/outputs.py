@@ -11,7 +11,11 @@ files in the target folder and makes them visible only by ``os.replace`` after `
   renamed into place first, the ids file last: the ids file is the commit point, and a job stopped
   between the two renames leaves a pair whose record does not match, which `load_embeddings` refuses.
 * ``.parquet``: one file with columns ``id`` (string) and ``embedding`` (fixed-size list of float32),
-  the options in the file's key-value metadata under ``dice_fast``.
+  the options in the file's key-value metadata under ``dice_fast``. With ``--chunks`` each row also has
+  `CHUNK_COLUMNS`: ``chunk_embeddings`` (list of fixed-size lists of float32, the document's chunk
+  vectors in order), ``chunk_start_char`` / ``chunk_end_char`` (list of int64: chunk ``c`` is
+  ``text[start:end]``) and ``chunk_tokens`` (list of int64 content tokens), so the output can be
+  indexed (``DiceIndex.from_corpus``). Shards of a folder carry the same columns.
 * a folder: shards ``part-00000.parquet``, ``part-00001.parquet`` ... of ``shard_rows`` rows each and
   ``manifest.json``. A shard is written to a temporary name, fsynced and renamed; then the manifest
   listing it is rewritten the same way. The manifest is the commit point: a shard file not listed in
@@ -109,44 +113,96 @@ def atomic_write_text(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def _schema(dim: int, metadata: dict):
+CHUNK_COLUMNS = ("chunk_embeddings", "chunk_start_char", "chunk_end_char", "chunk_tokens")
+
+
+class ChunkRows:
+    """The chunks of a block of rows: chunks (n_chunks, dim) float32, cu (n_rows + 1,) int64 (row r
+    owns chunks cu[r]:cu[r+1]), start_char / end_char / tokens (n_chunks,) int64. Sliced by rows."""
+
+    def __init__(self, chunks, cu, start_char, end_char, tokens):
+        self.chunks, self.cu = chunks, np.asarray(cu, np.int64)
+        self.start_char, self.end_char, self.tokens = start_char, end_char, tokens
+
+    @classmethod
+    def of_output(cls, out) -> ChunkRows:
+        """From a `DiceOutput` (one window of ``stream_documents(..., return_chunks=True)``)."""
+        cu = np.zeros(len(out.documents) + 1, np.int64)
+        np.cumsum(np.bincount(out.chunk_document, minlength=len(out.documents)), out=cu[1:])
+        return cls(out.chunks, cu, out.chunk_start_char, out.chunk_end_char, out.chunk_end - out.chunk_start)
+
+    def __getitem__(self, rows: slice) -> ChunkRows:
+        r0, r1, _ = rows.indices(len(self.cu) - 1)
+        c0, c1 = self.cu[r0], self.cu[r1]
+        return ChunkRows(self.chunks[c0:c1], self.cu[r0 : r1 + 1] - c0, self.start_char[c0:c1],
+                         self.end_char[c0:c1], self.tokens[c0:c1])
+
+    @classmethod
+    def concat(cls, parts: list[ChunkRows]) -> ChunkRows:
+        base = np.cumsum([0] + [p.cu[-1] for p in parts[:-1]])
+        cu = np.concatenate([[0]] + [p.cu[1:] + b for p, b in zip(parts, base)])
+        chunks, start, end, tokens = (np.concatenate([getattr(p, name) for p in parts])
+                                      for name in ("chunks", "start_char", "end_char", "tokens"))
+        return cls(chunks, cu, start, end, tokens)
+
+    def arrow_columns(self) -> list:
+        import pyarrow as pa
+
+        offsets = pa.array(self.cu.astype(np.int32) if self.cu[-1] < 2**31 else self.cu)
+        flat = pa.array(np.ascontiguousarray(self.chunks, dtype=np.float32).reshape(-1), type=pa.float32())
+        vectors = pa.FixedSizeListArray.from_arrays(flat, self.chunks.shape[1])
+        lists = pa.ListArray if offsets.type == pa.int32() else pa.LargeListArray
+        return [lists.from_arrays(offsets, vectors)] + [
+            lists.from_arrays(offsets, pa.array(np.asarray(a, np.int64))) for a in (self.start_char, self.end_char, self.tokens)]
+
+
+def _schema(dim: int, metadata: dict, chunks: bool = False):
     import pyarrow as pa
 
-    return pa.schema([("id", pa.string()), ("embedding", pa.list_(pa.float32(), dim))],
-                     metadata={"dice_fast": json.dumps(metadata, sort_keys=True)})
+    fields = [("id", pa.string()), ("embedding", pa.list_(pa.float32(), dim))]
+    if chunks:
+        fields += [("chunk_embeddings", pa.list_(pa.list_(pa.float32(), dim)))]
+        fields += [(name, pa.list_(pa.int64())) for name in CHUNK_COLUMNS[1:]]
+    return pa.schema(fields, metadata={"dice_fast": json.dumps(metadata, sort_keys=True)})
 
 
-def _table(ids: list[str], vectors: np.ndarray, schema):
+def _table(ids: list[str], vectors: np.ndarray, schema, chunks: ChunkRows | None = None):
     import pyarrow as pa
 
     flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1), type=pa.float32())
     emb = pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
-    return pa.Table.from_arrays([pa.array(ids, type=pa.string()), emb], schema=schema)
+    columns = [pa.array(ids, type=pa.string()), emb] + (chunks.arrow_columns() if chunks is not None else [])
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 class _ParquetStream:
     """Rows appended to one Parquet file in row groups of `_ROW_GROUP` rows."""
 
-    def __init__(self, path: Path, dim: int, metadata: dict):
+    def __init__(self, path: Path, dim: int, metadata: dict, chunks: bool = False):
         import pyarrow.parquet as pq
 
-        self.schema = _schema(dim, metadata)
+        self.schema = _schema(dim, metadata, chunks)
         self.writer = pq.ParquetWriter(str(path), self.schema)
         self.ids: list[str] = []
         self.blocks: list[np.ndarray] = []
+        self.chunk_blocks: list[ChunkRows] | None = [] if chunks else None
         self.pending = 0
 
-    def write(self, ids: list[str], block: np.ndarray) -> None:
+    def write(self, ids: list[str], block: np.ndarray, chunks: ChunkRows | None = None) -> None:
         self.ids.extend(ids)
         self.blocks.append(block)
+        if self.chunk_blocks is not None:
+            self.chunk_blocks.append(chunks)
         self.pending += len(block)
         if self.pending >= _ROW_GROUP:
             self._flush()
 
     def _flush(self) -> None:
         if self.pending:
-            self.writer.write_table(_table(self.ids, np.concatenate(self.blocks), self.schema))
+            chunks = ChunkRows.concat(self.chunk_blocks) if self.chunk_blocks else None
+            self.writer.write_table(_table(self.ids, np.concatenate(self.blocks), self.schema, chunks))
             self.ids, self.blocks, self.pending = [], [], 0
+            self.chunk_blocks = [] if self.chunk_blocks is not None else None
 
     def close(self) -> None:
         self._flush()
@@ -221,22 +277,22 @@ def _discard_stream(writer) -> None:
 class ParquetFileWriter:
     """One ``OUT.parquet`` with columns ``id`` and ``embedding``, renamed into place when complete."""
 
-    def __init__(self, path: Path, metadata: dict):
-        self.path, self.metadata = path, metadata
+    def __init__(self, path: Path, metadata: dict, chunks: bool = False):
+        self.path, self.metadata, self.chunks = path, metadata, chunks
         self.tmp = _mktemp(path.parent, path.name)
         self.stream = None
         self.rows = 0
 
-    def write(self, ids: list[str], digests, block: np.ndarray) -> None:
+    def write(self, ids: list[str], digests, block: np.ndarray, chunks: ChunkRows | None = None) -> None:
         if self.stream is None:
-            self.stream = _ParquetStream(self.tmp, block.shape[1], self.metadata)
-        self.stream.write(ids, block)
+            self.stream = _ParquetStream(self.tmp, block.shape[1], self.metadata, self.chunks)
+        self.stream.write(ids, block, chunks)
         self.rows += len(block)
 
     def finish(self, dim: int, summary: dict | None = None) -> None:
         """Close the file and rename it into place (call with signals held off)."""
         if self.stream is None:
-            self.stream = _ParquetStream(self.tmp, dim, self.metadata)
+            self.stream = _ParquetStream(self.tmp, dim, self.metadata, self.chunks)
         self.stream.close()
         self.stream = None
         _fsync_and_hash(self.tmp)
@@ -256,8 +312,9 @@ class ShardWriter:
     factory holding off SIGINT/SIGTERM while a commit renames files.
     """
 
-    def __init__(self, folder: Path, tag: str, shard_rows: int, manifest: dict, guard=contextlib.nullcontext):
-        self.folder, self.tag, self.shard_rows, self.guard = folder, tag, shard_rows, guard
+    def __init__(self, folder: Path, tag: str, shard_rows: int, manifest: dict, guard=contextlib.nullcontext,
+                 chunks: bool = False):
+        self.folder, self.tag, self.shard_rows, self.guard, self.chunks = folder, tag, shard_rows, guard, chunks
         self.manifest = manifest
         self.manifest.setdefault("shards", [])
         self.tmp = self.stream = None
@@ -269,7 +326,7 @@ class ShardWriter:
     def committed_rows(self) -> int:
         return sum(s["rows"] for s in self.manifest["shards"])
 
-    def write(self, ids: list[str], digests: list[bytes], block: np.ndarray) -> None:
+    def write(self, ids: list[str], digests: list[bytes], block: np.ndarray, chunks: ChunkRows | None = None) -> None:
         from .readers import update_input_hash
 
         start = 0
@@ -278,10 +335,11 @@ class ShardWriter:
                 self.tmp = _mktemp(self.folder, shard_name(self.tag, len(self.manifest["shards"])))
                 meta = {k: v for k, v in self.manifest.items() if k not in ("shards", "rows", "status", "summary")}
                 meta["shard"] = len(self.manifest["shards"])
-                self.stream = _ParquetStream(self.tmp, block.shape[1], meta)
+                self.stream = _ParquetStream(self.tmp, block.shape[1], meta, self.chunks)
                 self.first_id = ids[start]
             take = min(self.shard_rows - self.rows, len(block) - start)
-            self.stream.write(ids[start : start + take], block[start : start + take])
+            self.stream.write(ids[start : start + take], block[start : start + take],
+                              chunks[start : start + take] if chunks is not None else None)
             for i in range(start, start + take):
                 update_input_hash(self.input_hash, ids[i], digests[i])
             self.rows += take

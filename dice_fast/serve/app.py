@@ -45,6 +45,7 @@ from .errors import (DeadlineExceeded, InvalidRequest, OutOfMemory, Overloaded, 
 from .limits import default_max_body_bytes
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .schemas import REQUEST_SCHEMA, embedding_response, parse_embedding_request
+from .evidence import add_evidence_route
 
 log = logging.getLogger("dice_fast.serve")
 
@@ -107,6 +108,15 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
                           "type": "invalid_request_error", "param": None, "code": str(exc.status_code)}}
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
+    async def read_request(request: Request, parse, *args):
+        """``parse(body, *args)`` of the request's body, once its content type is checked and its bytes,
+        counted as they stream in, are within the body limit (parsed off the event loop when large)."""
+        _check_content_type(request.headers.get("content-type"))
+        body = await _read_body(request, body_limit)
+        if len(body) > _OFF_LOOP_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(None, parse, body, *args)
+        return parse(body, *args)
+
     @app.post("/v1/embeddings", summary="Embed documents or queries",
               openapi_extra={"requestBody": {"required": True,
                                              "content": {"application/json": {"schema": REQUEST_SCHEMA}}}})
@@ -114,20 +124,19 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
         start = time.perf_counter()
         input_type = "unknown"
         try:
-            _check_content_type(request.headers.get("content-type"))
-            body = await _read_body(request, body_limit)
-            if len(body) > _OFF_LOOP_BYTES:
-                req = await asyncio.get_running_loop().run_in_executor(None, parse_embedding_request, body, core.dim)
-            else:
-                req = parse_embedding_request(body, core.dim)
+            req = await read_request(request, parse_embedding_request, core.dim)
             input_type = req.input_type
-            embed = core.embed_queries if req.input_type == "query" else core.embed_documents
-            out = await _unless_disconnected(request, embed(req.input))
+            if req.input_type == "query":
+                work = core.embed_queries(req.input)
+            else:
+                work = core.embed_documents(req.input, return_chunks=req.return_chunks)
+            out = await _unless_disconnected(request, work)
             if out is None:
                 metrics.observe_request(input_type, CLIENT_GONE)
                 return Response(status_code=CLIENT_GONE)
-            args = (out.vectors, out.tokens, name, req.encoding_format, out.truncated)
-            if out.vectors.size > _OFF_LOOP_FLOATS:
+            args = (out.vectors, out.tokens, name, req.encoding_format, out.truncated, out.chunks)
+            floats = out.vectors.size + (out.chunks.chunks.size if out.chunks is not None else 0)
+            if floats > _OFF_LOOP_FLOATS:
                 content = await asyncio.get_running_loop().run_in_executor(None, embedding_response, *args)
             else:
                 content = embedding_response(*args)
@@ -143,6 +152,8 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
             return JSONResponse(internal_error_body(), status_code=500)
         metrics.observe_request(input_type, 200, time.perf_counter() - start, len(req.input), int(out.tokens.sum()))
         return Response(content, media_type="application/json")
+
+    add_evidence_route(app, core, metrics, name, error, STATUS, read_request, _unless_disconnected)
 
     @app.get("/health", summary="Readiness and queue state")
     async def health():  # 200 "ok"; 503 "starting" (no warm-up yet), "draining" (SIGTERM), "unhealthy"

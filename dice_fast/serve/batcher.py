@@ -55,11 +55,14 @@ __all__ = ["AsyncDiceEncoder", "BatchStats", "Embeddings"]
 class Embeddings:
     """The result of one request. vectors: (n, dim) float32, row i is input i; tokens: (n,) int64
     tokens the model ran for input i (all its chunks, special tokens and prefix included); truncated:
-    the indices of queries cut to the window (``auto_truncate``)."""
+    the indices of queries cut to the window (``auto_truncate``); chunks: with ``return_chunks``, the
+    `DiceOutput` (chunk vectors and spans) equal to ``encoder.encode_documents(texts, return_chunks=True)``,
+    else None."""
 
     vectors: np.ndarray
     tokens: np.ndarray
     truncated: tuple[int, ...] = ()
+    chunks: object = None
 
 
 @dataclass(eq=False)
@@ -71,6 +74,7 @@ class _Request:
     future: asyncio.Future
     job: Job | None = None
     cancelled: bool = False
+    keep_chunks: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -208,10 +212,11 @@ class AsyncDiceEncoder(WorkerLoop):
         `close` stops the core afterwards."""
         self._draining = True
 
-    async def embed_documents(self, texts: Iterable[str]) -> Embeddings:
+    async def embed_documents(self, texts: Iterable[str], return_chunks: bool = False) -> Embeddings:
         """Encode n documents (chunked and aggregated) -> `Embeddings` with vectors (n, dim) float32,
-        equal to ``encoder.encode_documents(texts)`` whatever else is in flight."""
-        return await self._embed(texts, "documents", None)
+        equal to ``encoder.encode_documents(texts)`` whatever else is in flight (and, with
+        ``return_chunks``, its ``chunks`` equal to ``encode_documents(texts, return_chunks=True)``)."""
+        return await self._embed(texts, "documents", None, return_chunks)
 
     async def embed_queries(self, texts: Iterable[str]) -> Embeddings:
         """Encode n queries (one window each, never chunked) -> `Embeddings` with vectors (n, dim)
@@ -258,7 +263,7 @@ class AsyncDiceEncoder(WorkerLoop):
                 f"cross_request_batching={self.cross_request_batching})")
 
     # ------------------------------------------------------------------------- request side
-    async def _embed(self, texts, kind: str, aggregation: str | None) -> Embeddings:
+    async def _embed(self, texts, kind: str, aggregation: str | None, return_chunks: bool = False) -> Embeddings:
         self._check_accepting()
         deadline = asyncio.get_running_loop().time() + self.request_timeout if self.request_timeout else None
         texts = check_texts(texts, "input")
@@ -288,13 +293,18 @@ class AsyncDiceEncoder(WorkerLoop):
                 raise
             tokens = plan.document_tokens
             self._check_sizes(tokens)
-            request = _Request(plan, aggregation, int(tokens.sum()), loop, loop.create_future())
+            request = _Request(plan, aggregation, int(tokens.sum()), loop, loop.create_future(),
+                               keep_chunks=return_chunks)
             self._submit(request)
             try:
                 vectors = await self._until(deadline, request.future)
             except (asyncio.CancelledError, DeadlineExceeded):
                 self._cancel(request)
                 raise
+            if return_chunks:
+                from ..engine import DiceOutput
+
+                return Embeddings(vectors[0], tokens, truncated, DiceOutput.of_plan(plan, *vectors))
             return Embeddings(vectors, tokens, truncated)
         finally:
             with self._cond:

@@ -8,10 +8,19 @@ Request (``POST /v1/embeddings``), a JSON object:
     input_type       "document" (default: chunked and aggregated) or "query" (one window); Cohere's and
                      Nomic's "search_document" / "search_query" are accepted too
     dimensions       optional; must equal the model's width (truncation is not offered)
+    return_chunks    optional boolean (documents only): each data item also gets "chunks", a list of
+                     {"embedding", "start_char", "end_char", "tokens"}: the chunk vectors (in
+                     encoding_format) with the chunk's span ``input[start_char:end_char]`` and its
+                     content tokens, equal to ``encode_documents(input, return_chunks=True)``
     user             ignored, as are unknown fields
 Response: {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}],
            "model": name, "usage": {"prompt_tokens": n, "total_tokens": n}}, and in usage
            "truncated_inputs": [i, ...] when queries were cut to the window (auto-truncate)
+
+Evidence (``POST /v1/evidence``), a JSON object: ``query`` (a non-empty string), ``documents`` (as
+``input``), ``scoring`` ("dice", "maxsim" or "hybrid", default "maxsim") and ``alpha`` (hybrid's weight,
+optional). Response: {"object": "list", "data": [{"index": i, "score", "chunk", "start_char",
+"end_char", "chunk_score", "text"}] in input order, "scoring", "model", "usage"}.
 """
 
 from __future__ import annotations
@@ -39,7 +48,18 @@ REQUEST_SCHEMA = {
         "encoding_format": {"type": "string", "enum": list(ENCODING_FORMATS), "default": "float"},
         "input_type": {"type": "string", "enum": list(INPUT_TYPES), "default": "document"},
         "dimensions": {"type": "integer"},
+        "return_chunks": {"type": "boolean", "default": False},
         "user": {"type": "string"},
+    },
+}
+EVIDENCE_SCHEMA = {
+    "type": "object",
+    "required": ["query", "documents"],
+    "properties": {
+        "query": {"type": "string", "minLength": 1},
+        "documents": REQUEST_SCHEMA["properties"]["input"],
+        "scoring": {"type": "string", "enum": ["dice", "maxsim", "hybrid"], "default": "maxsim"},
+        "alpha": {"type": "number", "minimum": 0, "maximum": 1},
     },
 }
 
@@ -53,6 +73,17 @@ class EmbeddingRequest:
     input_type: str = "document"
     encoding_format: str = "float"
     model: str | None = None
+    return_chunks: bool = False
+
+
+@dataclass(frozen=True)
+class EvidenceRequest:
+    """A parsed evidence request: one query, the documents to read, the scoring and its alpha."""
+
+    query: str
+    documents: list[str]
+    scoring: str = "maxsim"
+    alpha: float | None = None
 
 
 def _json_type(value) -> str:
@@ -68,9 +99,7 @@ def parse_embedding_request(body: bytes, dim: int) -> EmbeddingRequest:
     Strict JSON: no NaN / Infinity, no key twice in an object; nesting deeper than Python's recursion
     limit is refused as malformed, as is an input that is not valid Unicode (a lone surrogate escape).
     """
-    obj = _load_json(body)
-    if not isinstance(obj, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {_json_type(obj)}")
+    obj = _json_object(body, "an 'input' field")
 
     if "input" not in obj:
         raise InvalidRequest("'input' is required: a string or a list of strings", param="input")
@@ -91,7 +120,45 @@ def parse_embedding_request(body: bytes, dim: int) -> EmbeddingRequest:
     if dimensions is not None and (not _is_int(dimensions) or dimensions != dim):
         raise InvalidRequest(f"'dimensions' must be {dim}, the model's width (vectors are not truncated), got "
                              f"{_short(dimensions)}", param="dimensions")
-    return EmbeddingRequest(texts, INPUT_TYPES[input_type], encoding_format, model)
+    return_chunks = obj.get("return_chunks", False)
+    if not isinstance(return_chunks, bool):
+        raise InvalidRequest(f"'return_chunks' must be true or false, got {_json_type(return_chunks)}",
+                             param="return_chunks")
+    if return_chunks and INPUT_TYPES[input_type] == "query":
+        raise InvalidRequest("'return_chunks' is for documents; a query is one window, never chunked",
+                             param="return_chunks")
+    return EmbeddingRequest(texts, INPUT_TYPES[input_type], encoding_format, model, return_chunks)
+
+
+def parse_evidence_request(body: bytes) -> EvidenceRequest:
+    """Parse and check a ``/v1/evidence`` body; `InvalidRequest` naming the field for anything malformed."""
+    obj = _json_object(body, "'query' and 'documents' fields")
+    query = obj.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise InvalidRequest(f"'query' must be a non-empty string, got {_json_type(query)}", param="query")
+    if "documents" not in obj:
+        raise InvalidRequest("'documents' is required: a string or a list of strings", param="documents")
+    try:
+        documents = _parse_input(obj["documents"])
+    except InvalidRequest as exc:  # the same checks as 'input', named for this route
+        raise InvalidRequest(str(exc).replace("'input'", "'documents'").replace("input[", "documents["),
+                             param=(exc.param or "documents").replace("input", "documents")) from None
+    scoring = obj.get("scoring") or "maxsim"
+    if scoring not in ("dice", "maxsim", "hybrid"):
+        raise InvalidRequest(f"'scoring' must be one of 'dice', 'maxsim', 'hybrid', got {scoring!r}", param="scoring")
+    alpha = obj.get("alpha")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
+        raise InvalidRequest(f"'alpha' must be a number from 0 to 1, got {alpha!r}", param="alpha")
+    return EvidenceRequest(query, documents, scoring, None if alpha is None else float(alpha))
+
+
+def _json_object(body: bytes, needs: str) -> dict:
+    """The JSON object of a request body (strict, see `_load_json`); `InvalidRequest` for anything else.
+    needs: what the object must hold, for the message about an empty body."""
+    obj = _load_json(body, needs)
+    if not isinstance(obj, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {_json_type(obj)}")
+    return obj
 
 
 def _parse_input(value) -> list[str]:
@@ -122,14 +189,14 @@ def _parse_input(value) -> list[str]:
 _SURROGATE = re.compile("[\ud800-\udfff]")  # JSON can escape them; UTF-8 (and the tokenizer) cannot hold them
 
 
-def _load_json(body: bytes):
+def _load_json(body: bytes, needs: str):
     """The JSON value of ``body`` (UTF-8, strict); `InvalidRequest` saying what is wrong and where."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidRequest(f"the request body is not valid UTF-8 (byte {exc.start}); send JSON in UTF-8") from None
     if not text.strip():
-        raise InvalidRequest("the request body is empty; send a JSON object with an 'input' field")
+        raise InvalidRequest(f"the request body is empty; send a JSON object with {needs}")
     try:
         return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
@@ -166,21 +233,37 @@ def _is_int(value) -> bool:
 
 
 def embedding_response(vectors: np.ndarray, tokens: np.ndarray, model: str, encoding_format: str,
-                       truncated: tuple[int, ...] = ()) -> bytes:
+                       truncated: tuple[int, ...] = (), chunks=None) -> bytes:
     """The JSON response body. vectors: (n, dim) float32; tokens: (n,) tokens per input; truncated: the
-    indices of inputs cut to the window (listed in ``usage.truncated_inputs`` when there are any)."""
-    if encoding_format == "base64":
-        little = np.ascontiguousarray(vectors, dtype="<f4")
-        embeddings = [base64.b64encode(row.tobytes()).decode("ascii") for row in little]
-    else:
-        embeddings = vectors.astype(np.float32, copy=False).tolist()
+    indices of inputs cut to the window (listed in ``usage.truncated_inputs`` when there are any);
+    chunks: a `DiceOutput` of the n inputs to list under each item's "chunks" (None: no chunks)."""
+    embeddings = _encode_vectors(vectors, encoding_format)
     total = int(tokens.sum())
-    body = {
-        "object": "list",
-        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)],
-        "model": model,
-        "usage": {"prompt_tokens": total, "total_tokens": total},
-    }
+    data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)]
+    if chunks is not None:
+        vectors_of_chunks = _encode_vectors(chunks.chunks, encoding_format)
+        items = zip(chunks.chunk_document.tolist(), vectors_of_chunks, chunks.chunk_start_char.tolist(),
+                    chunks.chunk_end_char.tolist(), (chunks.chunk_end - chunks.chunk_start).tolist())
+        for item in data:
+            item["chunks"] = []
+        for d, e, start, end, n in items:
+            data[d]["chunks"].append({"embedding": e, "start_char": start, "end_char": end, "tokens": n})
+    body = {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": total, "total_tokens": total}}
     if truncated:
         body["usage"]["truncated_inputs"] = list(truncated)
     return json.dumps(body, separators=(",", ":")).encode("utf-8")
+
+
+def evidence_response(rows: list[dict], scoring: str, tokens: int, model: str) -> bytes:
+    """The ``/v1/evidence`` response body: rows (one per document, in input order) as given."""
+    body = {"object": "list", "data": rows, "scoring": scoring, "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+
+
+def _encode_vectors(vectors: np.ndarray, encoding_format: str) -> list:
+    """Rows of (n, dim) ``vectors`` as lists of floats, or base64 of little-endian float32 bytes."""
+    if encoding_format == "base64":
+        little = np.ascontiguousarray(vectors, dtype="<f4")
+        return [base64.b64encode(row.tobytes()).decode("ascii") for row in little]
+    return vectors.astype(np.float32, copy=False).tolist()

@@ -124,7 +124,8 @@ class WorkerLoop:
             request = self._pending.popleft()
             self._pending_tokens -= request.tokens
             try:
-                request.job = self._current = self._queue.submit(request.plan, request.aggregation, tag=request)
+                request.job = self._current = self._queue.submit(request.plan, request.aggregation, tag=request,
+                                                                 keep_chunks=request.keep_chunks)
             except Exception as exc:
                 log.exception("dice_fast.serve: admitting a request failed")
                 _settle(request, exc=exc)
@@ -152,7 +153,7 @@ class WorkerLoop:
             with self._cond:
                 for job in batch.jobs:
                     if job.done:  # finished before the error
-                        _settle(job.tag, value=job.documents)
+                        _settle(job.tag, value=_result(job))
                     elif not job.cancelled or job.error is not None:
                         self._queue.fail(job, exc)
                         _settle(job.tag, exc=_client_error(job.error))
@@ -160,7 +161,7 @@ class WorkerLoop:
         self._ran = True
         seconds = time.perf_counter() - start
         for job in finished:
-            _settle(job.tag, value=job.documents)
+            _settle(job.tag, value=_result(job))
         for job in failed:
             _settle(job.tag, exc=_client_error(job.error))
         tokens = batch.packed.n_tokens
@@ -179,6 +180,11 @@ def _client_error(error: BaseException) -> BaseException:
     if isinstance(error, InputOutOfMemory):
         return OutOfMemory(str(error), param=error.name)
     return error
+
+
+def _result(job):
+    """What a finished job's request awaits: its document vectors, with its chunk vectors when kept."""
+    return (job.documents, job.chunks) if job.keep_chunks else job.documents
 
 
 def _settle(request, value=None, exc: BaseException | None = None) -> None:

@@ -1,0 +1,83 @@
+"""Reading the output of ``dice-fast encode ... --chunks`` (a ``.parquet`` file or a folder of Parquet
+shards listed by ``manifest*.json``) as the arrays a `DiceIndex` holds.
+
+The columns (``id``, ``embedding``, ``chunk_embeddings``, ``chunk_start_char``, ``chunk_end_char``,
+``chunk_tokens``) are the documented output format of the encode command; this module reads them with
+pyarrow and does not import the corpus package. Rows come in file order (for a split job, split by
+split); an index does not depend on the order.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+NEEDED = ("id", "embedding", "chunk_embeddings", "chunk_start_char", "chunk_end_char", "chunk_tokens")
+
+
+def corpus_files(path) -> list[Path]:
+    """The Parquet files of an encode output: the file itself, or the shards every manifest lists."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such file or folder")
+    manifests = sorted(path.glob("manifest*.json"))
+    if not manifests:
+        raise ValueError(f"{path}: not an output folder of dice-fast encode (no manifest.json)")
+    files = []
+    for m in manifests:
+        try:
+            shards = json.loads(m.read_text(encoding="utf-8"))["shards"]
+            files += [path / s["file"] for s in shards]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{m}: unreadable manifest ({exc})") from None
+    return files
+
+
+def read_corpus_output(path):
+    """Yield, per Parquet file: (ids list, documents (n, dim) float32, chunks (n_chunks, dim) float32,
+    chunk_document (n_chunks,) int64, start_char, end_char, tokens (n_chunks,) int64)."""
+    import pyarrow.parquet as pq
+
+    for file in corpus_files(path):
+        try:
+            table = pq.read_table(file)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{file}: unreadable Parquet ({exc})") from None
+        missing = [c for c in NEEDED if c not in table.column_names]
+        if missing:
+            raise ValueError(f"{file}: no {', '.join(missing)} column(s); encode with --chunks to index the output")
+        n = table.num_rows
+        documents = _matrix(table.column("embedding").combine_chunks(), n)
+        lists = table.column("chunk_embeddings").combine_chunks()
+        offsets = np.asarray(lists.offsets, np.int64)
+        chunks = _matrix(lists.flatten(), int(offsets[-1] - offsets[0]))
+        chunk_document = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
+        spans = [np.asarray(table.column(c).combine_chunks().flatten(), np.int64) for c in NEEDED[3:]]
+        if any(len(s) != len(chunks) for s in spans):
+            raise ValueError(f"{file}: chunk spans and chunk vectors differ in count")
+        yield (table.column("id").to_pylist(), documents, chunks, chunk_document, *spans)
+
+
+def _matrix(fixed_lists, rows: int) -> np.ndarray:
+    values = np.asarray(fixed_lists.flatten(), np.float32)
+    return values.reshape(rows, -1) if rows else values.reshape(0, fixed_lists.type.list_size)
+
+
+def corpus_encoder(path) -> tuple[str | None, dict]:
+    """(model folder or None for the bundled one, DICE options) the encode job recorded in its
+    Parquet metadata, for a query encoder that matches its vectors."""
+    import pyarrow.parquet as pq
+
+    file = corpus_files(path)[0]
+    try:
+        meta = json.loads(pq.read_schema(file).metadata[b"dice_fast"])
+        options = dict(meta["options"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{file}: no dice_fast options in its metadata ({exc})") from None
+    model = options.pop("model", None)
+    options.pop("chunks", None)
+    return (None if model is None or model.startswith("(bundled") else model), options
