@@ -29,6 +29,9 @@ class build_py(_build_py):
 SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "httpx>=0.27"]
 RAY = ["ray[data]>=2.9"]
 MTEB = ["mteb>=2.0"]
+# retrieval stacks: LangChain / LlamaIndex adapters (httpx, for a remote server, comes with both)
+STACKS = {"langchain": ["langchain-core>=0.3"], "llama-index": ["llama-index-core>=0.12"]}
+STACK_TESTS = [*STACKS["langchain"], *STACKS["llama-index"], "openai>=1.40"]  # + the official client vs the server
 
 setup(
     name="dice-fast",
@@ -55,13 +58,15 @@ setup(
         # cannot take tensor loop bounds with numpy 2 (compiled 3.6 is fine: every kernel was built
         # for sm_90 with it); the tests pass under 3.9, and the bound keeps CI off untried releases
         "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja",
-                 *SERVE, *RAY, *MTEB],
+                 *SERVE, *RAY, *MTEB,
+                 *STACK_TESTS],
         "gpu": ["triton>=3.0"],
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
         "native": ["ninja"],
         "serve": SERVE,
         "ray": RAY,
         "mteb": MTEB,
+        **STACKS,
     },
     cmdclass={"build_py": build_py},
     entry_points={"console_scripts": ["dice-fast=dice_fast.cli:main"]},

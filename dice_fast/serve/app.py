@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from .. import __version__
+from ..matryoshka import truncate
 from ..runinfo import model_label
 from .batcher import AsyncDiceEncoder
 from .errors import InvalidRequest, Overloaded, RequestTooLarge, ServeError, ShuttingDown, internal_error_body
@@ -94,8 +95,9 @@ def create_app(encoder, *, model_name: str | None = None, **limits):
             if out is None:
                 metrics.observe_request(input_type, CLIENT_GONE)
                 return Response(status_code=CLIENT_GONE)
-            args = (out.vectors, out.tokens, name, req.encoding_format)
-            if out.vectors.size > _OFF_LOOP_FLOATS:
+            vectors = truncate(out.vectors, req.dimensions, core.encoder.config.normalize)
+            args = (vectors, out.tokens, name, req.encoding_format)
+            if vectors.size > _OFF_LOOP_FLOATS:
                 content = await asyncio.get_running_loop().run_in_executor(None, embedding_response, *args)
             else:
                 content = embedding_response(*args)
