@@ -139,3 +139,27 @@ def test_langchain_embeddings_against_the_server(server, want):
     with pytest.raises(DiceServerError, match=r"422 for inputs 2\.\.3 of this call: input\[1\] is empty") as info:
         emb.embed_documents(["a", "b", "c", " "])
     assert info.value.status == 422
+
+
+def test_llama_index_embedding_against_the_server(server, want):
+    pytest.importorskip("llama_index.core", reason="the llama-index extra is not installed")
+    from dice_fast.integrations.llama_index import DiceEmbedding
+
+    embed = DiceEmbedding(base_url=server.url)
+    np.testing.assert_array_equal(np.asarray(embed.get_text_embedding_batch(DOCS), np.float32), want[0])
+    np.testing.assert_array_equal(np.asarray(asyncio.run(embed.aget_query_embedding(QUERY)), np.float32), want[1])
+    assert "authorization" not in server.recorder.requests[-1][0]  # no key, no header
+
+
+def test_a_full_queue_is_retried_after_the_servers_retry_after():
+    import httpx
+
+    from dice_fast.integrations._embedder import ServerEmbedder
+
+    client = ServerEmbedder("http://127.0.0.1:1", max_retries=2)
+    busy = httpx.Response(429, headers={"Retry-After": "2"})
+    assert client._retry_after(busy, 0) == 2.0 and client._retry_after(busy, 1) == 2.0
+    assert client._retry_after(busy, 2) is None  # retries spent: the 429 is raised
+    assert client._retry_after(httpx.Response(429, headers={"Retry-After": "3600"}), 0) == 30.0
+    assert client._retry_after(httpx.Response(429, headers={"Retry-After": "soon"}), 0) == 1.0
+    assert client._retry_after(httpx.Response(503), 0) is None and client._retry_after(httpx.Response(200), 0) is None
