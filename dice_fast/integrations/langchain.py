@@ -31,6 +31,7 @@ from langchain_core.callbacks import CallbackManagerForRetrieverRun  # noqa: E40
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
+from pydantic import Field  # noqa: E402
 
 __all__ = ["DiceEmbeddings", "DiceRetriever", "DiceServerError"]
 
@@ -77,11 +78,12 @@ class DiceEmbeddings(Embeddings):
 class DiceRetriever(BaseRetriever):
     """Retrieve by document, hand over the passage: a langchain-core retriever over a `DiceIndex`.
 
-    index: a `dice_fast.DiceIndex` (any object with its ``search(queries, k=, scoring=)`` whose hits carry
-        ``id``, ``score``, ``chunk``, ``start_char``, ``end_char``, ``chunk_score`` and the passage text);
-        built with the documents' texts, so that passages can be returned.
+    index: a `dice_fast.DiceIndex` that stores its texts (the default of ``DiceIndex.from_texts``); any
+        object with its ``search(queries, k=, scoring=, **search_kwargs)`` whose hits carry ``id``,
+        ``score``, ``chunk``, ``start_char``, ``end_char``, ``chunk_score`` and ``text`` will do.
     k: documents per query; scoring: "dice" (the document vector ranks), "maxsim" (a document's best
-        chunk) or "hybrid" (see DiceIndex.search).
+        chunk) or "hybrid" (see ``DiceIndex.search``); search_kwargs: more arguments of ``search``
+        (``alpha``, ``approximate`` ...).
 
     Each hit becomes a ``Document`` whose ``page_content`` is the evidence passage (the chunk of the
     document that best matches the query, ``text[start_char:end_char]``), ``id`` the document's id, and
@@ -91,13 +93,17 @@ class DiceRetriever(BaseRetriever):
     index: Any
     k: int = 4
     scoring: str = "dice"
+    search_kwargs: dict = Field(default_factory=dict)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
-        hits = self.index.search([_text(query)], k=self.k, scoring=self.scoring)[0]
+        hits = self.index.search([_text(query)], k=self.k, scoring=self.scoring, **self.search_kwargs)[0]
         return [_document(hit, self.scoring) for hit in hits]
 
 
 def _document(hit, scoring: str) -> Document:
+    if hit.text is None:
+        raise ValueError("DiceRetriever returns passages, but this index does not store its texts; build it with "
+                         "DiceIndex.from_texts(encoder, texts, ids) (store_text=True, the default)")
     metadata = {"id": hit.id, "score": float(hit.score), "scoring": scoring, "chunk": int(hit.chunk),
                 "start_char": int(hit.start_char), "end_char": int(hit.end_char),
                 "chunk_score": float(hit.chunk_score)}
