@@ -26,27 +26,27 @@ def _cut(rows: np.ndarray, d: int, normalize: bool) -> np.ndarray:
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12) if normalize else out
 
 
-@pytest.mark.parametrize("normalize_chunks,aggregation", [(False, "mean"), (True, "topk_norm")])
-def test_documents_chunks_and_queries_are_the_oracle_truncated(normalize_chunks, aggregation):
-    """topk_norm ranks chunks by their full-width norm; truncation comes after aggregating."""
+@pytest.mark.parametrize("normalize,normalize_chunks,aggregation", [(True, False, "mean"), (False, True, "topk_norm")])
+def test_documents_chunks_and_queries_are_the_oracle_truncated(normalize, normalize_chunks, aggregation):
+    """Re-normalised exactly where the output is normalised; topk_norm ranks chunks by their full-width
+    norm: truncation comes after aggregating."""
     model, tok, prefix, suffix, first = tiny("bert")
     rng = random.Random(5)
     texts = [text_of(n, rng) for n in (0, 1, K, 2 * K + 3, 5 * K)]
     opts = dict(chunk_size=K, pooling="mean", aggregation=aggregation, normalize_chunks=normalize_chunks)
+    enc = DiceEncoder(model, tok, max_batch_tokens=24, truncate_dim=D, normalize=normalize, **opts)
+    assert enc.dim == D
+    got = enc.encode_documents(texts, return_chunks=True)
     raw, want_chunks = reference_encode(model, tok, texts, prefix=prefix, suffix=suffix, first_position=first,
                                         chunk_size=K, pooling="mean", aggregation=aggregation,
                                         normalize_chunks=normalize_chunks, normalize=False)
+    assert got.documents.shape == (len(texts), D) and got.documents.dtype == np.float32
+    assert_close(got.documents, _cut(raw, D, normalize), ATOL, what="documents")
+    assert_close(got.chunks, _cut(np.concatenate(want_chunks), D, normalize_chunks), ATOL, what="chunks")
     queries = ["the cat sat on a mat", "what is the big red house"]
-    for normalize in (True, False):
-        enc = DiceEncoder(model, tok, max_batch_tokens=24, truncate_dim=D, normalize=normalize, **opts)
-        assert enc.dim == D
-        got = enc.encode_documents(texts, return_chunks=True)
-        assert got.documents.shape == (len(texts), D) and got.documents.dtype == np.float32
-        assert_close(got.documents, _cut(raw, D, normalize), ATOL, what=f"documents, normalize={normalize}")
-        assert_close(got.chunks, _cut(np.concatenate(want_chunks), D, normalize_chunks), ATOL, what="chunks")
-        full = DiceEncoder(model, tok, normalize=False, **opts).encode_queries(queries)
-        assert_close(enc.encode_queries(queries), _cut(full, D, normalize), ATOL, what="queries")
-        assert enc.encode_documents([]).shape == (0, D)
+    full = DiceEncoder(model, tok, normalize=False, **opts).encode_queries(queries)
+    assert_close(enc.encode_queries(queries), _cut(full, D, normalize), ATOL, what="queries")
+    assert enc.encode_documents([]).shape == (0, D)
 
 
 def test_full_width_is_the_untruncated_engine():
