@@ -29,6 +29,7 @@ class build_py(_build_py):
 SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "httpx>=0.27"]
 RAY = ["ray[data]>=2.9"]
 MTEB = ["mteb>=2.0"]
+INDEX = ["faiss-cpu>=1.7"]  # approximate DiceIndex search only
 # retrieval stacks: LangChain / LlamaIndex adapters (httpx, for a remote server, comes with both)
 STACKS = {"langchain": ["langchain-core>=0.3"], "llama-index": ["llama-index-core>=0.12"]}
 STACK_TESTS = [*STACKS["langchain"], *STACKS["llama-index"], "openai>=1.40"]  # + the official client vs the server
@@ -58,7 +59,7 @@ setup(
         # cannot take tensor loop bounds with numpy 2 (compiled 3.6 is fine: every kernel was built
         # for sm_90 with it); the tests pass under 3.9, and the bound keeps CI off untried releases
         "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja",
-                 *SERVE, *RAY, *MTEB,
+                 *SERVE, *RAY, *MTEB, *INDEX,
                  *STACK_TESTS],
         "gpu": ["triton>=3.0"],
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
@@ -66,6 +67,7 @@ setup(
         "serve": SERVE,
         "ray": RAY,
         "mteb": MTEB,
+        "index": INDEX,
         **STACKS,
     },
     cmdclass={"build_py": build_py},

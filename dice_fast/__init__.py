@@ -18,9 +18,10 @@ _LAZY = {
     "DiceOutput": "dice_fast.engine",
     "DiceConfig": "dice_fast.config",
     "EncodingPlan": "dice_fast.chunking",
+    "DiceIndex": "dice_fast.index",
 }
 
-__all__ = ["DiceEncoder", "DiceOutput", "DiceConfig", "EncodingPlan", "__version__"]
+__all__ = ["DiceEncoder", "DiceOutput", "DiceConfig", "EncodingPlan", "DiceIndex", "__version__"]
 
 
 def __getattr__(name: str):

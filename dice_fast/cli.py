@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     "dice_fast.eval.cli",  # eval
     "dice_fast.bench.cli",  # bench
     "dice_fast.serve.cli",  # serve, bench-serve
+    "dice_fast.index.cli",  # index, search
 )
 
 

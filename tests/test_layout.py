@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dice_fast"
 # each consumer of the core's public API: a subpackage that never imports a sibling (nor the CLI root)
-CONSUMERS = ("eval", "bench", "serve", "integrations", "corpus")
+CONSUMERS = ("eval", "bench", "serve", "integrations", "corpus", "index")
 KERNELS = {"ops/triton_pool.py"}  # kernels may run longer than the module limit
 MAX_LINES = 400
 

@@ -1,0 +1,115 @@
+"""``dice-fast index INPUT -o INDEX`` builds a `DiceIndex`; ``dice-fast search INDEX "query"`` asks it.
+
+Registering the subcommands imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..cliargs import add_encoder_arguments
+
+EPILOG = """\
+input (one document per line or record):
+  .txt      one document per line (blank lines skipped); id = line number (1-based)
+  .jsonl    one JSON object per line; text in --field, id in --id-field (default: the line number)
+
+The index is a folder (documents.npy, chunks.npy, spans, ids.json, texts.json, index.json). Texts
+are stored by default so `dice-fast search` can print the evidence passage; --no-store-text keeps
+only the spans (search then prints the character span instead of the text).
+"""
+
+
+def register_cli(subparsers) -> None:
+    """Add the ``index`` and ``search`` subcommands."""
+    build = subparsers.add_parser(
+        "index", help="build a searchable index (document vectors, chunk vectors and spans) from texts",
+        description="Encode every document of INPUT with its chunk vectors and character spans into an index "
+        "folder that `dice-fast search` ranks by document and reads by chunk.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    build.add_argument("input", help="a .txt (one document per line) or .jsonl file")
+    build.add_argument("--output", "-o", required=True, help="the index folder to write")
+    build.add_argument("--field", default="text", help='JSON field holding the text (default "text")')
+    build.add_argument("--id-field", default=None, help="JSON field holding the id (default: the line number)")
+    build.add_argument("--store-text", action=argparse.BooleanOptionalAction, default=True,
+                       help="keep the texts in the index so search prints the passage (default: yes)")
+    build.add_argument("--chunk-dtype", choices=("float32", "float16"), default="float32",
+                       help="storage of chunk vectors (float16 halves them; scores within about 1e-3)")
+    add_encoder_arguments(build)
+    build.set_defaults(func=_build)
+
+    search = subparsers.add_parser(
+        "search", help="rank an index's documents for a query and print each hit's evidence passage",
+        description="Print, per hit: rank, id, score and the evidence passage (the chunk that matched best).")
+    search.add_argument("index", help="an index folder written by `dice-fast index`")
+    search.add_argument("query", nargs="+", help="one or more queries")
+    search.add_argument("-k", type=int, default=5, help="hits per query (default 5)")
+    search.add_argument("--scoring", choices=("dice", "maxsim", "hybrid"), default="dice",
+                        help="dice: document vector; maxsim: best chunk; hybrid: a blend (default dice)")
+    search.add_argument("--alpha", type=float, default=None, help="hybrid weight of the dice score")
+    search.add_argument("--device", default=None, help="where the query encoder runs (default: cuda if available)")
+    search.add_argument("--json", action="store_true", help="one JSON object per hit instead of text")
+    search.set_defaults(func=_search)
+
+
+def _build(args) -> int:
+    from ..cliargs import make_encoder
+    from . import DiceIndex
+
+    texts, ids = _read_input(args.input, args.field, args.id_field)
+    if not texts:
+        raise ValueError(f"{args.input}: no documents")
+    index = DiceIndex.from_texts(make_encoder(args), texts, ids, store_text=args.store_text,
+                                 chunk_dtype=args.chunk_dtype)
+    index.save(args.output)
+    print(f"{args.output}: {len(index)} documents, {index.n_chunks} chunks, {index.nbytes / 2**20:.1f} MiB of vectors",
+          file=sys.stderr)
+    return 0
+
+
+def _search(args) -> int:
+    import json
+
+    from ..engine import DiceEncoder
+    from ..scoring import DEFAULT_ALPHA
+    from . import DiceIndex
+
+    if args.k < 1:
+        raise ValueError(f"-k must be at least 1, got {args.k}")
+    index = DiceIndex.load(args.index)
+    options = dict(index.encoder_options, device=args.device)
+    index.encoder = DiceEncoder.from_pretrained(index.model, **options)
+    alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
+    for query, hits in zip(args.query, index.search(args.query, args.k, args.scoring, alpha=alpha)):
+        if not args.json:
+            print(f"query: {query}")
+        for rank, h in enumerate(hits, 1):
+            if args.json:
+                print(json.dumps({"query": query, "rank": rank, **h.__dict__}, ensure_ascii=False))
+                continue
+            passage = " ".join(h.text.split()) if h.text is not None else f"[characters {h.start_char}:{h.end_char}]"
+            print(f"{rank:>3}  {h.id}  {h.score:.4f}  chunk {h.chunk} ({h.chunk_score:.4f}): {passage}")
+    return 0
+
+
+def _read_input(path: str, field: str, id_field: str | None) -> tuple[list[str], list[str]]:
+    """(texts, ids) of a .txt (one per non-blank line) or .jsonl file; errors name file:line."""
+    from ..textio import read_json_objects, read_lines
+
+    texts, ids = [], []
+    if path.endswith((".jsonl", ".ndjson")):
+        for where, record in read_json_objects(path):
+            text = record.get(field)
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: field {field!r} is missing or not a string")
+            texts.append(text)
+            ids.append(str(record[id_field]) if id_field and id_field in record else where.rsplit(":", 1)[1])
+    elif path.endswith(".txt"):
+        for where, line in read_lines(path):
+            if line.strip():
+                texts.append(line)
+                ids.append(where.rsplit(":", 1)[1])
+    else:
+        raise ValueError(f"{path}: expected a .txt or .jsonl file")
+    return texts, ids

@@ -1,0 +1,300 @@
+"""`DiceIndex`: document vectors, chunk vectors and chunk spans of a corpus, searched exactly.
+
+Memory (dim = the model width, e.g. 384 for all-MiniLM-L6-v2):
+
+* per document: ``4 * dim`` bytes (its float32 vector) + 8 (its chunk offset) + its id, and its text
+  when stored (``store_text=True``);
+* per chunk: ``4 * dim`` bytes (float32) or ``2 * dim`` (``chunk_dtype="float16"``) + 24 (start
+  character, end character and token count, int64).
+
+For MiniLM with chunks of 256 tokens that is 1,544 bytes per document and 1,560 (float32) or 792
+(float16) per chunk: a 2,000-token document with 8 chunks holds about 14 kB (float32) or 7.9 kB.
+
+Exact search (the default) scores blocks of documents by one matrix product each, keeping a running
+top k, so memory is bounded by the block (about ``_BLOCK_SCORES`` scores), not the corpus. With
+``approximate=True`` a faiss HNSW graph (extra ``index``: faiss-cpu) proposes ``candidates``
+documents per query (over document vectors for ``dice``; over chunk vectors for ``maxsim`` and
+``hybrid``, a document being a candidate when one of its chunks is), which are then scored exactly:
+a hit's score is exact, but a document the graph does not propose is missed (recall < 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .. import scoring as sc
+
+# encoder options a loaded index does not pin (the machine's business, not the vectors')
+_MACHINE_OPTIONS = ("device", "dtype", "max_batch_tokens", "pooling_impl", "attention_backend")
+_BLOCK_SCORES = 1 << 22  # query x chunk scores per exact-search block (16 MiB of float32)
+CHUNK_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One search result: document ``id`` with its ``score`` under the scoring asked for, and its
+    evidence: ``chunk`` (index within the document), its span ``text[start_char:end_char]``, its
+    ``chunk_score`` (query . chunk vector), and ``text``, the passage itself when the index stores
+    texts (else None)."""
+
+    id: str
+    score: float
+    chunk: int
+    start_char: int
+    end_char: int
+    chunk_score: float
+    text: str | None = None
+
+
+class DiceIndex:
+    """Document and chunk vectors of a corpus with their spans (see the module docstring).
+
+    Build with `from_texts` (and `add`) or `from_arrays`; `search` ranks documents for queries;
+    `save` / `load` keep it in a folder. ``encoder`` (a `DiceEncoder`) is needed only to add texts
+    and to search by query strings; a loaded index gets one with ``load(path, encoder)``.
+    """
+
+    def __init__(self, dim: int, encoder=None, *, store_text: bool = True, chunk_dtype: str = "float32",
+                 model: str | None = None, encoder_options: dict | None = None):
+        if chunk_dtype not in CHUNK_DTYPES:
+            raise ValueError(f"chunk_dtype must be one of {', '.join(CHUNK_DTYPES)}, got {chunk_dtype!r}")
+        if encoder is not None and encoder.dim != dim:
+            raise ValueError(f"the encoder gives {encoder.dim}-wide vectors, the index holds {dim}")
+        self.dim, self.encoder, self.store_text, self.chunk_dtype = int(dim), encoder, bool(store_text), chunk_dtype
+        # the model and options the vectors were made with, so a query encoder can be rebuilt to match
+        self.model = model if model is not None else (encoder.spec.name if encoder is not None else None)
+        if encoder_options is None and encoder is not None:
+            encoder_options = {k: v for k, v in asdict(encoder.config).items() if k not in _MACHINE_OPTIONS}
+        self.encoder_options = dict(encoder_options or {})
+        self.ids: list[str] = []
+        self.texts: list[str] | None = [] if store_text else None
+        self.documents = np.zeros((0, self.dim), np.float32)
+        self.chunks = np.zeros((0, self.dim), CHUNK_DTYPES[chunk_dtype])
+        self.cu_doc_chunks = np.zeros(1, np.int64)
+        self.chunk_start_char = np.zeros(0, np.int64)
+        self.chunk_end_char = np.zeros(0, np.int64)
+        self.chunk_tokens = np.zeros(0, np.int64)
+        self._id_set: set[str] = set()
+        self._faiss: dict = {}
+
+    # ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_texts(cls, encoder, texts: Iterable[str], ids: Sequence | None = None, *, store_text: bool = True,
+                   chunk_dtype: str = "float32") -> DiceIndex:
+        """Encode ``texts`` (n_docs strings) with ``encoder`` and index them under ``ids`` (n_docs,
+        default "0", "1", ...)."""
+        index = cls(encoder.dim, encoder, store_text=store_text, chunk_dtype=chunk_dtype)
+        index.add(texts, ids)
+        return index
+
+    def add(self, texts: Iterable[str], ids: Sequence | None = None) -> None:
+        """Encode and append ``texts`` (n strings) under ``ids`` (n, default their position in the
+        index as strings). A duplicate id (within ``ids`` or already indexed) is refused by name
+        before anything is encoded."""
+        if self.encoder is None:
+            raise ValueError("this index has no encoder; pass one to DiceIndex.load(path, encoder) to add texts")
+        texts = list(texts)
+        ids = self._new_ids(ids, len(texts))
+        out = self.encoder.encode_documents(texts, return_chunks=True)
+        self.add_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
+                        out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
+
+    def add_arrays(self, ids: Sequence, documents: np.ndarray, chunks: np.ndarray, chunk_document: np.ndarray,
+                   chunk_start_char: np.ndarray, chunk_end_char: np.ndarray, chunk_tokens: np.ndarray,
+                   texts: Sequence[str] | None = None) -> None:
+        """Append encoded documents: ids (n,), documents (n, dim), chunks (n_chunks, dim) with
+        chunk_document (n_chunks,) sorted document index in ``0..n-1`` and the chunks' spans and token
+        counts (n_chunks,) each, as `DiceOutput` gives them; texts (n,) when the index stores them."""
+        ids = self._new_ids(ids, len(documents))
+        documents, chunks = np.asarray(documents, np.float32), np.asarray(chunks)
+        chunk_document = np.asarray(chunk_document, np.int64)
+        if documents.ndim != 2 or documents.shape[1] != self.dim or chunks.ndim != 2 or chunks.shape[1] != self.dim:
+            raise ValueError(f"expected (n, {self.dim}) vectors, got documents {documents.shape}, chunks {chunks.shape}")
+        if len(chunk_document) and (np.any(np.diff(chunk_document) < 0) or chunk_document[0] < 0
+                                    or chunk_document[-1] >= len(documents)):
+            raise ValueError("chunk_document must be sorted document indices in 0..n-1")
+        spans = [np.asarray(a, np.int64) for a in (chunk_start_char, chunk_end_char, chunk_tokens)]
+        if any(len(a) != len(chunks) for a in [chunk_document, *spans]):
+            raise ValueError("chunk_document, spans and token counts need one entry per chunk")
+        if self.store_text:
+            if texts is None or len(texts) != len(documents):
+                raise ValueError("this index stores texts: pass one text per document")
+            self.texts.extend(texts)
+        cu = sc.cu_from_chunk_document(chunk_document, len(documents)) + self.cu_doc_chunks[-1]
+        self.ids.extend(ids)
+        self._id_set.update(ids)
+        self.documents = np.concatenate([self.documents, documents])
+        self.chunks = np.concatenate([self.chunks, chunks.astype(CHUNK_DTYPES[self.chunk_dtype])])
+        self.cu_doc_chunks = np.concatenate([self.cu_doc_chunks, cu[1:]])
+        self.chunk_start_char = np.concatenate([self.chunk_start_char, spans[0]])
+        self.chunk_end_char = np.concatenate([self.chunk_end_char, spans[1]])
+        self.chunk_tokens = np.concatenate([self.chunk_tokens, spans[2]])
+        self._faiss.clear()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the vectors and spans (ids and texts not counted)."""
+        arrays = (self.documents, self.chunks, self.cu_doc_chunks, self.chunk_start_char, self.chunk_end_char,
+                  self.chunk_tokens)
+        return sum(a.nbytes for a in arrays)
+
+    def __repr__(self) -> str:
+        return (f"DiceIndex({len(self)} documents, {self.n_chunks} chunks, dim={self.dim}, "
+                f"chunk_dtype={self.chunk_dtype}, texts={'stored' if self.store_text else 'not stored'})")
+
+    # ---------------------------------------------------------------------------------------------
+    def search(self, queries, k: int = 10, scoring: str = "dice", *, alpha: float = sc.DEFAULT_ALPHA,
+               approximate: bool = False, candidates: int = 100) -> list[list[Hit]]:
+        """Rank documents for ``queries``: n query strings (encoded with the index's encoder) or an
+        (n, dim) array of query vectors. Returns n lists of at most ``k`` `Hit`s, best first.
+
+        scoring: "dice" (document vector; evidence = the hit's best chunk), "maxsim" (best chunk) or
+        "hybrid" (``alpha * dice + (1 - alpha) * maxsim``), see `dice_fast.scoring`. Exact unless
+        ``approximate`` (faiss proposes ``candidates`` documents per query, scored exactly).
+        """
+        sc.check_scoring(scoring)
+        alpha = sc.check_alpha(alpha)
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        q = self._query_vectors(queries)
+        if len(q) == 0 or len(self) == 0:
+            return [[] for _ in range(len(q))]
+        if approximate:
+            top = self._approximate_top(q, int(k), scoring, alpha, int(candidates))
+        else:
+            top = self._exact_top(q, int(k), scoring, alpha)
+        return [[self._hit(qv, d, s, scoring) for d, s in row] for qv, row in zip(q, top)]
+
+    def _query_vectors(self, queries) -> np.ndarray:
+        if isinstance(queries, np.ndarray):
+            if queries.ndim != 2 or queries.shape[1] != self.dim:
+                raise ValueError(f"query vectors must be (n, {self.dim}), got {queries.shape}")
+            return queries.astype(np.float32, copy=False)
+        if isinstance(queries, str):
+            raise TypeError("queries must be a list of strings (or an (n, dim) array), not a single string")
+        queries = list(queries)
+        if not queries:
+            return np.zeros((0, self.dim), np.float32)
+        if self.encoder is None:
+            raise ValueError("this index has no encoder to encode query strings; pass one to "
+                             "DiceIndex.load(path, encoder) or search with query vectors")
+        return self.encoder.encode_queries(queries)
+
+    def _score_range(self, q, d0: int, d1: int, scoring: str, alpha: float) -> np.ndarray:
+        """(n_q, d1 - d0) scores of documents d0..d1-1 (no evidence: it is found for hits only)."""
+        if scoring == "dice":
+            return sc.dice(q, self.documents[d0:d1])[0]
+        c0, c1 = self.cu_doc_chunks[d0], self.cu_doc_chunks[d1]
+        score, _ = sc.score(scoring, q, self.documents[d0:d1], self.chunks[c0:c1],
+                            self.cu_doc_chunks[d0 : d1 + 1] - c0, alpha)
+        return score
+
+    def _blocks(self, n_q: int):
+        """Document ranges [d0, d1): about ``_BLOCK_SCORES / n_q`` chunks and documents each (at least
+        one document)."""
+        budget = max(1, _BLOCK_SCORES // max(n_q, 1))
+        d0, n = 0, len(self)
+        while d0 < n:
+            d1 = int(np.searchsorted(self.cu_doc_chunks, self.cu_doc_chunks[d0] + budget, side="right")) - 1
+            d1 = min(max(d1, d0 + 1), d0 + budget, n)
+            yield d0, d1
+            d0 = d1
+
+    def _exact_top(self, q: np.ndarray, k: int, scoring: str, alpha: float) -> list[list[tuple[int, float]]]:
+        n_q = len(q)
+        best_s = np.full((n_q, 0), -np.inf, np.float64)
+        best_d = np.zeros((n_q, 0), np.int64)
+        for d0, d1 in self._blocks(n_q):
+            s = self._score_range(q, d0, d1, scoring, alpha).astype(np.float64)
+            s = np.concatenate([best_s, s], axis=1)
+            d = np.concatenate([best_d, np.broadcast_to(np.arange(d0, d1), (n_q, d1 - d0))], axis=1)
+            if s.shape[1] > k:
+                keep = np.argpartition(-s, k - 1, axis=1)[:, :k]
+                s, d = np.take_along_axis(s, keep, 1), np.take_along_axis(d, keep, 1)
+            best_s, best_d = s, d
+        return [_sorted(best_d[i], best_s[i]) for i in range(n_q)]
+
+    def _approximate_top(self, q, k: int, scoring: str, alpha: float, candidates: int):
+        if candidates < 1:
+            raise ValueError(f"candidates must be a positive integer, got {candidates}")
+        over = "documents" if scoring == "dice" else "chunks"
+        graph = self._faiss_graph(over)
+        _, found = graph.search(np.ascontiguousarray(q, np.float32), min(candidates, graph.ntotal))
+        out = []
+        for i, row in enumerate(found):
+            row = row[row >= 0]
+            docs = row if over == "documents" else np.searchsorted(self.cu_doc_chunks, row, side="right") - 1
+            docs = np.unique(docs)
+            s = np.array([self._score_range(q[i : i + 1], d, d + 1, scoring, alpha)[0, 0] for d in docs])
+            order = np.argsort(-s, kind="stable")[:k]
+            out.append(_sorted(docs[order], s[order]))
+        return out
+
+    def _faiss_graph(self, over: str):
+        if over not in self._faiss:
+            try:
+                import faiss
+            except ImportError:
+                raise ImportError("approximate search needs faiss: pip install 'dice_fast[index]' (faiss-cpu)") from None
+            vectors = np.ascontiguousarray(self.documents if over == "documents" else self.chunks, np.float32)
+            graph = faiss.IndexHNSWFlat(self.dim, 32, faiss.METRIC_INNER_PRODUCT)
+            graph.hnsw.efSearch = 128
+            graph.add(vectors)
+            self._faiss[over] = graph
+        return self._faiss[over]
+
+    def _hit(self, qv: np.ndarray, d: int, score: float, scoring: str) -> Hit:
+        c0, c1 = int(self.cu_doc_chunks[d]), int(self.cu_doc_chunks[d + 1])
+        if c1 == c0:
+            return Hit(self.ids[d], float(score), -1, 0, 0, float("-inf"), "" if self.store_text else None)
+        per_chunk = sc.chunk_scores(qv[None, :], self.chunks[c0:c1])[0]
+        j = int(np.argmax(per_chunk))
+        start, end = int(self.chunk_start_char[c0 + j]), int(self.chunk_end_char[c0 + j])
+        text = self.texts[d][start:end] if self.store_text else None
+        return Hit(self.ids[d], float(score), j, start, end, float(per_chunk[j]), text)
+
+    # ---------------------------------------------------------------------------------------------
+    def _new_ids(self, ids, n: int) -> list[str]:
+        if ids is None:
+            ids = [str(len(self) + i) for i in range(n)]
+        else:
+            ids = [str(i) for i in ids]
+            if len(ids) != n:
+                raise ValueError(f"got {len(ids)} ids for {n} documents")
+        seen: dict[str, int] = {}
+        for i, name in enumerate(ids):
+            if name in self._id_set:
+                raise ValueError(f"duplicate id {name!r}: ids[{i}] is already in the index")
+            if name in seen:
+                raise ValueError(f"duplicate id {name!r}: ids[{seen[name]}] and ids[{i}]")
+            seen[name] = i
+        return ids
+
+    def save(self, path) -> None:
+        """Write the index to the folder ``path`` (see `dice_fast.index.store`)."""
+        from .store import save
+
+        save(self, path)
+
+    @classmethod
+    def load(cls, path, encoder=None) -> DiceIndex:
+        """Read an index written by `save`; ``encoder`` lets it add texts and encode query strings."""
+        from .store import load
+
+        return load(cls, path, encoder)
+
+
+def _sorted(docs: np.ndarray, scores: np.ndarray) -> list[tuple[int, float]]:
+    """(document, score) pairs by descending score, ties by document order."""
+    order = np.lexsort((docs, -scores))
+    return [(int(docs[i]), float(scores[i])) for i in order]

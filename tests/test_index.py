@@ -1,0 +1,156 @@
+"""DiceIndex: hits equal a brute-force float64 scoring of the same vectors (every scoring, blocked
+search, float16 chunk storage), save/load round trip, refusals, and an end-to-end build from texts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dice_fast import DiceEncoder, DiceIndex
+from dice_fast.index import dice_index
+from tiny_models import tiny
+
+DIM = 16
+FLOAT16_TOLERANCE = 2e-3  # |score| of unit vectors in float16 storage vs float32, dim 16
+
+
+def _unit(rng, n):
+    v = rng.standard_normal((n, DIM))
+    return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _random_index(seed=0, n_docs=40, chunk_dtype="float32"):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(1, 6, n_docs)
+    counts[3] = 0  # a document without chunks (an empty text)
+    n_chunks = int(counts.sum())
+    doc_of = np.repeat(np.arange(n_docs), counts)
+    start = rng.integers(0, 100, n_chunks)
+    index = DiceIndex(DIM, store_text=False, chunk_dtype=chunk_dtype)
+    index.add_arrays([f"doc-{i}" for i in range(n_docs)], _unit(rng, n_docs), _unit(rng, n_chunks), doc_of,
+                     start, start + rng.integers(1, 50, n_chunks), rng.integers(1, 9, n_chunks))
+    return index, _unit(rng, 5)
+
+
+def brute_force(index: DiceIndex, queries, k, scoring, alpha=0.5):
+    """Per query: [(id, score, chunk, chunk_score)] of the top k, float64, one document at a time."""
+    docs, chunks, cu = index.documents.astype(np.float64), index.chunks.astype(np.float64), index.cu_doc_chunks
+    out = []
+    for q in queries.astype(np.float64):
+        rows = []
+        for d in range(len(index)):
+            per = chunks[cu[d] : cu[d + 1]] @ q
+            best = per.max() if len(per) else -np.inf
+            s = {"dice": docs[d] @ q, "maxsim": best, "hybrid": alpha * (docs[d] @ q) + (1 - alpha) * best}[scoring]
+            rows.append((-s, d, int(per.argmax()) if len(per) else -1, best))
+        rows.sort()
+        out.append([(index.ids[d], -s, c, b) for s, d, c, b in rows[:k]])
+    return out
+
+
+def assert_hits_equal(got, want, atol=1e-5):
+    assert [[h.id for h in row] for row in got] == [[w[0] for w in row] for row in want]
+    assert [[h.chunk for h in row] for row in got] == [[w[2] for w in row] for row in want]
+    for hits, wants in zip(got, want):
+        np.testing.assert_allclose([h.score for h in hits], [w[1] for w in wants], atol=atol)
+        np.testing.assert_allclose([h.chunk_score for h in hits], [w[3] for w in wants], atol=atol)
+
+
+@pytest.mark.parametrize("scoring", ["dice", "maxsim", "hybrid"])
+@pytest.mark.parametrize("block", [1 << 22, 7])
+def test_hits_equal_brute_force(scoring, block, monkeypatch):
+    monkeypatch.setattr(dice_index, "_BLOCK_SCORES", block)  # 7: blocks of one or two documents
+    index, queries = _random_index()
+    for k in (1, 5, 100):
+        got = index.search(queries, k=k, scoring=scoring, alpha=0.5)
+        assert_hits_equal(got, brute_force(index, queries, k, scoring))
+        for row in got:
+            assert len(row) == min(k, len(index))
+            for h in row:
+                d = index.ids.index(h.id)
+                if h.chunk >= 0:
+                    c = index.cu_doc_chunks[d] + h.chunk
+                    assert (h.start_char, h.end_char) == (index.chunk_start_char[c], index.chunk_end_char[c])
+
+
+@pytest.mark.parametrize("scoring", ["dice", "maxsim", "hybrid"])
+def test_float16_chunks_are_exact_over_their_rounded_vectors_and_close_to_float32(scoring):
+    full, queries = _random_index()
+    half, _ = _random_index(chunk_dtype="float16")
+    assert half.chunks.dtype == np.float16 and half.chunks.nbytes * 2 == full.chunks.nbytes
+    got = half.search(queries, k=10, scoring=scoring)
+    assert_hits_equal(got, brute_force(half, queries, 10, scoring))
+    for row, frow in zip(got, full.search(queries, k=10, scoring=scoring)):
+        f = {h.id: h.score for h in frow}
+        assert all(abs(h.score - f[h.id]) < FLOAT16_TOLERANCE for h in row if h.id in f)
+
+
+def test_approximate_search_scores_its_candidates_exactly():
+    pytest.importorskip("faiss")
+    index, queries = _random_index()
+    for scoring in ("dice", "maxsim"):
+        exact = index.search(queries, k=5, scoring=scoring)
+        approx = index.search(queries, k=5, scoring=scoring, approximate=True, candidates=len(index) * 5)
+        assert_hits_equal(approx, [[(h.id, h.score, h.chunk, h.chunk_score) for h in row] for row in exact])
+
+
+def test_save_load_round_trip_and_refusals(tmp_path):
+    index, queries = _random_index(chunk_dtype="float16")
+    index.save(tmp_path / "ix")
+    back = DiceIndex.load(tmp_path / "ix")
+    for scoring in ("dice", "maxsim", "hybrid"):
+        assert back.search(queries, 7, scoring) == index.search(queries, 7, scoring)
+    assert back.chunk_dtype == "float16" and back.ids == index.ids
+    with pytest.raises(ValueError, match="no index.json"):
+        DiceIndex.load(tmp_path)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds no dice_fast index"):
+        index.save(tmp_path / "other")
+    np.save(tmp_path / "ix" / "chunks.npy", np.zeros((3, DIM), np.float16))
+    with pytest.raises(ValueError, match=r"chunks\.npy: shape \(3, 16\)"):
+        DiceIndex.load(tmp_path / "ix")
+    meta = json.loads((tmp_path / "ix" / "index.json").read_text())
+    (tmp_path / "ix" / "index.json").write_text(json.dumps({**meta, "format": "something/9"}))
+    with pytest.raises(ValueError, match="format 'something/9'"):
+        DiceIndex.load(tmp_path / "ix")
+
+
+def test_bad_queries_and_ids_are_named():
+    index, queries = _random_index()
+    assert index.search(queries[:0], k=3) == []
+    assert DiceIndex(DIM).search(queries, k=3) == [[]] * len(queries)
+    for k in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="k must be a positive integer"):
+            index.search(queries, k=k)
+    with pytest.raises(ValueError, match="unknown scoring 'bm25'"):
+        index.search(queries, scoring="bm25")
+    with pytest.raises(ValueError, match="no encoder"):
+        index.search(["a query"])
+    with pytest.raises(ValueError, match=r"query vectors must be \(n, 16\)"):
+        index.search(queries[:, :4])
+    with pytest.raises(ValueError, match=r"duplicate id 'doc-2': ids\[0\] is already in the index"):
+        index.add_arrays(["doc-2"], queries[:1], queries[:1], [0], [0], [1], [1])
+    with pytest.raises(ValueError, match=r"duplicate id 'x': ids\[0\] and ids\[1\]"):
+        index.add_arrays(["x", "x"], queries[:2], queries[:2], [0, 1], [0, 0], [1, 1], [1, 1])
+
+
+def test_from_texts_finds_the_passage_with_its_text():
+    model, tok = tiny("bert")[:2]
+    enc = DiceEncoder(model, tok, chunk_size=4, pooling="mean", pooling_impl="torch")
+    texts = ["the cat sat on a mat and the dog ran", "big red house with tree under blue sky", ""]
+    index = DiceIndex.from_texts(enc, texts, ids=["a", "b", "c"])
+    index.add(["green old river water fire road city"], ids=["d"])
+    with pytest.raises(ValueError, match="duplicate id 'a'"):
+        index.add(["sun"], ids=["a"])
+    queries = ["tree under blue sky", "river water"]
+    vectors = enc.encode_queries(queries)
+    for scoring in ("dice", "maxsim", "hybrid"):
+        hits = index.search(queries, k=10, scoring=scoring)
+        assert_hits_equal(hits, brute_force(index, vectors, 10, scoring), atol=1e-4)
+        for h in (row[0] for row in hits):
+            c = index.cu_doc_chunks[index.ids.index(h.id)] + h.chunk
+            assert h.text == index.texts[index.ids.index(h.id)][index.chunk_start_char[c] : index.chunk_end_char[c]]
+            assert h.text.strip()
