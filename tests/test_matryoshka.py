@@ -81,3 +81,12 @@ def test_truncate_helper_keeps_the_input_and_agrees_between_numpy_and_torch():
     assert check_dim(None, 8) is None and check_dim(np.int64(8), 8) == 8
     with pytest.raises(ValueError, match=r"dimensions must be an integer from 1 to 8"):
         check_dim(9, 8, "dimensions")
+
+
+def test_the_evaluation_refuses_truncated_vectors():
+    """Its diagnostics compare full-width chunk vectors with queries: it says so instead of misreading."""
+    from dice_fast.eval.run import run_eval
+
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(ValueError, match="does not support truncate_dim"):
+        run_eval(None, DiceEncoder(model, tok, truncate_dim=D))
