@@ -30,6 +30,9 @@ SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "httpx>=0.27"]
 RAY = ["ray[data]>=2.9"]
 MTEB = ["mteb>=2.0"]
 INDEX = ["faiss-cpu>=1.7"]  # approximate DiceIndex search only
+# retrieval stacks: LangChain / LlamaIndex adapters (httpx, for a remote server, comes with both)
+STACKS = {"langchain": ["langchain-core>=0.3"], "llama-index": ["llama-index-core>=0.12"]}
+STACK_TESTS = [*STACKS["langchain"], *STACKS["llama-index"], "openai>=1.40"]  # + the official client vs the server
 
 setup(
     name="dice-fast",
@@ -58,7 +61,7 @@ setup(
         "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja",
                  # per-test timeouts (pytest.ini), property-based tests, the metrics-format test
                  "pytest-timeout>=2.1", "hypothesis>=6.80", "prometheus_client>=0.17",
-                 *SERVE, *RAY, *MTEB, *INDEX],
+                 *SERVE, *RAY, *MTEB, *INDEX, *STACK_TESTS],
         "gpu": ["triton>=3.0"],
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
         "native": ["ninja"],
@@ -66,6 +69,7 @@ setup(
         "ray": RAY,
         "mteb": MTEB,
         "index": INDEX,
+        **STACKS,
     },
     cmdclass={"build_py": build_py},
     entry_points={"console_scripts": ["dice-fast=dice_fast.cli:main"]},

@@ -19,6 +19,7 @@ def encoder_options(args) -> dict:
         "temperature": args.temperature,
         "normalize_chunks": args.normalize_chunks,
         "normalize": not args.no_normalize,
+        "truncate_dim": args.truncate_dim,
         "strategy": args.strategy,
         "attention": args.attention,
         "attention_backend": args.attention_backend,
@@ -50,6 +51,8 @@ def add_encoder_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--normalize-chunks", action=argparse.BooleanOptionalAction, default=None,
                    help="L2-normalise chunk vectors before aggregating (default: when the model ends in Normalize)")
     g.add_argument("--no-normalize", action="store_true", help="do not L2-normalise the output vectors")
+    g.add_argument("--truncate-dim", type=int, default=None, metavar="N",
+                   help="keep the first N components of every vector (Matryoshka), re-normalised (default: all)")
     g.add_argument("--strategy", choices=STRATEGIES, default="dice",
                    help="dice, or single: the single-vector baseline (first window of each document)")
     g.add_argument("--attention", choices=ATTENTION_MODES, default="model default",

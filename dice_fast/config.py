@@ -30,6 +30,10 @@ class DiceConfig:
     normalize_chunks: L2-normalise chunk vectors before aggregating (``None``: True when the model
         ends in a sentence-transformers Normalize module, so chunk vectors match that model's output).
     normalize: L2-normalise the returned document and query vectors.
+    truncate_dim: keep the first N components of document, query and chunk vectors (Matryoshka;
+        sentence-transformers' name), re-normalised when those vectors are normalised (documents and
+        queries: ``normalize``; chunks: ``normalize_chunks``); aggregation runs on the full chunk
+        vectors. ``None``: the model's width. Must be <= the model's width.
     strategy: "dice" or "single" (the single-vector baseline: one window of the first
         ``max_length`` tokens).
     attention: "model default" | "causal" | "bidirectional".
@@ -55,6 +59,7 @@ class DiceConfig:
     temperature: float = 1.0
     normalize_chunks: bool | None = None
     normalize: bool = True
+    truncate_dim: int | None = None
     strategy: str = "dice"
     attention: str = "model default"
     attention_backend: str = "auto"
@@ -78,6 +83,7 @@ class DiceConfig:
         if self.aggregation != "topk_norm":
             _positive_int("top_k", self.top_k)
         _positive_int("chunk_size", self.chunk_size, optional=True)
+        _positive_int("truncate_dim", self.truncate_dim, optional=True)
         _positive_int("max_chunks_per_document", self.max_chunks_per_document, optional=True)
         _positive_int("max_length", self.max_length, optional=True)
         _positive_int("max_batch_tokens", self.max_batch_tokens, optional=True)

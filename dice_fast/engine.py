@@ -26,6 +26,7 @@ import torch
 from . import attention as attn
 from .chunking import EncodingPlan, TextError, TokenizedDocuments, check_texts, plan_chunks, tokenize
 from .config import DEFAULT_CHUNK_SIZE, DiceConfig
+from .matryoshka import check_dim
 from .models import ModelSpec, inspect_model, load_model
 from .ops import resolve_impl
 from .packing import PackedBatch
@@ -146,6 +147,7 @@ class DiceEncoder:
                 f"{cfg.chunk_size + doc_overhead} tokens, more than the model's {self.spec.position_limit} "
                 f"positions; allowed: chunk_size <= {self.spec.position_limit - doc_overhead}"
             )
+        check_dim(cfg.truncate_dim, self.spec.hidden_size)
         self.config = cfg
         self.window = window
         self.pooling = cfg.pooling or self.spec.pooling
@@ -179,8 +181,8 @@ class DiceEncoder:
     # ----------------------------------------------------------------------------------------
     @property
     def dim(self) -> int:
-        """Width of the returned vectors."""
-        return self.spec.hidden_size
+        """Width of the returned vectors: ``truncate_dim``, else the model's hidden size."""
+        return self.config.truncate_dim or self.spec.hidden_size
 
     @property
     def backend(self) -> str:

@@ -30,6 +30,7 @@ import torch
 
 from .chunking import EncodingPlan
 from .faults import BudgetBackoff, InputOutOfMemory, release_cached_memory, run_split
+from .matryoshka import truncate
 from .ops import aggregate_documents
 from .packing import PackedBatch, merge, pack
 from .runner import to_device
@@ -152,7 +153,7 @@ class ChunkQueue:
         finished = []
         for j, job in enumerate(batch.jobs):
             if job._vectors is None:
-                job._vectors = torch.zeros((job.plan.n_chunks, enc.dim), dtype=torch.float32, device=vectors.device)
+                job._vectors = torch.zeros((job.plan.n_chunks, enc.spec.hidden_size), dtype=torch.float32, device=vectors.device)
             rows = np.flatnonzero(batch.part == j)
             if len(rows):
                 dst = to_device(batch.packed.chunk_ids[rows], vectors.device)
@@ -180,9 +181,10 @@ class ChunkQueue:
         c = enc.config
         docs = aggregate_documents(vecs, cu, weights, job.aggregation, c.top_k, c.temperature,
                                    enc.normalize_chunks, c.normalize, impl=enc.pooling_impl)
+        docs = truncate(docs, c.truncate_dim, c.normalize)  # Matryoshka: after aggregating full vectors
         if job.keep_chunks:
             out = torch.nn.functional.normalize(vecs, dim=1, eps=1e-12) if enc.normalize_chunks else vecs
-            job.chunks = out.cpu().numpy()
+            job.chunks = truncate(out, c.truncate_dim, enc.normalize_chunks).cpu().numpy()
         job._vectors = None
         job.documents = docs.cpu().numpy()
 
@@ -207,7 +209,7 @@ class ChunkQueue:
             ooms.append(1)
             release_cached_memory(device)
 
-        vectors, failed = run_split(run_batch, batch.packed, self.encoder.dim, on_oom)
+        vectors, failed = run_split(run_batch, batch.packed, self.encoder.spec.hidden_size, on_oom)  # full width
         self._backoff.failed() if ooms else self._backoff.succeeded()
         failed_jobs = []
         for row, cause in sorted(failed.items()):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..matryoshka import truncate
 from ..ops import aggregate_documents
 
 
@@ -63,7 +64,7 @@ def _encode_padded(encoder, texts: list[str], batch_size: int, sort: bool) -> np
     plan = encoder.plan(texts)
     lengths = plan.chunk_lengths
     order = np.argsort(-lengths, kind="stable") if sort else np.arange(plan.n_chunks)
-    chunks = torch.zeros((plan.n_chunks, encoder.dim), dtype=torch.float32, device=device)
+    chunks = torch.zeros((plan.n_chunks, encoder.spec.hidden_size), dtype=torch.float32, device=device)
     pad = encoder.tokenizer.pad_token_id
     pad = 0 if pad is None else pad
     first = encoder.spec.first_position
@@ -122,4 +123,4 @@ def _aggregate(encoder, plan, chunks: torch.Tensor) -> np.ndarray:
     weights = torch.from_numpy(plan.chunk_weights).to(device)
     out = aggregate_documents(chunks, cu, weights, cfg.aggregation, cfg.top_k, cfg.temperature,
                               encoder.normalize_chunks, cfg.normalize, impl="auto")
-    return out.cpu().numpy()
+    return truncate(out, cfg.truncate_dim, cfg.normalize).cpu().numpy()

@@ -191,6 +191,8 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
         raise ValueError("need at least one aggregation and one chunk size")
     for a in aggregations:  # fail before any encoding: DiceConfig validates aggregation, top_k, temperature
         encoder.config.replace(aggregation=a)
+    if encoder.config.truncate_dim is not None:  # the diagnostics compare full-width chunk and query vectors
+        raise ValueError("the evaluation does not support truncate_dim (--truncate-dim); evaluate the full vectors")
     if not task.queries:
         raise ValueError(f"task {task.name!r} has no queries")
 

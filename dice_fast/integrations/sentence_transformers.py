@@ -18,8 +18,10 @@ Differences from ``SentenceTransformer.encode``, by design:
   WordPiece/BPE tokenizers that split at spaces this is the same token sequence sentence-transformers
   builds. A resolved prompt replaces the encoder's own prefix for that call.
 * Vectors are L2-normalised when the encoder's ``normalize`` option is on (the default);
-  ``normalize_embeddings=True`` normalises again (after ``truncate_dim``), ``False`` leaves them as the
-  encoder returns them.
+  ``normalize_embeddings=True`` normalises again, ``False`` leaves them as the encoder returns them.
+* ``truncate_dim`` is the engine's option (`dice_fast.matryoshka`): the first N components,
+  re-normalised when the encoder normalises. sentence-transformers leaves a truncated vector shorter
+  than 1 unless ``normalize_embeddings``; cosine similarities are the same either way.
 * ``batch_size`` is a memory cap, not a speed knob: one packed forward holds at most
   ``batch_size * max_seq_length`` tokens (what a sentence-transformers batch of that size can hold),
   and never more than the encoder's ``max_batch_tokens``. Default (None): the encoder's budget.
@@ -34,6 +36,7 @@ from typing import Iterable
 
 import numpy as np
 
+from ..matryoshka import check_dim
 from ._common import Variants, as_encoder, model_prompts
 
 __all__ = ["DiceSentenceEncoder"]
@@ -50,7 +53,8 @@ class DiceSentenceEncoder:
     prompts: ``{name: text}`` as in sentence-transformers (``{"query": "query: ", "document": "passage: "}``);
         None reads ``prompts`` / ``default_prompt_name`` from the model folder's
         ``config_sentence_transformers.json``. default_prompt_name: used when a call names no prompt.
-    truncate_dim: keep the first ``truncate_dim`` dimensions of every vector (Matryoshka models).
+    truncate_dim: keep the first ``truncate_dim`` dimensions of every vector (Matryoshka models), as the
+        engine's ``truncate_dim`` option does.
     """
 
     similarity_fn_name = "cosine"
@@ -65,7 +69,7 @@ class DiceSentenceEncoder:
             own_default if prompts is None else None)
         if self.default_prompt_name is not None and self.default_prompt_name not in self.prompts:
             raise ValueError(f"default_prompt_name {self.default_prompt_name!r} is not in prompts {sorted(self.prompts)}")
-        self.truncate_dim = _check_truncate(truncate_dim, self.encoder.dim)
+        self.truncate_dim = check_dim(truncate_dim, self.encoder.dim)
 
     # -- what sentence-transformers code reads off a model -------------------------------------
     @property
@@ -112,16 +116,14 @@ class DiceSentenceEncoder:
         _check_unsupported(output_value, precision, pool, chunk_size, task)
         if device is not None and _device_type(device) != self.encoder.device.type:
             raise ValueError(f"this encoder runs on {self.encoder.device}; build it with device={device!r} instead")
-        truncate = _check_truncate(truncate_dim, self.encoder.dim) or self.truncate_dim
+        truncate = check_dim(truncate_dim, self.encoder.dim) or self.truncate_dim
 
         single = isinstance(sentences, str)
         texts = [sentences] if single else (sentences.tolist() if isinstance(sentences, np.ndarray) else list(sentences))
-        enc = self._encoder_for(task, self._resolve_prompt(prompt, prompt_name), batch_size)
+        enc = self._encoder_for(task, self._resolve_prompt(prompt, prompt_name), batch_size, truncate)
         show = bool(show_progress_bar)
         vecs = enc.encode_queries(texts, show_progress=show) if task == "query" else \
             enc.encode_documents(texts, show_progress=show)
-        if truncate:
-            vecs = np.ascontiguousarray(vecs[:, :truncate])
         if normalize_embeddings and len(vecs):
             vecs = vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12).astype(np.float32)
         return _convert(vecs.astype(np.float32, copy=False), single, convert_to_numpy, convert_to_tensor,
@@ -168,8 +170,8 @@ class DiceSentenceEncoder:
             raise ValueError(f"prompt name {name!r} is not among the prompts {sorted(self.prompts)}")
         return self.prompts[name]
 
-    def _encoder_for(self, task, prompt: str | None, batch_size: int | None):
-        changes = {}
+    def _encoder_for(self, task, prompt: str | None, batch_size: int | None, truncate_dim: int | None = None):
+        changes = {} if truncate_dim is None else {"truncate_dim": truncate_dim}
         if prompt is not None:
             changes["query_prefix" if task == "query" else "document_prefix"] = prompt
         if batch_size is not None:
@@ -193,14 +195,6 @@ def _check_unsupported(output_value, precision, pool, chunk_size, task) -> None:
                          "DICE's chunk size is an encoder option: DiceSentenceEncoder(..., chunk_size=...)")
     if task not in _TASKS:
         raise ValueError(f"task must be one of {_TASKS}, got {task!r}")
-
-
-def _check_truncate(truncate_dim, dim: int) -> int | None:
-    if truncate_dim is None:
-        return None
-    if isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int) or not 1 <= truncate_dim <= dim:
-        raise ValueError(f"truncate_dim must be an integer in [1, {dim}], got {truncate_dim!r}")
-    return truncate_dim
 
 
 def _device_type(device) -> str:

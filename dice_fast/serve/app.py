@@ -31,6 +31,7 @@ import hashlib
 import hmac
 import logging
 import time
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -38,6 +39,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from .. import __version__
+from ..matryoshka import truncate
 from ..runinfo import model_label
 from .batcher import AsyncDiceEncoder
 from .errors import (DeadlineExceeded, InvalidRequest, OutOfMemory, Overloaded, RequestTooLarge, ServeError,
@@ -134,8 +136,12 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
             if out is None:
                 metrics.observe_request(input_type, CLIENT_GONE)
                 return Response(status_code=CLIENT_GONE)
-            args = (out.vectors, out.tokens, name, req.encoding_format, out.truncated, out.chunks)
-            floats = out.vectors.size + (out.chunks.chunks.size if out.chunks is not None else 0)
+            vectors = truncate(out.vectors, req.dimensions, core.encoder.config.normalize)
+            chunks = out.chunks
+            if chunks is not None and req.dimensions is not None:
+                chunks = replace(chunks, chunks=truncate(chunks.chunks, req.dimensions, core.encoder.normalize_chunks))
+            args = (vectors, out.tokens, name, req.encoding_format, out.truncated, chunks)
+            floats = vectors.size + (chunks.chunks.size if chunks is not None else 0)
             if floats > _OFF_LOOP_FLOATS:
                 content = await asyncio.get_running_loop().run_in_executor(None, embedding_response, *args)
             else:

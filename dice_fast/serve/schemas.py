@@ -7,12 +7,17 @@ Request (``POST /v1/embeddings``), a JSON object:
     encoding_format  "float" (default) or "base64" (little-endian float32 bytes, as OpenAI)
     input_type       "document" (default: chunked and aggregated) or "query" (one window); Cohere's and
                      Nomic's "search_document" / "search_query" are accepted too
-    dimensions       optional; must equal the model's width (truncation is not offered)
+    dimensions       optional, 1 .. the served width: the first ``dimensions`` components of every vector,
+                     re-normalised when the server normalises (`dice_fast.matryoshka`; Matryoshka models)
     return_chunks    optional boolean (documents only): each data item also gets "chunks", a list of
                      {"embedding", "start_char", "end_char", "tokens"}: the chunk vectors (in
-                     encoding_format) with the chunk's span ``input[start_char:end_char]`` and its
-                     content tokens, equal to ``encode_documents(input, return_chunks=True)``
-    user             ignored, as are unknown fields
+                     encoding_format, cut to ``dimensions`` too) with the chunk's span
+                     ``input[start_char:end_char]`` and its content tokens, equal to
+                     ``encode_documents(input, return_chunks=True)``
+    user             optional string, ignored (OpenAI's end-user id), as are unknown fields
+Token ids (a list of integers, or a list of such lists: what LangChain's ``OpenAIEmbeddings`` sends by
+default after counting tokens with OpenAI's tokenizer) are refused with a message saying how to send
+text instead: they are ids of another tokenizer than the model's, so reading them could only mislead.
 Response: {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}],
            "model": name, "usage": {"prompt_tokens": n, "total_tokens": n}}, and in usage
            "truncated_inputs": [i, ...] when queries were cut to the window (auto-truncate)
@@ -47,7 +52,7 @@ REQUEST_SCHEMA = {
         "model": {"type": "string"},
         "encoding_format": {"type": "string", "enum": list(ENCODING_FORMATS), "default": "float"},
         "input_type": {"type": "string", "enum": list(INPUT_TYPES), "default": "document"},
-        "dimensions": {"type": "integer"},
+        "dimensions": {"type": "integer", "minimum": 1},
         "return_chunks": {"type": "boolean", "default": False},
         "user": {"type": "string"},
     },
@@ -67,12 +72,14 @@ EVIDENCE_SCHEMA = {
 @dataclass(frozen=True)
 class EmbeddingRequest:
     """A parsed request. input: the texts (a bare string becomes a list of one); input_type: "document"
-    or "query"; encoding_format: "float" or "base64"; model: as sent, or None."""
+    or "query"; encoding_format: "float" or "base64"; model: as sent, or None; dimensions: the width
+    to truncate to, or None."""
 
     input: list[str]
     input_type: str = "document"
     encoding_format: str = "float"
     model: str | None = None
+    dimensions: int | None = None
     return_chunks: bool = False
 
 
@@ -117,9 +124,12 @@ def parse_embedding_request(body: bytes, dim: int) -> EmbeddingRequest:
         raise InvalidRequest(f"'input_type' must be one of {', '.join(map(repr, INPUT_TYPES))}, got "
                              f"{_short(input_type)}", param="input_type")
     dimensions = obj.get("dimensions")
-    if dimensions is not None and (not _is_int(dimensions) or dimensions != dim):
-        raise InvalidRequest(f"'dimensions' must be {dim}, the model's width (vectors are not truncated), got "
+    if dimensions is not None and (not _is_int(dimensions) or not 1 <= dimensions <= dim):
+        raise InvalidRequest(f"'dimensions' must be an integer from 1 to {dim} (the served width), got "
                              f"{_short(dimensions)}", param="dimensions")
+    user = obj.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequest(f"'user' must be a string, got {_json_type(user)}", param="user")
     return_chunks = obj.get("return_chunks", False)
     if not isinstance(return_chunks, bool):
         raise InvalidRequest(f"'return_chunks' must be true or false, got {_json_type(return_chunks)}",
@@ -127,7 +137,7 @@ def parse_embedding_request(body: bytes, dim: int) -> EmbeddingRequest:
     if return_chunks and INPUT_TYPES[input_type] == "query":
         raise InvalidRequest("'return_chunks' is for documents; a query is one window, never chunked",
                              param="return_chunks")
-    return EmbeddingRequest(texts, INPUT_TYPES[input_type], encoding_format, model, return_chunks)
+    return EmbeddingRequest(texts, INPUT_TYPES[input_type], encoding_format, model, dimensions, return_chunks)
 
 
 def parse_evidence_request(body: bytes) -> EvidenceRequest:
@@ -168,12 +178,14 @@ def _parse_input(value) -> list[str]:
         if not value:
             raise InvalidRequest("'input' must not be an empty list", param="input")
         texts, names = value, [f"input[{i}]" for i in range(len(value))]
+        if all(_is_int(t) for t in value):
+            raise InvalidRequest(f"'input' is a list of token ids; {_TOKEN_IDS}", param="input")
         for i, item in enumerate(value):
             if isinstance(item, str):
                 continue
             if _is_int(item) or (isinstance(item, list) and item and all(_is_int(t) for t in item)):
-                raise InvalidRequest(f"input[{i}] is {_json_type(item)}: token ids are not accepted, send text "
-                                     "(the server tokenizes with the model's tokenizer)", param=f"input[{i}]")
+                what = "a token id" if _is_int(item) else "a list of token ids"
+                raise InvalidRequest(f"input[{i}] is {what}; {_TOKEN_IDS}", param=f"input[{i}]")
             raise InvalidRequest(f"input[{i}] must be a string, got {_json_type(item)}", param=f"input[{i}]")
     else:
         raise InvalidRequest(f"'input' must be a string or a list of strings, got {_json_type(value)}", param="input")
@@ -226,6 +238,12 @@ def _short(value, most: int = 60) -> str:
     """``repr(value)``, cut to ``most`` characters (an error never echoes a whole huge field)."""
     text = repr(value)
     return text if len(text) <= most else text[: most - 3] + "..."
+
+
+_TOKEN_IDS = (
+    "token ids are not accepted: send text, which the server tokenizes with the model's own tokenizer (ids "
+    "from another tokenizer would be misread). LangChain's OpenAIEmbeddings sends OpenAI's token ids by default: "
+    "pass check_embedding_ctx_length=False, or use dice_fast.integrations.langchain.DiceEmbeddings")
 
 
 def _is_int(value) -> bool:

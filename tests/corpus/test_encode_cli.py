@@ -18,6 +18,7 @@ from corpus_util import corpus_docs, encoder, write_jsonl
 from dice_fast.cli import main
 from dice_fast.corpus import load_embeddings
 from dice_fast.corpus.readers import open_corpus, read_documents
+from dice_fast.matryoshka import truncate
 from helpers import assert_close
 
 
@@ -156,6 +157,17 @@ def test_parquet_file_and_folder_outputs_match_npy(tmp_path, cached_encoders):
     assert meta["options"]["chunk_size"] == 16 and meta["input"]["id_field"] == "id"
 
 
+def test_truncate_dim_flag_writes_the_first_components_renormalised(tmp_path, cached_encoders):
+    docs = corpus_docs(3, seed=4, words=(20, 300))
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    assert main(["encode", str(src), "-o", str(tmp_path / "shards") + "/", "--truncate-dim", "64", "-q"]) == 0
+    ids, got = load_embeddings(tmp_path / "shards")
+    assert got.shape == (3, 64)
+    assert_close(got, truncate(encoder().encode_documents(docs), 64, normalize=True), 1e-5, what="--truncate-dim")
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    assert manifest["config"]["truncate_dim"] == 64 and manifest["model"]["dim"] == 64
+
+
 def test_stdin_and_queries(tmp_path, monkeypatch, capsys, cached_encoders):
     queries = ["what is alpha river", "", "  ", "where is the " + "stone " * 400]  # the last is cut to the window
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\n".join(queries).encode() + b"\n")))
@@ -235,6 +247,8 @@ def test_malformed_input_writes_no_output(tmp_path, capsys, cached_encoders):
     (["--model", "/no/such/model"], "--model /no/such/model: no such model folder"),
     (["--shard", "2/2"], "--shard 2/2: INDEX must be in 0..COUNT-1"),
     (["--resume"], "--resume needs a shard folder output"),
+    (["--truncate-dim", "385"], "truncate_dim must be an integer from 1 to 384"),
+    (["--truncate-dim", "0"], "truncate_dim must be an integer >= 1"),
 ])
 def test_bad_options(tmp_path, capsys, argv, message):
     _fails(tmp_path, capsys, ["-o", str(tmp_path / "o.npy"), "-q", *argv], message)
@@ -263,7 +277,7 @@ def test_help_documents_every_option():
     text = subprocess.run([sys.executable, "-m", "dice_fast.cli", "encode", "--help"], capture_output=True,
                           text=True, check=True).stdout
     for flag in ("--chunk-size", "--overlap", "--positions", "--pooling", "--aggregation", "--top-k", "--temperature",
-                 "--normalize-chunks", "--no-normalize", "--strategy", "--attention", "--attention-backend",
+                 "--normalize-chunks", "--no-normalize", "--truncate-dim", "--strategy", "--attention", "--attention-backend",
                  "--document-prefix", "--max-chunks-per-document", "--max-batch-tokens", "--device", "--dtype",
                  "--model", "--field", "--format", "--id-field", "--queries", "--overwrite", "--resume", "--shard",
                  "--shard-rows", "Blank lines", "exit status"):

@@ -9,6 +9,7 @@ import torch
 
 from dice_fast import DiceEncoder
 from dice_fast.integrations.sentence_transformers import DiceSentenceEncoder
+from dice_fast.matryoshka import truncate
 
 SHORT = ["A cat sat on the mat.", "Packed attention keeps every chunk to itself.",
          "Où est la gare ?", "", "Numbers 12345 and symbols #$%!"]
@@ -142,8 +143,10 @@ def test_truncate_dim_and_normalize(enc):
     out = model.encode(DOCS, normalize_embeddings=True)
     assert out.shape == (len(DOCS), 64) and model.get_sentence_embedding_dimension() == 64
     np.testing.assert_allclose(np.linalg.norm(out, axis=1), 1.0, atol=1e-6)
-    full = enc.encode_documents(DOCS)[:, :32]
-    np.testing.assert_allclose(model.encode(DOCS, truncate_dim=32), full, atol=1e-6)
+    # the engine's truncate_dim: the first 32 components, re-normalised as the encoder normalises
+    want = DiceEncoder(enc.model, enc.tokenizer, config=enc.config.replace(truncate_dim=32)).encode_documents(DOCS)
+    np.testing.assert_allclose(model.encode(DOCS, truncate_dim=32), want, atol=1e-6)
+    np.testing.assert_allclose(want, truncate(enc.encode_documents(DOCS), 32, normalize=True), atol=1e-6)
 
 
 def test_unsupported_arguments_say_what_to_do(model):

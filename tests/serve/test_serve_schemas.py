@@ -36,8 +36,13 @@ BAD_BODIES = [
     (b'{"input": "x", "encoding_format": "int8"}', "encoding_format", "'float', 'base64'"),
     (b'{"input": "x", "input_type": "passage"}', "input_type", "'document', 'query'"),
     (b'{"input": "x", "input_type": 1}', "input_type", "got 1"),
-    (b'{"input": "x", "dimensions": 128}', "dimensions", "must be 8"),
-    (b'{"input": "x", "dimensions": true}', "dimensions", "must be 8"),
+    (b'{"input": [1, 2, 3]}', "input", "'input' is a list of token ids"),
+    (b'{"input": [[1, 2], [3]]}', "input[0]", "check_embedding_ctx_length=False"),
+    (b'{"input": "x", "dimensions": 9}', "dimensions", "from 1 to 8"),
+    (b'{"input": "x", "dimensions": 0}', "dimensions", "from 1 to 8"),
+    (b'{"input": "x", "dimensions": 4.0}', "dimensions", "from 1 to 8"),
+    (b'{"input": "x", "dimensions": true}', "dimensions", "from 1 to 8"),
+    (b'{"input": "x", "user": 5}', "user", "'user' must be a string"),
 ]
 
 
@@ -56,7 +61,9 @@ def test_valid_bodies():
     r = parse_embedding_request(json.dumps({"input": ["a", "b"], "input_type": "search_query",
                                             "encoding_format": "base64", "dimensions": 8, "user": "u",
                                             "unknown": 1}).encode(), dim=8)
-    assert (r.input, r.input_type, r.encoding_format) == (["a", "b"], "query", "base64")
+    assert (r.input, r.input_type, r.encoding_format, r.dimensions) == (["a", "b"], "query", "base64", 8)
+    assert parse_embedding_request(b'{"input": "x", "dimensions": 1}', dim=8).dimensions == 1
+    assert parse_embedding_request(b'{"input": "x"}', dim=8).dimensions is None
     r = parse_embedding_request('{"input": ["héllo ✓"], "encoding_format": null}'.encode(), dim=8)
     assert r.input == ["héllo ✓"] and r.encoding_format == "float"
 

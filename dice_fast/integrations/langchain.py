@@ -1,0 +1,122 @@
+"""LangChain: DICE document vectors behind langchain-core's ``Embeddings``, and a retriever that returns
+the evidence passage of each retrieved document (``pip install dice-fast[langchain]``).
+
+    from dice_fast.integrations.langchain import DiceEmbeddings, DiceRetriever
+    emb = DiceEmbeddings()                                   # in-process, bundled all-MiniLM-L6-v2
+    emb = DiceEmbeddings("/models/bge-base", chunk_size=510) # a folder (or a DiceEncoder) and DiceConfig options
+    emb = DiceEmbeddings(base_url="http://127.0.0.1:8080", api_key="...")   # a running dice-fast serve
+    store = InMemoryVectorStore.from_texts(long_texts, emb)  # whole documents in, one DICE vector each
+
+    retriever = DiceRetriever(index=DiceIndex.from_texts(encoder, long_texts, ids), k=4)
+    retriever.invoke("what is the pass key?")                # Documents holding the matching passages
+
+``embed_documents`` encodes documents (chunked, each chunk encoded alone, chunk vectors aggregated),
+``embed_query`` a query (one model window): the engine's ``encode_documents`` / ``encode_queries``,
+row for row. Hand LangChain whole documents: DICE does the chunking, so a text splitter in front of
+it only makes the chunks smaller than the model's window.
+
+A server refuses token ids; LangChain's own ``OpenAIEmbeddings`` sends them by default: use
+``DiceEmbeddings(base_url=...)``, or ``OpenAIEmbeddings(..., check_embedding_ctx_length=False)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._common import require
+from ._embedder import DiceServerError, embedder
+
+require("langchain_core", "langchain")
+from langchain_core.callbacks import CallbackManagerForRetrieverRun  # noqa: E402
+from langchain_core.documents import Document  # noqa: E402
+from langchain_core.embeddings import Embeddings  # noqa: E402
+from langchain_core.retrievers import BaseRetriever  # noqa: E402
+from pydantic import Field  # noqa: E402
+
+__all__ = ["DiceEmbeddings", "DiceRetriever", "DiceServerError"]
+
+
+class DiceEmbeddings(Embeddings):
+    """langchain-core ``Embeddings`` over DICE: documents through the engine, queries one window each.
+
+    encoder: a `DiceEncoder`, a local model folder, or None (the bundled all-MiniLM-L6-v2); a folder or
+        None is loaded with ``options`` (`DiceConfig` fields: chunk_size, aggregation, device, dtype ...).
+    base_url: instead, a running ``dice-fast serve`` (``http://host:port``); api_key is sent as
+        ``Authorization: Bearer``; ``client_options``: batch_size, timeout, max_retries (see
+        `dice_fast.integrations._embedder.ServerEmbedder`). Server errors raise `DiceServerError`.
+    The async methods run in a worker thread (in-process) or over an async HTTP client.
+    """
+
+    def __init__(self, encoder=None, *, base_url: str | None = None, api_key: str | None = None,
+                 client_options: dict | None = None, **options):
+        self._embedder = embedder(encoder, options, base_url=base_url, api_key=api_key, extra="langchain",
+                                  **(client_options or {}))
+
+    @property
+    def encoder(self):
+        """The in-process `DiceEncoder` (None when a server computes the vectors)."""
+        return getattr(self._embedder, "encoder", None)
+
+    def __repr__(self) -> str:
+        return f"DiceEmbeddings({self._embedder.name!r})"
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        """n documents -> n vectors (lists of dim floats), row i of ``encode_documents(texts)``."""
+        return self._embedder.documents(_texts(texts)).tolist()
+
+    def embed_query(self, text: str) -> list[float]:
+        """One query -> its vector, ``encode_queries([text])[0]``."""
+        return self._embedder.queries([_text(text)])[0].tolist()
+
+    async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
+        return (await self._embedder.adocuments(_texts(texts))).tolist()
+
+    async def aembed_query(self, text: str) -> list[float]:
+        return (await self._embedder.aqueries([_text(text)]))[0].tolist()
+
+
+class DiceRetriever(BaseRetriever):
+    """Retrieve by document, hand over the passage: a langchain-core retriever over a `DiceIndex`.
+
+    index: a `dice_fast.DiceIndex` that stores its texts (the default of ``DiceIndex.from_texts``); any
+        object with its ``search(queries, k=, scoring=, **search_kwargs)`` whose hits carry ``id``,
+        ``score``, ``chunk``, ``start_char``, ``end_char``, ``chunk_score`` and ``text`` will do.
+    k: documents per query; scoring: "dice" (the document vector ranks), "maxsim" (a document's best
+        chunk) or "hybrid" (see ``DiceIndex.search``); search_kwargs: more arguments of ``search``
+        (``alpha``, ``approximate`` ...).
+
+    Each hit becomes a ``Document`` whose ``page_content`` is the evidence passage (the chunk of the
+    document that best matches the query, ``text[start_char:end_char]``), ``id`` the document's id, and
+    ``metadata`` ``{"id", "score", "scoring", "chunk", "start_char", "end_char", "chunk_score"}``.
+    """
+
+    index: Any
+    k: int = 4
+    scoring: str = "dice"
+    search_kwargs: dict = Field(default_factory=dict)
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        hits = self.index.search([_text(query)], k=self.k, scoring=self.scoring, **self.search_kwargs)[0]
+        return [_document(hit, self.scoring) for hit in hits]
+
+
+def _document(hit, scoring: str) -> Document:
+    if hit.text is None:
+        raise ValueError("DiceRetriever returns passages, but this index does not store its texts; build it with "
+                         "DiceIndex.from_texts(encoder, texts, ids) (store_text=True, the default)")
+    metadata = {"id": hit.id, "score": float(hit.score), "scoring": scoring, "chunk": int(hit.chunk),
+                "start_char": int(hit.start_char), "end_char": int(hit.end_char),
+                "chunk_score": float(hit.chunk_score)}
+    return Document(page_content=hit.text, id=str(hit.id), metadata=metadata)
+
+
+def _texts(texts) -> list[str]:
+    if isinstance(texts, str):
+        raise TypeError("embed_documents takes a list of strings, got one string; use embed_query, or wrap it in a list")
+    return list(texts)
+
+
+def _text(text) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"a query must be a string, got {type(text).__name__}")
+    return text

@@ -1,0 +1,88 @@
+"""LlamaIndex: DICE document vectors behind llama-index-core's ``BaseEmbedding``
+(``pip install dice-fast[llama-index]``).
+
+    from llama_index.core import Document, VectorStoreIndex
+    from dice_fast.integrations.llama_index import DiceEmbedding
+
+    embed = DiceEmbedding()                    # in-process bundled all-MiniLM-L6-v2; or a folder / a DiceEncoder
+    docs = [Document(text=t, id_=i) for i, t in zip(ids, long_texts)]
+    index = VectorStoreIndex(docs, embed_model=embed)     # one node per whole document: DICE does the chunking
+    index.as_retriever(similarity_top_k=3).retrieve("what is the pass key?")
+
+Text embeddings (``get_text_embedding``, ``get_text_embedding_batch``, what indexing calls) are the
+engine's ``encode_documents``: chunked, each chunk encoded alone, aggregated. Query embeddings are
+``encode_queries``: one model window. ``base_url=`` (and ``api_key=``) use a running ``dice-fast serve``.
+
+Let DICE do the chunking. ``VectorStoreIndex.from_documents`` first splits every document into nodes of
+about 1,024 tokens (``Settings.transformations``: a ``SentenceSplitter``), each then embedded on its own,
+which undoes what DICE is for; ``transformations=[]`` does not stop it (an empty list means "the
+defaults"). Keep whole documents as nodes in one of these ways:
+
+* ``VectorStoreIndex(documents, embed_model=embed)``: documents are nodes; each is embedded whole, ids kept;
+* build the nodes yourself: ``VectorStoreIndex([TextNode(text=t, id_=i) ...], embed_model=embed)``;
+* ``from_documents(docs, embed_model=embed, transformations=[SentenceSplitter(chunk_size=10**9,
+  chunk_overlap=0)])``, or that splitter in an ingestion pipeline: a splitter that never splits.
+
+LlamaIndex embeds a node's metadata with its text (``file_path: ...``); set the documents'
+``excluded_embed_metadata_keys`` if the vectors should see the text alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._common import require
+from ._embedder import DiceServerError, embedder
+
+require("llama_index.core", "llama-index")
+from llama_index.core.base.embeddings.base import BaseEmbedding  # noqa: E402
+from pydantic import PrivateAttr  # noqa: E402
+
+__all__ = ["DiceEmbedding", "DiceServerError"]
+
+
+class DiceEmbedding(BaseEmbedding):
+    """llama-index-core ``BaseEmbedding`` over DICE.
+
+    encoder: a `DiceEncoder`, a local model folder, or None (the bundled all-MiniLM-L6-v2); a folder or
+        None is loaded with ``options`` (`DiceConfig` fields). base_url / api_key / client_options: a
+        running ``dice-fast serve`` instead (see `dice_fast.integrations.langchain.DiceEmbeddings`).
+    embed_batch_size: texts per call into the engine (64 by default; DICE packs them itself, so it bounds
+        memory, never changes a vector).
+    """
+
+    _embedder: Any = PrivateAttr()
+
+    def __init__(self, encoder=None, *, base_url: str | None = None, api_key: str | None = None,
+                 client_options: dict | None = None, embed_batch_size: int = 64, **options):
+        source = embedder(encoder, options, base_url=base_url, api_key=api_key, extra="llama-index",
+                          **(client_options or {}))
+        super().__init__(model_name=source.name, embed_batch_size=embed_batch_size)
+        self._embedder = source
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "DiceEmbedding"
+
+    @property
+    def encoder(self):
+        """The in-process `DiceEncoder` (None when a server computes the vectors)."""
+        return getattr(self._embedder, "encoder", None)
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return self._embedder.queries([query])[0].tolist()
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return (await self._embedder.aqueries([query]))[0].tolist()
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._embedder.documents([text])[0].tolist()
+
+    async def _aget_text_embedding(self, text: str) -> list[float]:
+        return (await self._embedder.adocuments([text]))[0].tolist()
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return self._embedder.documents(list(texts)).tolist()
+
+    async def _aget_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return (await self._embedder.adocuments(list(texts))).tolist()

@@ -1,0 +1,93 @@
+"""LangChain with the real langchain-core: ``DiceEmbeddings`` gives the engine's documents / queries (sync
+and async), a langchain ``InMemoryVectorStore`` over it finds the planted document of a haystack of long
+documents, and ``DiceRetriever`` over a ``DiceIndex`` returns that document with the planted passage."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+pytest.importorskip("langchain_core", reason="the langchain extra is not installed: pip install -e '.[langchain]'")
+
+from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
+
+from dice_fast.integrations.langchain import DiceEmbeddings, DiceRetriever  # noqa: E402
+
+SHORT = ["A cat sat on the mat.", "Où est la gare ?", "Numbers 12345 and symbols #$%!"]
+
+
+def test_embeddings_are_the_engines_documents_and_queries(bundled, haystack):
+    emb = DiceEmbeddings(bundled)
+    assert emb.encoder is bundled
+    docs = SHORT + [haystack.texts[0][:1500]]  # the last one 2 chunks long
+    want = bundled.encode_documents(docs)
+    np.testing.assert_array_equal(np.asarray(emb.embed_documents(docs), np.float32), want)
+    np.testing.assert_array_equal(np.asarray(asyncio.run(emb.aembed_documents(docs)), np.float32), want)
+    q = bundled.encode_queries([haystack.query])[0]
+    np.testing.assert_array_equal(np.asarray(emb.embed_query(haystack.query), np.float32), q)
+    np.testing.assert_array_equal(np.asarray(asyncio.run(emb.aembed_query(haystack.query)), np.float32), q)
+    assert emb.embed_documents([]) == []
+    with pytest.raises(TypeError, match="use embed_query"):
+        emb.embed_documents("one string")
+    with pytest.raises(TypeError, match=r"documents\[1\] is NoneType"):  # the engine names the culprit
+        emb.embed_documents(["ok", None])
+
+
+def test_in_memory_vector_store_finds_the_planted_document(bundled, haystack):
+    store = InMemoryVectorStore.from_texts(haystack.texts, DiceEmbeddings(bundled), ids=haystack.ids)
+    hits = store.similarity_search_with_score(haystack.query, k=3)
+    assert [d.id for d, _ in hits][0] == haystack.ids[haystack.target], hits
+    assert hits[0][1] > hits[1][1]
+    async_hits = asyncio.run(store.asimilarity_search(haystack.query, k=1))
+    assert async_hits[0].id == haystack.ids[haystack.target]
+
+
+def test_bad_arguments_fail_before_loading_anything(bundled):
+    with pytest.raises(ValueError, match="base_url must be an http"):
+        DiceEmbeddings(base_url="127.0.0.1:8080")
+    with pytest.raises(TypeError, match="server's model and options"):
+        DiceEmbeddings(bundled, base_url="http://127.0.0.1:1")
+    with pytest.raises(TypeError, match="server's model and options"):
+        DiceEmbeddings(base_url="http://127.0.0.1:1", chunk_size=128)
+    with pytest.raises(TypeError, match="api_key: only with base_url"):
+        DiceEmbeddings(api_key="k")
+    with pytest.raises(TypeError, match="options"):
+        DiceEmbeddings(bundled, chunk_size=128)  # a built encoder has its options
+
+
+@pytest.fixture(scope="module")
+def index(bundled, haystack):
+    from dice_fast import DiceIndex
+
+    return DiceIndex.from_texts(bundled, haystack.texts, ids=haystack.ids)
+
+
+@pytest.mark.parametrize("scoring", ["dice", "maxsim", "hybrid"])
+def test_retriever_returns_the_planted_passage(index, haystack, scoring):
+    retriever = DiceRetriever(index=index, k=3, scoring=scoring)
+    docs = retriever.invoke(haystack.query)
+    assert [d.id for d in docs][0] == haystack.ids[haystack.target], [(d.id, d.metadata) for d in docs]
+    top, text = docs[0], haystack.texts[haystack.target]
+    assert haystack.needle in top.page_content and len(top.page_content) < len(text) // 2  # a passage, not the document
+    m = top.metadata
+    assert text[m["start_char"]:m["end_char"]] == top.page_content
+    assert m["id"] == top.id and m["scoring"] == scoring and m["chunk"] >= 0
+    assert [d.metadata["score"] for d in docs] == sorted((d.metadata["score"] for d in docs), reverse=True)
+    hits = index.search([haystack.query], k=3, scoring=scoring)[0]  # the metadata is the hit, nothing else
+    assert [(d.id, d.metadata["score"], d.metadata["chunk"], d.metadata["start_char"], d.metadata["end_char"],
+             d.metadata["chunk_score"]) for d in docs] == \
+        [(h.id, h.score, h.chunk, h.start_char, h.end_char, h.chunk_score) for h in hits]
+    again = asyncio.run(retriever.ainvoke(haystack.query))
+    assert [(d.id, d.page_content) for d in again] == [(d.id, d.page_content) for d in docs]
+
+
+def test_retriever_needs_an_index_with_texts(bundled, haystack):
+    from dice_fast import DiceIndex
+
+    bare = DiceIndex.from_texts(bundled, haystack.texts[:2], store_text=False)
+    with pytest.raises(ValueError, match="does not store its texts"):
+        DiceRetriever(index=bare, k=1).invoke(haystack.query)
+    with pytest.raises(ValueError, match="scoring"):
+        DiceRetriever(index=bare, scoring="bm25").invoke(haystack.query)
