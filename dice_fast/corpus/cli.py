@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cliargs import add_encoder_arguments
+from ..cliargs import add_cache_arguments, add_encoder_arguments
 
 EPILOG = """\
 input:
@@ -71,6 +71,7 @@ def register_cli(subparsers) -> None:
                      help="rows per Parquet shard of a folder output (default 10000)")
     enc.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     add_encoder_arguments(enc)
+    add_cache_arguments(enc)
     enc.set_defaults(func=cmd_encode)
 
 

@@ -31,9 +31,10 @@ import numpy as np
 
 from ..chunking import check_texts
 from ..cpu_heap import release_freed_memory
+from ..chunk_cache import MemoryCache
 from ..scheduler import ChunkQueue, Job
 from .errors import Overloaded, RequestTooLarge, ShuttingDown
-from .limits import DEFAULT_LIMITS, QUEUE_BATCHES
+from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, QUEUE_BATCHES
 
 IDLE_TRIM_S = 1.0  # seconds without work after which a CPU worker hands its kept heap pages back
 
@@ -74,6 +75,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     job: Job | None = None
+    keys: object = None  # the plan's chunk keys, computed off the event loop
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -95,6 +97,9 @@ class AsyncDiceEncoder:
     max_batch_tokens: token budget of one forward (default: the encoder's).
     cross_request_batching: False runs one request at a time, each alone in its batches (the baseline
     the benchmark compares against).
+    cache_memory_mb: chunk vectors kept in memory across requests (least recently used go first; 0: none),
+    in front of the encoder's persistent cache if it has one; identical chunks queued at once run once
+    either way. ``chunk_stats`` counts the reuse (`dice_fast.chunk_cache.ChunkStats`).
 
     The worker thread starts on the first request; `close` / `aclose` (or ``async with``) drain the queue
     and stop it. Requests from several event loops may share one core.
@@ -104,19 +109,23 @@ class AsyncDiceEncoder:
                  max_tokens_per_document: int = DEFAULT_LIMITS["max_tokens_per_document"],
                  max_queue_tokens: int | None = DEFAULT_LIMITS["max_queue_tokens"],
                  max_concurrent_requests: int = DEFAULT_LIMITS["max_concurrent_requests"],
-                 max_batch_tokens: int | None = None, cross_request_batching: bool = True):
+                 max_batch_tokens: int | None = None, cross_request_batching: bool = True,
+                 cache_memory_mb: int = DEFAULT_CACHE_MEMORY_MB):
         for name, value, low in (("max_inputs_per_request", max_inputs_per_request, 1),
                                  ("max_tokens_per_document", max_tokens_per_document, 0),
                                  ("max_queue_tokens", max_queue_tokens, 1),
                                  ("max_concurrent_requests", max_concurrent_requests, 1),
-                                 ("max_batch_tokens", max_batch_tokens, 1)):
+                                 ("max_batch_tokens", max_batch_tokens, 1),
+                                 ("cache_memory_mb", cache_memory_mb, 0)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.encoder = encoder
         # CPU: trim the heap (`dice_fast.cpu_heap`) once the queue has been empty this long
         self._trims_heap = getattr(getattr(encoder, "device", None), "type", None) == "cpu"
         self.idle_trim_s = IDLE_TRIM_S
-        self._queue = ChunkQueue(encoder, max_batch_tokens)
+        self.cache_memory_mb = cache_memory_mb
+        memory = MemoryCache(cache_memory_mb << 20) if cache_memory_mb else None
+        self._queue = ChunkQueue(encoder, max_batch_tokens, memory=memory)
         self.max_inputs_per_request = max_inputs_per_request
         self.max_tokens_per_document = max_tokens_per_document
         self.max_queue_tokens = max_queue_tokens or QUEUE_BATCHES * self._queue.max_batch_tokens
@@ -137,6 +146,11 @@ class AsyncDiceEncoder:
     def dim(self) -> int:
         """Width of the returned vectors."""
         return self.encoder.dim
+
+    @property
+    def chunk_stats(self):
+        """Chunks computed, deduplicated and served from memory or the persistent cache (`ChunkStats`)."""
+        return self._queue.stats
 
     @property
     def max_batch_tokens(self) -> int:
@@ -200,7 +214,7 @@ class AsyncDiceEncoder:
         return (f"AsyncDiceEncoder({self.encoder!r}, max_inputs_per_request={self.max_inputs_per_request}, "
                 f"max_tokens_per_document={self.max_tokens_per_document}, max_queue_tokens={self.max_queue_tokens}, "
                 f"max_concurrent_requests={self.max_concurrent_requests}, max_batch_tokens={self.max_batch_tokens}, "
-                f"cross_request_batching={self.cross_request_batching})")
+                f"cross_request_batching={self.cross_request_batching}, cache_memory_mb={self.cache_memory_mb})")
 
     # ------------------------------------------------------------------------- request side
     async def _embed(self, texts, kind: str, aggregation: str | None) -> Embeddings:
@@ -225,6 +239,7 @@ class AsyncDiceEncoder:
             tokens = plan.document_tokens
             self._check_sizes(tokens)
             request = _Request(plan, aggregation, int(tokens.sum()), loop, loop.create_future())
+            request.keys = await loop.run_in_executor(None, self._queue.keys_for, plan)
             self._submit(request)
             try:
                 vectors = await request.future
@@ -308,7 +323,10 @@ class AsyncDiceEncoder:
                     return
             request = self._pending.popleft()
             self._pending_tokens -= request.tokens
-            request.job = self._current = self._queue.submit(request.plan, request.aggregation, tag=request)
+            request.job = self._current = self._queue.submit(request.plan, request.aggregation, tag=request,
+                                                             keys=request.keys)
+            if request.job.done:  # every chunk was in memory or the cache
+                _settle(request, value=request.job.documents)
 
     def _run(self, batch) -> None:
         start = time.perf_counter()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..cliargs import add_encoder_arguments, make_encoder
-from .limits import DEFAULT_LIMITS, LIMITS
+from ..cliargs import add_cache_arguments, add_encoder_arguments, make_encoder
+from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, LIMITS
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +45,10 @@ def register_cli(subparsers) -> None:
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
     add_limit_arguments(p)
     add_encoder_arguments(p)
+    add_cache_arguments(p).add_argument(
+        "--cache-memory-mb", type=int, default=DEFAULT_CACHE_MEMORY_MB, metavar="N",
+        help=f"chunk vectors kept in memory across requests, in front of --cache (default {DEFAULT_CACHE_MEMORY_MB}; "
+        "0: none)")
     p.set_defaults(func=cmd_serve)
 
     b = subparsers.add_parser(
@@ -83,8 +87,13 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.cache_memory_mb < 0:
+        raise ValueError(f"--cache-memory-mb must be >= 0, got {args.cache_memory_mb}")
     encoder = make_encoder(args)
-    app = create_app(encoder, model_name=args.served_model_name, **limits(args))
+    app = create_app(encoder, model_name=args.served_model_name, cache_memory_mb=args.cache_memory_mb,
+                     **limits(args))
+    if encoder.cache is not None:
+        print(f"dice-fast serve: chunk cache {encoder.cache.cache!r}", flush=True)
     print(f"dice-fast serve: {encoder!r}", flush=True)
     print(f"dice-fast serve: {app.state.core!r}", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -14,3 +14,4 @@ LIMITS = {
 }
 DEFAULT_LIMITS = {name: default for name, (default, _) in LIMITS.items()}
 QUEUE_BATCHES = 64  # the default max_queue_tokens, in batches of max_batch_tokens
+DEFAULT_CACHE_MEMORY_MB = 64  # chunk vectors kept in memory across requests (about 40k 384-d chunks)

@@ -1,0 +1,470 @@
+"""Reusing chunk vectors: what identifies a chunk, a bounded in-memory store, and a persistent one.
+
+A chunk's pooled vector is a pure function of the model, the options that shape a chunk (dtype,
+device type, token pooling, causal or bidirectional attention) and the token ids the model sees
+(special tokens, prefix, text, suffix), plus its start offset under ``positions="global"``. So:
+
+* `chunk_keys(plan, salt)` gives every chunk of a plan its **identity** (bytes: a positions header
+  and the wrapped ids as int32) and a 64-bit **key** (the first 8 bytes of SHA-256 of salt +
+  identity). Keys only find candidates: a match is used only when the identities are equal.
+* `MemoryCache`: a least-recently-used map key -> (identity, vector row), bounded in bytes.
+* `ChunkCache`: SQLite in WAL mode in ``DIR/chunks.sqlite``, shared by processes (``--shard`` splits),
+  crash-safe (a killed writer leaves the last committed state), bounded (``max_gb``: least recently
+  used rows are evicted in batches), every row checksummed (a damaged one is dropped and recomputed,
+  never returned). `ChunkCache.bind` gives the `CacheNamespace` of one encoder configuration, keyed
+  by `model_fingerprint` (SHA-256 of the weights and config, remembered per model folder).
+
+Vectors are stored as the pooled chunk vector in float32, before chunk normalisation and aggregation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time
+import warnings
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = 1  # bump when what a stored vector means changes
+CACHE_FILE = "chunks.sqlite"
+_MAGIC = "dice_fast chunk cache"
+_LOOKUP = 500  # keys per SELECT ... IN (...)
+_BUSY_MS = 60_000  # a writer waits this long for another process's transaction
+_EVICT_TO = 0.9  # eviction brings the live size down to this fraction of the bound
+
+
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ChunkKeys:
+    """keys: (n_chunks,) int64; identities: n_chunks bytes (``salt`` + identity, see module docstring);
+    empty: (n_chunks,) bool, chunks of no tokens at all (their vector is zero, nothing to look up)."""
+
+    keys: np.ndarray
+    messages: list
+    empty: np.ndarray
+    salt_len: int
+
+    def identity(self, c: int) -> bytes:
+        """The identity of chunk ``c`` (what is stored and compared)."""
+        return self.messages[c][self.salt_len:]
+
+
+def chunk_keys(plan, salt: bytes = b"") -> ChunkKeys:
+    """Identity and key of every chunk of ``plan`` (an `EncodingPlan`). Cost: one pass over its
+    tokens plus about a microsecond per chunk (a SHA-256 of its ids)."""
+    ids = plan.tokens.ids
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= 2**31):
+        raise ValueError("token ids must lie in [0, 2**31) to be keyed")
+    raw = ids.astype("<i4").tobytes()
+    pre = np.asarray(plan.prefix, "<i4").tobytes()
+    suf = np.asarray(plan.suffix, "<i4").tobytes()
+    ch = plan.chunks
+    starts = (plan.tokens.offsets[ch.document] + ch.start) * 4
+    ends = starts + ch.length * 4
+    messages = []
+    sha = hashlib.sha256
+    if plan.global_positions:
+        for s, e, off in zip(starts.tolist(), ends.tolist(), ch.start.tolist()):
+            messages.append(salt + b"G" + off.to_bytes(8, "little") + pre + raw[s:e] + suf)
+    else:
+        head = salt + b"L" + pre
+        messages = [head + raw[s:e] + suf for s, e in zip(starts.tolist(), ends.tolist())]
+    keys = np.fromiter((int.from_bytes(sha(m).digest()[:8], "little", signed=True) for m in messages),
+                       np.int64, len(messages))
+    empty = (ch.length + (len(plan.prefix) + len(plan.suffix))) == 0
+    return ChunkKeys(keys, messages, empty, len(salt))
+
+
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ChunkStats:
+    """Counters of chunk reuse (all cumulative; thread-safe `add`).
+
+    computed: chunks the model ran. deduplicated: chunks that shared the forward of an identical chunk
+    queued at the same time. memory_hits / memory_misses: the in-memory store; disk_hits / disk_misses:
+    the persistent cache (looked up only after the memory store missed); damaged: cache rows found
+    damaged (dropped, recomputed); written: rows written to the persistent cache."""
+
+    computed: int = 0
+    deduplicated: int = 0
+    memory_hits: int = 0
+    memory_misses: int = 0
+    disk_hits: int = 0
+    disk_misses: int = 0
+    damaged: int = 0
+    written: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + int(v))
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {k: getattr(self, k) for k in ("computed", "deduplicated", "memory_hits", "memory_misses",
+                                                   "disk_hits", "disk_misses", "damaged", "written")}
+
+
+class MemoryCache:
+    """Least-recently-used chunk vectors in memory, at most ``max_bytes`` (vector + identity bytes).
+
+    Values are rows of the batch output tensors (on the model's device): nothing is copied to store
+    them, and a batch's tensor is freed when its last row is evicted. Thread-safe."""
+
+    def __init__(self, max_bytes: int):
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an integer >= 0, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: int, message: bytes):
+        """(tensor, row) stored for ``key`` with this exact ``message``, else None."""
+        with self._lock:
+            item = self._items.get(key)
+            if item is None or item[0] != message:
+                return None
+            self._items.move_to_end(key)
+            return item[1], item[2]
+
+    def put(self, key: int, message: bytes, tensor, row: int) -> None:
+        size = len(message) + tensor.shape[1] * tensor.element_size()
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.bytes -= old[3]
+            self._items[key] = (message, tensor, row, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, item = self._items.popitem(last=False)
+                self.bytes -= item[3]
+
+
+# --------------------------------------------------------------------------------------------
+def model_fingerprint(model) -> str:
+    """SHA-256 (hex) of a model's config (without paths and versions) and every state_dict tensor's
+    name, dtype, shape and bytes. Reads every weight once (about 1 s per GB)."""
+    import torch
+
+    h = hashlib.sha256()
+    config = model.config.to_dict()
+    config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("transformers_version",
+                                                                                       "name_or_path")}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        flat = t.contiguous().reshape(-1)
+        data = flat.view(torch.uint8) if flat.numel() else flat
+        h.update(data.cpu().numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()
+
+
+def _folder_signature(path) -> str:
+    """Names, sizes and modification times of the files under a model folder (JSON)."""
+    root = Path(path)
+    items = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for f in sorted(filenames):
+            if f.startswith("."):
+                continue
+            st = os.stat(os.path.join(dirpath, f))
+            items.append([os.path.relpath(os.path.join(dirpath, f), root), st.st_size, st.st_mtime_ns])
+    return json.dumps(items)
+
+
+class CacheError(ValueError):
+    """A cache folder or file that cannot be used (not a dice_fast chunk cache, unreadable)."""
+
+
+class ChunkCache:
+    """The persistent chunk cache in ``folder/chunks.sqlite`` (created when missing).
+
+    max_gb: bound on the live size of the entries (``None``: unbounded); when a write takes it over,
+    the least recently used rows are deleted in batches down to 90 % of it and freed pages returned.
+    Any number of processes and threads may share one folder. Open with ``ChunkCache(folder)``; a file
+    that is not a dice_fast chunk cache raises `CacheError`. If the database turns out damaged while in
+    use, a warning is issued and this process continues without it (vectors are computed, never wrong).
+    """
+
+    def __init__(self, folder, max_gb: float | None = None):
+        if max_gb is not None and (isinstance(max_gb, bool) or not max_gb > 0):
+            raise ValueError(f"max_gb must be a number > 0, got {max_gb!r}")
+        folder = Path(folder).expanduser()
+        if folder.exists() and not folder.is_dir():
+            raise CacheError(f"--cache {folder} is a file; give a folder (the cache is {CACHE_FILE} inside it)")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.path = folder, folder / CACHE_FILE
+        self.max_bytes = None if max_gb is None else int(max_gb * 1e9)
+        self._lock = threading.Lock()
+        self.broken: str | None = None
+        self._touched: dict[int, int] = {}  # rows hit since the last write (key -> ns), for recency
+        try:
+            self._con = sqlite3.connect(self.path, timeout=_BUSY_MS / 1000, isolation_level=None,
+                                        check_same_thread=False)
+            self._open()
+        except sqlite3.DatabaseError as exc:
+            raise CacheError(f"{self.path} is not a usable dice_fast chunk cache ({exc}); delete it or "
+                             "choose another --cache folder") from None
+
+    def _open(self) -> None:
+        con = self._con
+        con.execute(f"PRAGMA busy_timeout={_BUSY_MS}")
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not tables:
+            con.execute("PRAGMA page_size=8192")  # a 384-d row (about 2.6 kB) fills 3 per page, not 1 per 4 kB
+            con.execute("PRAGMA auto_vacuum=INCREMENTAL")  # so that eviction can hand pages back
+        mode = con.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise CacheError(f"{self.path}: cannot use write-ahead logging (journal mode {mode}); "
+                             "a chunk cache needs a local file system")
+        con.execute("PRAGMA synchronous=NORMAL")  # WAL: a crash keeps every committed transaction but the last
+        con.execute("PRAGMA journal_size_limit=67108864")
+        if not tables:
+            with self._write():
+                con.execute("CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+                con.execute("INSERT OR IGNORE INTO meta VALUES('magic', ?), ('format', ?)", (_MAGIC, str(FORMAT)))
+                con.execute("CREATE TABLE IF NOT EXISTS namespaces(id INTEGER PRIMARY KEY, description TEXT "
+                            "UNIQUE NOT NULL)")
+                con.execute("CREATE TABLE IF NOT EXISTS models(path TEXT NOT NULL, dtype TEXT NOT NULL, files TEXT "
+                            "NOT NULL, fingerprint TEXT NOT NULL, PRIMARY KEY(path, dtype))")
+                con.execute("CREATE TABLE IF NOT EXISTS chunks(key INTEGER PRIMARY KEY, ns INTEGER NOT NULL, "
+                            "ident BLOB NOT NULL, vec BLOB NOT NULL, chk INTEGER NOT NULL, used INTEGER NOT NULL)")
+                con.execute("CREATE INDEX IF NOT EXISTS chunks_used ON chunks(used)")
+        meta = dict(con.execute("SELECT name, value FROM meta").fetchall()) if "meta" in _tables(con) else {}
+        if meta.get("magic") != _MAGIC:
+            raise CacheError(f"{self.path} is an SQLite file but not a dice_fast chunk cache; delete it or "
+                             "choose another --cache folder")
+        if meta.get("format") != str(FORMAT):
+            raise CacheError(f"{self.path} is a chunk cache of format {meta.get('format')}, this dice_fast "
+                             f"reads format {FORMAT}; delete it or choose another --cache folder")
+
+    @contextlib.contextmanager
+    def _write(self):
+        """One write transaction (BEGIN IMMEDIATE: waits up to the busy timeout for other writers)."""
+        self._con.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                self._con.execute("ROLLBACK")
+            raise
+        self._con.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            with contextlib.suppress(sqlite3.Error):
+                self._con.close()
+
+    def __repr__(self) -> str:
+        bound = "unbounded" if self.max_bytes is None else f"max {self.max_bytes / 1e9:g} GB"
+        return f"ChunkCache({str(self.folder)!r}, {bound})"
+
+    # ----------------------------------------------------------------------------------------
+    def bind(self, description: dict, dim: int) -> CacheNamespace:
+        """The namespace of one encoder configuration (``description``: JSON-able, compared exactly)."""
+        text = json.dumps(description, sort_keys=True)
+        row = None
+        with self._lock, self._guard("open a namespace"):
+            row = self._con.execute("SELECT id FROM namespaces WHERE description=?", (text,)).fetchone()
+            if row is None:
+                with self._write():
+                    self._con.execute("INSERT OR IGNORE INTO namespaces(description) VALUES(?)", (text,))
+                row = self._con.execute("SELECT id FROM namespaces WHERE description=?", (text,)).fetchone()
+        ns = row[0] if row else -1
+        return CacheNamespace(self, ns, hashlib.sha256(text.encode()).digest()[:16], dim)
+
+    def fingerprint(self, model, model_path=None) -> str:
+        """`model_fingerprint(model)`, remembered per model folder (its files' names, sizes and
+        modification times, and the weights' dtype) so that reopening the same model does not reread it."""
+        dtype = str(next(model.parameters()).dtype)
+        if model_path is None or not Path(model_path).is_dir():
+            return model_fingerprint(model)
+        path = str(Path(model_path).resolve())
+        files = _folder_signature(path)
+        row = None
+        with self._lock, self._guard("read a model fingerprint"):
+            row = self._con.execute("SELECT files, fingerprint FROM models WHERE path=? AND dtype=?",
+                                    (path, dtype)).fetchone()
+        if row is not None and row[0] == files:
+            return row[1]
+        fp = model_fingerprint(model)
+        with self._lock, self._guard("remember a model fingerprint"), self._write():
+            self._con.execute("INSERT OR REPLACE INTO models VALUES(?, ?, ?, ?)", (path, dtype, files, fp))
+        return fp
+
+    # ----------------------------------------------------------------------------------------
+    def get(self, ns: int, keys: list[int], idents: list[bytes], dim: int) -> tuple[dict, int]:
+        """Vectors stored for chunks (``keys[i]``, ``idents[i]``) -> ({i: (dim,) float32}, damaged rows).
+        A row with another identity (a key collision) is a miss; a damaged row (checksum, length) is
+        dropped at the next write."""
+        found, damaged = {}, 0
+        if self.broken or not keys:
+            return found, 0
+        where = {}
+        for i, k in enumerate(keys):
+            where.setdefault(k, []).append(i)
+        unique = list(where)
+        with self._lock, self._guard("read"):
+            rows = []
+            for lo in range(0, len(unique), _LOOKUP):
+                part = unique[lo:lo + _LOOKUP]
+                rows += self._con.execute(f"SELECT key, ns, ident, vec, chk FROM chunks WHERE key IN "
+                                          f"({','.join('?' * len(part))})", part).fetchall()
+            for key, row_ns, ident, vec, chk in rows:
+                if row_ns != ns or ident != idents[where[key][0]]:
+                    continue
+                if not isinstance(vec, bytes) or len(vec) != 4 * dim or _checksum(key, ns, ident, vec) != chk:
+                    damaged += 1
+                    self._touched[key] = None  # None: delete
+                    continue
+                v = np.frombuffer(vec, "<f4")
+                for i in where[key]:
+                    found[i] = v
+                self._touched[key] = ns
+            if len(self._touched) >= 4096:  # a long run of hits: record their recency now and then
+                with self._guard("write"):
+                    self._commit([])
+        return found, damaged
+
+    def put(self, ns: int, keys: list[int], idents: list[bytes], vectors: np.ndarray) -> int:
+        """Store float32 ``vectors`` (n, dim) for chunks (keys, idents) in one transaction, refresh the
+        recency of rows read since the last write, drop damaged rows, and evict to the bound. Returns rows written."""
+        if self.broken:
+            return 0
+        vectors = np.ascontiguousarray(vectors, "<f4")
+        rows = [(k, ns, ident, v.tobytes()) for k, ident, v in zip(keys, idents, vectors)]
+        with self._lock, self._guard("write"):
+            self._commit(rows)
+            return len(rows)
+        return 0
+
+    def flush(self) -> None:
+        """Write the recency of rows read (and drop damaged rows found) since the last write."""
+        if self._touched and not self.broken:
+            with self._lock, self._guard("write"):
+                self._commit([])
+
+    def _commit(self, rows: list) -> None:
+        now = time.time_ns() // 1000
+        touched, self._touched = self._touched, {}
+        with self._write():
+            drop = [k for k, v in touched.items() if v is None]
+            if drop:
+                self._con.executemany("DELETE FROM chunks WHERE key=?", [(k,) for k in drop])
+            keep = [k for k, v in touched.items() if v is not None]
+            if keep:
+                self._con.executemany("UPDATE chunks SET used=? WHERE key=?", [(now, k) for k in keep])
+            self._con.executemany("INSERT OR REPLACE INTO chunks VALUES(?, ?, ?, ?, ?, ?)",
+                                  [(k, n, i, b, _checksum(k, n, i, b), now) for k, n, i, b in rows])
+        if self.max_bytes is not None and rows:
+            self._evict()
+
+    def live_bytes(self) -> int:
+        """Bytes of the database's pages in use (what ``max_gb`` bounds)."""
+        with self._lock:
+            return self._live_bytes()
+
+    def _live_bytes(self) -> int:
+        c = self._con
+        return (c.execute("PRAGMA page_count").fetchone()[0] - c.execute("PRAGMA freelist_count").fetchone()[0]) * \
+            c.execute("PRAGMA page_size").fetchone()[0]
+
+    def _evict(self) -> None:
+        """Delete least recently used rows in batches until the live size is under ``_EVICT_TO`` of the bound."""
+        live = self._live_bytes()
+        if live <= self.max_bytes:
+            return
+        target = int(self.max_bytes * _EVICT_TO)
+        while live > target:
+            n_rows = self._con.execute("SELECT count(*) FROM chunks").fetchone()[0]
+            if n_rows == 0:
+                break
+            per_row = live / n_rows
+            n = max(1, min(n_rows, int((live - target) / per_row) + 1))
+            with self._write():
+                self._con.execute("DELETE FROM chunks WHERE key IN (SELECT key FROM chunks ORDER BY used LIMIT ?)",
+                                  (n,))
+            self._con.execute("PRAGMA incremental_vacuum")
+            live = self._live_bytes()
+
+    @contextlib.contextmanager
+    def _guard(self, what: str):
+        """Turn a damaged or unreadable database into a warning and a cache that is no longer used."""
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                warnings.warn(f"dice_fast: chunk cache {self.path}: could not {what} ({exc}); continuing",
+                              RuntimeWarning, stacklevel=4)
+                return
+            self._disable(what, exc)
+        except sqlite3.DatabaseError as exc:
+            self._disable(what, exc)
+
+    def _disable(self, what: str, exc) -> None:
+        if self.broken is None:
+            self.broken = str(exc)
+            warnings.warn(f"dice_fast: chunk cache {self.path} is damaged ({exc} while trying to {what}); this "
+                          "process continues without it, computing every chunk. Delete the file to start a new "
+                          "cache.", RuntimeWarning, stacklevel=5)
+
+
+@dataclass(frozen=True)
+class CacheNamespace:
+    """A `ChunkCache` seen by one encoder configuration: ``salt`` keys its chunks (see `chunk_keys`)."""
+
+    cache: ChunkCache
+    id: int
+    salt: bytes
+    dim: int
+
+    def get(self, keys: list[int], idents: list[bytes]) -> tuple[dict, int]:
+        return self.cache.get(self.id, keys, idents, self.dim)
+
+    def put(self, keys: list[int], idents: list[bytes], vectors: np.ndarray) -> int:
+        return self.cache.put(self.id, keys, idents, vectors)
+
+    def flush(self) -> None:
+        self.cache.flush()
+
+
+def _checksum(key: int, ns: int, ident: bytes, vec: bytes) -> int:
+    """CRC-32 of a row's key, namespace, identity and vector (a row moved, cut or altered fails it)."""
+    return zlib.crc32(vec, zlib.crc32(ident, zlib.crc32(f"{key}:{ns}".encode())))
+
+
+def _tables(con) -> set:
+    return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
+
+def open_cache(cache, max_gb: float | None = None) -> ChunkCache:
+    """``cache`` as a `ChunkCache`: a folder path (opened) or a `ChunkCache` (returned)."""
+    if isinstance(cache, ChunkCache):
+        if max_gb is not None:
+            raise TypeError("max_gb belongs to the ChunkCache passed in; set it there")
+        return cache
+    if not isinstance(cache, (str, os.PathLike)):
+        raise TypeError(f"cache must be a folder path or a ChunkCache, got {type(cache).__name__}")
+    return ChunkCache(cache, max_gb)
+
+
+__all__ = ["ChunkCache", "CacheNamespace", "CacheError", "ChunkKeys", "ChunkStats", "MemoryCache", "chunk_keys",
+           "model_fingerprint", "open_cache", "CACHE_FILE"]
