@@ -39,7 +39,9 @@ CACHE_FILE = "chunks.sqlite"
 _MAGIC = "dice_fast chunk cache"
 _LOOKUP = 500  # keys per SELECT ... IN (...)
 _BUSY_MS = 60_000  # a writer waits this long for another process's transaction
-_EVICT_TO = 0.9  # eviction brings the live size down to this fraction of the bound
+_EVICT_TO = 0.9  # eviction brings the stored bytes down to this fraction of the bound
+_EVICT_BATCH = 4096  # rows looked at per eviction step
+_ROW_BYTES = 48  # per-row bytes besides identity and vector (key, namespace, checksum, recency, headers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,8 +199,9 @@ class CacheError(ValueError):
 class ChunkCache:
     """The persistent chunk cache in ``folder/chunks.sqlite`` (created when missing).
 
-    max_gb: bound on the live size of the entries (``None``: unbounded); when a write takes it over,
-    the least recently used rows are deleted in batches down to 90 % of it and freed pages returned.
+    max_gb: bound on the stored entries (`stored_bytes`; ``None``: unbounded); when a write takes them
+    over it, the least recently used rows are deleted in batches down to 90 % of it and freed pages
+    are returned to the file system.
     Any number of processes and threads may share one folder. Open with ``ChunkCache(folder)``; a file
     that is not a dice_fast chunk cache raises `CacheError`. If the database turns out damaged while in
     use, a warning is issued and this process continues without it (vectors are computed, never wrong).
@@ -240,7 +243,8 @@ class ChunkCache:
         if not tables:
             with self._write():
                 con.execute("CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value TEXT NOT NULL)")
-                con.execute("INSERT OR IGNORE INTO meta VALUES('magic', ?), ('format', ?)", (_MAGIC, str(FORMAT)))
+                con.execute("INSERT OR IGNORE INTO meta VALUES('magic', ?), ('format', ?), ('bytes', '0')",
+                            (_MAGIC, str(FORMAT)))
                 con.execute("CREATE TABLE IF NOT EXISTS namespaces(id INTEGER PRIMARY KEY, description TEXT "
                             "UNIQUE NOT NULL)")
                 con.execute("CREATE TABLE IF NOT EXISTS models(path TEXT NOT NULL, dtype TEXT NOT NULL, files TEXT "
@@ -365,45 +369,68 @@ class ChunkCache:
     def _commit(self, rows: list) -> None:
         now = time.time_ns() // 1000
         touched, self._touched = self._touched, {}
+        con = self._con
         with self._write():
-            drop = [k for k, v in touched.items() if v is None]
-            if drop:
-                self._con.executemany("DELETE FROM chunks WHERE key=?", [(k,) for k in drop])
+            freed = self._delete([k for k, v in touched.items() if v is None])
             keep = [k for k, v in touched.items() if v is not None]
             if keep:
-                self._con.executemany("UPDATE chunks SET used=? WHERE key=?", [(now, k) for k in keep])
-            self._con.executemany("INSERT OR REPLACE INTO chunks VALUES(?, ?, ?, ?, ?, ?)",
-                                  [(k, n, i, b, _checksum(k, n, i, b), now) for k, n, i, b in rows])
+                con.executemany("UPDATE chunks SET used=? WHERE key=?", [(now, k) for k in keep])
+            there = set()
+            for lo in range(0, len(rows), _LOOKUP):
+                part = [r[0] for r in rows[lo:lo + _LOOKUP]]
+                there.update(r[0] for r in con.execute(
+                    f"SELECT key FROM chunks WHERE key IN ({','.join('?' * len(part))})", part))
+            con.executemany("INSERT OR REPLACE INTO chunks VALUES(?, ?, ?, ?, ?, ?)",
+                            [(k, n, i, b, _checksum(k, n, i, b), now) for k, n, i, b in rows])
+            added = sum(_ROW_BYTES + len(i) + len(b) for k, _, i, b in rows if k not in there)
+            self._account(added - freed)
+            if self.max_bytes is not None and rows:
+                self._evict()
         if self.max_bytes is not None and rows:
-            self._evict()
+            con.execute("PRAGMA incremental_vacuum").fetchall()  # hand the pages freed by eviction back
 
-    def live_bytes(self) -> int:
-        """Bytes of the database's pages in use (what ``max_gb`` bounds)."""
+    def stored_bytes(self) -> int:
+        """Bytes of the stored entries (identity + vector + a fixed 48 per row): what ``max_gb`` bounds.
+        The file is larger by SQLite's page slack (about 10 %)."""
         with self._lock:
-            return self._live_bytes()
+            return int(self._con.execute("SELECT value FROM meta WHERE name='bytes'").fetchone()[0])
 
-    def _live_bytes(self) -> int:
-        c = self._con
-        return (c.execute("PRAGMA page_count").fetchone()[0] - c.execute("PRAGMA freelist_count").fetchone()[0]) * \
-            c.execute("PRAGMA page_size").fetchone()[0]
+    def _account(self, delta: int) -> None:
+        if delta:
+            self._con.execute("UPDATE meta SET value=CAST(value AS INTEGER)+? WHERE name='bytes'", (delta,))
+
+    def _delete(self, keys: list[int]) -> int:
+        """Delete rows (inside a write transaction); returns their bytes (as `stored_bytes` counts them)."""
+        freed = 0
+        for lo in range(0, len(keys), _LOOKUP):
+            part = keys[lo:lo + _LOOKUP]
+            marks = ",".join("?" * len(part))
+            freed += self._con.execute(f"SELECT coalesce(sum({_ROW_BYTES} + length(ident) + length(vec)), 0) FROM "
+                                       f"chunks WHERE key IN ({marks})", part).fetchone()[0]
+            self._con.execute(f"DELETE FROM chunks WHERE key IN ({marks})", part)
+        return int(freed)
 
     def _evict(self) -> None:
-        """Delete least recently used rows in batches until the live size is under ``_EVICT_TO`` of the bound."""
-        live = self._live_bytes()
-        if live <= self.max_bytes:
+        """Delete the least recently used rows in batches until the entries take at most ``_EVICT_TO`` of
+        the bound (inside the write transaction)."""
+        con = self._con
+        stored = int(con.execute("SELECT value FROM meta WHERE name='bytes'").fetchone()[0])
+        if stored <= self.max_bytes:
             return
         target = int(self.max_bytes * _EVICT_TO)
-        while live > target:
-            n_rows = self._con.execute("SELECT count(*) FROM chunks").fetchone()[0]
-            if n_rows == 0:
+        while stored > target:
+            oldest = con.execute(f"SELECT key, {_ROW_BYTES} + length(ident) + length(vec) FROM chunks "
+                                 "ORDER BY used LIMIT ?", (_EVICT_BATCH,)).fetchall()
+            if not oldest:
                 break
-            per_row = live / n_rows
-            n = max(1, min(n_rows, int((live - target) / per_row) + 1))
-            with self._write():
-                self._con.execute("DELETE FROM chunks WHERE key IN (SELECT key FROM chunks ORDER BY used LIMIT ?)",
-                                  (n,))
-            self._con.execute("PRAGMA incremental_vacuum")
-            live = self._live_bytes()
+            keys, total = [], 0
+            for k, size in oldest:
+                if stored - total <= target:
+                    break
+                keys.append(k)
+                total += size
+            self._account(-self._delete(keys))
+            stored -= total
 
     @contextlib.contextmanager
     def _guard(self, what: str):
