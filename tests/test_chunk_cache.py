@@ -232,3 +232,69 @@ def test_two_processes_write_one_cache_at_once(tmp_path):
     enc = DiceEncoder(model, tok, chunk_size=8, pooling_impl="torch", cache=tmp_path / "c")
     enc.encode_documents(union)
     assert enc.chunk_stats.computed == 0  # everything either process computed is there
+
+
+_KILLED_WRITER = r"""
+import sys, threading
+from pathlib import Path
+import dice_fast.chunk_cache as cc
+gate, out = Path(sys.argv[1]), Path(sys.argv[2])
+real = cc.ChunkCache._commit
+
+def commit(self, rows):  # once a shard is committed: start a write, leave it half done, and wait to be killed
+    if rows and (out / "manifest.json").exists() and '"file"' in (out / "manifest.json").read_text():
+        self._con.execute("BEGIN IMMEDIATE")
+        self._con.executemany("INSERT OR REPLACE INTO chunks VALUES(?, ?, ?, ?, 0, 0)", rows[: len(rows) // 2 + 1])
+        gate.write_text("writing")
+        threading.Event().wait()
+    return real(self, rows)
+
+cc.ChunkCache._commit = commit
+from dice_fast.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_a_job_killed_mid_write_resumes_and_reruns_from_the_cache(tmp_path):
+    import json
+    import signal
+    import time
+
+    from dice_fast.cli import main
+    from dice_fast.corpus import load_embeddings
+
+    model, tok, *_ = tiny("bert")
+    folder = tmp_path / "model"
+    copy.deepcopy(model).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    rng = __import__("random").Random(3)
+    docs = [text_of(rng.randint(5, 40), rng) for _ in range(40)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = ["encode", str(src), "-o", str(out), "-q", "--model", str(folder), "--chunk-size", str(K),
+            "--max-batch-tokens", "24", "--shard-rows", "4", "--cache", str(cache)]
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_WRITER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    gate = tmp_path / "gate"
+    proc = subprocess.Popen([sys.executable, str(script), str(gate), str(out), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    t0 = time.monotonic()
+    while not gate.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() - t0 < 100, "the job never reached a cache write"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    with sqlite3.connect(cache / CACHE_FILE) as con:  # the half-written transaction is gone, the rest intact
+        assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert con.execute("SELECT count(*) FROM chunks WHERE chk=0").fetchone()[0] == 0
+        assert con.execute("SELECT count(*) FROM chunks").fetchone()[0] > 0
+    want = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=K).encode_documents(docs)
+    assert main([*args, "--resume"]) == 0
+    assert_close(load_embeddings(out)[1], want, ATOL, what="resumed")
+    assert main([*args, "--overwrite"]) == 0  # the same job again with the same cache: nothing to compute
+    summary = json.loads((out / "manifest.json").read_text())["summary"]
+    assert summary["chunks_computed"] == 0 and summary["chunks_from_cache"] > 0, summary
+    assert_close(load_embeddings(out)[1], want, ATOL, what="re-run from the cache")
