@@ -1,18 +1,12 @@
-"""Reusing chunk vectors: what identifies a chunk, a bounded in-memory store, and a persistent one.
+"""The persistent chunk cache: chunk vectors in SQLite, shared by processes, bounded and checksummed.
 
-A chunk's pooled vector is a pure function of the model, the options that shape a chunk (dtype,
-device type, token pooling, causal or bidirectional attention) and the token ids the model sees
-(special tokens, prefix, text, suffix), plus its start offset under ``positions="global"``. So:
-
-* `chunk_keys(plan, salt)` gives every chunk of a plan its **identity** (bytes: a positions header
-  and the wrapped ids as int32) and a 64-bit **key** (the first 8 bytes of SHA-256 of salt +
-  identity). Keys only find candidates: a match is used only when the identities are equal.
-* `MemoryCache`: a least-recently-used map key -> (identity, vector row), bounded in bytes.
-* `ChunkCache`: SQLite in WAL mode in ``DIR/chunks.sqlite``, shared by processes (``--shard`` splits),
-  crash-safe (a killed writer leaves the last committed state), bounded (``max_gb``: least recently
-  used rows are evicted in batches), every row checksummed (a damaged one is dropped and recomputed,
-  never returned). `ChunkCache.bind` gives the `CacheNamespace` of one encoder configuration, keyed
-  by `model_fingerprint` (SHA-256 of the weights and config, remembered per model folder).
+`ChunkCache` keeps ``DIR/chunks.sqlite`` in WAL mode: shared by processes (the ``--shard`` splits of a
+job), crash-safe (a killed writer leaves the last committed state), bounded (``max_gb``: least
+recently used rows are evicted in batches), every row checksummed (a damaged one is dropped and
+recomputed, never returned). `ChunkCache.bind` gives the `CacheNamespace` of one encoder
+configuration (`encoder_namespace` builds it for a `DiceEncoder`), keyed by `model_fingerprint`
+(SHA-256 of the weights and config, remembered per model folder). Rows are found by the chunk keys
+and identities of `dice_fast.reuse.chunk_keys`.
 
 Vectors are stored as the pooled chunk vector in float32, before chunk normalisation and aggregation.
 """
@@ -28,8 +22,7 @@ import threading
 import time
 import warnings
 import zlib
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,120 +35,6 @@ _BUSY_MS = 60_000  # a writer waits this long for another process's transaction
 _EVICT_TO = 0.9  # eviction brings the stored bytes down to this fraction of the bound
 _EVICT_BATCH = 4096  # rows looked at per eviction step
 _ROW_BYTES = 48  # per-row bytes besides identity and vector (key, namespace, checksum, recency, headers)
-
-
-# --------------------------------------------------------------------------------------------
-@dataclass
-class ChunkKeys:
-    """keys: (n_chunks,) int64; identities: n_chunks bytes (``salt`` + identity, see module docstring);
-    empty: (n_chunks,) bool, chunks of no tokens at all (their vector is zero, nothing to look up)."""
-
-    keys: np.ndarray
-    messages: list
-    empty: np.ndarray
-    salt_len: int
-
-    def identity(self, c: int) -> bytes:
-        """The identity of chunk ``c`` (what is stored and compared)."""
-        return self.messages[c][self.salt_len:]
-
-
-def chunk_keys(plan, salt: bytes = b"") -> ChunkKeys:
-    """Identity and key of every chunk of ``plan`` (an `EncodingPlan`). Cost: one pass over its
-    tokens plus about a microsecond per chunk (a SHA-256 of its ids)."""
-    ids = plan.tokens.ids
-    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= 2**31):
-        raise ValueError("token ids must lie in [0, 2**31) to be keyed")
-    raw = ids.astype("<i4").tobytes()
-    pre = np.asarray(plan.prefix, "<i4").tobytes()
-    suf = np.asarray(plan.suffix, "<i4").tobytes()
-    ch = plan.chunks
-    starts = (plan.tokens.offsets[ch.document] + ch.start) * 4
-    ends = starts + ch.length * 4
-    messages = []
-    sha = hashlib.sha256
-    if plan.global_positions:
-        for s, e, off in zip(starts.tolist(), ends.tolist(), ch.start.tolist()):
-            messages.append(salt + b"G" + off.to_bytes(8, "little") + pre + raw[s:e] + suf)
-    else:
-        head = salt + b"L" + pre
-        messages = [head + raw[s:e] + suf for s, e in zip(starts.tolist(), ends.tolist())]
-    keys = np.fromiter((int.from_bytes(sha(m).digest()[:8], "little", signed=True) for m in messages),
-                       np.int64, len(messages))
-    empty = (ch.length + (len(plan.prefix) + len(plan.suffix))) == 0
-    return ChunkKeys(keys, messages, empty, len(salt))
-
-
-# --------------------------------------------------------------------------------------------
-@dataclass
-class ChunkStats:
-    """Counters of chunk reuse (all cumulative; thread-safe `add`).
-
-    computed: chunks the model ran. deduplicated: chunks that shared the forward of an identical chunk
-    queued at the same time. memory_hits / memory_misses: the in-memory store; disk_hits / disk_misses:
-    the persistent cache (looked up only after the memory store missed); damaged: cache rows found
-    damaged (dropped, recomputed); written: rows written to the persistent cache."""
-
-    computed: int = 0
-    deduplicated: int = 0
-    memory_hits: int = 0
-    memory_misses: int = 0
-    disk_hits: int = 0
-    disk_misses: int = 0
-    damaged: int = 0
-    written: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **counts) -> None:
-        with self._lock:
-            for k, v in counts.items():
-                setattr(self, k, getattr(self, k) + int(v))
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {k: getattr(self, k) for k in ("computed", "deduplicated", "memory_hits", "memory_misses",
-                                                   "disk_hits", "disk_misses", "damaged", "written")}
-
-
-class MemoryCache:
-    """Least-recently-used chunk vectors in memory, at most ``max_bytes`` (vector + identity bytes).
-
-    Values are rows of the batch output tensors (on the model's device): nothing is copied to store
-    them, and a batch's tensor is freed when its last row is evicted. Thread-safe."""
-
-    def __init__(self, max_bytes: int):
-        if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"max_bytes must be an integer >= 0, got {max_bytes!r}")
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._items: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def get(self, key: int, message: bytes):
-        """(tensor, row) stored for ``key`` with this exact ``message``, else None."""
-        with self._lock:
-            item = self._items.get(key)
-            if item is None or item[0] != message:
-                return None
-            self._items.move_to_end(key)
-            return item[1], item[2]
-
-    def put(self, key: int, message: bytes, tensor, row: int) -> None:
-        size = len(message) + tensor.shape[1] * tensor.element_size()
-        if size > self.max_bytes:
-            return
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self.bytes -= old[3]
-            self._items[key] = (message, tensor, row, size)
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, item = self._items.popitem(last=False)
-                self.bytes -= item[3]
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,7 +335,7 @@ class ChunkCache:
 
 @dataclass(frozen=True)
 class CacheNamespace:
-    """A `ChunkCache` seen by one encoder configuration: ``salt`` keys its chunks (see `chunk_keys`)."""
+    """A `ChunkCache` seen by one encoder configuration: ``salt`` keys its chunks (see `dice_fast.reuse.chunk_keys`)."""
 
     cache: ChunkCache
     id: int
@@ -493,5 +372,27 @@ def open_cache(cache, max_gb: float | None = None) -> ChunkCache:
     return ChunkCache(cache, max_gb)
 
 
-__all__ = ["ChunkCache", "CacheNamespace", "CacheError", "ChunkKeys", "ChunkStats", "MemoryCache", "chunk_keys",
-           "model_fingerprint", "open_cache", "CACHE_FILE"]
+def encoder_namespace(encoder, cache, max_gb=None, model_path=None) -> CacheNamespace:
+    """The `CacheNamespace` of a `DiceEncoder` in ``cache`` (a folder or a `ChunkCache`): everything a
+    chunk's vector depends on besides its ids (the wrapped ids and positions are in each identity)."""
+    import torch
+    import transformers
+
+    store = open_cache(cache, max_gb)
+    minor = lambda v: ".".join(v.split("+")[0].split(".")[:2])  # noqa: E731
+    description = {
+        "format": FORMAT,
+        "model": store.fingerprint(encoder.model, model_path),
+        "dtype": str(encoder.dtype).replace("torch.", ""),
+        "device": encoder.device.type,
+        "pooling": encoder.pooling,
+        "causal": encoder.spec.is_causal if encoder.causal is None else encoder.causal,
+        "first_position": encoder.spec.first_position,
+        "torch": minor(torch.__version__),
+        "transformers": minor(transformers.__version__),
+    }
+    return store.bind(description, encoder.dim)
+
+
+__all__ = ["ChunkCache", "CacheNamespace", "CacheError", "encoder_namespace", "model_fingerprint", "open_cache",
+           "CACHE_FILE"]

@@ -32,7 +32,8 @@ from .packing import PackedBatch
 from .progress import ProgressBar
 from .runner import ModelRunner
 from .scheduler import ChunkQueue
-from .chunk_cache import FORMAT as CACHE_FORMAT, ChunkStats, MemoryCache, open_cache
+from .chunk_cache import encoder_namespace
+from .reuse import ChunkStats, MemoryCache
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .streaming import Prefetch, as_iterator, windows
 
@@ -140,7 +141,7 @@ class DiceEncoder:
         self.max_batch_tokens = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS.get(device.type, 16384)
         self.causal = {"model default": None, "causal": True, "bidirectional": False}[cfg.attention]
         self.chunk_stats = ChunkStats()
-        self.cache = None if cache is None else self._bind_cache(cache, cache_max_gb, model_path)
+        self.cache = None if cache is None else encoder_namespace(self, cache, cache_max_gb, model_path)
         self._dedup = True  # False: no reuse at all (the baseline of benchmarks/bench_cache.py)
         self.runner = ModelRunner(
             model, self.spec, attn.choose_backend(cfg.attention_backend, device, dtype), self.causal, self.pooling,
@@ -302,26 +303,6 @@ class DiceEncoder:
                         progress(0, 0)
                     yield _output(job) if return_chunks else job.documents
                     top_up()
-
-    def _bind_cache(self, cache, max_gb, model_path):
-        """The `CacheNamespace` of this encoder in ``cache``: everything a chunk's vector depends on
-        besides its ids (the wrapped ids and positions are in each chunk's identity)."""
-        import transformers
-
-        store = open_cache(cache, max_gb)
-        minor = lambda v: ".".join(v.split("+")[0].split(".")[:2])  # noqa: E731
-        description = {
-            "format": CACHE_FORMAT,
-            "model": store.fingerprint(self.model, model_path),
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "device": self.device.type,
-            "pooling": self.pooling,
-            "causal": self.spec.is_causal if self.causal is None else self.causal,
-            "first_position": self.spec.first_position,
-            "torch": minor(torch.__version__),
-            "transformers": minor(transformers.__version__),
-        }
-        return store.bind(description, self.dim)
 
     def _wrap_ids(self, text_prefix: str) -> tuple[np.ndarray, np.ndarray]:
         ids = self.tokenizer(text_prefix, add_special_tokens=False)["input_ids"] if text_prefix else []

@@ -10,7 +10,7 @@ import pytest
 
 import dice_fast.engine as engine
 from dice_fast import DiceEncoder
-from dice_fast.chunk_cache import MemoryCache
+from dice_fast.reuse import MemoryCache
 from dice_fast.scheduler import ChunkQueue
 from helpers import assert_close
 from oracle import ATOL, K, check, corpus

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..chunking import check_texts
 from ..cpu_heap import release_freed_memory
-from ..chunk_cache import MemoryCache
+from ..reuse import MemoryCache
 from ..scheduler import ChunkQueue, Job
 from .errors import Overloaded, RequestTooLarge, ShuttingDown
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, QUEUE_BATCHES
@@ -99,7 +99,7 @@ class AsyncDiceEncoder:
     the benchmark compares against).
     cache_memory_mb: chunk vectors kept in memory across requests (least recently used go first; 0: none),
     in front of the encoder's persistent cache if it has one; identical chunks queued at once run once
-    either way. ``chunk_stats`` counts the reuse (`dice_fast.chunk_cache.ChunkStats`).
+    either way. ``chunk_stats`` counts the reuse (`dice_fast.reuse.ChunkStats`).
 
     The worker thread starts on the first request; `close` / `aclose` (or ``async with``) drain the queue
     and stop it. Requests from several event loops may share one core.
