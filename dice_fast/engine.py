@@ -301,6 +301,8 @@ class DiceEncoder:
                         release_freed_memory()
                     if progress is not None and job.plan.n_chunks == 0:
                         progress(0, 0)
+                    elif progress is not None and (known := queue.documents_pooled(job)):
+                        progress(known, 0)  # documents whose every chunk was known already
                     yield _output(job) if return_chunks else job.documents
                     top_up()
 

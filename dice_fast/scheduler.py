@@ -134,6 +134,7 @@ class ChunkQueue(QueueReuse):
                 self._waiting += job.tokens_waiting
                 return job
             idle = not self._jobs
+        job._pooled = plan.n_chunks
         self._finish(job)  # every chunk was known already
         if idle and self.cache is not None:
             self.cache.flush()

@@ -53,9 +53,10 @@ def test_cold_then_warm_equals_uncached_and_warm_runs_nothing(tmp_path, texts, w
     cold = enc.encode_documents(texts, return_chunks=True)
     assert enc.chunk_stats.written == enc.chunk_stats.computed > 0
     warm_enc = _encoder(ChunkCache(tmp_path / "c"))  # another encoder, the cache reopened
-    seen = _runs(warm_enc)
-    warm = warm_enc.encode_documents(texts, return_chunks=True)
+    seen, reported = _runs(warm_enc), []
+    warm = warm_enc.encode_documents(texts, return_chunks=True, progress=lambda d, t: reported.append((d, t)))
     assert sum(seen) == 0 and warm_enc.chunk_stats.disk_hits == enc.chunk_stats.computed
+    assert [sum(x) for x in zip(*reported)] == [len(texts), 0]  # every document reported, no token run
     for got, what in ((cold, "cold"), (warm, "warm")):
         assert_close(got.documents, want.documents, ATOL, what=f"{what} documents")
         assert_close(got.chunks, want.chunks, ATOL, what=f"{what} chunks")
