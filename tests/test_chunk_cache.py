@@ -66,7 +66,7 @@ def test_cold_then_warm_equals_uncached_and_warm_runs_nothing(tmp_path, texts, w
 
 
 def test_no_other_model_or_option_ever_hits(tmp_path, texts):
-    texts = texts[:6]
+    texts = texts[:3]
     cache = ChunkCache(tmp_path / "c")
     _encoder(cache).encode_documents(texts)
     model, *_ = tiny("bert")

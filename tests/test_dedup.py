@@ -35,14 +35,14 @@ def _unique_chunks(enc, texts) -> int:
 
 
 def test_identical_chunks_run_once_and_match_the_oracle():
-    base = corpus(seed=3, longest=6 * K)
+    base = corpus(seed=3, longest=6 * K)[:7]
     block = " ".join(["alpha beta gamma delta note sun day night"] * 3)  # 3 identical K-token chunks
-    texts = base + base[:6] + [block, base[2], block + " tree"]
+    texts = base + base[:4] + [block, base[2], block + " tree"]
     model, tok, *_ = tiny("bert")
     enc, got = check("bert", texts=texts)  # engine (dedup on) vs each chunk alone, float64 aggregation
     seen = _counting(enc)
     enc.encode_documents(texts)
-    assert sum(seen) == _unique_chunks(enc, texts) < enc.plan(texts).n_chunks - 10
+    assert sum(seen) == _unique_chunks(enc, texts) < enc.plan(texts).n_chunks - 6
     # copies spread over many small batches and over windows
     enc2 = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=24, pooling_impl="torch")
     assert_close(enc2.encode_documents(texts), got.documents, ATOL, what="small batches")
