@@ -70,8 +70,23 @@ def add_encoder_arguments(p: argparse.ArgumentParser) -> None:
                    help="model precision (default: bfloat16 on CUDA, float32 on CPU)")
 
 
+def add_cache_arguments(p: argparse.ArgumentParser):
+    """``--cache DIR`` and ``--cache-max-gb N``; returns their argument group (for a command's own cache flags)."""
+    g = p.add_argument_group("chunk cache (a chunk's vector depends only on its tokens, the model and options)")
+    g.add_argument("--cache", metavar="DIR", default=None,
+                   help="persistent chunk cache folder (created if missing; shareable by processes): chunks "
+                   "found there are not encoded again, new ones are added")
+    g.add_argument("--cache-max-gb", type=float, default=None, metavar="N",
+                   help="bound the cache to N GB; least recently used chunks are evicted (default: unbounded)")
+    return g
+
+
 def make_encoder(args):
-    """A `DiceEncoder` for ``--model`` with the options of `add_encoder_arguments`."""
+    """A `DiceEncoder` for ``--model`` with the options of `add_encoder_arguments` (and of
+    `add_cache_arguments` where the command has them)."""
     from .engine import DiceEncoder
 
-    return DiceEncoder.from_pretrained(args.model, **encoder_options(args))
+    cache = {"cache": args.cache, "cache_max_gb": args.cache_max_gb} if getattr(args, "cache", None) else {}
+    if getattr(args, "cache_max_gb", None) is not None and not cache:
+        raise ValueError("--cache-max-gb needs --cache DIR")
+    return DiceEncoder.from_pretrained(args.model, **cache, **encoder_options(args))

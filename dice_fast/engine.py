@@ -33,6 +33,8 @@ from .packing import PackedBatch
 from .progress import ProgressBar
 from .runner import ModelRunner
 from .scheduler import ChunkQueue
+from .chunk_cache import encoder_namespace
+from .reuse import ChunkStats, MemoryCache
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .streaming import Prefetch, as_iterator, windows
 
@@ -43,6 +45,8 @@ _DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
 _WINDOW_BATCHES = 16  # a streaming window holds about 16 batches' worth of text
 _CHARS_PER_TOKEN = 4  # to size windows before tokenizing (a window is cut by characters and documents)
 _WINDOW_DOCUMENTS = 8192
+# vectors kept per call so that identical chunks in different windows run once (~40k 384-d chunks)
+_CALL_MEMORY_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,11 @@ class DiceEncoder:
     ``DiceEncoder(model, tokenizer, **options)`` wraps a loaded model; `from_pretrained` loads one.
     Options are the fields of `DiceConfig` (see README.md); ``config=`` may pass a whole `DiceConfig`.
 
+    ``cache``: a folder (or an open `dice_fast.chunk_cache.ChunkCache`) holding the persistent chunk
+    cache: chunks found there are not run again, new ones are added (README, "Reusing chunks");
+    ``cache_max_gb`` bounds it. Identical chunks within one call always run once, cache or not;
+    ``chunk_stats`` counts chunks computed, deduplicated and served from memory or the cache.
+
     Construction puts the caller's model in eval mode without gradients, moves it to ``device`` /
     ``dtype`` when they are given, and points its config's attention implementation at dice_fast's
     function, which computes exactly the original attention outside dice_fast's own forwards (or,
@@ -104,7 +113,8 @@ class DiceEncoder:
     ``DICE_FAST_CPU_HEAP=default`` keeps glibc's defaults).
     """
 
-    def __init__(self, model, tokenizer, config: DiceConfig | None = None, *, model_path: str | None = None, **options):
+    def __init__(self, model, tokenizer, config: DiceConfig | None = None, *, model_path: str | None = None,
+                 cache=None, cache_max_gb: float | None = None, **options):
         if config is not None and options:
             raise TypeError("pass either config= or keyword options, not both")
         _check_option_names(options)
@@ -154,16 +164,21 @@ class DiceEncoder:
         self.normalize_chunks = self.spec.normalizes if cfg.normalize_chunks is None else cfg.normalize_chunks
         self.max_batch_tokens = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS.get(device.type, 16384)
         self.causal = {"model default": None, "causal": True, "bidirectional": False}[cfg.attention]
+        self.chunk_stats = ChunkStats()
+        self.cache = None if cache is None else encoder_namespace(self, cache, cache_max_gb, model_path)
+        self._dedup = True  # False: no reuse at all (the baseline of benchmarks/bench_cache.py)
         self.runner = ModelRunner(
             model, self.spec, attn.choose_backend(cfg.attention_backend, device, dtype), self.causal, self.pooling,
             self.pooling_impl, self.max_batch_tokens, tokenizer.pad_token_id,
         )
 
     @classmethod
-    def from_pretrained(cls, path=None, *, trust_remote_code: bool = False, **options) -> DiceEncoder:
+    def from_pretrained(cls, path=None, *, trust_remote_code: bool = False, cache=None,
+                        cache_max_gb: float | None = None, **options) -> DiceEncoder:
         """Load a model folder (``None``: the bundled all-MiniLM-L6-v2) and wrap it.
 
-        ``device`` defaults to CUDA when available (bfloat16) else CPU (float32).
+        ``device`` defaults to CUDA when available (bfloat16) else CPU (float32); ``cache`` and
+        ``cache_max_gb`` as for the constructor.
         """
         _check_option_names(options)
         device = torch.device(options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -176,7 +191,8 @@ class DiceEncoder:
         from .models import default_model_path
 
         model_path = str(path) if path is not None else default_model_path()
-        return cls(model, tokenizer, model_path=model_path, **{**options, "device": str(device), "dtype": dtype})
+        return cls(model, tokenizer, model_path=model_path, cache=cache, cache_max_gb=cache_max_gb,
+                   **{**options, "device": str(device), "dtype": dtype})
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -308,17 +324,18 @@ class DiceEncoder:
         being prepared in a worker thread) so batches run across plan boundaries; yield each plan's
         result in order. A batch that runs out of memory is split and retried (`ChunkQueue.run`); a
         chunk that fails alone raises `InputOutOfMemory` naming its text as ``what[i]`` in the call."""
-        queue = ChunkQueue(self)
+        queue = ChunkQueue(self, memory=MemoryCache(_CALL_MEMORY_BYTES), stats=self.chunk_stats, dedup=self._dedup)
         jobs: deque = deque()
         submitted = [0]  # texts in the plans submitted so far: a job's tag is its first text's index
-        with Prefetch(plans) as ahead:
+        with Prefetch((plan, queue.keys_for(plan)) for plan in plans) as ahead:  # keyed in the worker too
             def top_up():
                 while len(jobs) < 2:
-                    plan = ahead.next()
-                    if plan is None:
+                    item = ahead.next()
+                    if item is None:
                         return
-                    jobs.append(queue.submit(plan, aggregation, keep_chunks=return_chunks, tag=submitted[0]))
-                    submitted[0] += plan.n_docs
+                    jobs.append(queue.submit(item[0], aggregation, keep_chunks=return_chunks, tag=submitted[0],
+                                             keys=item[1]))
+                    submitted[0] += item[0].n_docs
 
             top_up()
             while jobs:
@@ -338,6 +355,8 @@ class DiceEncoder:
                         release_freed_memory()
                     if progress is not None and job.plan.n_chunks == 0:
                         progress(0, 0)
+                    elif progress is not None and (known := queue.documents_pooled(job)):
+                        progress(known, 0)  # documents whose every chunk was known already
                     yield _output(job) if return_chunks else job.documents
                     top_up()
 

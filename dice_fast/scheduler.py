@@ -16,6 +16,14 @@ to the batch, never to what is queued.
 Faults stay small (`dice_fast.faults`): `run` runs a batch with out-of-memory split-and-retry and
 fails only the jobs of a chunk that ran out of memory alone (``job.error`` names its document), while
 the budget of the next batches backs off; `fail`, `fail_packing` and `fail_all` end jobs with an error.
+
+Reuse (a chunk's vector depends only on its wrapped ids, see `dice_fast.reuse`), in the methods of
+`dice_fast.scheduler_reuse.QueueReuse`: at submit every chunk is looked up in the queue's memory store,
+then the encoder's persistent cache; a hit never enters a batch. A chunk identical to one queued and
+not yet run (same identity, compared exactly after a key match) runs once: the copy waits, costs no
+budget, and gets the vector when its original is pooled. Should the original never run (its job was
+cancelled), the first copy to be handed out runs instead. New vectors go to the memory store and,
+after each batch, to the persistent cache.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import torch
 from .chunking import EncodingPlan
 from .faults import BudgetBackoff, InputOutOfMemory, release_cached_memory, run_split
 from .matryoshka import truncate
+from .reuse import ChunkKeys, ChunkStats, MemoryCache
+from .scheduler_reuse import FOLLOW, RUN, QueueReuse, _Slot
 from .ops import aggregate_documents
 from .packing import PackedBatch, merge, pack
 from .runner import to_device
@@ -54,6 +64,12 @@ class Job:
     _handed: int = 0  # chunks handed out to batches
     _pooled: int = 0  # chunks pooled (batches complete in order)
     _docs_reported: int = 0
+    # reuse: chunk states (RUN, FOLLOW, DONE), their keys, chunks still without a vector
+    _state: np.ndarray = field(default=None, repr=False)
+    _keys: ChunkKeys | None = field(default=None, repr=False)
+    _left: int = 0
+    _serial: int = -1  # the last batch that took chunks of this job, and their range
+    _range: tuple[int, int] = (0, 0)
 
     @property
     def done(self) -> bool:
@@ -74,35 +90,63 @@ class Batch:
     part: np.ndarray
     jobs: list[Job]
     ranges: list[tuple[int, int]]
+    fan_out: list = field(default_factory=list)  # (job, chunk, from job, from chunk): copies in this batch
+    serial: int = 0
 
 
-class ChunkQueue:
+class ChunkQueue(QueueReuse):
     """FIFO of chunks from many plans (see the module docstring). Thread-safe."""
 
-    def __init__(self, encoder, max_batch_tokens: int | None = None):
+    def __init__(self, encoder, max_batch_tokens: int | None = None, *, memory: MemoryCache | None = None,
+                 stats: ChunkStats | None = None, dedup: bool = True):
+        """memory: a `MemoryCache` consulted and filled (shared across calls if you pass one);
+        stats: where reuse is counted (default: a new `ChunkStats`, as ``queue.stats``); the
+        persistent cache is ``encoder.cache`` (a `CacheNamespace`, or None). ``dedup=False`` turns all
+        reuse off (a baseline for benchmarks)."""
         self.encoder = encoder
         self.max_batch_tokens = max_batch_tokens or encoder.max_batch_tokens
         self._jobs: deque[Job] = deque()
         self._lock = threading.Lock()
         self._waiting = 0
         self._backoff = BudgetBackoff(self.max_batch_tokens)
+        self.dedup = dedup
+        self.memory = memory if dedup else None
+        self.cache = getattr(encoder, "cache", None) if dedup else None
+        self.stats = stats if stats is not None else ChunkStats()
+        self._slots: dict[int, _Slot] = {}  # key -> the queued chunk identical copies wait for
+        self._serial = 0
+        self._unsaved: list = []  # (keys, identities, vectors tensor) computed, not yet in the persistent cache
+        self._forming: Batch | None = None  # the batch `next_batch` formed last (or was forming when it raised)
 
     @property
     def tokens_waiting(self) -> int:
         """Wrapped tokens submitted and not yet handed to a batch (for backpressure)."""
         return self._waiting
 
-    def submit(self, plan: EncodingPlan, aggregation: str | None = None, keep_chunks: bool = False, tag=None) -> Job:
-        """Queue ``plan``'s chunks; ``aggregation`` defaults to the encoder's (queries: their one chunk)."""
+    def submit(self, plan: EncodingPlan, aggregation: str | None = None, keep_chunks: bool = False, tag=None,
+               keys: ChunkKeys | None = None) -> Job:
+        """Queue ``plan``'s chunks; ``aggregation`` defaults to the encoder's (queries: their one chunk).
+        ``keys``: the plan's `chunk_keys` when computed beforehand (e.g. in a worker thread) with
+        `keys_for`. A job whose every chunk is known already (memory, cache) is done on return."""
         job = Job(plan, aggregation or self.encoder.config.aggregation, keep_chunks, tag)
-        job._cum = np.cumsum(plan.chunk_lengths)
         if plan.n_chunks == 0:  # no documents: nothing to run
+            job._cum = np.zeros(0, np.int64)
             job.documents = np.zeros((0, self.encoder.dim), np.float32)
             job.chunks = job.documents.copy() if keep_chunks else None
             return job
+        found = self._lookup(job, keys) if self.dedup else {}
         with self._lock:
-            self._jobs.append(job)
-            self._waiting += job.tokens_waiting
+            self._resolve(job, found)
+            job._cum = np.cumsum(plan.chunk_lengths * (job._state == RUN))
+            if job._left:
+                self._jobs.append(job)
+                self._waiting += job.tokens_waiting
+                return job
+            idle = not self._jobs
+        job._pooled = plan.n_chunks
+        self._finish(job)  # every chunk was known already
+        if idle and self.cache is not None:
+            self.cache.flush()
         return job
 
     def cancel(self, job: Job) -> None:
@@ -111,14 +155,18 @@ class ChunkQueue:
             if not job.cancelled:
                 job.cancelled = True
                 self._waiting -= job.tokens_waiting
+                self._release(job)
                 job._handed = job.plan.n_chunks
 
     def next_batch(self) -> Batch | None:
         """The next chunks, first in first out, up to ``max_batch_tokens`` wrapped tokens (a chunk
-        longer than the budget comes alone); None when nothing is waiting."""
+        longer than the budget comes alone); None when nothing is waiting. Chunks known already and
+        copies of chunks in the batch cost nothing (a batch may then run no chunk at all)."""
         with self._lock:
             budget = self.budget
-            jobs, ranges, parts = [], [], []
+            self._serial += 1
+            batch = self._forming = Batch(None, None, [], [], serial=self._serial)
+            parts = []
             for job in self._jobs:
                 if job._handed >= job.plan.n_chunks:
                     continue
@@ -129,42 +177,53 @@ class ChunkQueue:
                 if hi == job._handed:
                     break
                 lo = job._handed
-                ids = np.arange(lo, hi, dtype=np.int64)
-                ids = ids[job.plan.chunks.length[ids] + len(job.plan.prefix) + len(job.plan.suffix) > 0]
+                job._serial, job._range = batch.serial, (lo, hi)
+                extra, cut = 0, False
+                if (job._state[lo:hi] == FOLLOW).any():
+                    extra, end = self._hand_out_followers(job, lo, hi, base, budget, batch, not parts)
+                    hi, cut = end, end < hi
+                    job._range = (lo, hi)
+                    if hi == lo:
+                        break
+                ids = lo + np.flatnonzero(job._state[lo:hi] == RUN)
                 parts.append(self._pack(job, ids))
-                jobs.append(job)
-                ranges.append((lo, hi))
-                used = int(job._cum[hi - 1] - base)
+                batch.jobs.append(job)
+                batch.ranges.append((lo, hi))
+                counted = int(job._cum[hi - 1] - base) if hi > lo else 0
                 job._handed = hi
-                self._waiting -= used
-                budget -= used
-                if budget <= 0:
+                self._waiting -= counted
+                budget -= counted + extra
+                if budget <= 0 or cut:
                     break
-            if not jobs:
+            if not batch.jobs:
                 return None
-        packed, part = merge(parts)
-        return Batch(packed, part, jobs, ranges)
+        batch.packed, batch.part = merge(parts)
+        return batch
 
-    def complete(self, batch: Batch, vectors: torch.Tensor) -> list[Job]:
+    def complete(self, batch: Batch, vectors: torch.Tensor, lost_rows: set = frozenset()) -> list[Job]:
         """Store ``vectors`` (n_chunks_in_batch, dim) float32, the pooled chunks of ``batch`` in packing
         order; return the jobs this finishes, in submission order. Batches must complete in the order
-        `next_batch` handed them out."""
-        enc = self.encoder
-        finished = []
+        `next_batch` handed them out. ``lost_rows``: rows that have no vector (their jobs failed, see
+        `run`): never reused, stored or handed to copies."""
         for j, job in enumerate(batch.jobs):
-            if job._vectors is None:
-                job._vectors = torch.zeros((job.plan.n_chunks, enc.spec.hidden_size), dtype=torch.float32, device=vectors.device)
             rows = np.flatnonzero(batch.part == j)
             if len(rows):
+                self._ensure_vectors(job, vectors.device)
                 dst = to_device(batch.packed.chunk_ids[rows], vectors.device)
                 job._vectors.index_copy_(0, dst, vectors[to_device(rows, vectors.device)])
+                job._left -= len(rows)
             job._pooled = batch.ranges[j][1]
-            if job._pooled == job.plan.n_chunks and not job.cancelled:
+        self._fan_out(batch, vectors, lost_rows)
+        finished = []
+        for job in batch.jobs:
+            if job._left == 0 and not job.cancelled and not job.done:
                 self._finish(job)
                 finished.append(job)
         with self._lock:
             while self._jobs and (self._jobs[0].done or self._jobs[0].cancelled):
                 self._jobs.popleft()
+            idle = not self._jobs
+        self._save(everything=idle)
         return finished
 
     def documents_pooled(self, job: Job) -> int:
@@ -175,6 +234,7 @@ class ChunkQueue:
 
     def _finish(self, job: Job) -> None:
         enc, plan = self.encoder, job.plan
+        self._ensure_vectors(job, self._device())
         vecs = job._vectors
         cu = torch.from_numpy(plan.chunks.cu_doc_chunks).to(vecs.device)
         weights = torch.from_numpy(plan.chunk_weights).to(vecs.device)
@@ -212,13 +272,24 @@ class ChunkQueue:
         vectors, failed = run_split(run_batch, batch.packed, self.encoder.spec.hidden_size, on_oom)  # full width
         self._backoff.failed() if ooms else self._backoff.succeeded()
         failed_jobs = []
-        for row, cause in sorted(failed.items()):
-            job = batch.jobs[int(batch.part[row])]
+
+        def fail(job, chunk: int, cause: str) -> None:
             if job.error is None and not job.cancelled:
-                document = int(job.plan.chunks.document[batch.packed.chunk_ids[row]])
-                self.fail(job, InputOutOfMemory(document, int(batch.packed.lengths[row]), cause))
+                document = int(job.plan.chunks.document[chunk])
+                self.fail(job, InputOutOfMemory(document, int(job.plan.chunk_lengths[chunk]), cause))
                 failed_jobs.append(job)
-        return self.complete(batch, vectors), failed_jobs
+
+        lost = {}  # (job id, chunk) -> cause: the chunks without a vector
+        for row, cause in sorted(failed.items()):
+            job, chunk = batch.jobs[int(batch.part[row])], int(batch.packed.chunk_ids[row])
+            lost[id(job), chunk] = cause
+            fail(job, chunk, cause)
+        if lost:  # copies of a lost chunk in this batch would get no vector either: they fail with it
+            for job, c, src, o in batch.fan_out:
+                if (id(src), o) in lost:
+                    fail(job, c, lost[id(src), o])
+            batch.fan_out = [f for f in batch.fan_out if (id(f[2]), f[3]) not in lost]
+        return self.complete(batch, vectors, lost_rows=set(failed)), failed_jobs
 
     def fail(self, job: Job, error: BaseException) -> None:
         """End ``job`` with ``error`` (kept in ``job.error`` unless it has one): its chunks not handed
@@ -244,6 +315,7 @@ class ChunkQueue:
         formed, so those are the jobs with chunks handed but not pooled). Returns the failed jobs."""
         culprit = getattr(error, "dice_fast_job", None)
         with self._lock:
+            self._withdraw_copies(self._forming)
             touched = [job for job in self._jobs if not job.cancelled and job._handed > job._pooled]
             if culprit is not None:
                 for job in touched:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cliargs import add_encoder_arguments
+from ..cliargs import add_cache_arguments, add_encoder_arguments
 
 EPILOG = """\
 input:
@@ -81,6 +81,7 @@ def register_cli(subparsers) -> None:
                      "outputs only), so `dice-fast index OUTPUT` or DiceIndex.from_corpus can index them")
     enc.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     add_encoder_arguments(enc)
+    add_cache_arguments(enc)
     enc.set_defaults(func=cmd_encode)
 
 

@@ -154,6 +154,7 @@ class EncodeJob:
         self._open_writer(resolved, signals)
         from ..progress import ProgressBar
 
+        stats_before = enc.chunk_stats.snapshot()
         bar = ProgressBar(None, desc=f"encode {self.kind}", show=not args.quiet)
         progress = ReadProgress(bar, corpus)
         pending: deque = deque()
@@ -182,12 +183,13 @@ class EncodeJob:
             bar.close()
         seconds = time.perf_counter() - t0
         summary = {"rows": skipped + rows, "encoded": rows, "tokens": bar.tokens, "seconds": round(seconds, 3),
-                   "blank_lines": corpus.blank_lines, "duplicate_ids": duplicates.count}
+                   "blank_lines": corpus.blank_lines, "duplicate_ids": duplicates.count,
+                   **_chunk_summary(stats_before, enc.chunk_stats.snapshot())}
         with signals.critical():
             self.writer.finish(enc.dim, summary)
             signals.pending = None  # a signal during the final commit comes too late to stop anything
         self.writer = None
-        self._print_summary(enc, rows, skipped, bar.tokens, seconds, corpus.blank_lines)
+        self._print_summary(enc, rows, skipped, bar.tokens, seconds, corpus.blank_lines, summary)
         if duplicates.count:
             warnings.warn(duplicates.message(), UserWarning, stacklevel=1)
         return 0
@@ -299,7 +301,7 @@ class EncodeJob:
             with contextlib.suppress(OSError):
                 d.rmdir()  # only when empty: committed shards keep their folder
 
-    def _print_summary(self, enc, rows, skipped, tokens, seconds, blank_lines) -> None:
+    def _print_summary(self, enc, rows, skipped, tokens, seconds, blank_lines, summary) -> None:
         from ..runinfo import model_label
 
         c = enc.config
@@ -309,6 +311,9 @@ class EncodeJob:
             extra += f"; skipped {blank_lines:,} blank line{'s' if blank_lines > 1 else ''}"
         if self.split[1] > 1:
             extra += f"; split {self.split[0]}/{self.split[1]}"
+        if enc.cache is not None or summary["chunks_deduplicated"]:
+            extra += (f"; chunks: {summary['chunks_computed']:,} computed, {summary['chunks_from_cache']:,} from "
+                      f"cache, {summary['chunks_deduplicated']:,} duplicates")
         print(
             f"encoded {rows:,} {self.kind} ({tokens:,} tokens incl. special tokens) in {seconds:.2f} s: "
             f"{rows / seconds:,.1f} docs/s, {tokens / seconds:,.0f} tokens/s -> {where} "
@@ -325,6 +330,14 @@ def _resolved(enc) -> dict:
     config = asdict(enc.config)
     config["device"] = enc.device.type
     return {"model": {"name": enc.spec.name, "label": model_label(enc.spec.name), "dim": enc.dim}, "config": config}
+
+
+def _chunk_summary(before: dict, after: dict) -> dict:
+    """Chunks the job computed, took from the persistent cache, and shared with an identical chunk
+    (queued at once, or met earlier in the same window stream)."""
+    d = {k: after[k] - before[k] for k in after}
+    return {"chunks_computed": d["computed"], "chunks_from_cache": d["disk_hits"],
+            "chunks_deduplicated": d["deduplicated"] + d["memory_hits"]}
 
 
 def _flatten(value, prefix: str = "") -> dict:

@@ -40,9 +40,10 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..chunking import check_texts
+from ..reuse import MemoryCache
 from ..scheduler import ChunkQueue, Job
 from .errors import DeadlineExceeded, Overloaded, RequestTooLarge, ShuttingDown, Unhealthy
-from .limits import DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
+from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
 from .planning import check_chars, piece_chars, plan_request
 from .worker import IDLE_TRIM_S, BatchStats, WorkerLoop
 
@@ -73,6 +74,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     job: Job | None = None
+    keys: object = None  # the plan's chunk keys, computed off the event loop
     cancelled: bool = False
     keep_chunks: bool = False
     submitted: float = field(default_factory=time.perf_counter)
@@ -102,6 +104,9 @@ class AsyncDiceEncoder(WorkerLoop):
     False (the default) raises `RequestTooLarge` naming it.
     cross_request_batching: False runs one request at a time, each alone in its batches (the baseline
     the benchmark compares against).
+    cache_memory_mb: chunk vectors kept in memory across requests (least recently used go first; 0: none),
+    in front of the encoder's persistent cache if it has one; identical chunks queued at once run once
+    either way. ``chunk_stats`` counts the reuse (`dice_fast.reuse.ChunkStats`).
 
     The worker thread starts with `start` (which runs a warm-up forward first) or on the first request;
     `close` / `aclose` (or ``async with``) drain the queue and stop it. Requests from several event
@@ -115,13 +120,14 @@ class AsyncDiceEncoder(WorkerLoop):
                  max_concurrent_requests: int = DEFAULT_LIMITS["max_concurrent_requests"],
                  request_timeout: float = DEFAULT_LIMITS["request_timeout"],
                  max_batch_tokens: int | None = None, cross_request_batching: bool = True,
-                 auto_truncate: bool = False):
+                 auto_truncate: bool = False, cache_memory_mb: int = DEFAULT_CACHE_MEMORY_MB):
         for name, value, low in (("max_inputs_per_request", max_inputs_per_request, 1),
                                  ("max_input_chars", max_input_chars, 1),
                                  ("max_tokens_per_document", max_tokens_per_document, 0),
                                  ("max_queue_tokens", max_queue_tokens, 1),
                                  ("max_concurrent_requests", max_concurrent_requests, 1),
-                                 ("max_batch_tokens", max_batch_tokens, 1)):
+                                 ("max_batch_tokens", max_batch_tokens, 1),
+                                 ("cache_memory_mb", cache_memory_mb, 0)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if isinstance(request_timeout, bool) or not isinstance(request_timeout, (int, float)) or \
@@ -131,7 +137,9 @@ class AsyncDiceEncoder(WorkerLoop):
         # CPU: trim the heap (`dice_fast.cpu_heap`) once the queue has been empty this long
         self._trims_heap = getattr(getattr(encoder, "device", None), "type", None) == "cpu"
         self.idle_trim_s = IDLE_TRIM_S
-        self._queue = ChunkQueue(encoder, max_batch_tokens)
+        self.cache_memory_mb = cache_memory_mb
+        memory = MemoryCache(cache_memory_mb << 20) if cache_memory_mb else None
+        self._queue = ChunkQueue(encoder, max_batch_tokens, memory=memory)
         self.max_inputs_per_request = max_inputs_per_request
         self.max_tokens_per_document = max_tokens_per_document
         self.max_queue_tokens = max_queue_tokens or QUEUE_BATCHES * self._queue.max_batch_tokens
@@ -160,6 +168,11 @@ class AsyncDiceEncoder(WorkerLoop):
     def dim(self) -> int:
         """Width of the returned vectors."""
         return self.encoder.dim
+
+    @property
+    def chunk_stats(self):
+        """Chunks computed, deduplicated and served from memory or the persistent cache (`ChunkStats`)."""
+        return self._queue.stats
 
     @property
     def max_batch_tokens(self) -> int:
@@ -260,7 +273,7 @@ class AsyncDiceEncoder(WorkerLoop):
                 f"max_queue_tokens={self.max_queue_tokens}, max_concurrent_requests={self.max_concurrent_requests}, "
                 f"request_timeout={self.request_timeout:g}, max_batch_tokens={self.max_batch_tokens}, "
                 f"auto_truncate={self.auto_truncate}, "
-                f"cross_request_batching={self.cross_request_batching})")
+                f"cross_request_batching={self.cross_request_batching}, cache_memory_mb={self.cache_memory_mb})")
 
     # ------------------------------------------------------------------------- request side
     async def _embed(self, texts, kind: str, aggregation: str | None, return_chunks: bool = False) -> Embeddings:
@@ -295,6 +308,7 @@ class AsyncDiceEncoder(WorkerLoop):
             self._check_sizes(tokens)
             request = _Request(plan, aggregation, int(tokens.sum()), loop, loop.create_future(),
                                keep_chunks=return_chunks)
+            request.keys = await self._until(deadline, loop.run_in_executor(None, self._queue.keys_for, plan))
             self._submit(request)
             try:
                 vectors = await self._until(deadline, request.future)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..cliargs import add_encoder_arguments, make_encoder
-from .limits import DEFAULT_LIMITS, HTTP_LIMITS, LIMITS
+from ..cliargs import add_cache_arguments, add_encoder_arguments, make_encoder
+from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, HTTP_LIMITS, LIMITS
 
 API_KEY_ENV = "DICE_FAST_API_KEY"
 
@@ -81,6 +81,10 @@ def register_cli(subparsers) -> None:
     g.add_argument("--testing-inject-oom", type=float, default=0.0, help=argparse.SUPPRESS)
     add_limit_arguments(p)
     add_encoder_arguments(p)
+    add_cache_arguments(p).add_argument(
+        "--cache-memory-mb", type=int, default=DEFAULT_CACHE_MEMORY_MB, metavar="N",
+        help=f"chunk vectors kept in memory across requests, in front of --cache (default {DEFAULT_CACHE_MEMORY_MB}; "
+        "0: none)")
     p.set_defaults(func=cmd_serve)
 
     b = subparsers.add_parser(
@@ -119,6 +123,8 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.cache_memory_mb < 0:
+        raise ValueError(f"--cache-memory-mb must be >= 0, got {args.cache_memory_mb}")
     key = api_key(args)
     encoder = make_encoder(args)
     if args.testing_inject_oom:
@@ -126,7 +132,9 @@ def cmd_serve(args) -> int:
 
         inject_oom(encoder.model, args.testing_inject_oom)
     app = create_app(encoder, model_name=args.served_model_name, api_key=key, max_body_bytes=args.max_body_bytes,
-                     **limits(args))
+                     cache_memory_mb=args.cache_memory_mb, **limits(args))
+    if encoder.cache is not None:
+        print(f"dice-fast serve: chunk cache {encoder.cache.cache!r}", flush=True)
     print(f"dice-fast serve: {encoder!r}", flush=True)
     print(f"dice-fast serve: {app.state.core!r}, max_body_bytes={app.state.max_body_bytes}", flush=True)
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -41,3 +41,6 @@ def default_max_input_chars(max_tokens_per_document: int, max_queue_tokens: int)
 def default_max_body_bytes(max_queue_tokens: int) -> int:
     """The default ``max_body_bytes``: `BYTES_PER_TOKEN` per token the queue holds."""
     return BYTES_PER_TOKEN * max_queue_tokens
+
+
+DEFAULT_CACHE_MEMORY_MB = 64  # chunk vectors kept in memory across requests (about 40k 384-d chunks)

@@ -13,6 +13,9 @@ the app exposes at ``GET /metrics``:
     dice_fast_batch_fill_ratio                          tokens per forward / token budget (histogram)
     dice_fast_batch_requests                            requests sharing a forward (histogram)
     dice_fast_batch_duration_seconds                    time per forward (histogram)
+    dice_fast_chunks_total{source}                      chunk vectors by source: computed, deduplicated
+                                                        (shared an identical queued chunk's forward), memory, disk
+    dice_fast_chunk_cache_lookups_total{tier, result}   chunk lookups in the memory and disk caches: hit, miss
 
 All updates are thread-safe (the worker thread observes batches, the event loop requests).
 """
@@ -102,6 +105,20 @@ class Gauge(_Metric):
         return self.header() + [f"{self.name} {_number(self.fn())}"]
 
 
+class ReadCounter(_Metric):
+    """A counter kept elsewhere: ``fn()`` returns {label values tuple: count} when scraped."""
+
+    kind = "counter"
+
+    def __init__(self, name, help, labelnames, fn: Callable[[], dict]):
+        super().__init__(name, help, labelnames)
+        self.fn = fn
+
+    def render(self) -> list[str]:
+        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_number(v)}"
+                                for k, v in sorted(self.fn().items())]
+
+
 class Histogram(_Metric):
     """Observations counted into cumulative ``le`` buckets per label set, with their sum and count."""
 
@@ -178,6 +195,10 @@ class ServerMetrics:
         self.batch_requests = r.add(Histogram("dice_fast_batch_requests", "Requests sharing one forward.",
                                               SHARE_BUCKETS))
         self.batch_seconds = r.add(Histogram("dice_fast_batch_duration_seconds", "Time per forward.", LATENCY_BUCKETS))
+        r.add(ReadCounter("dice_fast_chunks_total", "Chunk vectors by source.", ("source",),
+                          lambda: _chunk_sources(core.chunk_stats.snapshot())))
+        r.add(ReadCounter("dice_fast_chunk_cache_lookups_total", "Chunk lookups in the memory and disk caches.",
+                          ("tier", "result"), lambda: _cache_lookups(core.chunk_stats.snapshot())))
         core.add_batch_listener(self.observe_batch)
 
     def observe_request(self, input_type: str, status: int, seconds: float | None = None, inputs: int = 0,
@@ -199,3 +220,13 @@ class ServerMetrics:
 
     def render(self) -> str:
         return self.registry.render()
+
+
+def _chunk_sources(stats: dict) -> dict:
+    return {("computed",): stats["computed"], ("deduplicated",): stats["deduplicated"],
+            ("memory",): stats["memory_hits"], ("disk",): stats["disk_hits"]}
+
+
+def _cache_lookups(stats: dict) -> dict:
+    return {(tier, result): stats[f"{tier}_{name}"] for tier in ("memory", "disk")
+            for result, name in (("hit", "hits"), ("miss", "misses"))}

@@ -125,7 +125,9 @@ class WorkerLoop:
             self._pending_tokens -= request.tokens
             try:
                 request.job = self._current = self._queue.submit(request.plan, request.aggregation, tag=request,
-                                                                 keep_chunks=request.keep_chunks)
+                                                                 keep_chunks=request.keep_chunks, keys=request.keys)
+                if request.job.done:  # every chunk was in memory or the cache
+                    _settle(request, value=_result(request.job))
             except Exception as exc:
                 log.exception("dice_fast.serve: admitting a request failed")
                 _settle(request, exc=exc)

@@ -1,0 +1,150 @@
+"""In-call dedup: identical wrapped chunks run once (the queue's registry, and its memory store across
+windows), every copy gets the vector the per-chunk oracle gives, and nothing else is ever shared."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import dice_fast.engine as engine
+from dice_fast import DiceEncoder
+from dice_fast.reuse import MemoryCache
+from dice_fast.scheduler import ChunkQueue
+from helpers import assert_close
+from oracle import ATOL, K, check, corpus
+from tiny_models import tiny
+
+
+def _counting(enc):
+    """Count the chunks ``enc`` really runs."""
+    real, seen = enc.run_batch, []
+
+    def run_batch(packed):
+        seen.append(len(packed.chunk_ids))
+        return real(packed)
+
+    enc.run_batch = run_batch
+    return seen
+
+
+def _unique_chunks(enc, texts) -> int:
+    plan = enc.plan(texts)
+    return len({plan.chunk_ids(c).tobytes() for c in range(plan.n_chunks) if plan.chunk_lengths[c]})
+
+
+def test_identical_chunks_run_once_and_match_the_oracle():
+    base = corpus(seed=3, longest=6 * K)[:7]
+    block = " ".join(["alpha beta gamma delta note sun day night"] * 3)  # 3 identical K-token chunks
+    texts = base + base[:4] + [block, base[2], block + " tree"]
+    model, tok, *_ = tiny("bert")
+    enc, got = check("bert", texts=texts)  # engine (dedup on) vs each chunk alone, float64 aggregation
+    seen = _counting(enc)
+    enc.encode_documents(texts)
+    assert sum(seen) == _unique_chunks(enc, texts) < enc.plan(texts).n_chunks - 6
+    # copies spread over many small batches and over windows
+    enc2 = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=24, pooling_impl="torch")
+    assert_close(enc2.encode_documents(texts), got.documents, ATOL, what="small batches")
+
+
+def test_copies_in_later_windows_come_from_the_call_memory(monkeypatch):
+    monkeypatch.setattr(engine, "_WINDOW_DOCUMENTS", 3)  # many windows, only two queued at a time
+    model, tok, *_ = tiny("bert")
+    texts = corpus(seed=4, longest=6 * K)
+    texts = texts + texts[::-1]
+    enc = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=40, pooling_impl="torch")
+    seen = _counting(enc)
+    got = enc.encode_documents(texts)
+    assert sum(seen) == _unique_chunks(enc, texts)
+    assert enc.chunk_stats.memory_hits > 0
+    enc._dedup = False  # the baseline: every chunk runs
+    assert_close(got, enc.encode_documents(texts), ATOL, what="dedup vs none")
+    assert sum(seen) > 2 * _unique_chunks(enc, texts) - 1
+
+
+def test_global_positions_and_wrapping_are_part_of_a_chunks_identity():
+    # the same K tokens twice in one document: one forward with local positions, two with global ones
+    twice = " ".join(["the cat sat on a mat and dog"] * 2)
+    texts = [twice, twice + " red house"]
+    for positions, runs in (("local", 2), ("global", 3)):
+        enc, _ = check("bert", texts=texts, positions=positions)
+        seen = _counting(enc)
+        enc.encode_documents(texts)
+        assert sum(seen) == runs, positions
+    # the same text as a document and as a query (other prefixes) in one queue: both run
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=K, document_prefix="passage :", query_prefix="query :",
+                      pooling_impl="torch")
+    queue = ChunkQueue(enc)
+    text = ["the cat sat"]
+    jobs = [queue.submit(enc.plan(text, "documents")), queue.submit(enc.plan(text, "queries"), "mean")]
+    while (batch := queue.next_batch()) is not None:
+        queue.complete(batch, enc.run_batch(batch.packed))
+    assert queue.stats.computed == 2 and queue.stats.deduplicated == 0
+    assert_close(jobs[0].documents, enc.encode_documents(text), ATOL, what="document")
+    assert_close(jobs[1].documents, enc.encode_queries(text), ATOL, what="query")
+    assert not np.allclose(jobs[0].documents, jobs[1].documents)
+
+
+@pytest.mark.parametrize("cancel", ["original", "copy", "original after a batch"])
+def test_cancelling_either_side_of_a_copy(cancel):
+    """A copy whose original's job is cancelled runs itself; a cancelled copy leaves nothing waiting."""
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=20, pooling_impl="torch")
+    shared = ["alpha beta gamma delta note sun day night the cat", "red house with tree"]
+    a_texts = ["old man boy girl car road city river"] + shared
+    b_texts = shared[::-1] + ["water fire passage query"]
+    queue = ChunkQueue(enc)
+    a, b = queue.submit(enc.plan(a_texts)), queue.submit(enc.plan(b_texts))
+    assert queue.tokens_waiting < sum(int(j.plan.chunk_lengths.sum()) for j in (a, b))  # copies cost nothing
+    if cancel == "original after a batch":
+        batch = queue.next_batch()
+        queue.complete(batch, enc.run_batch(batch.packed))
+    victim = b if cancel == "copy" else a
+    queue.cancel(victim)
+    while (batch := queue.next_batch()) is not None:
+        queue.complete(batch, enc.run_batch(batch.packed))
+    survivor, texts = (a, a_texts) if victim is b else (b, b_texts)
+    assert survivor.done and not victim.done
+    assert_close(survivor.documents, enc.encode_documents(texts), ATOL, what=f"after cancelling the {cancel}")
+    assert queue._slots == {} and queue.tokens_waiting == 0  # nothing left waiting or remembered
+
+
+def test_server_answers_a_request_wholly_from_memory():
+    from dice_fast.serve import AsyncDiceEncoder
+    from dice_fast.serve.metrics import ServerMetrics
+
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=16, max_batch_tokens=128, pooling_impl="torch")
+    texts = corpus(seed=5, longest=6 * K)
+
+    async def main():
+        async with AsyncDiceEncoder(enc) as core:
+            metrics = ServerMetrics(core)
+            first = await core.embed_documents(texts)
+            computed = core.chunk_stats.computed
+            again = await asyncio.gather(core.embed_documents(texts), core.embed_documents(texts[:3]))
+            return first, again, computed, core.chunk_stats.snapshot(), metrics.render()
+
+    first, again, computed, stats, text = asyncio.run(main())
+    want = enc.encode_documents(texts)
+    for out, n in ((first, len(texts)), (again[0], len(texts)), (again[1], 3)):
+        assert_close(out.vectors, want[:n], ATOL, what="served")
+    assert stats["computed"] == computed and stats["memory_hits"] > 0
+    assert f'dice_fast_chunks_total{{source="memory"}} {float(stats["memory_hits"])}' in text
+    assert 'dice_fast_chunk_cache_lookups_total{tier="disk",result="hit"} 0.0' in text
+
+
+def test_memory_cache_is_bounded_and_least_recently_used_goes_first():
+    import torch
+
+    rows = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    mem = MemoryCache(3 * (16 + 4))  # three entries of a 4-byte identity and a 16-byte vector
+    for k in range(4):
+        mem.put(k, bytes([k]) * 4, rows, k)
+        if k == 2:
+            assert mem.get(0, b"\0" * 4) is not None  # 0 is now the most recent
+    assert len(mem) == 3 and mem.bytes <= mem.max_bytes
+    assert mem.get(1, b"\1" * 4) is None and mem.get(0, b"\0" * 4) is not None
+    assert mem.get(3, b"\4" * 4) is None  # a key match with another identity is a miss
