@@ -359,6 +359,78 @@ def _compile_sm90(limit: int | None = None) -> int:
 # --------------------------------------------------------------------------------------------
 # sizing
 # --------------------------------------------------------------------------------------------
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` records the variant Triton would
+    compile for that call (kernel, constexprs, num_warps, pointer dtypes and 16-byte alignment, and
+    the integer specialisations: == 1 and divisible by 16) and launches nothing."""
+
+    def __init__(self, kernel, seen: set):
+        import inspect
+
+        self.kernel, self.seen = kernel, seen
+        self.names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+
+    def __getitem__(self, grid):
+        import torch
+
+        def launch(*args, **kwargs):
+            key = [getattr(getattr(self.kernel, "fn", self.kernel), "__name__", "?")]
+            for name, a in zip(self.names, args):
+                if isinstance(a, torch.Tensor):
+                    key.append((name, str(a.dtype), a.data_ptr() % 16 == 0))
+                elif isinstance(a, bool) or not isinstance(a, int):
+                    key.append((name, type(a).__name__))
+                else:
+                    key.append((name, a == 1, a % 16 == 0))
+            key.append(tuple(sorted(kwargs.items())))
+            self.seen.add(tuple(key))
+
+        return launch
+
+
+def _count_variants() -> int:
+    """(subprocess, TRITON_INTERPRET=1) The Triton variants the GPU tests compile, counted by running
+    their bodies on the CPU with every launch recorded instead of run (outputs unchecked): the
+    realistic batch of tests/ops/test_triton_pool.py (its chunk counts and widths; lengths capped at
+    300 rows, so references stay cheap: every chunk longer than a piece still spans pieces) and the
+    engine tests of tests/test_gpu.py with Triton pooling (bf16 and fp32). Prints one JSON line."""
+    import torch
+
+    for sub in ("tests", "tests/ops"):
+        sys.path.insert(0, str(REPO / sub))
+    import test_gpu
+    import test_triton_pool as ttp
+
+    from dice_fast.ops import triton_pool as tp
+
+    seen: set = set()
+    for name in [n for n in dir(tp) if n.endswith("_kernel")]:
+        setattr(tp, name, _LaunchRecorder(getattr(tp, name), seen))
+    counts = {}
+    for H in ttp.GPU_BATCH_WIDTHS:
+        lens = [min(n, 300) for n in ttp.gpu_batch_lengths(H)]
+        ttp.realistic_batch("cpu", H, lens, ttp.GPU_BATCH_DOCS, check=lambda *a, **k: None)
+    counts["realistic batch"] = len(seen)
+    test_gpu.assert_within_plain_error = lambda *a, **k: None
+    for arch in test_gpu.ARCHS:
+        test_gpu.compare_with_plain_model(arch, "cpu", torch.bfloat16, pooling_impl="triton")
+    for arch in ("bert", "qwen2"):  # test_cuda_fp32_sdpa_groups_within_plain_model_error (auto: triton on CUDA)
+        test_gpu.compare_with_plain_model(arch, "cpu", torch.float32, pooling_impl="triton")
+    counts["engine tests"] = len(seen) - counts["realistic batch"]
+    print(json.dumps(dict(variants=len(seen), **counts)), flush=True)
+    return 0
+
+
+def count_gpu_test_variants() -> tuple[int, dict]:
+    """(distinct Triton variants the GPU tests compile, details); (-1, {"error": ...}) on failure."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    rc, out = _run([sys.executable, str(Path(__file__).resolve()), "_count_variants"], env, 300)
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    if rc or not rows:
+        return -1, {"error": out.strip()[-1500:]}
+    return rows[-1]["variants"], rows[-1]
+
+
 def tokenizer_rate() -> float:
     """Tokens/s of the benchmark's word tokenizer on this machine (one batched call, as `plan` makes)."""
     from dice_fast.bench.corpora import corpus_lengths, make_corpus, word_tokenizer
@@ -471,6 +543,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_compile_sm90"]:  # the subprocess of triton_sm90 (optionally: a number of variants)
         return _compile_sm90(int(argv[1]) if len(argv) > 1 else None)
+    if argv[:1] == ["_count_variants"]:  # the subprocess of sizing
+        return _count_variants()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("checks", nargs="*", help=f"any of {', '.join(CHECKS)} (default: all)")
     ap.add_argument("--gpu-check", default=str(REPO / "benchmarks" / "gpu_check.sh"))
