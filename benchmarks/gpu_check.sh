@@ -33,6 +33,7 @@ PREFLIGHT="${PREFLIGHT:-${SMOKE:-0}}"
 
 # ---- the plan: limits (s) and work of every step; `preflight.py sizing` checks the work against the limits
 DEADLINE_S=440          # the whole run; a step never gets more than what is left
+PREFLIGHT_DEADLINE_S=2400  # the CPU preflight's (CI), on 2 cores
 PROBE_S=30              # each environment probe (an import, nvidia-smi, nvcc --version)
 LIMIT_ENV=60
 LIMIT_INSTALL=60        # pip install of this tree and the carried wheels, offline
@@ -56,6 +57,7 @@ CARRY=".carry"          # the ignored folder named in the device tool's `carry`:
 
 # ---- machinery
 START=$SECONDS
+[ "${PREFLIGHT:-0}" = 1 ] && DEADLINE_S=$PREFLIGHT_DEADLINE_S
 DEADLINE=$((START + DEADLINE_S))
 : >"$WORK/steps.txt"
 pack() {  # the background build packs too: a temporary name of its own, then an atomic rename
@@ -130,7 +132,8 @@ fi
 NATIVE_DEPS=""
 have_cmd ninja || NATIVE_DEPS="ninja is missing"
 command -v "${CXX:-c++}" >/dev/null 2>&1 || NATIVE_DEPS="${NATIVE_DEPS:+$NATIVE_DEPS; }no C++ compiler"
-wait "$CUDA_PROBE" || sed -i '1s/^/the CUDA toolkit probe failed: /' "$WORK/cuda_deps.txt"
+wait "$CUDA_PROBE"; rc=$?
+[ "$rc" = 0 ] || sed -i "1s/^/the CUDA toolkit probe failed (exit code $rc): /" "$WORK/cuda_deps.txt"
 CUDA_DEPS="$(tail -n 3 "$WORK/cuda_deps.txt" | tr '\n' ' ' | sed 's/ *$//')"
 MODEL="$CARRY/minilm-bf16"
 HAVE_MODEL=no; [ -f "$MODEL/config.json" ] && HAVE_MODEL=yes
@@ -143,15 +146,16 @@ if [ "$PREFLIGHT" = 1 ]; then
   # image's transformers; every Triton kernel variant compiled for sm_90 by the GPU's triton; the GPU
   # steps' commands and assertions at CPU sizes; what travels; each step's planned work against its limit
   PRE="$PY benchmarks/preflight.py --gpu-check benchmarks/gpu_check.sh --json $OUT/preflight.json"
-  step deps 120 $PRE deps
+  step deps 240 $PRE deps
+  step machinery 120 $PRE machinery
   if [ -z "$NATIVE_DEPS" ]; then
     step build 240 "$PY" -c "from dice_fast.ops import native; print(native.build(with_cuda=False))"
     clean_locks
   else
     skip build "$NATIVE_DEPS"
   fi
-  step varlen_meta 120 $PRE varlen_meta
-  step image_libs 300 $PRE image_libs
+  step varlen_meta 240 $PRE varlen_meta
+  step image_libs 480 $PRE image_libs
   step triton_sm90 240 $PRE triton_sm90
   if [ -n "$PYTEST" ]; then
     step gpu_asserts 300 $PYTEST tests/test_gpu.py tests/ops/test_triton_pool.py -m "not gpu" \

@@ -8,6 +8,8 @@ Checks (default: all; ``PREFLIGHT=1 bash benchmarks/gpu_check.sh`` runs each as 
   deps         each GPU step's imports, its test collection and its script's ``--help`` / ``--plan``, run with
                the packages the GPU image lacks made unimportable (the bundled model package, fastapi,
                uvicorn, ray, mteb, flash-attn); and gpu_check.sh's own probe reporting pytest as missing
+  machinery    gpu_check.sh's own functions: a hung probe is cut, tar's "file changed" keeps the log archive,
+               ONLY= reruns; the CUDA toolkit check; no background nvcc under -m gpu; one timer per pooling case
   varlen_meta  torch's ``varlen_attn`` through dice_fast's adapter on meta tensors (causal or not, GQA or
                not, default or other softmax scale), and a packed forward of the benchmark models (BERT-base,
                Qwen2-1.5B configs) on the meta device: every layer reaches dice_fast's attention, no bias;
@@ -169,6 +171,78 @@ def check_deps(plan: dict) -> dict:
     details["probe with pytest blocked"] = out.strip()
     if "pytest-missing" not in out:
         problems.append(f"gpu_check.sh's have_module does not see pytest missing: {out.strip()}")
+    return {"status": "FAIL" if problems else "PASS", "problems": problems, "details": details}
+
+
+# --------------------------------------------------------------------------------------------
+# machinery
+# --------------------------------------------------------------------------------------------
+def machinery_script(gpu_check: str | os.PathLike, tmp: str | os.PathLike) -> str:
+    """gpu_check.sh's helper functions as written there, to source with OUT and WORK under ``tmp``."""
+    text = Path(gpu_check).read_text(encoding="utf-8")
+    body = text[text.index("# ---- machinery"):text.index("# ---- 0.")]
+    return (f'OUT={tmp}/out; WORK={tmp}/work; mkdir -p "$OUT" "$WORK"; DEADLINE_S=100; PY={shlex.quote(sys.executable)}\n'
+            + body)
+
+
+def check_machinery(plan: dict, gpu_check: str | os.PathLike = REPO / "benchmarks" / "gpu_check.sh") -> dict:
+    """gpu_check.sh's own functions: a hung probe is cut at PROBE_S; tar's exit 1 ("file changed as we
+    read it") keeps the archive and another failure leaves no temporary; ONLY= skips the other steps;
+    the CUDA toolkit check names a mismatched nvcc; the background nvcc of the native tests is not
+    started under ``-m gpu``; the pooling benchmark times a case with one timer."""
+    problems, details = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "hangs_on_import.py").write_text("import time\ntime.sleep(40)\n")
+        script = machinery_script(gpu_check, tmp) + (
+            "PROBE_S=2; have_module hangs_on_import && echo probe:found || echo probe:missing\n"
+            'echo log >"$WORK/a.log"\n'
+            'tar() { command tar "$@"; return 1; }\n'
+            'pack; ls -a "$OUT" | sed "s/^/after-1:/"\n'
+            'tar() { echo partial >"$2"; return 2; }\n'
+            'pack; ls -a "$OUT" | sed "s/^/after-2:/"; command tar tzf "$OUT/logs.tgz" | sed "s/^/archive:/"\n'
+            "ONLY='other' step not_chosen 10 false\n"
+        )
+        t0 = time.perf_counter()
+        rc, out = _run(["bash", "-c", script], dict(os.environ, PYTHONPATH=str(tmp)), 25)
+        details["machinery"] = f"{time.perf_counter() - t0:.1f} s"
+        if rc == 124:
+            problems.append("a hung probe was not cut at PROBE_S (the script itself hung)")
+            out = ""
+        expect = {"probe:missing": "a hung probe was not cut at PROBE_S",
+                  "after-1:logs.tgz": "tar's exit 1 lost the log archive",
+                  "archive:./a.log": "the log archive lacks a log",
+                  "not in ONLY": "ONLY= did not skip a step outside it"}
+        problems += [why for key, why in expect.items() if key not in out]
+        if rc or "after-2:.logs." in out:
+            problems.append(f"a failed tar left a temporary or the script failed: {out[-600:]}")
+    for args, needle in ((("13.0", "/usr/local/cuda", "13.0"), ""), (("13.0", "/usr/local/cuda", "12.8"), "major"),
+                         (("13.0", None, None), "CUDA_HOME"), ((None, "/usr/local/cuda", "13.0"), "without CUDA")):
+        got = cuda_toolkit_problem(*args)
+        if (needle == "" and got) or needle not in got:
+            problems.append(f"cuda_toolkit_problem{args} = {got!r}")
+    sys.path.insert(0, str(REPO / "tests" / "ops"))
+    from test_native import _selects_gpu_tests
+
+    class _Config:
+        def __init__(self, expr):
+            self.expr = expr
+
+        def getoption(self, name):
+            return self.expr
+
+    if not _selects_gpu_tests(_Config("gpu")) or _selects_gpu_tests(_Config("not gpu")):
+        problems.append("the native tests' background nvcc would start under -m gpu")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_pooling
+
+    def measure(fn, graph=True):
+        if graph and fn() == "sync":
+            raise bench_pooling.NoGraph("host sync")
+        return 1.0, 0.5, 1.5, "cudagraph" if graph else "events"
+
+    timers = {t[3] for t in bench_pooling.time_case({"a": lambda: 1, "b": lambda: "sync"}, measure).values()}
+    if timers != {"events"}:
+        problems.append(f"a case with one implementation that cannot be captured was timed with {timers}")
     return {"status": "FAIL" if problems else "PASS", "problems": problems, "details": details}
 
 
@@ -713,7 +787,7 @@ def check_sizing(plan: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-CHECKS = {"deps": check_deps, "varlen_meta": check_varlen_meta, "image_libs": check_image_libs,
+CHECKS = {"deps": check_deps, "machinery": check_machinery, "varlen_meta": check_varlen_meta, "image_libs": check_image_libs,
           "triton_sm90": check_triton_sm90, "carry": check_carry, "sizing": check_sizing}
 
 

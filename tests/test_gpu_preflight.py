@@ -102,10 +102,7 @@ def test_sizing_counts_the_work():
 
 def _machinery(tmp_path) -> str:
     """The script's helper functions, sourced as they are written there."""
-    text = SCRIPT.read_text()
-    body = text[text.index("# ---- machinery"):text.index("# ---- 0.")]
-    return (f'OUT={tmp_path}/out; WORK={tmp_path}/work; mkdir -p "$OUT" "$WORK"; DEADLINE_S=100; PY={sys.executable}\n'
-            + body)
+    return preflight.machinery_script(SCRIPT, tmp_path)
 
 
 def test_step_records_timeout_and_failure_and_cleans_locks(tmp_path):
@@ -138,56 +135,28 @@ def test_missing_pytest_is_seen_as_missing(tmp_path):
     assert r.stdout.strip().endswith("found")
 
 
-def test_a_hung_probe_is_cut(tmp_path):
-    (tmp_path / "hangs_on_import.py").write_text("import time\ntime.sleep(60)\n")
-    script = _machinery(tmp_path) + "PROBE_S=1\nhave_module hangs_on_import && echo found || echo missing\n"
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
-                       env=dict(os.environ, PYTHONPATH=str(tmp_path)))
-    assert r.stdout.strip().endswith("missing"), r.stdout + r.stderr
+def test_machinery_check_of_the_script(plan):
+    """A hung probe is cut, tar's exit 1 keeps the archive, ONLY= skips, a mismatched nvcc is named, no
+    background nvcc under -m gpu, one timer per pooling case (the preflight's `machinery` step)."""
+    r = preflight.check_machinery(plan)
+    assert r["status"] == "PASS", r["problems"]
 
 
-def test_pack_keeps_an_archive_of_changed_files_and_no_temporary(tmp_path):
-    """tar exits 1 when a log changed while it was read (the archive is whole): it is kept; any other
-    failure leaves the previous archive and no temporary."""
-    script = _machinery(tmp_path) + (
-        'echo log >"$WORK/a.log"\n'
-        'tar() { command tar "$@"; return 1; }\n'
-        'pack; ls -a "$OUT"\n'
-        'tar() { echo partial >"$2"; return 2; }\n'
-        'pack; ls -a "$OUT"; command tar tzf "$OUT/logs.tgz"\n'
-    )
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.count("logs.tgz") >= 2 and ".logs." not in r.stdout and "./a.log" in r.stdout, r.stdout
+def test_machinery_check_fails_on_a_script_without_probe_limits(plan, tmp_path):
+    broken = tmp_path / "gpu_check.sh"
+    broken.write_text(SCRIPT.read_text().replace('probe() { timeout -k 5 "${PROBE_S:-30}" "$@"; }', 'probe() { "$@"; }'))
+    r = preflight.check_machinery(plan, broken)
+    assert any("a hung probe was not cut at PROBE_S" in p for p in r["problems"]), r["problems"]
 
 
-def test_cuda_toolkit_check_says_why_not():
-    f = preflight.cuda_toolkit_problem
-    assert f("13.0", "/usr/local/cuda", "13.0") == ""
-    assert "major" in f("13.0", "/usr/local/cuda", "12.8") and "12.8" in f("13.0", "/usr/local/cuda", "12.8")
-    assert "CUDA_HOME" in f("13.0", None, None)
-    assert "no working nvcc" in f("13.0", "/opt/cuda", None)
-    assert "without CUDA" in f(None, "/usr/local/cuda", "13.0")
+def test_cuda_toolkit_probe_says_why_not():
+    """The probe gpu_check.sh runs (the verdicts themselves are in the machinery check)."""
+    assert "no working nvcc in /opt/cuda/bin" in preflight.cuda_toolkit_problem("13.0", "/opt/cuda", None)
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "preflight.py"), "_cuda_toolkit"], capture_output=True,
                        text=True, timeout=120)
     import torch
 
     assert r.returncode == 0 and (r.stdout.strip() != "") == (torch.version.cuda is None), r.stdout + r.stderr
-
-
-def test_background_nvcc_is_not_started_under_m_gpu():
-    sys.path.insert(0, str(REPO / "tests" / "ops"))
-    from test_native import _selects_gpu_tests
-
-    class Config:
-        def __init__(self, expr):
-            self.expr = expr
-
-        def getoption(self, name):
-            return self.expr
-
-    assert _selects_gpu_tests(Config("gpu")) and _selects_gpu_tests(Config("gpu and not slow"))
-    assert not _selects_gpu_tests(Config("not gpu")) and not _selects_gpu_tests(Config(""))
 
 
 def test_blocker_hides_what_the_gpu_image_lacks():
@@ -311,18 +280,6 @@ def test_pooling_cases_and_plan():
     assert any(kind == "c258" for _, _, kind in bench_pooling.GPU_CASES)
     assert bench_pooling.case_bytes(1 << 20, 384, "c258") > (1 << 20) * 384 * 2 * 0.99
     assert bench_pooling.plan_seconds(bench_pooling.GPU_CASES, 6) < 60
-
-
-def test_pooling_times_a_case_with_one_timer():
-    """When one implementation cannot be captured in a CUDA graph, every one is timed with events."""
-    def measure(fn, graph=True):
-        if graph and fn() == "sync":
-            raise bench_pooling.NoGraph("host sync")
-        return 1.0, 0.5, 1.5, "cudagraph" if graph else "events"
-
-    assert {t[3] for t in bench_pooling.time_case({"a": lambda: 1, "b": lambda: 2}, measure).values()} == {"cudagraph"}
-    mixed = bench_pooling.time_case({"a": lambda: 1, "b": lambda: "sync"}, measure)
-    assert {t[3] for t in mixed.values()} == {"events"} and set(mixed) == {"a", "b"}
 
 
 def test_pooling_smoke_writes_rows_as_it_goes(tmp_path):
