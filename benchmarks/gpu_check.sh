@@ -57,7 +57,7 @@ CARRY=".carry"          # the ignored folder named in the device tool's `carry`:
 
 # ---- machinery
 START=$SECONDS
-[ "${PREFLIGHT:-0}" = 1 ] && DEADLINE_S=$PREFLIGHT_DEADLINE_S
+[ "${PREFLIGHT:-0}" = 1 ] && DEADLINE_S=${PREFLIGHT_DEADLINE_S:-$DEADLINE_S}
 DEADLINE=$((START + DEADLINE_S))
 : >"$WORK/steps.txt"
 pack() {  # the background build packs too: a temporary name of its own, then an atomic rename
@@ -220,6 +220,7 @@ fi
   echo "dice_fast gpu_check ($([ "$PREFLIGHT" = 1 ] && echo preflight || echo GPU)) in $((SECONDS - START)) s"
   cat "$WORK/env.log"
   echo
+  echo "== steps"
   cat "$WORK/steps.txt"
   for f in "$WORK"/*.log; do
     [ "$(basename "$f")" = env.log ] && continue
@@ -230,6 +231,6 @@ fi
 } >"$OUT/summary.txt" 2>&1
 pack
 rm -f "$OUT"/.logs.*.tgz  # the temporary of a pack killed mid-way
-tail -n +1 "$OUT/summary.txt" | sed -n "/^env /,\$p"
+sed -n "/^== steps/,\$p" "$OUT/summary.txt"
 rm -rf "$WORK"
 ! grep -q -E '^[a-z_0-9]+ +(FAIL|TIMEOUT)' "$OUT/summary.txt"

@@ -181,8 +181,8 @@ def machinery_script(gpu_check: str | os.PathLike, tmp: str | os.PathLike) -> st
     """gpu_check.sh's helper functions as written there, to source with OUT and WORK under ``tmp``."""
     text = Path(gpu_check).read_text(encoding="utf-8")
     body = text[text.index("# ---- machinery"):text.index("# ---- 0.")]
-    return (f'OUT={tmp}/out; WORK={tmp}/work; mkdir -p "$OUT" "$WORK"; DEADLINE_S=100; PY={shlex.quote(sys.executable)}\n'
-            + body)
+    return (f'OUT={tmp}/out; WORK={tmp}/work; mkdir -p "$OUT" "$WORK"; PREFLIGHT=0; DEADLINE_S=100; '
+            f'PY={shlex.quote(sys.executable)}\n' + body)
 
 
 def check_machinery(plan: dict, gpu_check: str | os.PathLike = REPO / "benchmarks" / "gpu_check.sh") -> dict:
@@ -220,7 +220,8 @@ def check_machinery(plan: dict, gpu_check: str | os.PathLike = REPO / "benchmark
         got = cuda_toolkit_problem(*args)
         if (needle == "" and got) or needle not in got:
             problems.append(f"cuda_toolkit_problem{args} = {got!r}")
-    sys.path.insert(0, str(REPO / "tests" / "ops"))
+    for sub in ("tests", "tests/ops"):
+        sys.path.insert(0, str(REPO / sub))
     from test_native import _selects_gpu_tests
 
     class _Config:
