@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of dice_fast in one run, sized to fit 7 minutes on one H200.
 #
 #   bash benchmarks/gpu_check.sh               # on the GPU machine (any working directory)
-#   PREFLIGHT=1 bash benchmarks/gpu_check.sh   # on a CPU (CI, ~5 min): everything checkable without a GPU
+#   PREFLIGHT=1 bash benchmarks/gpu_check.sh   # on a CPU (CI, ~7 min quiet): everything checkable without a GPU
 #   ONLY="gpu_tests e2e_decoder" bash benchmarks/gpu_check.sh   # a rerun of some steps (the others SKIP)
 #
 # The GPU image (device KINDS.md): Python 3.12, torch 2.11.0+cu130, triton 3.6.0, transformers 5.17.0,
@@ -146,7 +146,7 @@ if [ "$PREFLIGHT" = 1 ]; then
   # image's transformers; every Triton kernel variant compiled for sm_90 by the GPU's triton; the GPU
   # steps' commands and assertions at CPU sizes; what travels; each step's planned work against its limit
   PRE="$PY benchmarks/preflight.py --gpu-check benchmarks/gpu_check.sh --json $OUT/preflight.json"
-  step deps 240 $PRE deps
+  step deps 480 $PRE deps
   step machinery 120 $PRE machinery
   if [ -z "$NATIVE_DEPS" ]; then
     step build 240 "$PY" -c "from dice_fast.ops import native; print(native.build(with_cuda=False))"
