@@ -185,7 +185,8 @@ def machinery_script(gpu_check: str | os.PathLike, tmp: str | os.PathLike) -> st
             f'PY={shlex.quote(sys.executable)}\n' + body)
 
 
-def check_machinery(plan: dict, gpu_check: str | os.PathLike = REPO / "benchmarks" / "gpu_check.sh") -> dict:
+def check_machinery(plan: dict, gpu_check: str | os.PathLike = REPO / "benchmarks" / "gpu_check.sh",
+                    timeout: float = 25) -> dict:
     """gpu_check.sh's own functions: a hung probe is cut at PROBE_S; tar's exit 1 ("file changed as we
     read it") keeps the archive and another failure leaves no temporary; ONLY= skips the other steps;
     the CUDA toolkit check names a mismatched nvcc; the background nvcc of the native tests is not
@@ -203,7 +204,7 @@ def check_machinery(plan: dict, gpu_check: str | os.PathLike = REPO / "benchmark
             "ONLY='other' step not_chosen 10 false\n"
         )
         t0 = time.perf_counter()
-        rc, out = _run(["bash", "-c", script], dict(os.environ, PYTHONPATH=str(tmp)), 25)
+        rc, out = _run(["bash", "-c", script], dict(os.environ, PYTHONPATH=str(tmp)), timeout)
         details["machinery"] = f"{time.perf_counter() - t0:.1f} s"
         if rc == 124:
             problems.append("a hung probe was not cut at PROBE_S (the script itself hung)")

@@ -145,7 +145,7 @@ def test_machinery_check_of_the_script(plan):
 def test_machinery_check_fails_on_a_script_without_probe_limits(plan, tmp_path):
     broken = tmp_path / "gpu_check.sh"
     broken.write_text(SCRIPT.read_text().replace('probe() { timeout -k 5 "${PROBE_S:-30}" "$@"; }', 'probe() { "$@"; }'))
-    r = preflight.check_machinery(plan, broken)
+    r = preflight.check_machinery(plan, broken, timeout=6)  # the probe would hang for 40 s
     assert any("a hung probe was not cut at PROBE_S" in p for p in r["problems"]), r["problems"]
 
 
