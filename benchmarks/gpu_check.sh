@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of dice_fast in one run, sized to fit 7 minutes on one H200.
 #
 #   bash benchmarks/gpu_check.sh               # on the GPU machine (any working directory)
-#   PREFLIGHT=1 bash benchmarks/gpu_check.sh   # on a CPU (CI, ~7 min quiet): everything checkable without a GPU
+#   PREFLIGHT=1 bash benchmarks/gpu_check.sh   # on a CPU (CI, ~3 min): everything checkable without a GPU
 #   ONLY="gpu_tests e2e_decoder" bash benchmarks/gpu_check.sh   # a rerun of some steps (the others SKIP)
 #
 # The GPU image (device KINDS.md): Python 3.12, torch 2.11.0+cu130, triton 3.6.0, transformers 5.17.0,
