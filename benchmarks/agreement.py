@@ -12,9 +12,11 @@ measures the bf16 error against the distance between documents; on one mixed cor
   vectors (top-1 self-retrieval 100 %), and its distance from it is at most ``--max-error-ratio``
   times the median distance between two different documents' fp32 vectors;
 * agreement: the smallest bf16-vs-fp32 cosine >= ``--min-agreement``;
-* both vectors finite, and the bf16 engine's attention backend is the one asked for.
+* both vectors finite, and neither engine runs chunks on the padded path (the packed engine is what is
+  checked; `dice_fast.bench.run.padded_fallback`).
 
-The row (device, model, backends, the numbers, pass/fail) is appended to ``--csv`` and printed.
+The row (device, model, backends, the numbers, pass/fail and what failed) is appended to ``--csv`` and
+printed whatever the verdict.
 Runs on CUDA when available (fp32: ``sdpa_groups``; bf16: ``torch_varlen`` or the given backend),
 else on the CPU (a check of the script and its thresholds; ``--layers`` shrinks the model).
 """
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dice_fast import DiceEncoder  # noqa: E402
 from dice_fast.bench.corpora import RANDOM_MODELS, corpus_lengths, make_corpus, word_tokenizer  # noqa: E402
+from dice_fast.bench.run import padded_fallback  # noqa: E402
 from dice_fast.runinfo import append_csv, device_name, versions  # noqa: E402
 
 
@@ -121,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--longest", type=int, default=4096, help="longest document in tokens")
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--backend", default="auto", help="attention backend of the bf16 engine")
+    ap.add_argument("--fp32-backend", default="auto", help="attention backend of the fp32 engine")
     ap.add_argument("--device", default=None)
     ap.add_argument("--max-error-ratio", type=float, default=0.25,
                     help="largest bf16 error allowed, in median distances between documents (default 0.25: bf16 rounding "
@@ -143,16 +147,18 @@ def main(argv=None) -> int:
     import copy
 
     opts = dict(chunk_size=args.chunk_size, device=str(device))
-    enc32 = DiceEncoder(copy.deepcopy(model), tok, dtype="float32", **opts)
+    enc32 = DiceEncoder(copy.deepcopy(model), tok, dtype="float32", attention_backend=args.fp32_backend, **opts)
     v32 = enc32.encode_documents(texts)
+    fp32_padded = padded_fallback(enc32)
     del enc32
     enc16 = DiceEncoder(model, tok, dtype="bfloat16", attention_backend=args.backend, **opts)
     v16 = enc16.encode_documents(texts)
     m = agreement(v32, v16)
     bad = verdict(m, args.max_error_ratio, args.min_agreement)
+    bad += [f"{dt}: {why}" for dt, why in (("float32", fp32_padded), ("bfloat16", padded_fallback(enc16))) if why]
     row = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device_name(device), **versions(),
                model=label, bf16_backend=enc16.backend, bf16_pooling=enc16.pooling_impl, **m,
-               passed=not bad, seconds=round(time.perf_counter() - t0, 1))
+               passed=not bad, problems="; ".join(bad), seconds=round(time.perf_counter() - t0, 1))
     if args.csv:
         append_csv([row], args.csv)
     print(" | ".join(f"{k}={v:.5f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)

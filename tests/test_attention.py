@@ -38,6 +38,19 @@ def fake_new(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=
     return _per_chunk(query, key, value, cu_seq_q, False, scale, tuple(window_size))
 
 
+def fake_211(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+             window_size=(-1, -1)):
+    """torch 2.11's signature (the GPU image's; torch/nn/attention/varlen.py at v2.11.0): window_size and
+    scale, no enable_gqa (key/value must have the query's heads); causal only as window_size == (-1, 0)."""
+    assert query.shape[1] == key.shape[1] == value.shape[1], "torch 2.11's varlen_attn has no GQA"
+    assert isinstance(window_size, tuple), "2.11 tests window_size == (-1, 0) for causal: a list is never causal"
+    return _per_chunk(query, key, value, cu_seq_q, window_size == (-1, 0), scale, window_size)
+
+
+TORCH_211_SIGNATURE = ("(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, "
+                       "window_size=(-1, -1))")
+
+
 def fake_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None):
     assert query.shape[1] == key.shape[1], "early releases have no GQA"
     return _per_chunk(query, key, value, cu_seq_q, is_causal, None)
@@ -48,7 +61,8 @@ def _band_window(band, causal):
     return (-1, -1) if band is None else (band, 0 if causal else band)
 
 
-@pytest.mark.parametrize("fake", [fake_new, fake_old], ids=["window_size-scale-gqa", "is_causal-only"])
+@pytest.mark.parametrize("fake", [fake_new, fake_211, fake_old],
+                         ids=["window_size-scale-gqa", "torch2.11-window_size-scale", "is_causal-only"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hkv", [4, 2])
 @pytest.mark.parametrize("scale", [None, 0.3])
@@ -57,7 +71,7 @@ def test_torch_varlen_adapter_matches_per_chunk_attention(monkeypatch, fake, cau
     attn._torch_varlen_params.cache_clear()
     monkeypatch.setattr(attn, "_torch_varlen_func", lambda: fake)
     try:
-        assert attn.supports_sliding_window("torch_varlen") == (fake is fake_new)
+        assert attn.supports_sliding_window("torch_varlen") == (fake is not fake_old)
         if band is not None and fake is fake_old:
             return  # refused before the call (test_sliding_window_beyond_the_backend_is_refused)
         torch.manual_seed(0)
@@ -69,8 +83,16 @@ def test_torch_varlen_adapter_matches_per_chunk_attention(monkeypatch, fake, cau
         got = attn._torch_varlen(q, k, v, cu, max(lengths), causal, s, band)
         want = _per_chunk(q, k, v, cu, causal, s, _band_window(band, causal))
         assert_close(got, want, 1e-5, what="varlen adapter")
+        if fake is fake_211:  # K/V heads repeated by the adapter: the same arithmetic as the reference, bit for bit
+            assert torch.equal(got, want)
     finally:
         attn._torch_varlen_params.cache_clear()
+
+
+def test_torch_211_stand_in_has_the_exact_signature():
+    import inspect
+
+    assert str(inspect.signature(fake_211)) == TORCH_211_SIGNATURE
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -40,6 +40,8 @@ def register_cli(subparsers) -> None:
     g.add_argument("--raw-csv", default=None,
                    help="also append every single timing (path, dtype, round, seconds) to this CSV as it is taken")
     g.add_argument("--csv", default="benchmarks/results.csv", help="CSV to append rows to")
+    g.add_argument("--require-packed", action="store_true",
+                   help="exit 1 when an engine runs chunks on the padded path instead of packed (rows are still written)")
     add_encoder_arguments(p)
     p.set_defaults(func=cmd_bench)
 
@@ -52,7 +54,7 @@ def cmd_bench(args) -> int:
     from .corpora import corpus_lengths, make_corpus, random_model
     from .measure import matmul_tflops
     from ..runinfo import check_csv
-    from .run import benchmark, format_table, save_rows
+    from .run import benchmark, format_table, padded_fallback, save_rows
 
     for name in ("docs", "repeats", "padded_batch"):
         if getattr(args, name) < 1:
@@ -69,6 +71,9 @@ def cmd_bench(args) -> int:
         else:
             encoders[dt] = make_encoder(per_dtype)
     first = next(iter(encoders.values()))
+    padded = {dt: why for dt, enc in encoders.items() if (why := padded_fallback(enc))}
+    for dt, why in padded.items():
+        print(f"{'FAIL' if args.require_packed else 'NOTE'}: {dt}: {why}", flush=True)
     name = args.random_model or model_label(first.spec.name)
     st_model = None
     if not args.random_model and not args.no_sentence_transformers and "float32" in encoders:
@@ -84,13 +89,15 @@ def cmd_bench(args) -> int:
         texts = make_corpus(first.tokenizer, corpus_lengths(corpus, args.docs, args.seed, args.longest), args.seed)
         on_time = _raw_writer(args.raw_csv, dict(device=device_name(device), model=name, corpus=corpus))
         rows = benchmark(encoders, texts, corpus, name, args.repeats, st_model, args.padded_batch, peaks,
-                         on_time=on_time, budget_s=args.budget_s)
-        save_rows(rows, args.csv)
+                         on_time=on_time, budget_s=args.budget_s, on_rows=lambda r: save_rows(r, args.csv))
         print(format_table(rows), flush=True)
         all_rows += rows
     if len(args.corpus) > 1:
         print(format_table(all_rows))
     print(f"{device_name(device)}; torch {torch.__version__}; {first!r}; rows appended to {args.csv}")
+    if padded and args.require_packed:
+        print("FAIL: --require-packed: " + "; ".join(f"{dt}: {why}" for dt, why in padded.items()), flush=True)
+        return 1
     return 0
 
 

@@ -84,66 +84,87 @@ FIELDS = [f.name for f in dataclasses.fields(Row)]
 
 def benchmark(encoders: dict, texts: list[str], corpus: str, model_name: str, repeats: int = 3,
               st_model=None, padded_batch: int = 32, peak_tflops=None, on_time=None,
-              budget_s: float | None = None) -> list[Row]:
+              budget_s: float | None = None, on_rows=None) -> list[Row]:
     """Measure every path for each dtype in ``encoders`` {dtype name: DiceEncoder}; one `Row` per path.
 
-    ``speedup_vs_X`` of a row is X's median time over the row's (same dtype). ``peak_tflops``: the
-    measured matmul rate, one number or {dtype name: rate}; with it the engine rows also get model
-    TFLOP/s and MFU. ``on_time(name, round, seconds)`` sees each timing as it is taken;
-    ``budget_s`` caps the timed rounds (see `run_paths`).
+    Dtypes are measured one after the other (float32 first, whose engine vectors the others are
+    compared with), paths interleaved within each; ``on_rows(rows)`` gets each dtype's rows as soon
+    as they are measured (so a run killed later keeps them). ``speedup_vs_X`` of a row is X's median
+    time over the row's (same dtype). ``peak_tflops``: the measured matmul rate, one number or
+    {dtype name: rate}; with it the engine rows also get model TFLOP/s and MFU. ``on_time(name,
+    round, seconds)`` sees each timing as it is taken; ``budget_s`` caps the timed rounds of all
+    dtypes together, shared equally (see `run_paths`).
     """
-    paths, owner, plans = {}, {}, {}
-    for dt, enc in encoders.items():
-        plan = plans[dt] = enc.plan(texts)
-        planned = _Planned(enc, plan)
-        fns = {
-            ENGINE: lambda e=enc, p=plan: encode_plan(e, p),
-            "padded_sorted": lambda e=planned: encode_padded_sorted(e, texts, padded_batch),
-            "padded_naive": lambda e=planned: encode_padded_naive(e, texts, padded_batch),
-        }
-        if st_model is not None and dt == "float32":
-            fns["sentence_transformers"] = lambda e=planned: encode_sentence_transformers(st_model, e, texts, padded_batch)
-        fns[_E2E] = lambda e=enc: e.encode_documents(texts)
-        fns[_TOKENIZE] = lambda e=enc: e.plan(texts)
-        for path, fn in fns.items():
-            paths[f"{path}[{dt}]"], owner[f"{path}[{dt}]"] = fn, (path, dt)
-    any_enc = next(iter(encoders.values()))
-    device = any_enc.device
-    results = run_paths(paths, repeats, device, on_time=on_time, budget_s=budget_s)
-    median = {name: float(np.median(times)) for name, (times, _, _) in results.items()}
-    n_tokens = int(next(iter(plans.values())).tokens.lengths.sum())
+    order = sorted(encoders, key=lambda dt: dt != "float32")
+    fp32, rows = None, []
+    for dt in order:
+        dt_rows, vecs = _benchmark_dtype(dt, encoders[dt], texts, corpus, model_name, repeats, st_model, padded_batch,
+                                         peak_tflops, on_time, None if budget_s is None else budget_s / len(order),
+                                         fp32)
+        fp32 = vecs if dt == "float32" else fp32
+        if on_rows is not None:
+            on_rows(dt_rows)
+        rows += dt_rows
+    return rows
+
+
+def _benchmark_dtype(dt, enc, texts, corpus, model_name, repeats, st_model, padded_batch, peak_tflops, on_time,
+                     budget_s, fp32_vectors):
+    """(rows of one dtype, its engine's vectors)."""
+    plan = enc.plan(texts)
+    planned = _Planned(enc, plan)
+    fns = {
+        ENGINE: lambda: encode_plan(enc, plan),
+        "padded_sorted": lambda: encode_padded_sorted(planned, texts, padded_batch),
+        "padded_naive": lambda: encode_padded_naive(planned, texts, padded_batch),
+    }
+    if st_model is not None and dt == "float32":
+        fns["sentence_transformers"] = lambda: encode_sentence_transformers(st_model, planned, texts, padded_batch)
+    fns[_E2E] = lambda: enc.encode_documents(texts)
+    fns[_TOKENIZE] = lambda: enc.plan(texts)
+    results = run_paths({f"{path}[{dt}]": fn for path, fn in fns.items()}, repeats, enc.device, on_time=on_time,
+                        budget_s=budget_s)
+    results = {name.split("[")[0]: res for name, res in results.items()}
+    median = {path: float(np.median(times)) for path, (times, _, _) in results.items()}
+    n_tokens = int(plan.tokens.lengths.sum())
     v, now = versions(), datetime.datetime.now().isoformat(timespec="seconds")
-    fp32 = results.get(f"{ENGINE}[float32]")
+    engine_vecs = results[ENGINE][2]
+    fp32_vectors = engine_vecs if dt == "float32" else fp32_vectors
+    naive = [median[p] for p in results if p in NAIVE]
     rows = []
-    for name, (times, peak, vecs) in results.items():
-        path, dt = owner[name]
+    for path, (times, peak, vecs) in results.items():
         if path in (_E2E, _TOKENIZE):
             continue
-        med = median[name]
-
-        def ratio(other: str) -> float:
-            t = median.get(f"{other}[{dt}]")
-            return t / med if t is not None else float("nan")
-
-        naive = [median[n] for n in results if owner[n][1] == dt and owner[n][0] in NAIVE]
+        med = median[path]
         extra = {}
         if path == ENGINE:
-            extra = _engine_extras(encoders[dt], plans[dt], med, median[f"{_E2E}[{dt}]"], median[f"{_TOKENIZE}[{dt}]"],
-                                   n_tokens, peak_tflops, dt)
+            extra = _engine_extras(enc, plan, med, median[_E2E], median[_TOKENIZE], n_tokens, peak_tflops, dt)
         rows.append(Row(
-            date=now, device=device_name(device), model=model_name, corpus=corpus, n_docs=len(texts),
-            doc_tokens=n_tokens, path=path, dtype=dt, attention=_attention_label(encoders[dt]) if path == ENGINE else "sdpa",
-            max_batch_tokens=encoders[dt].max_batch_tokens, padded_batch=padded_batch,
+            date=now, device=device_name(enc.device), model=model_name, corpus=corpus, n_docs=len(texts),
+            doc_tokens=n_tokens, path=path, dtype=dt, attention=_attention_label(enc) if path == ENGINE else "sdpa",
+            max_batch_tokens=enc.max_batch_tokens, padded_batch=padded_batch,
             seconds_median=med, seconds_p20=float(np.percentile(times, 20)), seconds_p80=float(np.percentile(times, 80)),
             docs_per_s=len(texts) / med, tokens_per_s=n_tokens / med, peak_mem_mb=peak,
             speedup_vs_best_naive=min(naive) / med if naive else float("nan"),
-            speedup_vs_padded_sorted=ratio("padded_sorted"), speedup_vs_padded_naive=ratio("padded_naive"),
-            min_cosine_vs_engine=_min_cosine(vecs, results[f"{ENGINE}[{dt}]"][2]),
-            min_cosine_vs_fp32_engine=_min_cosine(vecs, fp32[2]) if fp32 is not None else float("nan"),
+            speedup_vs_padded_sorted=median["padded_sorted"] / med, speedup_vs_padded_naive=median["padded_naive"] / med,
+            min_cosine_vs_engine=_min_cosine(vecs, engine_vecs),
+            min_cosine_vs_fp32_engine=_min_cosine(vecs, fp32_vectors) if fp32_vectors is not None else float("nan"),
             tflops=extra.pop("tflops", float("nan")), mfu=extra.pop("mfu", float("nan")),
             cosine_between_docs=_cosine_between(vecs), **extra, **v,
         ))
-    return rows
+    return rows, engine_vecs
+
+
+def padded_fallback(encoder) -> str | None:
+    """Why ``encoder`` runs chunks on the padded path instead of packed, or None when it does not (the
+    GPU check fails on it: a padded engine's speed says nothing about the packed one)."""
+    if encoder.backend == "padded":
+        return f"the engine runs on the padded path ({encoder.runner.fallback_reason or 'attention_backend=padded'})"
+    limit = encoder.runner.packed_limit
+    if limit is not None and encoder.config.chunk_size + encoder.chunk_overhead > limit:
+        return (f"chunks over the {limit}-token sliding window run on the padded path ({encoder.backend} cannot "
+                "band them)")
+    return None
 
 
 def _attention_label(encoder) -> str:

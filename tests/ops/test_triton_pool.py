@@ -347,23 +347,54 @@ def test_torch_compile_traces_through_ops():
 
 
 # --------------------------------------------------------------------------------------------
-# GPU only
+# GPU only, each with a CPU rehearsal of the same body
 # --------------------------------------------------------------------------------------------
+GPU_BATCH_WIDTHS = (384, 4096)
+GPU_BATCH_DOCS = [1, 60, 3, 79, 1]  # 144 chunks
+
+
+def gpu_batch_lengths(H: int) -> list[int]:
+    """The GPU test's chunk lengths: 64K tokens, 1..8192 per chunk, 144 chunks."""
+    return torch.randint(1, 512, (100,), generator=_gen(H)).tolist() + [8192, 1, 4096, 1] + [512] * 40
+
+
+def realistic_batch(device, H: int, lens: list[int], doc_lens: list[int], check=assert_close) -> None:
+    """All three poolings of bf16 token states (chunks across pieces), then all five aggregations of
+    the chunk vectors, against the references (``check(got, want, rtol, atol, what=)``); every
+    tensor on ``device``. benchmarks/preflight.py runs it to count the Triton variants it compiles."""
+    assert sum(doc_lens) == len(lens)
+    cu = _cu(lens, device=device)
+    hidden = _hidden(sum(lens), H, torch.bfloat16, seed=H, device=device)
+    for pooling in POOLINGS:
+        check(tp.pool_chunks_triton(hidden, cu, pooling), pool_chunks_ref(hidden, cu, pooling), *F32_TOL,
+              what=f"{pooling} H={H}")
+    chunks = tp.pool_chunks_triton(hidden, cu, "mean")
+    cu_doc = _cu(doc_lens, torch.int64, device=device)
+    weights = torch.rand(len(lens), generator=_gen(H + 1)).to(device)
+    for agg in AGGS:
+        out, ref = _agg_both(chunks, cu_doc, weights, agg, top_k=5, nc=agg == "max")
+        check(out, ref, *F32_TOL, what=f"{agg} H={H}")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [384, 4096])
+@pytest.mark.parametrize("H", GPU_BATCH_WIDTHS)
 def test_gpu_realistic_batch(H):
     """A token-budget batch at realistic sizes: 64K tokens, chunk lengths 1..8192."""
-    g = _gen(H)
-    lens = torch.randint(1, 512, (100,), generator=g).tolist() + [8192, 1, 4096, 1] + [512] * 40
-    cu = _cu(lens)
-    hidden = torch.randn(sum(lens), H, generator=g).to(torch.bfloat16).cuda()
-    for pooling in POOLINGS:
-        assert_close(tp.pool_chunks_triton(hidden, cu, pooling), pool_chunks_ref(hidden, cu, pooling), *F32_TOL)
-    chunks = tp.pool_chunks_triton(hidden, cu, "mean")
-    cu_doc = _cu([1, 60, 3, 79, 1], torch.int64)  # 144 chunks
-    for agg in AGGS:
-        out, ref = _agg_both(chunks, cu_doc, torch.rand(len(lens), device="cuda"), agg, top_k=5, nc=agg == "max")
-        assert_close(out, ref, *F32_TOL, what=agg)
+    realistic_batch("cuda", H, gpu_batch_lengths(H), GPU_BATCH_DOCS)
+
+
+def test_realistic_batch_rehearsal():
+    """The GPU test's body on the CPU at small sizes (the interpreter is slow), with a forgotten
+    ``device`` turned into meta tensors (`pool_data.forgotten_device_is_meta`): a tensor left off the
+    test's device fails here as it would on the GPU."""
+    lens = _lengths(8, 20, seed=3, extra=[270, 1, 2])  # one chunk longer than a 256-row piece
+    with pool_data.forgotten_device_is_meta():
+        realistic_batch("cpu", 24, lens, [1, 4, 3, 2, 1])
+
+
+def test_rehearsal_catches_a_forgotten_device():
+    with pool_data.forgotten_device_is_meta(), pytest.raises(ValueError, match="cu_seqlens is on meta"):
+        tp.pool_chunks_triton(_hidden(4, 8, torch.bfloat16, seed=0, device="cpu"), _cu([1, 3]), "mean")
 
 
 @pytest.mark.gpu
