@@ -89,6 +89,10 @@ def register_cli(subparsers) -> None:
     p.add_argument("--save-result", action="store_true",
                    help="also pickle the EvalResult (per-sample EC/EDI included) to OUT_DIR/<task>-<dtype>.pkl, "
                         "to redraw tables and plots later without re-encoding")
+    p.add_argument("--cache-dir", default=None,
+                   help="keep the raw chunk vectors of every (length, chunk size) in this folder and reuse them "
+                        "on later runs with the same model options and texts (a run over other lengths, "
+                        "aggregations or normalize_chunks re-encodes nothing it has seen)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     add_encoder_arguments(p)
     p.set_defaults(func=cmd_eval)
@@ -124,6 +128,7 @@ def cmd_eval(args) -> int:
               f"(built in {time.perf_counter() - t0:.1f} s)", flush=True)
         res = run_eval(task, enc, chunk_sizes=chunk_sizes, aggregations=args.aggregations, split=args.length_split,
                        seed=args.seed if task.doc_tokens is not None else None, check_docs=args.check_docs,
+                       cache_dir=args.cache_dir,
                        show_progress=not args.quiet, log=lambda s: print(s, flush=True))
         print(format_report(res), flush=True)
         stem = "-".join(x for x in (_safe(res.task), res.info["dtype"], _safe(args.tag)) if x)

@@ -4,7 +4,8 @@
 
 Methods: ``single`` (``strategy="single"``: one window of each document's first tokens, the
 single-vector baseline) and DICE with every requested aggregation at every requested chunk size.
-Each chunk size is encoded **once** with ``return_chunks=True`` (raw pooled chunk vectors); every
+Each chunk size is encoded **once** (raw pooled chunk vectors, each distinct chunk run once and
+optionally cached on disk: `dice_fast.eval.chunkstore`); every
 aggregation is then computed from those chunk vectors with `dice_fast.ops.aggregate_documents` and
 exactly the arguments the engine passes (``normalize_chunks`` as the encoder resolves it, ``top_k``,
 ``temperature``, ``normalize``, and for ``weighted_mean`` the wrapped token count of each chunk:
@@ -61,8 +62,9 @@ def raw_twin(encoder, **changes):
 def aggregate_from_chunks(encoder, raw, aggregation: str) -> np.ndarray:
     """Document vectors (n_docs, dim) float32 as ``encoder`` with ``aggregation`` would return them.
 
-    raw: the `DiceOutput` of ``encode_documents(texts, return_chunks=True)`` by an encoder with the
-    same options as ``encoder`` except ``normalize_chunks=False`` (so ``raw.chunks`` are the chunk
+    raw: a `dice_fast.eval.chunkstore.RawChunks` (`encode_raw_chunks`), or the `DiceOutput` of
+    ``encode_documents(texts, return_chunks=True)``, by an encoder with the same options as
+    ``encoder`` except ``normalize_chunks=False`` (so ``raw.chunks`` are the chunk
     vectors as pooled, whose norms ``topk_norm``/``softmax_norm`` rank by; see `raw_twin`). Uses the
     arguments the engine passes: ``encoder.normalize_chunks`` (resolved), ``top_k``, ``temperature``,
     ``normalize``, and chunk weights = wrapped chunk lengths (text + special + prefix tokens, as
@@ -72,7 +74,7 @@ def aggregate_from_chunks(encoder, raw, aggregation: str) -> np.ndarray:
 
     from ..ops import aggregate_documents
 
-    n_docs = int(raw.documents.shape[0])
+    n_docs = len(raw.document_tokens) if hasattr(raw, "document_tokens") else raw.n_docs
     cd = np.asarray(raw.chunk_document, np.int64)
     cu = np.zeros(n_docs + 1, np.int64)
     np.cumsum(np.bincount(cd, minlength=n_docs), out=cu[1:])
@@ -167,10 +169,28 @@ def _encode_docs(encoder, texts, desc: str, show_progress: bool, **kw):
     return out, {"seconds": time.perf_counter() - t0, "tokens": bar.tokens}
 
 
+def _encode_raw(raw_enc, task, desc: str, show_progress: bool, cache_dir):
+    """Raw chunk vectors of ``task.corpus`` (`RawChunks`), one `encode_raw_chunks` call (and cache
+    file) per run of documents of one context length, so a run over other lengths reuses them."""
+    from .chunkstore import RawChunks, encode_raw_chunks
+
+    labels = np.asarray(task.doc_length)
+    cuts = np.flatnonzero(np.diff(labels)) + 1 if labels.size else np.zeros(0, np.int64)
+    bounds = [0, *cuts.tolist(), len(task.corpus)]
+    bar = ProgressBar(None, desc=desc, show=show_progress and bool(task.corpus))
+    t0 = time.perf_counter()
+    try:
+        parts = [encode_raw_chunks(raw_enc, task.corpus[a:b], cache_dir, bar) for a, b in zip(bounds, bounds[1:])]
+    finally:
+        bar.close()
+    raw = RawChunks.concat(parts)
+    return raw, {"seconds": time.perf_counter() - t0, "tokens": bar.tokens}
+
+
 def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
              aggregations: Sequence[str] = DEFAULT_AGGREGATIONS, split: int = 4096, seed: int | None = None,
              check_docs: int = 2, min_margin: float = 0.01, show_progress: bool = True,
-             log=print) -> EvalResult:
+             cache_dir=None, log=print) -> EvalResult:
     """Evaluate ``single`` and DICE (every aggregation x chunk size) of ``encoder``'s model on ``task``.
 
     task: a `dice_fast.eval.tasks.Task`; encoder: a `DiceEncoder` whose options (pooling, prefixes,
@@ -179,7 +199,9 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     at most / above it make the report's "≤4k" / ">4k" columns. ``check_docs``: the first documents
     of the task are also encoded by the engine with each method's options and compared with the
     vectors derived from chunks (`EvalResult.check`; a warning above 1e-4 in float32, 5e-2
-    otherwise). ``log``: called with progress lines (None: silent).
+    otherwise). ``cache_dir``: keep the raw chunk vectors of every (context length, chunk size)
+    there and reuse them (`dice_fast.eval.chunkstore`); None: encode every time. ``log``: called
+    with progress lines (None: silent).
     """
     from .diagnostics import evidence_stats
     from .retrieval import evaluate
@@ -221,11 +243,11 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     n_check = min(check_docs, len(task.corpus))
     for k in chunk_sizes:
         raw_enc = raw_twin(encoder, chunk_size=k, strategy="dice", normalize_chunks=False)
-        raw, timings[f"k{k}"] = _encode_docs(raw_enc, task.corpus, f"{task.name} k={k}", show_progress,
-                                            return_chunks=True)
+        raw, timings[f"k{k}"] = _encode_raw(raw_enc, task, f"{task.name} k={k}", show_progress, cache_dir)
         t = timings[f"k{k}"]
-        say(f"[{task.name}] chunk size {k}: {len(task.corpus)} documents, {raw.chunks.shape[0]} chunks, "
-            f"{t['tokens']:,} tokens in {t['seconds']:.1f} s ({t['tokens'] / max(t['seconds'], 1e-9):,.0f} tokens/s)")
+        say(f"[{task.name}] chunk size {k}: {len(task.corpus)} documents, {raw.chunks.shape[0]} chunks "
+            f"({raw.n_distinct} distinct), {t['tokens']:,} tokens run in {t['seconds']:.1f} s "
+            f"({t['tokens'] / max(t['seconds'], 1e-9):,.0f} tokens/s)" + (" [cache]" if raw.from_cache else ""))
         by_method = {"single": docs["single"]}
         for a in aggregations:
             key = method_key(k, a)
