@@ -81,9 +81,9 @@ def cache_key(encoder, texts: list[str]) -> str:
     """Hex SHA-256 of the model, the chunk-shaping options of ``encoder`` and ``texts``."""
     import dataclasses
 
-    cfg = dataclasses.replace(encoder.config, **{f: None for f in _NOT_SHAPING if f != "dtype"}, dtype=None)
+    cfg = {k: v for k, v in dataclasses.asdict(encoder.config).items() if k not in _NOT_SHAPING}
     h = hashlib.sha256()
-    for part in (repr(encoder.spec), repr(cfg), str(encoder.dtype), encoder.device.type, encoder.pooling,
+    for part in (repr(encoder.spec), repr(sorted(cfg.items())), str(encoder.dtype), encoder.device.type, encoder.pooling,
                  str(encoder.window)):
         h.update(part.encode())
         h.update(b"\0")
