@@ -97,16 +97,16 @@ def cache_key(encoder, texts: list[str]) -> str:
 def encode_raw_chunks(encoder, texts: list[str], cache_dir=None, progress=None) -> RawChunks:
     """Raw chunk vectors of ``texts`` (n_docs strings) by ``encoder``, each distinct chunk run once.
 
-    encoder: a `DiceEncoder` with ``strategy="dice"``; its chunk vectors are returned as pooled
-    (``normalize_chunks`` and the aggregation are not applied here). cache_dir: a folder to read
+    encoder: a `DiceEncoder` with ``normalize_chunks=False``; its chunk vectors are returned as
+    pooled (the aggregation is not applied here; with ``strategy="single"`` each document is one
+    chunk, its first window). cache_dir: a folder to read
     and write ``<key>.npz`` (see `cache_key`); None: no cache. progress: called as
     ``progress(documents, tokens)`` with increments (tokens actually run).
     """
     from ..scheduler import ChunkQueue
 
-    if encoder.normalize_chunks or encoder.config.strategy != "dice":
-        raise ValueError("encode_raw_chunks needs an encoder with normalize_chunks=False and strategy='dice' "
-                         "(see dice_fast.eval.run.raw_twin)")
+    if encoder.normalize_chunks:
+        raise ValueError("encode_raw_chunks needs an encoder with normalize_chunks=False (see dice_fast.eval.run.raw_twin)")
     plan = encoder.plan(texts)
     ch = plan.chunks
     n = ch.n_chunks

@@ -25,7 +25,7 @@ def tiny_bert():
 
 
 @pytest.mark.parametrize("options", [dict(chunk_size=8), dict(chunk_size=16, overlap=5, document_prefix="passage: "),
-                                     dict(chunk_size=8, positions="global")])
+                                     dict(chunk_size=8, positions="global"), dict(strategy="single")])
 def test_equal_to_encode_documents(tiny_bert, options):
     enc = DiceEncoder(*tiny_bert, normalize_chunks=False, **options)
     texts = [t[:120] for t in TEXTS] if options.get("positions") == "global" else TEXTS  # within the positions
@@ -38,6 +38,8 @@ def test_equal_to_encode_documents(tiny_bert, options):
     assert got.n_docs == len(texts)
     if options.get("positions") == "global":
         assert got.n_distinct == got.chunks.shape[0]  # a chunk's vector depends on its offset: no copies
+    elif options.get("strategy") == "single":
+        assert got.chunks.shape[0] == len(TEXTS) and got.n_distinct == 5  # TEXTS[0] and [5] are one window
     else:
         assert got.n_distinct < got.chunks.shape[0] // 2  # the repeated text is run once
 
@@ -66,8 +68,6 @@ def test_cache_round_trip_and_key(tiny_bert, tmp_path):
     os.remove(path)
 
 
-def test_refuses_normalised_or_single_encoders(tiny_bert):
+def test_refuses_normalised_chunks(tiny_bert):
     with pytest.raises(ValueError, match="normalize_chunks=False"):
         encode_raw_chunks(DiceEncoder(*tiny_bert, normalize_chunks=True), TEXTS)
-    with pytest.raises(ValueError, match="strategy='dice'"):
-        encode_raw_chunks(DiceEncoder(*tiny_bert, normalize_chunks=False, strategy="single"), TEXTS)
