@@ -3,7 +3,9 @@
 Everything is flat integer arrays (no per-token Python loops):
 
 * `TokenizedDocuments`: ``ids`` (total_tokens,) int64 of all documents back to back, and
-  ``offsets`` (n_docs + 1,) int64 so document ``d`` is ``ids[offsets[d]:offsets[d+1]]``.
+  ``offsets`` (n_docs + 1,) int64 so document ``d`` is ``ids[offsets[d]:offsets[d+1]]``; with
+  ``char_start`` / ``char_end`` (total_tokens,) int64, the character span of every token in its own
+  document's text (the fast tokenizer's offsets, got in the same call as the ids).
 * `ChunkPlan`: per chunk ``document``, ``start``, ``length`` (content tokens, in the document's
   token coordinates) and per document ``cu_doc_chunks`` (n_docs + 1,); chunks are ordered by
   document then position, so a document's chunks are contiguous.
@@ -18,10 +20,14 @@ import numpy as np
 
 @dataclass(frozen=True)
 class TokenizedDocuments:
-    """ids: (total_tokens,) int64; offsets: (n_docs + 1,) int64 with offsets[0] == 0."""
+    """ids: (total_tokens,) int64; offsets: (n_docs + 1,) int64 with offsets[0] == 0; char_start /
+    char_end: (total_tokens,) int64 token ``t`` is ``text[char_start[t]:char_end[t]]`` of its document
+    (None when the ids did not come from a tokenizer, e.g. hand-made plans in tests)."""
 
     ids: np.ndarray
     offsets: np.ndarray
+    char_start: np.ndarray | None = None
+    char_end: np.ndarray | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -47,25 +53,31 @@ def check_texts(texts, what: str = "documents") -> list[str]:
 
 
 def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "texts", base: int = 0) -> TokenizedDocuments:
-    """Batched fast tokenization without special tokens, flattened. texts: n_docs strings.
+    """Batched fast tokenization without special tokens, flattened, with every token's character
+    span (one tokenizer call gives both). texts: n_docs strings.
 
     A text the tokenizer cannot take raises ValueError naming ``what[base + index]``.
     """
-    arrays = []
+    ids, spans = [], []
     for i in range(0, len(texts), batch_size):
         batch = texts[i : i + batch_size]
         try:
             enc = tokenizer(
-                batch, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False, verbose=False
-            )["input_ids"]
+                batch, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False,
+                return_offsets_mapping=True, verbose=False,
+            )
         except (TypeError, ValueError) as exc:
             _raise_for_unencodable(batch, base + i, what, exc)
             raise
-        arrays.extend(np.asarray(seq, dtype=np.int64) for seq in enc)
+        ids.extend(np.asarray(seq, dtype=np.int64) for seq in enc["input_ids"])
+        spans.extend(np.asarray(seq, dtype=np.int64).reshape(-1, 2) for seq in enc["offset_mapping"])
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
-    np.cumsum([len(a) for a in arrays], out=offsets[1:])
-    ids = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
-    return TokenizedDocuments(ids, offsets)
+    np.cumsum([len(a) for a in ids], out=offsets[1:])
+    if not ids:
+        empty = np.zeros(0, dtype=np.int64)
+        return TokenizedDocuments(empty, offsets, empty, empty.copy())
+    span = np.concatenate(spans)
+    return TokenizedDocuments(np.concatenate(ids), offsets, span[:, 0].copy(), span[:, 1].copy())
 
 
 def _raise_for_unencodable(batch: list[str], base: int, what: str, exc: Exception) -> None:
@@ -126,6 +138,34 @@ def plan_chunks(doc_lengths: np.ndarray, chunk_size: int, overlap: int = 0, max_
     return ChunkPlan(document, start, length, cu)
 
 
+def chunk_char_spans(tokens: TokenizedDocuments, chunks: ChunkPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Character span of every chunk: (start, end), two (n_chunks,) int64 arrays.
+
+    A chunk's span runs from the start of its first token to the end of its last (the smallest start
+    at or after its first token and the largest end up to its last, so a tokenizer whose offsets are
+    not monotone still gets a span covering all its tokens). Without overlap the spans of a document
+    tile it: in order, each starting where its predecessor ended or after characters no token covers
+    (whitespace a word-level or WordPiece tokenizer drops), overlapping by at most one character where
+    byte-level BPE cuts a multi-byte character between two tokens of different chunks. Byte-level BPE
+    and Metaspace (Unigram) tokens carry their leading space, so their spans may begin with one. An
+    empty document's single chunk is (0, 0).
+    """
+    n = chunks.n_chunks
+    if tokens.char_start is None or n == 0 or len(tokens.char_start) == 0:
+        return np.zeros(n, np.int64), np.zeros(n, np.int64)
+    # per-document running max of ends / reverse running min of starts, shifted apart per document
+    # (the shift exceeds any offset, so one document never leaks into the next)
+    doc_of_token = np.repeat(np.arange(len(tokens), dtype=np.int64), tokens.lengths)
+    shift = doc_of_token * (int(max(tokens.char_end.max(initial=0), tokens.char_start.max(initial=0))) + 1)
+    ends = np.maximum.accumulate(tokens.char_end + shift) - shift
+    starts = np.minimum.accumulate((tokens.char_start + shift)[::-1])[::-1] - shift
+    first = tokens.offsets[chunks.document] + chunks.start
+    has = chunks.length > 0
+    start = np.where(has, starts[np.minimum(first, max(len(starts) - 1, 0))], 0)
+    end = np.where(has, ends[np.maximum(first + chunks.length - 1, 0)], 0)
+    return start.astype(np.int64), np.maximum(end, start).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class EncodingPlan:
     """Everything computed about a set of texts before the model runs: one definition, used by the
@@ -169,6 +209,13 @@ class EncodingPlan:
         if self.n_chunks:
             np.add.at(out, self.chunks.document, lengths)
         return out
+
+    @property
+    def chunk_char_spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """(start, end): two (n_chunks,) int64 arrays, chunk ``c`` is ``text[start[c]:end[c]]`` of its
+        own document; prefixes and special tokens are not part of it, so consecutive chunks tile the
+        document (see `chunk_char_spans`). Zeros when the tokens carry no character offsets."""
+        return chunk_char_spans(self.tokens, self.chunks)
 
     def chunk_ids(self, c: int) -> np.ndarray:
         """(wrapped length,) int64 token ids of chunk ``c`` exactly as the model sees it."""

@@ -55,6 +55,10 @@ class DiceOutput:
     chunk_start, chunk_end: (n_chunks,) int64 the chunk's content span ``[start, end)`` in its
         document's tokens (tokenized without special tokens).
     document_tokens: (n_docs,) int64 token count of every document.
+    chunk_start_char, chunk_end_char: (n_chunks,) int64 the chunk's text is
+        ``texts[chunk_document[c]][chunk_start_char[c]:chunk_end_char[c]]`` (no prefix or special
+        token; spans tile their document in order, and overlap where ``overlap > 0``; see
+        `dice_fast.chunking.chunk_char_spans`).
     """
 
     documents: np.ndarray
@@ -63,6 +67,8 @@ class DiceOutput:
     chunk_start: np.ndarray
     chunk_end: np.ndarray
     document_tokens: np.ndarray
+    chunk_start_char: np.ndarray
+    chunk_end_char: np.ndarray
 
 
 class DiceEncoder:
@@ -323,6 +329,7 @@ def _check_kind(kind: str) -> str:
 
 def _output(job) -> DiceOutput:
     p = job.plan
+    start_char, end_char = p.chunk_char_spans
     return DiceOutput(
         documents=job.documents,
         chunks=job.chunks,
@@ -330,11 +337,14 @@ def _output(job) -> DiceOutput:
         chunk_start=p.chunks.start.copy(),
         chunk_end=p.chunks.start + p.chunks.length,
         document_tokens=p.tokens.lengths.copy(),
+        chunk_start_char=start_char,
+        chunk_end_char=end_char,
     )
 
 
 def _concat(blocks: list, dim: int, return_chunks: bool):
-    """One result from per-window results (`DiceOutput` chunk_document made global)."""
+    """One result from per-window results (`DiceOutput` chunk_document made global; character spans
+    are already in their own document's coordinates)."""
     if not return_chunks:
         return np.concatenate(blocks) if blocks else np.zeros((0, dim), np.float32)
     if len(blocks) == 1:
@@ -347,6 +357,8 @@ def _concat(blocks: list, dim: int, return_chunks: bool):
         chunk_start=np.concatenate([b.chunk_start for b in blocks]),
         chunk_end=np.concatenate([b.chunk_end for b in blocks]),
         document_tokens=np.concatenate([b.document_tokens for b in blocks]),
+        chunk_start_char=np.concatenate([b.chunk_start_char for b in blocks]),
+        chunk_end_char=np.concatenate([b.chunk_end_char for b in blocks]),
     )
 
 

@@ -1,0 +1,138 @@
+"""Scoring documents against queries from DICE vectors: one definition shared by `dice_fast.index`
+and `dice_fast.eval` (pure numpy, no model).
+
+Every scoring works on one block of documents at a time and returns, per (query, document), a
+``score`` and the ``evidence`` chunk: the index, within its document, of the chunk that scores
+highest for the query (the passage to read).
+
+* ``dice``: the document vector ranks: ``score = queries @ documents.T``.
+* ``maxsim``: a document scores its best chunk (multi-vector): ``score = max_c queries @ chunks[c]``.
+* ``hybrid``: ``alpha * dice + (1 - alpha) * maxsim`` (``alpha`` = `DEFAULT_ALPHA` unless given).
+
+Layout of a block of documents (as `DiceOutput` gives it): ``chunks`` (n_chunks, dim) with each
+document's chunks contiguous, and ``cu_doc_chunks`` (n_docs + 1,) int64 so document ``d`` owns rows
+``cu_doc_chunks[d]:cu_doc_chunks[d+1]``. A document without chunks scores ``-inf`` under maxsim
+(and its evidence is -1). Vectors are used as given (L2-normalised vectors make these cosines);
+products are taken in float32 unless the inputs are float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SCORINGS = ("dice", "maxsim", "hybrid")
+# provisional: the evaluation measures the blend and sets the default
+DEFAULT_ALPHA = 0.5
+
+
+def check_scoring(scoring: str) -> str:
+    """Return ``scoring``; ValueError naming the allowed ones otherwise."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"unknown scoring {scoring!r}; allowed: {', '.join(map(repr, SCORINGS))}")
+    return scoring
+
+
+def cu_from_chunk_document(chunk_document: np.ndarray, n_docs: int) -> np.ndarray:
+    """(n_docs + 1,) int64 chunk offsets from a sorted (n_chunks,) document index per chunk."""
+    cu = np.zeros(n_docs + 1, dtype=np.int64)
+    np.cumsum(np.bincount(np.asarray(chunk_document, np.int64), minlength=n_docs), out=cu[1:])
+    return cu
+
+
+def chunk_scores(queries: np.ndarray, chunks: np.ndarray) -> np.ndarray:
+    """(n_queries, dim) x (n_chunks, dim) -> (n_queries, n_chunks) inner products."""
+    q, c = _common(queries, chunks)
+    return q @ c.T
+
+
+def best_chunks(scores: np.ndarray, cu_doc_chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per (query, document) best chunk of ``scores`` (n_queries, n_chunks) under ``cu_doc_chunks``.
+
+    Returns (best, index): (n_queries, n_docs) its score (``-inf`` for a document without chunks)
+    and (n_queries, n_docs) int64 its index within the document (-1 without chunks).
+    """
+    cu = np.asarray(cu_doc_chunks, np.int64)
+    n_q, n_docs = scores.shape[0], len(cu) - 1
+    counts = np.diff(cu)
+    best = np.full((n_q, n_docs), -np.inf, dtype=scores.dtype if scores.dtype.kind == "f" else np.float64)
+    index = np.full((n_q, n_docs), -1, dtype=np.int64)
+    has = np.flatnonzero(counts > 0)
+    if len(has) == 0 or n_q == 0:
+        return best, index
+    starts = cu[has]
+    best[:, has] = np.maximum.reduceat(scores, starts, axis=1)  # empty documents own no columns
+    # the argmax inside each document: the first chunk reaching the document's maximum
+    doc_of_chunk = np.repeat(np.arange(n_docs), counts)
+    hit = scores >= best[:, doc_of_chunk]
+    position = np.where(hit, np.arange(scores.shape[1]) - cu[doc_of_chunk], np.iinfo(np.int64).max)
+    index[:, has] = np.minimum.reduceat(position, starts, axis=1)
+    return best, index
+
+
+def dice(queries: np.ndarray, documents: np.ndarray, chunks: np.ndarray | None = None,
+         cu_doc_chunks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Document-vector scoring. queries (n_queries, dim), documents (n_docs, dim), optional chunks
+    (n_chunks, dim) with cu_doc_chunks (n_docs + 1,).
+
+    Returns (score, evidence): (n_queries, n_docs) ``queries @ documents.T`` and (n_queries, n_docs)
+    int64 each document's best chunk for the query (None without chunks).
+    """
+    q, d = _common(queries, documents)
+    score = q @ d.T
+    if chunks is None:
+        return score, None
+    _, evidence = best_chunks(chunk_scores(queries, chunks), cu_doc_chunks)
+    return score, evidence
+
+
+def maxsim(queries: np.ndarray, chunks: np.ndarray, cu_doc_chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Multi-vector scoring: a document scores its best chunk. queries (n_queries, dim), chunks
+    (n_chunks, dim), cu_doc_chunks (n_docs + 1,).
+
+    Returns (score, evidence): (n_queries, n_docs) the best chunk's score (``-inf`` for a document
+    without chunks) and (n_queries, n_docs) int64 that chunk's index within its document.
+    """
+    return best_chunks(chunk_scores(queries, chunks), cu_doc_chunks)
+
+
+def hybrid(queries: np.ndarray, documents: np.ndarray, chunks: np.ndarray, cu_doc_chunks: np.ndarray,
+           alpha: float = DEFAULT_ALPHA) -> tuple[np.ndarray, np.ndarray]:
+    """Blend: ``alpha * dice + (1 - alpha) * maxsim`` with 0 <= alpha <= 1. Shapes as `dice`.
+
+    Returns (score, evidence): (n_queries, n_docs) and (n_queries, n_docs) int64 the best chunk.
+    """
+    alpha = check_alpha(alpha)
+    doc_score, _ = dice(queries, documents)
+    chunk_best, evidence = maxsim(queries, chunks, cu_doc_chunks)
+    return alpha * doc_score + (1 - alpha) * chunk_best, evidence
+
+
+def score(scoring: str, queries: np.ndarray, documents: np.ndarray, chunks: np.ndarray | None,
+          cu_doc_chunks: np.ndarray | None, alpha: float = DEFAULT_ALPHA) -> tuple[np.ndarray, np.ndarray | None]:
+    """Dispatch to `dice`, `maxsim` or `hybrid` by name; same (score, evidence) as they return."""
+    check_scoring(scoring)
+    if scoring == "dice":
+        return dice(queries, documents, chunks, cu_doc_chunks)
+    if chunks is None:
+        raise ValueError(f"scoring {scoring!r} needs chunk vectors")
+    if scoring == "maxsim":
+        return maxsim(queries, chunks, cu_doc_chunks)
+    return hybrid(queries, documents, chunks, cu_doc_chunks, alpha)
+
+
+def check_alpha(alpha) -> float:
+    alpha = float(alpha)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be between 0 and 1, got {alpha}")
+    return alpha
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both as 2-d arrays of one float dtype (float64 if either is, else float32), same width."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"expected 2-d arrays, got shapes {a.shape} and {b.shape}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"vector widths differ: {a.shape[1]} and {b.shape[1]}")
+    dtype = np.float64 if np.float64 in (a.dtype, b.dtype) else np.float32
+    return a.astype(dtype, copy=False), b.astype(dtype, copy=False)
