@@ -1,13 +1,14 @@
 """Multi-vector scorings and evidence@1 from one encoding's raw chunk vectors.
 
     ms = chunk_scores(q, raw, query_groups, doc_groups)           # MaxSim (n_q, n_docs) + best chunk per pair
-    hy = hybrid_scores(q, doc_vecs, ms, alpha)                   # dice_fast.scoring's hybrid blend
+    hy = chunk_scores(q, raw, query_groups, doc_groups, "hybrid", doc_vecs, alpha)
     ev = evidence_at_1(top_doc, ms.best_chunk, raw, gold, task.answer_span)
 
 * Scores come from `dice_fast.scoring` (``maxsim``, ``hybrid``): the same functions `DiceIndex`
-  ranks with, so the eval measures what the index serves. A query is scored only against the
-  documents of its own group (context length); other entries of the (n_q, n_docs) matrices are 0
-  and `retrieval.rank` masks them.
+  ranks with, so the eval measures what the index serves, on L2-normalised vectors (cosines, as
+  `retrieval.search` scores document vectors). A query is scored only against the documents of its
+  own group (context length); other entries of the (n_q, n_docs) matrices are 0 and
+  `retrieval.rank` masks them.
 * **evidence@1** of a ranking: the top-ranked document is the gold one *and* its evidence chunk
   (the chunk with the highest cosine to the query, for every scoring: the passage a
   retrieve-by-document, read-by-chunk application hands on) has a character span that contains
@@ -23,32 +24,40 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ChunkScores", "chunk_scores", "hybrid_scores", "evidence_at_1", "storage_bytes"]
+__all__ = ["ChunkScores", "chunk_scores", "evidence_at_1", "storage_bytes"]
 
 
 @dataclass(frozen=True)
 class ChunkScores:
-    """MaxSim of every (query, candidate document) pair of one encoding.
+    """A chunk scoring of every (query, candidate document) pair of one encoding.
 
-    scores: (n_q, n_docs) float32, the best chunk's cosine (0 outside the query's group);
-    best_chunk: (n_q, n_docs) int64 global index (into the raw chunk arrays) of that chunk, -1
-    outside the query's group.
+    scores: (n_q, n_docs) float32 (0 outside the query's group); best_chunk: (n_q, n_docs) int64
+    global index (into the raw chunk arrays) of the document's best chunk for the query, -1 outside
+    the query's group or for a document without chunks.
     """
 
     scores: np.ndarray
     best_chunk: np.ndarray
 
 
-def chunk_scores(query_vecs, raw, query_groups=None, doc_groups=None) -> ChunkScores:
-    """MaxSim scores and best chunks. query_vecs: (n_q, dim); raw: `chunkstore.RawChunks` (or any
-    object with ``chunks`` (n_chunks, dim), ``chunk_document`` (n_chunks,) non-decreasing and
-    ``n_docs``); groups: (n_q,) / (n_docs,) labels, both or neither (None: one group)."""
-    from ..scoring import maxsim
+def chunk_scores(query_vecs, raw, query_groups=None, doc_groups=None, scoring: str = "maxsim",
+                 doc_vecs=None, alpha: float | None = None) -> ChunkScores:
+    """``scoring`` ("maxsim" or "hybrid", `dice_fast.scoring.score`) of every query against the
+    documents of its group, as cosines: queries, chunk vectors and document vectors are
+    L2-normalised first.
 
-    q = np.asarray(query_vecs, np.float32)
+    query_vecs: (n_q, dim); raw: `chunkstore.RawChunks` (or any object with ``chunks`` (n_chunks,
+    dim), ``chunk_document`` (n_chunks,) non-decreasing and ``n_docs``); groups: (n_q,) / (n_docs,)
+    labels, both or neither (None: one group; each group's documents contiguous); doc_vecs:
+    (n_docs, dim) for "hybrid"; alpha: the hybrid weight (None: `dice_fast.scoring.DEFAULT_ALPHA`).
+    """
+    from ..scoring import DEFAULT_ALPHA, cu_from_chunk_document, score
+
+    q = _unit(query_vecs)
     n_q, n_docs = q.shape[0], int(raw.n_docs)
     qg = np.zeros(n_q, np.int64) if query_groups is None else np.asarray(query_groups)
     dg = np.zeros(n_docs, np.int64) if doc_groups is None else np.asarray(doc_groups)
+    d = None if doc_vecs is None else _unit(doc_vecs)
     cd = np.asarray(raw.chunk_document, np.int64)
     first = np.searchsorted(cd, np.arange(n_docs + 1), side="left")
     scores = np.zeros((n_q, n_docs), np.float32)
@@ -60,18 +69,19 @@ def chunk_scores(query_vecs, raw, query_groups=None, doc_groups=None) -> ChunkSc
         if np.any(np.diff(ds) != 1):
             raise ValueError(f"documents of group {g} must be contiguous (as the synthetic tasks build them)")
         lo, hi = first[ds[0]], first[ds[-1] + 1]
-        sc, arg = maxsim(q[qs], raw.chunks[lo:hi], cd[lo:hi] - ds[0], len(ds))
-        scores[np.ix_(qs, ds)] = sc
-        best[np.ix_(qs, ds)] = np.where(arg >= 0, arg + lo, -1)
+        cu = cu_from_chunk_document(cd[lo:hi] - ds[0], len(ds))
+        sc, ev = score(scoring, q[qs], None if d is None else d[ds], _unit(raw.chunks[lo:hi]), cu,
+                       DEFAULT_ALPHA if alpha is None else alpha)
+        scores[np.ix_(qs, ds)] = np.where(np.isfinite(sc), sc, 0.0)
+        best[np.ix_(qs, ds)] = np.where(ev >= 0, ev + lo + cu[:-1][None, :], -1)
     return ChunkScores(scores, best)
 
 
-def hybrid_scores(query_vecs, doc_vecs, ms: ChunkScores, alpha: float) -> np.ndarray:
-    """(n_q, n_docs) float32 `dice_fast.scoring.hybrid` of the document vectors' cosine and MaxSim
-    ``ms`` with weight ``alpha`` (0 outside each query's group, where ``ms`` is 0)."""
-    from ..scoring import hybrid
+def _unit(x) -> np.ndarray:
+    from ..ops.spec import NORM_EPS
 
-    return np.asarray(hybrid(query_vecs, doc_vecs, ms.scores, alpha=alpha), np.float32) * (ms.best_chunk >= 0)
+    x = np.asarray(x, np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), NORM_EPS)
 
 
 def evidence_at_1(top_doc, best_chunk, raw, gold, answer_span) -> np.ndarray:

@@ -35,3 +35,52 @@ def test_storage_per_document():
     assert s["dice"] == {"float32": 1536, "float16": 768}
     assert s["maxsim"]["float32"] == 128 * 1536 and s["maxsim"]["float16"] == 128 * 768
     assert s["hybrid"]["float32"] == 129 * 1536
+
+
+def _brute_rows(enc, task, chunk_size, alpha):
+    """float64 brute force of MaxSim, hybrid (mean document vector) and evidence@1 on ``task``."""
+    from dice_fast.eval.run import raw_twin
+
+    out = raw_twin(enc, chunk_size=chunk_size, normalize_chunks=False, aggregation="mean").encode_documents(
+        task.corpus, return_chunks=True)
+    docs = raw_twin(enc, chunk_size=chunk_size).encode_documents(task.corpus).astype(np.float64)
+    q = enc.encode_queries(task.queries).astype(np.float64)
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    q, docs, chunks = unit(q), unit(docs), unit(out.chunks.astype(np.float64))
+    gold = task.gold_document()
+    rows = {"maxsim": [], "hybrid": [], "evidence": []}
+    for i in range(len(task.queries)):
+        cand = np.flatnonzero(task.doc_length == task.query_length[i])
+        ms, best = [], []
+        for d in cand:
+            c = np.flatnonzero(out.chunk_document == d)
+            s = chunks[c] @ q[i]
+            ms.append(s.max())
+            best.append(c[int(np.argmax(s))])
+        ms = np.array(ms)
+        hy = alpha * (docs[cand] @ q[i]) + (1 - alpha) * ms
+        top_ms, top_hy = cand[int(np.argmax(ms))], cand[int(np.argmax(hy))]
+        rows["maxsim"].append(float(top_ms == gold[i]))
+        rows["hybrid"].append(float(top_hy == gold[i]))
+        b = best[int(np.argmax(ms))]
+        a0, a1 = task.answer_span[gold[i]]
+        rows["evidence"].append(float(top_ms == gold[i] and out.chunk_start_char[b] <= a0
+                                      and a1 <= out.chunk_end_char[b]))
+    return {k: np.array(v) for k, v in rows.items()}
+
+
+def test_run_eval_maxsim_hybrid_and_evidence_equal_brute_force(tiny_result):
+    from dice_fast.scoring import DEFAULT_ALPHA
+
+    enc, task, res = tiny_result
+    for k in (16, 40):
+        assert f"k{k}-maxsim" in res.methods and f"k{k}-hybrid" in res.methods
+        want = _brute_rows(enc, task, k, DEFAULT_ALPHA)
+        for g in res.groups:
+            sel = task.query_length == g
+            assert res.metrics[f"k{k}-maxsim"]["hit@1"][g] == pytest.approx(want["maxsim"][sel].mean())
+            assert res.metrics[f"k{k}-hybrid"]["hit@1"][g] == pytest.approx(want["hybrid"][sel].mean())
+            assert res.metrics[f"k{k}-maxsim"]["evidence@1"][g] == pytest.approx(want["evidence"][sel].mean())
+            for m in res.methods[1:]:  # evidence@1 <= Hit@1 for every chunked method
+                assert res.metrics[m]["evidence@1"][g] <= res.metrics[m]["hit@1"][g] + 1e-12
+    assert res.extra["default_alpha"] == DEFAULT_ALPHA
