@@ -115,21 +115,38 @@ def choose_alpha(results: Sequence[EvalResult], normalize_chunks: bool | None = 
     return best, md
 
 
-def scoring_table(res: EvalResult, metric: str, rows_for=("dice", "maxsim", "hybrid")) -> str:
-    """``metric`` (%) by length for every method of ``res`` whose scoring is in ``rows_for`` at the
-    run's own normalize_chunks setting (for ablation runs: the default's rows), single first."""
-    default_nc = res.extra.get("default_normalize_chunks")
+def scoring_table(res: EvalResult, metrics: Sequence[str] = ("hit@1", "evidence@1"), alpha: float | None = None,
+                  normalize_chunks: bool | None = None) -> str:
+    """Markdown: ``metrics`` (%, "a / b" per cell) by length for single, every DICE aggregation, MaxSim
+    and the hybrid of ``res``, at one ``normalize_chunks`` setting (None: the run's default) and one
+    hybrid ``alpha`` (None: the run's default blend); columns ≤4k / >4k (macro averages) then each length."""
+    from .report import length_label, side_names
+
+    nc = res.extra.get("default_normalize_chunks") if normalize_chunks is None else normalize_chunks
     rows = {}
     for m in res.methods:
         mi = res.method_info[m]
-        if metric not in res.metrics[m] or mi.get("alpha") is not None:
+        if mi.get("normalize_chunks") is not None and mi["normalize_chunks"] != nc:
             continue
-        if mi.get("scoring", "dice") not in ("single",) + tuple(rows_for):
+        if mi.get("scoring") == "hybrid" and mi.get("alpha") != alpha:
             continue
-        if mi.get("normalize_chunks") is not None and mi["normalize_chunks"] != default_nc:
-            continue
-        rows[mi["label"].replace(" (norm chunks)", "").replace(" (raw chunks)", "")] = res.metrics[m][metric]
-    return format_table(rows, res.groups, res.split)
+        label = mi["label"].replace(" (norm chunks)", "").replace(" (raw chunks)", "")
+        rows[label] = [res.metrics[m].get(x, {}) for x in metrics]
+    lo, hi = side_names(res.split)
+    sample = next(iter(rows.values()))[0]
+    sides = [x for x in (lo, hi) if x in macro_average(sample, res.split)]
+    head = ["method"] + [x.replace("<=", "≤") for x in sides] + [length_label(g) for g in res.groups]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for label, pers in rows.items():
+        avgs = [macro_average(p, res.split) for p in pers]
+        cells = [" / ".join(_pct(a.get(x)) for a in avgs) for x in sides]
+        cells += [" / ".join(_pct(p.get(g)) for p in pers) for g in res.groups]
+        lines.append("| " + " | ".join([label] + cells) + " |")
+    return "\n".join(lines)
+
+
+def _pct(v) -> str:
+    return "–" if v is None or not np.isfinite(v) else f"{100 * v:.0f}"
 
 
 def main(argv=None) -> int:
@@ -154,13 +171,16 @@ def main(argv=None) -> int:
         print(f"## normalize_chunks: {metric} (%), macro average over lengths\n\n{md}\n\n"
               f"cells won: raw {tot['raw']}, norm {tot['norm']}, tied {tot['tie']}; "
               f"mean raw − norm {tot['mean_diff']:+.2f} points\n")
+    alpha = None
     if dev:
         nc = dev[0].extra.get("default_normalize_chunks")
         alpha, md = choose_alpha(dev, nc)
         print(f"## hybrid blend on the dev split (normalize_chunks={nc})\n\n{md}\nchosen alpha: {alpha:g}\n")
     for r in test:
-        for metric in ("hit@1", "evidence@1"):
-            print(f"## {r.task}: {metric} (%) by scoring\n\n{scoring_table(r, metric)}\n")
+        a = alpha if r.extra.get("hybrid_alphas", (None,)) != (None,) else None
+        print(f"## {r.task} (lengths {', '.join(map(str, r.groups))}): Hit@1 / evidence@1 (%) by scoring, "
+              f"normalize_chunks={r.extra.get('default_normalize_chunks')}, hybrid alpha "
+              f"{'default' if a is None else f'{a:g}'}\n\n{scoring_table(r, alpha=a)}\n")
     return 0
 
 
