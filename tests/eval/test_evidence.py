@@ -70,17 +70,16 @@ def _brute_rows(enc, task, chunk_size, alpha):
 
 
 def test_run_eval_maxsim_hybrid_and_evidence_equal_brute_force(tiny_result):
-    from dice_fast.scoring import DEFAULT_ALPHA
-
     enc, task, res = tiny_result
     for k in (16, 40):
-        assert f"k{k}-maxsim" in res.methods and f"k{k}-hybrid" in res.methods
-        want = _brute_rows(enc, task, k, DEFAULT_ALPHA)
+        hybrid = f"k{k}-hybrid@0.3"
+        assert f"k{k}-maxsim" in res.methods and res.method_info[hybrid]["alpha"] == 0.3
+        want = _brute_rows(enc, task, k, 0.3)
         for g in res.groups:
             sel = task.query_length == g
             assert res.metrics[f"k{k}-maxsim"]["hit@1"][g] == pytest.approx(want["maxsim"][sel].mean())
-            assert res.metrics[f"k{k}-hybrid"]["hit@1"][g] == pytest.approx(want["hybrid"][sel].mean())
+            assert res.metrics[hybrid]["hit@1"][g] == pytest.approx(want["hybrid"][sel].mean())
             assert res.metrics[f"k{k}-maxsim"]["evidence@1"][g] == pytest.approx(want["evidence"][sel].mean())
             for m in res.methods[1:]:  # evidence@1 <= Hit@1 for every chunked method
                 assert res.metrics[m]["evidence@1"][g] <= res.metrics[m]["hit@1"][g] + 1e-12
-    assert res.extra["default_alpha"] == DEFAULT_ALPHA
+    assert res.extra["hybrid_alphas"] == (0.3,)

@@ -46,7 +46,7 @@ def test_run_eval_metrics_match_direct_retrieval(tiny_result):
     enc, task, res = tiny_result
     assert res.groups == [64, 128]
     assert res.methods == ["single"] + [f"k{k}-{a}" for k in (16, 40)
-                                        for a in ("mean", "max", "topk_norm", "maxsim", "hybrid")]
+                                        for a in ("mean", "max", "topk_norm", "maxsim", "hybrid@0.3")]
     assert max(res.check.values()) < 1e-5
     # DICE k=16 max, computed directly with the engine, scored with retrieval.evaluate
     docs = raw_twin(enc, chunk_size=16, aggregation="max").encode_documents(task.corpus)
