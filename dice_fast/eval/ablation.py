@@ -48,8 +48,8 @@ def normalize_chunks_table(results: Sequence[EvalResult], metric: str = "hit@1")
     """
     keys = sorted({v for r in results for v in _variants(r)}, key=lambda x: (x[0], x[1]))
     head = ["chunks", "aggregation"]
-    for r in results:
-        head += [f"{r.task} norm", f"{r.task} raw", f"{r.task} Δ"]
+    for name in _names(results):
+        head += [f"{name} norm", f"{name} raw", f"{name} Δ"]
     head += ["cells raw > norm", "raw < norm", "tie"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     totals = {"raw": 0, "norm": 0, "tie": 0}
@@ -74,6 +74,22 @@ def normalize_chunks_table(results: Sequence[EvalResult], metric: str = "hit@1")
         lines.append("| " + " | ".join(cells + [str(w) for w in wins]) + " |")
     totals["mean_diff"] = float(np.mean(diffs)) if diffs else math.nan
     return "\n".join(lines), totals
+
+
+def _names(results: Sequence[EvalResult]) -> list[str]:
+    """A column name per result: its task, with its lengths ("needle 8k", "needle 256–4k") when
+    several results share the task."""
+    from .report import length_label
+
+    tasks = [r.task for r in results]
+    out = []
+    for r in results:
+        if tasks.count(r.task) == 1:
+            out.append(r.task)
+        else:
+            lo, hi = length_label(min(r.groups)), length_label(max(r.groups))
+            out.append(f"{r.task} {lo}" if lo == hi else f"{r.task} {lo}–{hi}")
+    return out
 
 
 def alpha_table(results: Sequence[EvalResult], normalize_chunks: bool | None = None,
