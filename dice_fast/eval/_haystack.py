@@ -59,18 +59,19 @@ class _Source:
         cut = np.flatnonzero(self.cut_ok[s0 + 1 :]) + s0 + 1
         return s0, int(cut[np.argmin(np.abs(cut - (s0 + budget)))])
 
-    def build(self, s: int, e: int, needle: str, depth: float) -> str:
-        """Window tokens [s, e) with ``needle`` at the sentence boundary nearest to ``depth`` in [0, 1]."""
+    def build(self, s: int, e: int, needle: str, depth: float) -> tuple[str, int]:
+        """(text, at): window tokens [s, e) with ``needle`` at the sentence boundary nearest to ``depth``
+        in [0, 1]; ``text[at:at + len(needle)] == needle``."""
         lo, hi = np.searchsorted(self.sent_pos, [s, e])
         cands = np.concatenate([self.sent_pos[lo:hi], [e]])
         cand = int(cands[np.argmin(np.abs(cands - (s + depth * (e - s))))])
         a, z = int(self.start[s]), int(self.end[e - 1])
         if cand == s:
-            return needle + " " + self.text[a:z]
+            return needle + " " + self.text[a:z], 0
         if cand == e:
-            return self.text[a:z] + " " + needle
+            return self.text[a:z] + " " + needle, z - a + 1
         c = int(self.start[cand])
-        return self.text[a:c] + needle + " " + self.text[c:z]
+        return self.text[a:c] + needle + " " + self.text[c:z], c - a
 
 
 @functools.lru_cache(maxsize=4)

@@ -36,6 +36,18 @@ def _str_list(text: str) -> list[str]:
     return [v for v in text.replace(",", " ").split() if v]
 
 
+def _float_list(text: str) -> list[float]:
+    import argparse
+
+    try:
+        vals = [float(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(not 0.0 <= v <= 1.0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected numbers in [0, 1], got {text!r}")
+    return vals
+
+
 def register_cli(subparsers) -> None:
     """Add the ``eval`` sub-command to ``subparsers`` (from ``parser.add_subparsers()``)."""
     import argparse
@@ -78,6 +90,14 @@ def register_cli(subparsers) -> None:
                         "chunk size, e.g. 254 for a 256-token window; or --chunk-size alone when given)")
     p.add_argument("--aggregations", type=_str_list, default=list(DEFAULT_AGGREGATIONS),
                    help="DICE aggregations, comma-separated (mean, max, topk_norm, weighted_mean, softmax_norm)")
+    p.add_argument("--scorings", type=_str_list, default=["maxsim", "hybrid"],
+                   help="multi-vector rows per chunk size from the same chunk vectors, comma-separated: maxsim, "
+                        "hybrid (dice_fast.scoring); 'none' for the aggregations only")
+    p.add_argument("--hybrid-alphas", type=_float_list, default=None,
+                   help="a grid of hybrid blends (alpha in [0, 1], comma-separated) instead of the default one")
+    p.add_argument("--normalize-chunks-ablation", action="store_true",
+                   help="derive every aggregation (and the hybrid) with normalize_chunks on and off from the same "
+                        "raw chunk vectors (method keys end in -norm / -raw)")
     p.add_argument("--length-split", type=int, default=4096,
                    help="lengths <= this are averaged into the '<=4k' column, longer ones into '>4k'")
     p.add_argument("--out-dir", default="benchmarks/eval", help="folder for the CSV, PNGs and markdown tables")
@@ -89,6 +109,10 @@ def register_cli(subparsers) -> None:
     p.add_argument("--save-result", action="store_true",
                    help="also pickle the EvalResult (per-sample EC/EDI included) to OUT_DIR/<task>-<dtype>.pkl, "
                         "to redraw tables and plots later without re-encoding")
+    p.add_argument("--cache-dir", default=None,
+                   help="keep the raw chunk vectors of every (length, chunk size) in this folder and reuse them "
+                        "on later runs with the same model options and texts (a run over other lengths, "
+                        "aggregations or normalize_chunks re-encodes nothing it has seen)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     add_encoder_arguments(p)
     p.set_defaults(func=cmd_eval)
@@ -124,6 +148,9 @@ def cmd_eval(args) -> int:
               f"(built in {time.perf_counter() - t0:.1f} s)", flush=True)
         res = run_eval(task, enc, chunk_sizes=chunk_sizes, aggregations=args.aggregations, split=args.length_split,
                        seed=args.seed if task.doc_tokens is not None else None, check_docs=args.check_docs,
+                       cache_dir=args.cache_dir, scorings=[x for x in args.scorings if x != "none"],
+                       hybrid_alphas=args.hybrid_alphas,
+                       normalize_chunks=(True, False) if args.normalize_chunks_ablation else None,
                        show_progress=not args.quiet, log=lambda s: print(s, flush=True))
         print(format_report(res), flush=True)
         stem = "-".join(x for x in (_safe(res.task), res.info["dtype"], _safe(args.tag)) if x)

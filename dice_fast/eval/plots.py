@@ -10,11 +10,12 @@ import math
 import numpy as np
 
 from .report import PAPER_EDI_SHARE, edi_by_length, length_label, side_names
-from .run import GROUP_ALL, EvalResult, method_key
+from .run import GROUP_ALL, EvalResult
 
 __all__ = ["plot_hit_vs_length", "plot_edi"]
 
-_AGG_SHORT = {"mean": "mean", "max": "max", "topk_norm": "topk", "weighted_mean": "wmean", "softmax_norm": "softmax"}
+_AGG_SHORT = {"mean": "mean", "max": "max", "topk_norm": "topk", "weighted_mean": "wmean", "softmax_norm": "softmax",
+              "maxsim": "MaxSim", "hybrid": "hybrid"}
 
 
 def _pyplot():
@@ -29,11 +30,28 @@ def _pyplot():
 
 
 _COLORS = {"mean": "#1f77b4", "max": "#d62728", "topk_norm": "#2ca02c", "weighted_mean": "#9467bd",
+           "maxsim": "#8c564b", "hybrid": "#e377c2",
            "softmax_norm": "#ff7f0e"}
 # line style per aggregation, so that curves lying on top of each other stay visible
 _STYLES = {"mean": dict(ls="-", lw=3.0, marker="o", ms=5), "max": dict(ls="-", lw=1.6, marker="^", ms=5),
            "topk_norm": dict(ls="-.", lw=1.4, marker="v", ms=4), "weighted_mean": dict(ls=":", lw=2.0, marker="D", ms=3),
            "softmax_norm": dict(ls=(0, (5, 1)), lw=1.2, marker="x", ms=5)}
+
+
+def _panel(res: EvalResult, k: int, scorings=("dice", "maxsim", "hybrid")) -> list[tuple[str, str]]:
+    """(method key, aggregation or scoring name) of the methods drawn in chunk size ``k``'s panel: those
+    of ``scorings`` at the run's own normalize_chunks setting and hybrid blend (an ablation's other
+    setting and an alpha grid are in the tables, not the plots)."""
+    default_nc = res.extra.get("default_normalize_chunks")
+    out = []
+    for m in res.methods:
+        mi = res.method_info[m]
+        if mi["chunk_size"] != k or mi.get("scoring", "dice") not in scorings or mi.get("alpha") is not None:
+            continue
+        if mi.get("normalize_chunks") is not None and mi["normalize_chunks"] != default_nc:
+            continue
+        out.append((m, mi["aggregation"]))
+    return out
 
 
 def _style(a: str) -> dict:
@@ -78,10 +96,11 @@ def plot_hit_vs_length(res: EvalResult, path, metric: str = "hit@1") -> None:
             single = [100 * res.metrics["single"][metric].get(g, math.nan) for g in xs]
             ax.plot(xs, single, color="black", ls="--", marker="s", ms=4, lw=2.2,
                     label=f"single vector (first {res.window} tokens)", zorder=5)
-            for a in res.aggregations:
-                key = method_key(k, a)
+            for key, a in _panel(res, k):
+                if metric not in res.metrics[key]:
+                    continue
                 ys = [100 * res.metrics[key][metric].get(g, math.nan) for g in xs]
-                ax.plot(xs, ys, label=f"DICE {a}", **_style(a))
+                ax.plot(xs, ys, label=f"DICE {a}" if a in _STYLES else _AGG_SHORT.get(a, a), **_style(a))
             if metric == "hit@1" and isinstance(res.extra["docs_per_length"], int):
                 chance = 100 / res.extra["docs_per_length"]
                 ax.axhline(chance, color="grey", lw=0.8, ls="-", alpha=0.6)
@@ -116,10 +135,11 @@ def plot_edi(res: EvalResult, path) -> None:
         ax = axes[0][col]
         st = res.edi[k]
         kept = st.kept
-        names = ["single"] + [method_key(k, a) for a in res.aggregations]
+        panel = _panel(res, k, ("dice",))
+        names = ["single"] + [m for m, _ in panel]
         data = [st.edi[n][kept] for n in names]
-        labels = ["single"] + [_AGG_SHORT.get(a, a) for a in res.aggregations]
-        colors = ["lightgrey"] + [_COLORS.get(a, "grey") for a in res.aggregations]
+        labels = ["single"] + [_AGG_SHORT.get(a, a) for _, a in panel]
+        colors = ["lightgrey"] + [_COLORS.get(a, "grey") for _, a in panel]
         if kept.any():
             bp = ax.boxplot(data, whis=(5, 95), showfliers=False, patch_artist=True, widths=0.6,
                             medianprops={"color": "black"})
@@ -143,8 +163,8 @@ def plot_edi(res: EvalResult, path) -> None:
         if by_length:
             ax2 = axes[1][col]
             _, share = edi_by_length(res, k)
-            for a in res.aggregations:
-                per = share.get(method_key(k, a), {})
+            for m, a in panel:
+                per = share.get(m, {})
                 ax2.plot(res.groups, [100 * per.get(g, math.nan) for g in res.groups], label=f"DICE {a}", **_style(a))
             ax2.axhline(100 * PAPER_EDI_SHARE, color="black", ls="--", lw=1.2, label="paper: 92.8% (all samples)")
             ax2.axhline(50, color="grey", ls=":", lw=0.8)

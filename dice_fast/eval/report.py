@@ -18,15 +18,17 @@ import numpy as np
 from ..runinfo import append_csv
 from .run import GROUP_ALL, EvalResult
 
-__all__ = ["PAPER_EDI_SHARE", "CSV_FIELDS", "macro_average", "format_table", "edi_by_length", "format_report",
-           "csv_rows", "write_csv"]
+__all__ = ["PAPER_EDI_SHARE", "CSV_FIELDS", "METRICS", "macro_average", "format_table", "format_storage",
+           "edi_by_length", "format_report", "csv_rows", "write_csv"]
 
 PAPER_EDI_SHARE = 0.928  # paper §2.2: DICE has lower EDI than single in 92.8 % of 12,779 filtered samples
 CSV_FIELDS = (
     "date", "task", "seed", "model", "device", "device_name", "dtype", "torch", "transformers", "dice_fast",
     "method", "chunk_size", "aggregation", "top_k", "temperature", "length", "metric", "value", "n",
-    "docs_per_length", "queries_per_length",
+    "docs_per_length", "queries_per_length", "scoring", "normalize_chunks", "alpha",
 )
+METRICS = (("hit@1", "Hit@1 (%)"), ("ndcg@10", "nDCG@10 (%)"),
+           ("evidence@1", "evidence@1 (%): top document is the gold one and its best chunk's span holds the answer"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -82,6 +84,29 @@ def format_table(rows: dict, lengths: Sequence, split: int = 4096, scale: float 
     return "\n".join(lines)
 
 
+def format_storage(res: EvalResult) -> str:
+    """Markdown: bytes per document an index keeps for each scoring (dice: the document vector;
+    maxsim: every chunk vector; hybrid: both), float32 / float16, from the mean chunk count per
+    document of each chunk size and length."""
+    from .evidence import storage_bytes
+
+    dim = res.extra["dim"]
+    cols = [length_label(g) for g in res.groups]
+    lines = [f"**Storage per document** (KiB, float32 / float16; {dim}-d vectors; chunks per document in brackets)", "",
+             "| scoring | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    one = storage_bytes(1, dim)["dice"]
+    lines.append("| dice (document vector) | " + " | ".join(
+        f"{one['float32'] / 1024:.2f} / {one['float16'] / 1024:.2f}" for _ in cols) + " |")
+    for k, per in res.extra["chunks_per_doc"].items():
+        for name in ("maxsim", "hybrid"):
+            cells = []
+            for g in res.groups:
+                b = storage_bytes(per[g], dim)[name]
+                cells.append(f"{b['float32'] / 1024:,.1f} / {b['float16'] / 1024:,.1f}" + (f" [{per[g]:g}]" if name == "maxsim" else ""))
+            lines.append(f"| {name} k={k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------
 # evidence diagnostics
 # ------------------------------------------------------------------------------------------------
@@ -130,9 +155,12 @@ def format_report(res: EvalResult) -> str:
              f"temperature {i['temperature']}; model window {res.window} tokens; "
              f"torch {i['torch']}, transformers {i['transformers']}, dice_fast {i['dice_fast']}; {i['date']}",
              ""]
-    for metric, title in (("hit@1", "Hit@1 (%)"), ("ndcg@10", "nDCG@10 (%)")):
-        rows = {res.method_info[m]["label"]: res.metrics[m][metric] for m in res.methods}
-        lines += [format_table(rows, res.groups, res.split, title=title), ""]
+    for metric, title in METRICS:
+        rows = {res.method_info[m]["label"]: res.metrics[m][metric] for m in res.methods if metric in res.metrics[m]}
+        if rows:
+            lines += [format_table(rows, res.groups, res.split, title=title), ""]
+    if res.extra.get("chunks_per_doc"):
+        lines += [format_storage(res), ""]
     if res.edi:
         lines += [f"**Evidence diagnostics** (gold documents; kept: margin m − ā ≥ 0.01; share = kept samples "
                   f"with EDI(DICE) < EDI(single); paper: {PAPER_EDI_SHARE:.1%})", "",
@@ -178,12 +206,19 @@ def csv_rows(res: EvalResult) -> list[dict]:
 
     def add(method, length, metric, value, n=""):
         mi = res.method_info.get(method, {"chunk_size": None, "aggregation": None})
+        nc, alpha = mi.get("normalize_chunks"), mi.get("alpha")
+        if nc is None and mi.get("scoring") in ("dice", "hybrid"):
+            nc = res.extra.get("default_normalize_chunks")
+        if alpha is None and mi.get("scoring") == "hybrid":
+            alpha = res.extra.get("default_alpha")
         rows.append({**base, "method": method, "chunk_size": "" if mi["chunk_size"] is None else mi["chunk_size"],
                      "aggregation": mi["aggregation"] or ("single" if method == "single" else ""),
-                     "length": length, "metric": metric, "value": _fmt(value), "n": n})
+                     "length": length, "metric": metric, "value": _fmt(value), "n": n,
+                     "scoring": mi.get("scoring") or "", "normalize_chunks": "" if nc is None else str(bool(nc)),
+                     "alpha": "" if alpha is None else f"{alpha:g}"})
 
     for m in res.methods:
-        for metric in ("hit@1", "ndcg@10"):
+        for metric in res.metrics[m]:
             per = res.metrics[m][metric]
             for g in res.groups:
                 if g in per:

@@ -32,7 +32,7 @@ import numpy as np
 from ..ops.spec import NORM_EPS
 from ._arrays import as_int_1d, to_numpy
 
-__all__ = ["search", "hit_at_k", "ndcg_at_k", "evaluate"]
+__all__ = ["search", "rank", "hit_at_k", "ndcg_at_k", "evaluate", "evaluate_ranking"]
 
 
 def search(query_vecs, doc_vecs, k: int = 10, *, query_groups=None, doc_groups=None,
@@ -56,7 +56,29 @@ def search(query_vecs, doc_vecs, k: int = 10, *, query_groups=None, doc_groups=N
         raise ValueError("pass both query_groups and doc_groups, or neither")
     device = q.device if q.device == d.device else torch.device("cpu")
     q, d = _normalise(q.to(device)), _normalise(d.to(device))
-    n_q, n_docs = q.shape[0], d.shape[0]
+    return _ranked(lambda a, b: q[a:b] @ d.T, q.shape[0], d.shape[0], k, query_groups, doc_groups,
+                   max_block_elems, device)
+
+
+def rank(scores, k: int = 10, *, query_groups=None, doc_groups=None,
+         max_block_elems: int = 1 << 25) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k of precomputed scores (n_q, n_docs) (numpy or torch, higher is better; e.g. MaxSim or a
+    hybrid from `dice_fast.scoring`) -> (indices, scores) exactly as `search` ranks cosines: (n_q,
+    min(k, n_docs)) int64 best first, ties to the lower index, -1 / -inf where a query has fewer
+    candidates than k; groups as in `search`."""
+    s = _as_tensor(scores, "scores")
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if (query_groups is None) != (doc_groups is None):
+        raise ValueError("pass both query_groups and doc_groups, or neither")
+    return _ranked(lambda a, b: s[a:b].clone(), s.shape[0], s.shape[1], k, query_groups, doc_groups,
+                   max_block_elems, s.device)
+
+
+def _ranked(block_scores, n_q: int, n_docs: int, k: int, query_groups, doc_groups, max_block_elems, device):
+    """Top-k rows of the score matrix whose rows [a, b) ``block_scores(a, b)`` returns (a fresh tensor)."""
+    import torch
+
     kk = min(int(k), n_docs)
     out_idx = np.full((n_q, kk), -1, np.int64)
     out_sc = np.full((n_q, kk), -np.inf, np.float32)
@@ -68,7 +90,7 @@ def search(query_vecs, doc_vecs, k: int = 10, *, query_groups=None, doc_groups=N
     rows_per_block = max(1, int(max_block_elems) // n_docs)
     ar = torch.arange(kk, device=device)
     for s in range(0, n_q, rows_per_block):
-        sc = q[s : s + rows_per_block] @ d.T                           # (b, n_docs)
+        sc = block_scores(s, s + rows_per_block)                       # (b, n_docs)
         if query_groups is not None:
             sc.masked_fill_(qg[s : s + rows_per_block, None] != dg[None, :], -math.inf)
         # every entry >= the k-th best value is a candidate (more than k only when tied)
@@ -120,23 +142,40 @@ def evaluate(query_vecs, doc_vecs, qrels, *, query_groups=None, doc_groups=None,
     paper's "≤ 4k" and "> 4k" columns; a side with no group is left out).
     """
     idx, _ = search(query_vecs, doc_vecs, k=10, query_groups=query_groups, doc_groups=doc_groups)
+    return evaluate_ranking(idx, qrels, query_groups=query_groups, split_at=split_at)
+
+
+def evaluate_ranking(indices, qrels, *, query_groups=None, split_at: int = 4096, per_query: dict | None = None) -> dict:
+    """`evaluate`'s report from a ranking: indices (n_q, >=10) from `search` or `rank`.
+
+    ``per_query``: extra (n_q,) arrays (e.g. evidence@1) averaged like Hit@1 into the report under
+    their keys. The report also holds ``"per_query": {"hit@1": (n_q,), "ndcg@10": (n_q,), ...}``.
+    """
+    idx = indices
     hit, ndcg = hit_at_k(idx, qrels, 1), ndcg_at_k(idx, qrels, 10)
+    metrics = {"hit@1": hit, "ndcg@10": ndcg, **(per_query or {})}
+    for name, v in metrics.items():
+        if np.shape(v) != hit.shape:
+            raise ValueError(f"per_query[{name!r}] must have shape {hit.shape}, got {np.shape(v)}")
     if query_groups is None:
-        return {"n_queries": int(hit.size), "hit@1": _mean(hit), "ndcg@10": _mean(ndcg)}
+        return {"n_queries": int(hit.size), **{m: _mean(np.asarray(v, np.float64)) for m, v in metrics.items()},
+                "per_query": metrics}
     qg = as_int_1d(query_groups, "query_groups", hit.size)
     groups = {}
     for g in np.unique(qg):
         sel = qg == g
-        groups[int(g)] = {"n_queries": int(sel.sum()), "hit@1": _mean(hit[sel]), "ndcg@10": _mean(ndcg[sel])}
+        groups[int(g)] = {"n_queries": int(sel.sum()), **{m: _mean(np.asarray(v, np.float64)[sel])
+                                                          for m, v in metrics.items()}}
     out = {"n_queries": int(hit.size)}
-    for metric in ("hit@1", "ndcg@10"):
+    for metric in metrics:
         out[metric] = _mean(np.array([v[metric] for v in groups.values()]))
     for side, pick in ((f"<={split_at}", lambda g: g <= split_at), (f">{split_at}", lambda g: g > split_at)):
         vals = [v for g, v in groups.items() if pick(g)]
         if vals:
-            for metric in ("hit@1", "ndcg@10"):
+            for metric in metrics:
                 out[f"{metric}{side}"] = _mean(np.array([v[metric] for v in vals]))
     out["groups"] = groups
+    out["per_query"] = metrics
     return out
 
 

@@ -4,7 +4,8 @@
 
 Methods: ``single`` (``strategy="single"``: one window of each document's first tokens, the
 single-vector baseline) and DICE with every requested aggregation at every requested chunk size.
-Each chunk size is encoded **once** with ``return_chunks=True`` (raw pooled chunk vectors); every
+Each chunk size is encoded **once** (raw pooled chunk vectors, each distinct chunk run once and
+optionally cached on disk: `dice_fast.eval.chunkstore`); every
 aggregation is then computed from those chunk vectors with `dice_fast.ops.aggregate_documents` and
 exactly the arguments the engine passes (``normalize_chunks`` as the encoder resolves it, ``top_k``,
 ``temperature``, ``normalize``, and for ``weighted_mean`` the wrapped token count of each chunk:
@@ -61,8 +62,9 @@ def raw_twin(encoder, **changes):
 def aggregate_from_chunks(encoder, raw, aggregation: str) -> np.ndarray:
     """Document vectors (n_docs, dim) float32 as ``encoder`` with ``aggregation`` would return them.
 
-    raw: the `DiceOutput` of ``encode_documents(texts, return_chunks=True)`` by an encoder with the
-    same options as ``encoder`` except ``normalize_chunks=False`` (so ``raw.chunks`` are the chunk
+    raw: a `dice_fast.eval.chunkstore.RawChunks` (`encode_raw_chunks`), or the `DiceOutput` of
+    ``encode_documents(texts, return_chunks=True)``, by an encoder with the same options as
+    ``encoder`` except ``normalize_chunks=False`` (so ``raw.chunks`` are the chunk
     vectors as pooled, whose norms ``topk_norm``/``softmax_norm`` rank by; see `raw_twin`). Uses the
     arguments the engine passes: ``encoder.normalize_chunks`` (resolved), ``top_k``, ``temperature``,
     ``normalize``, and chunk weights = wrapped chunk lengths (text + special + prefix tokens, as
@@ -72,7 +74,7 @@ def aggregate_from_chunks(encoder, raw, aggregation: str) -> np.ndarray:
 
     from ..ops import aggregate_documents
 
-    n_docs = int(raw.documents.shape[0])
+    n_docs = len(raw.document_tokens) if hasattr(raw, "document_tokens") else raw.n_docs
     cd = np.asarray(raw.chunk_document, np.int64)
     cu = np.zeros(n_docs + 1, np.int64)
     np.cumsum(np.bincount(cd, minlength=n_docs), out=cu[1:])
@@ -133,13 +135,29 @@ def build_task(spec: str, tokenizer, lengths: Sequence[int] | None = None, docs_
     raise ValueError(f"--task must be passkey, needle or a BEIR folder (corpus.jsonl, queries.jsonl, qrels/), got {spec!r}")
 
 
-def method_key(chunk_size: int, aggregation: str) -> str:
-    """The key of DICE with ``aggregation`` at ``chunk_size`` in `EvalResult.methods`: ``"k64-mean"``."""
-    return f"k{chunk_size}-{aggregation}"
+def method_key(chunk_size: int, aggregation: str, normalize_chunks: bool | None = None,
+               alpha: float | None = None) -> str:
+    """The key of a method in `EvalResult.methods`: DICE ``aggregation`` at ``chunk_size`` ->
+    ``"k64-mean"``; ``"maxsim"`` / ``"hybrid"`` likewise (``"k64-maxsim"``). With ``normalize_chunks``
+    (the ablation of both settings) ``"-norm"`` / ``"-raw"`` is appended; with ``alpha`` (a grid of
+    hybrid blends) ``"@0.25"``."""
+    key = f"k{chunk_size}-{aggregation}"
+    if normalize_chunks is not None:
+        key += "-norm" if normalize_chunks else "-raw"
+    if alpha is not None:
+        key += f"@{alpha:g}"
+    return key
 
 
-def _method_label(chunk_size: int, aggregation: str) -> str:
-    return f"DICE {aggregation} k={chunk_size}"
+def _method_label(chunk_size: int, aggregation: str, normalize_chunks: bool | None = None,
+                  alpha: float | None = None) -> str:
+    name = {"maxsim": "MaxSim", "hybrid": "hybrid"}.get(aggregation, f"DICE {aggregation}")
+    label = f"{name} k={chunk_size}"
+    if alpha is not None:
+        label += f" α={alpha:g}"
+    if normalize_chunks is not None:
+        label += " (norm chunks)" if normalize_chunks else " (raw chunks)"
+    return label
 
 
 def _run_info(encoder, task, seed) -> dict:
@@ -157,19 +175,29 @@ def _run_info(encoder, task, seed) -> dict:
     }
 
 
-def _encode_docs(encoder, texts, desc: str, show_progress: bool, **kw):
-    bar = ProgressBar(len(texts), desc=desc, show=show_progress and bool(texts))
+def _encode_raw(raw_enc, task, desc: str, show_progress: bool, cache_dir):
+    """Raw chunk vectors of ``task.corpus`` (`RawChunks`), one `encode_raw_chunks` call (and cache
+    file) per run of documents of one context length, so a run over other lengths reuses them."""
+    from .chunkstore import RawChunks, encode_raw_chunks
+
+    labels = np.asarray(task.doc_length)
+    cuts = np.flatnonzero(np.diff(labels)) + 1 if labels.size else np.zeros(0, np.int64)
+    bounds = [0, *cuts.tolist(), len(task.corpus)]
+    bar = ProgressBar(None, desc=desc, show=show_progress and bool(task.corpus))
     t0 = time.perf_counter()
     try:
-        out = encoder.encode_documents(texts, progress=bar, **kw)
+        parts = [encode_raw_chunks(raw_enc, task.corpus[a:b], cache_dir, bar) for a, b in zip(bounds, bounds[1:])]
     finally:
         bar.close()
-    return out, {"seconds": time.perf_counter() - t0, "tokens": bar.tokens}
+    raw = RawChunks.concat(parts)
+    return raw, {"seconds": time.perf_counter() - t0, "tokens": bar.tokens}
 
 
 def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
              aggregations: Sequence[str] = DEFAULT_AGGREGATIONS, split: int = 4096, seed: int | None = None,
              check_docs: int = 2, min_margin: float = 0.01, show_progress: bool = True,
+             cache_dir=None, normalize_chunks: Sequence[bool] | None = None,
+             scorings: Sequence[str] = ("maxsim", "hybrid"), hybrid_alphas: Sequence[float] | None = None,
              log=print) -> EvalResult:
     """Evaluate ``single`` and DICE (every aggregation x chunk size) of ``encoder``'s model on ``task``.
 
@@ -179,10 +207,19 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     at most / above it make the report's "≤4k" / ">4k" columns. ``check_docs``: the first documents
     of the task are also encoded by the engine with each method's options and compared with the
     vectors derived from chunks (`EvalResult.check`; a warning above 1e-4 in float32, 5e-2
-    otherwise). ``log``: called with progress lines (None: silent).
+    otherwise). ``cache_dir``: keep the raw chunk vectors of every (context length, chunk size)
+    there and reuse them (`dice_fast.eval.chunkstore`); None: encode every time.
+    ``normalize_chunks``: None uses the encoder's (resolved) setting; a sequence such as
+    ``(True, False)`` derives every aggregation (and the hybrid) under each setting from the same
+    raw chunk vectors, keys ending in ``-norm`` / ``-raw``. ``scorings``: multi-vector rows per
+    chunk size, "maxsim" and/or "hybrid" (`dice_fast.scoring`; the hybrid blends MaxSim with the
+    document vector of the encoder's own aggregation). ``hybrid_alphas``: None for the scoring's
+    default blend, or a grid (keys ``k64-hybrid@0.25``). Synthetic tasks also get evidence@1
+    (`dice_fast.eval.evidence`) for every chunked method. ``log``: called with progress lines
+    (None: silent).
     """
     from .diagnostics import evidence_stats
-    from .retrieval import evaluate
+    from .retrieval import evaluate_ranking, rank, search
 
     say = log or (lambda *_: None)
     aggregations = tuple(dict.fromkeys(aggregations))
@@ -193,6 +230,16 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
         encoder.config.replace(aggregation=a)
     if encoder.config.truncate_dim is not None:  # the diagnostics compare full-width chunk and query vectors
         raise ValueError("the evaluation does not support truncate_dim (--truncate-dim); evaluate the full vectors")
+    scorings = tuple(dict.fromkeys(scorings))
+    if set(scorings) - {"maxsim", "hybrid"}:
+        raise ValueError(f"scorings must be among 'maxsim', 'hybrid'; got {list(scorings)}")
+    ablate = normalize_chunks is not None
+    nc_settings = tuple(dict.fromkeys(bool(x) for x in normalize_chunks)) if ablate else (encoder.normalize_chunks,)
+    if not nc_settings:
+        raise ValueError("normalize_chunks: give at least one setting, or None for the encoder's")
+    alphas = (None,) if hybrid_alphas is None else tuple(dict.fromkeys(float(x) for x in hybrid_alphas))
+    if any(x is not None and not 0.0 <= x <= 1.0 for x in alphas) or not alphas:
+        raise ValueError(f"hybrid_alphas must lie in [0, 1], got {hybrid_alphas}")
     if not task.queries:
         raise ValueError(f"task {task.name!r} has no queries")
 
@@ -212,37 +259,87 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     timings["queries"] = {"seconds": time.perf_counter() - t0, "tokens": 0}
     single_enc = raw_twin(encoder, strategy="single")
     docs = {}
-    docs["single"], timings["single"] = _encode_docs(single_enc, task.corpus, f"{task.name} single", show_progress)
-    method_info = {"single": {"label": f"single (first {single_enc.window} tokens)", "chunk_size": None,
-                              "aggregation": None}}
+    single_raw, timings["single"] = _encode_raw(raw_twin(single_enc, normalize_chunks=False), task,
+                                                f"{task.name} single", show_progress, cache_dir)
+    docs["single"] = aggregate_from_chunks(single_enc, single_raw, "mean")  # one chunk per document
+    del single_raw
+    method_info = {"single": _info(f"single (first {single_enc.window} tokens)", None, None, "single")}
     methods = ["single"]
+    metrics, n_queries = {}, {}
 
+    def score(key, idx, evidence=None):
+        ev = evaluate_ranking(idx, task.qrels, query_groups=qg, split_at=split,
+                              per_query=None if evidence is None else {"evidence@1": evidence})
+        names = [m for m in ev["per_query"]]
+        if local:
+            metrics[key] = {m: {GROUP_ALL: ev[m]} for m in names}
+            n_queries.update({GROUP_ALL: ev["n_queries"]})
+        else:
+            metrics[key] = {m: {g: ev["groups"][g][m] for g in groups if g in ev["groups"]} for m in names}
+            n_queries.update({g: ev["groups"][g]["n_queries"] for g in groups if g in ev["groups"]})
+
+    score("single", search(q, docs["single"], k=10, query_groups=qg, doc_groups=dg)[0])
     gold = task.gold_document()
     has_gold = gold >= 0
-    edi, check = {}, {}
+    edi, check, chunks_per_doc = {}, {}, {}
     n_check = min(check_docs, len(task.corpus))
+    hybrid_agg = encoder.config.aggregation
     for k in chunk_sizes:
         raw_enc = raw_twin(encoder, chunk_size=k, strategy="dice", normalize_chunks=False)
-        raw, timings[f"k{k}"] = _encode_docs(raw_enc, task.corpus, f"{task.name} k={k}", show_progress,
-                                            return_chunks=True)
+        raw, timings[f"k{k}"] = _encode_raw(raw_enc, task, f"{task.name} k={k}", show_progress, cache_dir)
         t = timings[f"k{k}"]
-        say(f"[{task.name}] chunk size {k}: {len(task.corpus)} documents, {raw.chunks.shape[0]} chunks, "
-            f"{t['tokens']:,} tokens in {t['seconds']:.1f} s ({t['tokens'] / max(t['seconds'], 1e-9):,.0f} tokens/s)")
+        say(f"[{task.name}] chunk size {k}: {len(task.corpus)} documents, {raw.chunks.shape[0]} chunks "
+            f"({raw.n_distinct} distinct), {t['tokens']:,} tokens run in {t['seconds']:.1f} s "
+            f"({t['tokens'] / max(t['seconds'], 1e-9):,.0f} tokens/s)" + (" [cache]" if raw.from_cache else ""))
+        counts = np.bincount(raw.chunk_document, minlength=len(task.corpus))
+        chunks_per_doc[k] = {g: float(counts[np.asarray(task.doc_length) == g].mean()) for g in groups} \
+            if not local else {GROUP_ALL: float(counts.mean())}
+        with_evidence = task.answer_span is not None and raw.chunk_start_char is not None
+        ms = _chunk_scores(q, raw, qg, dg) if (scorings or with_evidence) else None
+
+        def evidence(idx):
+            if not with_evidence:
+                return None
+            from .evidence import evidence_at_1
+
+            return evidence_at_1(idx[:, 0], ms.best_chunk, raw, gold, task.answer_span)
+
         by_method = {"single": docs["single"]}
-        for a in aggregations:
-            key = method_key(k, a)
-            enc_a = raw_twin(encoder, chunk_size=k, strategy="dice", aggregation=a)
-            docs[key] = aggregate_from_chunks(enc_a, raw, a)
-            by_method[key] = docs[key]
+        doc_vecs = {}
+        for nc in nc_settings:
+            for a in dict.fromkeys(aggregations + ((hybrid_agg,) if "hybrid" in scorings else ())):
+                enc_a = raw_twin(encoder, chunk_size=k, strategy="dice", aggregation=a, normalize_chunks=nc)
+                doc_vecs[a, nc] = vecs = aggregate_from_chunks(enc_a, raw, a)
+                if a not in aggregations:
+                    continue
+                key = method_key(k, a, nc if ablate else None)
+                docs[key] = by_method[key] = vecs
+                methods.append(key)
+                method_info[key] = _info(_method_label(k, a, nc if ablate else None), k, a, "dice", nc)
+                score(key, (idx := search(q, vecs, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
+                if n_check:
+                    ref = enc_a.encode_documents(task.corpus[:n_check])
+                    check[key] = float(np.abs(ref - vecs[:n_check]).max())
+        if "maxsim" in scorings:
+            key = method_key(k, "maxsim")
             methods.append(key)
-            method_info[key] = {"label": _method_label(k, a), "chunk_size": k, "aggregation": a}
-            if n_check:
-                ref = enc_a.encode_documents(task.corpus[:n_check])
-                check[key] = float(np.abs(ref - docs[key][:n_check]).max())
+            method_info[key] = _info(_method_label(k, "maxsim"), k, "maxsim", "maxsim")
+            score(key, (idx := rank(ms.scores, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
+        if "hybrid" in scorings:
+            from .evidence import chunk_scores
+
+            for nc in nc_settings:
+                for alpha in alphas:
+                    key = method_key(k, "hybrid", nc if ablate else None, alpha)
+                    methods.append(key)
+                    method_info[key] = {**_info(_method_label(k, "hybrid", nc if ablate else None, alpha), k,
+                                                "hybrid", "hybrid", nc), "alpha": alpha, "base": hybrid_agg}
+                    sc = chunk_scores(q, raw, qg, dg, "hybrid", doc_vecs[hybrid_agg, nc], alpha).scores
+                    score(key, (idx := rank(sc, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
         if has_gold.any():
             edi[k] = evidence_stats(q[has_gold], raw.chunks, raw.chunk_document, gold[has_gold], by_method,
                                     min_margin=min_margin)
-        del raw
+        del raw, ms
     if check:
         tol = 1e-4 if info["dtype"] == "float32" else 5e-2
         worst = max(check, key=check.get)
@@ -252,15 +349,6 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
             warnings.warn(f"derived document vectors differ from encode_documents by {check[worst]:.2e} "
                           f"({worst}), above {tol}", stacklevel=2)
 
-    metrics, n_queries = {}, {}
-    for key in methods:
-        ev = evaluate(q, docs[key], task.qrels, query_groups=qg, doc_groups=dg, split_at=split)
-        if local:
-            metrics[key] = {m: {GROUP_ALL: ev[m]} for m in ("hit@1", "ndcg@10")}
-            n_queries = {GROUP_ALL: ev["n_queries"]}
-        else:
-            metrics[key] = {m: {g: ev["groups"][g][m] for g in groups if g in ev["groups"]} for m in ("hit@1", "ndcg@10")}
-            n_queries = {g: ev["groups"][g]["n_queries"] for g in groups if g in ev["groups"]}
     edi_group = (np.full(int(has_gold.sum()), -1, np.int64) if local else np.asarray(task.query_length)[has_gold])
     return EvalResult(
         task=task.name, groups=groups, methods=methods, method_info=method_info, metrics=metrics,
@@ -268,8 +356,29 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
         window=single_enc.window, aggregations=aggregations, chunk_sizes=chunk_sizes,
         extra={"n_docs": len(task.corpus), "n_queries": len(task.queries),
                "docs_per_length": _per_group(task.doc_length) if not local else len(task.corpus),
-               "queries_per_length": _per_group(task.query_length) if not local else len(task.queries)},
+               "queries_per_length": _per_group(task.query_length) if not local else len(task.queries),
+               "chunks_per_doc": chunks_per_doc, "dim": int(q.shape[1]), "scorings": scorings,
+               "normalize_chunks": nc_settings if ablate else None, "hybrid_alphas": alphas,
+               "default_normalize_chunks": bool(encoder.normalize_chunks), "hybrid_aggregation": hybrid_agg,
+               "default_alpha": _default_alpha() if "hybrid" in scorings else None},
     )
+
+
+def _info(label, chunk_size, aggregation, scoring, normalize_chunks=None) -> dict:
+    return {"label": label, "chunk_size": chunk_size, "aggregation": aggregation, "scoring": scoring,
+            "normalize_chunks": normalize_chunks, "alpha": None}
+
+
+def _default_alpha() -> float:
+    from ..scoring import DEFAULT_ALPHA
+
+    return float(DEFAULT_ALPHA)
+
+
+def _chunk_scores(q, raw, qg, dg):
+    from .evidence import chunk_scores
+
+    return chunk_scores(q, raw, qg, dg)
 
 
 def _per_group(labels) -> int | str:

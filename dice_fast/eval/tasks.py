@@ -122,6 +122,9 @@ class Task:
     query_length: (n_q,) int64 and doc_length: (n_docs,) int64 context-length group (tokens) of each
     query / document (all 0 for a local task: one group); query_ids / doc_ids: string ids;
     doc_tokens: (n_docs,) int64 measured token counts of synthetic documents, None for local tasks.
+    fact_span / answer_span: (n_docs, 2) int64 character spans ``[start, end)`` in each synthetic
+    document of the planted sentence ("The pass key for ... Remember it.") and of its answer (the
+    5-digit key; the needle's value, e.g. "smoked paprika"); None for local tasks.
     """
 
     name: str
@@ -133,6 +136,8 @@ class Task:
     query_ids: list[str]
     doc_ids: list[str]
     doc_tokens: np.ndarray | None = None
+    fact_span: np.ndarray | None = None
+    answer_span: np.ndarray | None = None
 
     def gold_document(self) -> np.ndarray:
         """(n_q,) int64: each query's most relevant document (lowest index on ties), -1 if it has none."""
@@ -176,7 +181,7 @@ def _make_synthetic(kind, tokenizer, lengths, docs_per_length, queries_per_lengt
     lengths = _check_args(lengths, docs_per_length, queries_per_length, seed)
     src, first_copy_sents = haystack(kind, tokenizer, max(lengths))
 
-    corpus, doc_ids, doc_len, doc_tokens = [], [], [], []
+    corpus, doc_ids, doc_len, doc_tokens, fact_spans, answer_spans = [], [], [], [], [], []
     queries, query_ids, query_len, qrels = [], [], [], []
     n_names = len(_FIRST_NAMES) * len(_LAST_NAMES)
     for length in lengths:
@@ -187,14 +192,17 @@ def _make_synthetic(kind, tokenizer, lengths, docs_per_length, queries_per_lengt
             keys = rng.choice(90000, docs_per_length, replace=False) + 10000
             facts = [f"The pass key for {nm} is {k}. Remember it." for nm, k in zip(names, keys)]
             questions = [f"What is the pass key for {nm}?" for nm in names]
+            answers = [(len(f"The pass key for {nm} is "), len(str(k))) for nm, k in zip(names, keys)]
         else:
             tpl = rng.integers(len(_NEEDLES), size=docs_per_length)
             val = rng.random(docs_per_length)
-            facts, questions = [], []
+            facts, questions, answers = [], [], []
             for nm, t, v in zip(names, tpl, val):
                 fact, question, values = _NEEDLES[t]
-                facts.append(fact.format(name=nm, value=values[int(v * len(values))]))
+                value = values[int(v * len(values))]
+                facts.append(fact.format(name=nm, value=value))
                 questions.append(question.format(name=nm))
+                answers.append((len(fact.split("{value}")[0].format(name=nm)), len(value)))
         starts = rng.choice(first_copy_sents, docs_per_length)
         depths = rng.random(docs_per_length)
         asked = np.sort(rng.choice(docs_per_length, queries_per_length, replace=False))
@@ -203,17 +211,20 @@ def _make_synthetic(kind, tokenizer, lengths, docs_per_length, queries_per_lengt
         budgets = length - needle_tokens
         if np.any(budgets < 8):
             raise ValueError(f"length {length} is too short for the {kind} sentences ({needle_tokens.max()} tokens)")
-        docs = [src.build(*src.window(int(s), int(b)), f, float(d))
-                for s, b, f, d in zip(starts, budgets, facts, depths)]
+        built = [src.build(*src.window(int(s), int(b)), f, float(d))
+                 for s, b, f, d in zip(starts, budgets, facts, depths)]
+        docs, at = [t for t, _ in built], [a for _, a in built]
         counts = count_tokens(tokenizer, docs)
         miss = np.flatnonzero(counts != length)
         if miss.size:  # one correction pass: tokenizers whose counts do not add up over words
             redo = [src.build(*src.window(int(starts[j]), int(budgets[j] + length - counts[j])),
                               facts[j], float(depths[j])) for j in miss]
-            recount = count_tokens(tokenizer, redo)
-            for j, text, c in zip(miss, redo, recount):
+            recount = count_tokens(tokenizer, [t for t, _ in redo])
+            for j, (text, a), c in zip(miss, redo, recount):
                 if abs(c - length) < abs(counts[j] - length):
-                    docs[j], counts[j] = text, c
+                    docs[j], at[j], counts[j] = text, a, c
+        fact_spans.append(np.array([(a, a + len(f)) for a, f in zip(at, facts)], np.int64).reshape(-1, 2))
+        answer_spans.append(np.array([(a + o, a + o + n) for a, (o, n) in zip(at, answers)], np.int64).reshape(-1, 2))
 
         base = len(corpus)
         corpus += docs
@@ -229,6 +240,7 @@ def _make_synthetic(kind, tokenizer, lengths, docs_per_length, queries_per_lengt
         name=kind, queries=queries, corpus=corpus, qrels=qrels,
         query_length=np.array(query_len, np.int64), doc_length=np.array(doc_len, np.int64),
         query_ids=query_ids, doc_ids=doc_ids, doc_tokens=np.concatenate(doc_tokens).astype(np.int64),
+        fact_span=np.concatenate(fact_spans), answer_span=np.concatenate(answer_spans),
     )
 
 

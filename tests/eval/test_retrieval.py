@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dice_fast.eval.retrieval import evaluate, hit_at_k, ndcg_at_k, search
+from dice_fast.eval.retrieval import evaluate, evaluate_ranking, hit_at_k, ndcg_at_k, rank, search
 
 
 def _brute(q, d, k, qg=None, dg=None):
@@ -138,4 +138,44 @@ def test_evaluate_grouped_report():
     assert out["hit@1"] == pytest.approx(0.75) and out["n_queries"] == 8
     assert out["groups"][32768]["ndcg@10"] == pytest.approx((1 + 1 / math.log2(5)) / 2)
     flat = evaluate(q, d, gold)
-    assert set(flat) == {"n_queries", "hit@1", "ndcg@10"}
+    assert set(flat) == {"n_queries", "hit@1", "ndcg@10", "per_query"}
+
+
+def test_rank_of_precomputed_scores_equals_search():
+    rng = np.random.default_rng(3)
+    q, d = rng.standard_normal((30, 8)), rng.standard_normal((40, 8))
+    qg, dg = np.repeat([1, 2, 3], 10), np.repeat([1, 2, 3, 4], 10)
+    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
+    dn = d / np.linalg.norm(d, axis=1, keepdims=True)
+    scores = (qn.astype(np.float32) @ dn.astype(np.float32).T)
+    scores[:, 7] = scores[:, 3]  # a tie: the lower index ranks first
+    for block in (1 << 25, 50):
+        got = rank(scores, k=10, query_groups=qg, doc_groups=dg, max_block_elems=block)
+        want = _rank_brute(scores, 10, qg, dg)
+        np.testing.assert_array_equal(got[0], want)
+    np.testing.assert_array_equal(rank(scores[:, :10], k=3)[0], _rank_brute(scores[:, :10], 3))
+    with pytest.raises(ValueError, match="scores holds NaN"):
+        rank(np.full((2, 3), np.nan), k=1)
+    with pytest.raises(ValueError, match="both query_groups and doc_groups"):
+        rank(scores, k=1, query_groups=qg)
+
+
+def _rank_brute(s, k, qg=None, dg=None):
+    s = s.astype(np.float64).copy()
+    if qg is not None:
+        s[qg[:, None] != dg[None, :]] = -np.inf
+    order = np.lexsort((np.broadcast_to(np.arange(s.shape[1]), s.shape), -s), axis=1)[:, :k]
+    return np.where(np.isneginf(np.take_along_axis(s, order, 1)), -1, order)
+
+
+def test_evaluate_ranking_averages_per_query_metrics_by_group():
+    idx = np.array([[0, 1], [1, 0], [2, 3], [3, 2]])
+    qrels = [0, 0, 2, 2]
+    ev = evaluate_ranking(idx, qrels, query_groups=[256, 256, 8192, 8192],
+                          per_query={"evidence@1": np.array([1.0, 0.0, 0.0, 0.0])})
+    assert ev["groups"][256]["hit@1"] == 0.5 and ev["groups"][8192]["hit@1"] == 0.5
+    assert ev["groups"][256]["evidence@1"] == 0.5 and ev["groups"][8192]["evidence@1"] == 0.0
+    assert ev["evidence@1<=4096"] == 0.5 and ev["evidence@1>4096"] == 0.0 and ev["evidence@1"] == 0.25
+    np.testing.assert_array_equal(ev["per_query"]["hit@1"], [1, 0, 1, 0])
+    with pytest.raises(ValueError, match="per_query"):
+        evaluate_ranking(idx, qrels, per_query={"x": np.zeros(3)})

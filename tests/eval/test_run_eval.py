@@ -12,7 +12,7 @@ from dice_fast.eval.plots import plot_hit_vs_length
 from dice_fast.eval.report import format_report
 from dice_fast.eval.retrieval import evaluate
 from dice_fast.eval.run import DEFAULT_AGGREGATIONS, aggregate_from_chunks, raw_twin, run_eval
-from dice_fast.eval.tasks import load_local_task
+from dice_fast.eval.tasks import load_local_task, make_passkey_task
 from helpers import assert_close
 from tiny_models import tiny
 
@@ -45,7 +45,8 @@ def test_aggregations_from_one_encoding_equal_encode_documents(options, chunk_si
 def test_run_eval_metrics_match_direct_retrieval(tiny_result):
     enc, task, res = tiny_result
     assert res.groups == [64, 128]
-    assert res.methods == ["single"] + [f"k{k}-{a}" for k in (16, 40) for a in ("mean", "max", "topk_norm")]
+    assert res.methods == ["single"] + [f"k{k}-{a}" for k in (16, 40)
+                                        for a in ("mean", "max", "topk_norm", "maxsim", "hybrid@0.3")]
     assert max(res.check.values()) < 1e-5
     # DICE k=16 max, computed directly with the engine, scored with retrieval.evaluate
     docs = raw_twin(enc, chunk_size=16, aggregation="max").encode_documents(task.corpus)
@@ -80,3 +81,23 @@ def test_local_beir_folder(tmp_path):
     assert "| method | all |" in format_report(res)
     plot_hit_vs_length(res, tmp_path / "bars.png", metric="ndcg@10")
     assert (tmp_path / "bars.png").stat().st_size > 0
+
+
+def test_normalize_chunks_ablation_from_one_encoding(tmp_path):
+    """Both settings derived from the same raw chunk vectors (one encoding: a second run is all cache)
+    equal encode_documents with that setting; the keys carry the setting."""
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok)
+    task = make_passkey_task(tok, lengths=(64,), docs_per_length=3, queries_per_length=2, seed=2)
+    kw = dict(chunk_sizes=(16,), aggregations=("mean", "max"), show_progress=False, log=None, check_docs=1,
+              normalize_chunks=(True, False), cache_dir=tmp_path)
+    res = run_eval(task, enc, **kw)
+    assert res.methods == ["single", "k16-mean-norm", "k16-max-norm", "k16-mean-raw", "k16-max-raw", "k16-maxsim",
+                           "k16-hybrid-norm", "k16-hybrid-raw"]
+    assert max(res.check.values()) < 1e-5  # each setting's vectors equal the engine's with that setting
+    assert res.method_info["k16-max-raw"]["normalize_chunks"] is False
+    again = run_eval(task, enc, **kw)
+    assert again.timings["k16"]["tokens"] == 0 and again.timings["single"]["tokens"] == 0  # all from the cache
+    assert again.metrics == res.metrics
+    with pytest.raises(ValueError, match="hybrid_alphas"):
+        run_eval(task, enc, chunk_sizes=(16,), hybrid_alphas=(1.5,), show_progress=False, log=None)

@@ -203,3 +203,22 @@ def test_load_local_task_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"qrels/test\.tsv: missing"):
         load_local_task(root)
     assert load_local_task(_write_beir(tmp_path / "y"), name="custom").name == "custom"
+
+
+@pytest.mark.parametrize("kind", ["passkey", "needle"])
+def test_planted_spans_point_at_the_fact_and_its_answer(all_lengths, kind):
+    task = all_lengths[kind]
+    n_d = len(task.corpus)
+    assert task.fact_span.shape == task.answer_span.shape == (n_d, 2)
+    for doc, (fa, fz), (aa, az) in zip(task.corpus, task.fact_span, task.answer_span):
+        fact, answer = doc[fa:fz], doc[aa:az]
+        assert fa <= aa < az <= fz
+        if kind == "passkey":
+            m = PASSKEY_RE.fullmatch(fact)
+            assert m and answer == m.group(2)
+        else:
+            assert fact.endswith(".") and NAME_RE.search(fact) and answer.strip() == answer and answer
+            assert any(fact.replace(answer, "{value}", 1) == tpl.format(name=NAME_RE.search(fact).group(0),
+                                                                         value="{value}")
+                       for tpl, _, _ in tasks._NEEDLES), fact
+        assert doc.count(fact) == 1
