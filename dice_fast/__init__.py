@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "DiceEncoder": "dice_fast.engine",
-    "DiceOutput": "dice_fast.engine",
+    "DiceOutput": "dice_fast.output",
     "DiceConfig": "dice_fast.config",
     "EncodingPlan": "dice_fast.chunking",
     "DiceIndex": "dice_fast.index",

@@ -17,7 +17,6 @@ import contextlib
 import threading
 import warnings
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -28,6 +27,7 @@ from .chunking import EncodingPlan, TextError, TokenizedDocuments, check_texts, 
 from .config import DEFAULT_CHUNK_SIZE, DiceConfig
 from .matryoshka import check_dim
 from .models import ModelSpec, inspect_model, load_model
+from .output import DiceOutput, concat_outputs  # noqa: F401 - DiceOutput is part of the engine's API
 from .ops import resolve_impl
 from .packing import PackedBatch
 from .progress import ProgressBar
@@ -47,49 +47,6 @@ _CHARS_PER_TOKEN = 4  # to size windows before tokenizing (a window is cut by ch
 _WINDOW_DOCUMENTS = 8192
 # vectors kept per call so that identical chunks in different windows run once (~40k 384-d chunks)
 _CALL_MEMORY_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class DiceOutput:
-    """Result of ``encode_documents(..., return_chunks=True)``.
-
-    documents: (n_docs, dim) float32, row i is texts[i].
-    chunks: (n_chunks, dim) float32 chunk vectors as aggregated (L2-normalised when
-        ``normalize_chunks``); chunks of a document are contiguous and in document order.
-    chunk_document: (n_chunks,) int64 document index of each chunk.
-    chunk_start, chunk_end: (n_chunks,) int64 the chunk's content span ``[start, end)`` in its
-        document's tokens (tokenized without special tokens).
-    document_tokens: (n_docs,) int64 token count of every document.
-    chunk_start_char, chunk_end_char: (n_chunks,) int64 the chunk's text is
-        ``texts[chunk_document[c]][chunk_start_char[c]:chunk_end_char[c]]`` (no prefix or special
-        token; spans tile their document in order, and overlap where ``overlap > 0``; see
-        `dice_fast.chunking.chunk_char_spans`).
-    """
-
-    documents: np.ndarray
-    chunks: np.ndarray
-    chunk_document: np.ndarray
-    chunk_start: np.ndarray
-    chunk_end: np.ndarray
-    document_tokens: np.ndarray
-    chunk_start_char: np.ndarray
-    chunk_end_char: np.ndarray
-
-    @classmethod
-    def of_plan(cls, plan: EncodingPlan, documents: np.ndarray, chunks: np.ndarray) -> DiceOutput:
-        """The output of ``plan`` given its (n_docs, dim) document and (n_chunks, dim) chunk vectors
-        (what a `ChunkQueue` job submitted with ``keep_chunks=True`` holds when done)."""
-        start_char, end_char = plan.chunk_char_spans
-        return cls(
-            documents=documents,
-            chunks=chunks,
-            chunk_document=plan.chunks.document.copy(),
-            chunk_start=plan.chunks.start.copy(),
-            chunk_end=plan.chunks.start + plan.chunks.length,
-            document_tokens=plan.tokens.lengths.copy(),
-            chunk_start_char=start_char,
-            chunk_end_char=end_char,
-        )
 
 
 class DiceEncoder:
@@ -258,7 +215,7 @@ class DiceEncoder:
         out alone raises `dice_fast.faults.InputOutOfMemory` naming its document (``documents[i]``).
         """
         blocks = list(self.stream_documents(texts, return_chunks, show_progress, progress))
-        return _concat(blocks, self.dim, return_chunks)
+        return concat_outputs(blocks, self.dim, return_chunks)
 
     def stream_documents(self, texts: Iterable[str], return_chunks: bool = False, show_progress: bool = False,
                          progress: Callable[[int, int], None] | None = None) -> Iterator:
@@ -283,7 +240,7 @@ class DiceEncoder:
         """
         plan = self.plan(texts, "queries")
         with _progress(show_progress, progress, int(plan.chunk_lengths.sum())) as report:
-            return _concat(list(self._run(iter([plan]), "mean", False, report, "queries")), self.dim, False)
+            return concat_outputs(list(self._run(iter([plan]), "mean", False, report, "queries")), self.dim, False)
 
     def run_batch(self, batch: PackedBatch) -> torch.Tensor:
         """Chunk vectors (n_chunks, dim) float32, in packing order, of one packed batch (see `ChunkQueue`)."""
@@ -357,7 +314,7 @@ class DiceEncoder:
                         progress(0, 0)
                     elif progress is not None and (known := queue.documents_pooled(job)):
                         progress(known, 0)  # documents whose every chunk was known already
-                    yield _output(job) if return_chunks else job.documents
+                    yield DiceOutput.of_plan(job.plan, job.documents, job.chunks) if return_chunks else job.documents
                     top_up()
 
     def _wrap_ids(self, text_prefix: str) -> tuple[np.ndarray, np.ndarray]:
@@ -391,30 +348,6 @@ def _check_kind(kind: str) -> str:
     if kind not in ("documents", "queries"):
         raise ValueError(f"unknown kind {kind!r}; allowed: 'documents', 'queries'")
     return kind
-
-
-def _output(job) -> DiceOutput:
-    return DiceOutput.of_plan(job.plan, job.documents, job.chunks)
-
-
-def _concat(blocks: list, dim: int, return_chunks: bool):
-    """One result from per-window results (`DiceOutput` chunk_document made global; character spans
-    are already in their own document's coordinates)."""
-    if not return_chunks:
-        return np.concatenate(blocks) if blocks else np.zeros((0, dim), np.float32)
-    if len(blocks) == 1:
-        return blocks[0]
-    base = np.cumsum([0] + [len(b.documents) for b in blocks[:-1]])
-    return DiceOutput(
-        documents=np.concatenate([b.documents for b in blocks]),
-        chunks=np.concatenate([b.chunks for b in blocks]),
-        chunk_document=np.concatenate([b.chunk_document + o for b, o in zip(blocks, base)]),
-        chunk_start=np.concatenate([b.chunk_start for b in blocks]),
-        chunk_end=np.concatenate([b.chunk_end for b in blocks]),
-        document_tokens=np.concatenate([b.document_tokens for b in blocks]),
-        chunk_start_char=np.concatenate([b.chunk_start_char for b in blocks]),
-        chunk_end_char=np.concatenate([b.chunk_end_char for b in blocks]),
-    )
 
 
 def _warn_truncated(doc_lengths: np.ndarray, capacity: int, window: int, what: str) -> None:

@@ -14,7 +14,6 @@ line and exits 2.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 import time
@@ -24,12 +23,14 @@ from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
 
-from .outputs import (MANIFEST_FORMAT, ChunkRows, NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, ids_path_for,
+from .chunk_rows import ChunkRows
+from .outputs import (MANIFEST_FORMAT, NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, ids_path_for,
                       manifest_name, our_files, parse_tag, read_manifest, split_tag)
 from .ids import DuplicateIds
 from .lock import OutputLock
 from .model import load_encoder
-from .readers import Corpus, ReadProgress, open_corpus, text_digest, update_input_hash
+from .readers import Corpus, ReadProgress, open_corpus, text_digest
+from .resume import compare_settings, skip_committed
 from .signals import Interrupted, Signals, one_line_warnings
 
 OUTPUT_TYPES = ".npy (with NAME.ids.txt beside it), .parquet, or a folder of Parquet shards (DIR/)"
@@ -143,14 +144,14 @@ class EncodeJob:
         enc = load_encoder(args)
         resolved = {**requested, **_resolved(enc)}
         if self.resume_from is not None:
-            _compare(self.resume_from, resolved, ("model", "config"), self.out / manifest_name(self.tag))
+            compare_settings(self.resume_from, resolved, ("model", "config"), self.out / manifest_name(self.tag))
         records = corpus.records()
         if self.split[1] > 1:
             records = _take_split(records, *self.split)
         skipped = 0
         duplicates = DuplicateIds()
         if self.resume_from is not None:
-            records, skipped = _skip_committed(records, self.resume_from["shards"], self.out, duplicates.add)
+            records, skipped = skip_committed(records, self.resume_from["shards"], self.out, duplicates.add)
         self._open_writer(resolved, signals)
         from ..progress import ProgressBar
 
@@ -238,7 +239,7 @@ class EncodeJob:
         mine = out / manifest_name(self.tag)
         if args.resume and mine.exists():
             self.resume_from = read_manifest(mine)
-            _compare(self.resume_from, requested, ("format", "dice_fast", "kind", "split", "shard_rows", "input",
+            compare_settings(self.resume_from, requested, ("format", "dice_fast", "kind", "split", "shard_rows", "input",
                                                    "options"), mine)
             for shard in self.resume_from["shards"]:
                 p = out / shard["file"]
@@ -340,63 +341,11 @@ def _chunk_summary(before: dict, after: dict) -> dict:
             "chunks_deduplicated": d["deduplicated"] + d["memory_hits"]}
 
 
-def _flatten(value, prefix: str = "") -> dict:
-    """``{"a": {"b": [{"c": 1}]}}`` -> ``{"a.b[0].c": 1}`` (so that a difference names its setting)."""
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(value, list) and value:
-        out = {f"{prefix}.length": len(value)}
-        for i, v in enumerate(value):
-            out.update(_flatten(v, f"{prefix}[{i}]"))
-        return out
-    return {prefix: value}
-
-
-def _compare(before: dict, now: dict, keys: tuple[str, ...], where: Path) -> None:
-    """ValueError listing every setting in ``keys`` that differs between a manifest and this run."""
-    old = _flatten({k: before.get(k) for k in keys})
-    new = _flatten({k: now.get(k) for k in keys})
-    diffs = [f"{k} is {new.get(k)!r}, was {old.get(k)!r}" for k in sorted(set(old) | set(new))
-             if old.get(k) != new.get(k)]
-    if diffs:
-        shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
-        raise ValueError(f"cannot resume {where}: this run differs from the interrupted one: {shown} "
-                         "(run with the same options and input, or start again with --overwrite)")
-
-
 def _take_split(records, index: int, count: int):
     """Documents ``index, index + count, index + 2 count`` ... of the stream."""
     for d, record in enumerate(records):
         if d % count == index:
             yield record
-
-
-def _skip_committed(records, shards: list[dict], folder: Path, on_ids):
-    """Read past the documents of the committed ``shards`` (not encoding them), checking that they are
-    the same documents (ids and texts) as when committed; ``on_ids(ids)`` gets each shard's ids.
-    Returns (the rest of the stream, count)."""
-    it = iter(records)
-    skipped = 0
-    for shard in shards:
-        h = hashlib.sha256()
-        ids = []
-        for doc_id, text in islice(it, shard["rows"]):
-            update_input_hash(h, doc_id, text_digest(text))
-            ids.append(doc_id)
-        on_ids(ids)
-        n = len(ids)
-        skipped += n
-        if n < shard["rows"]:
-            raise ValueError(f"cannot resume {folder}: the input now has {skipped} documents, fewer than the "
-                             f"{sum(s['rows'] for s in shards)} already committed")
-        if h.hexdigest() != shard["input_sha256"]:
-            raise ValueError(f"cannot resume {folder}: the input changed: the documents of committed shard "
-                             f"{shard['file']} (ids {shard['first_id']} .. {shard['last_id']}) differ from the "
-                             "input's now; start again with --overwrite")
-    return it, skipped
 
 
 def _query_blocks(enc, texts, progress):

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .report import format_table, macro_average
+from .report import macro_average
 from .run import EvalResult
 
 __all__ = ["normalize_chunks_table", "alpha_table", "choose_alpha", "scoring_table", "main"]

@@ -40,6 +40,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..chunking import check_texts
+from ..output import DiceOutput
 from ..reuse import MemoryCache
 from ..scheduler import ChunkQueue, Job
 from .errors import DeadlineExceeded, Overloaded, RequestTooLarge, ShuttingDown, Unhealthy
@@ -316,8 +317,6 @@ class AsyncDiceEncoder(WorkerLoop):
                 self._cancel(request)
                 raise
             if return_chunks:
-                from ..engine import DiceOutput
-
                 return Embeddings(vectors[0], tokens, truncated, DiceOutput.of_plan(plan, *vectors))
             return Embeddings(vectors, tokens, truncated)
         finally:
