@@ -74,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--docs", type=int, default=64, help="good documents in the pool (default 64)")
     p.add_argument("--min-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--cache-memory-mb", type=int, default=0,
+                   help="the server's in-memory chunk store (default 0: the pool's documents repeat, and with the "
+                        "store on they would be answered from memory instead of loading the model)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
@@ -97,7 +100,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="dice-fast-soak-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "dice_fast.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--no-access-log", "--log-level", "warning", "--device", args.device, "--dtype", args.dtype]
+               "--no-access-log", "--log-level", "warning", "--device", args.device, "--dtype", args.dtype,
+               "--cache-memory-mb", str(args.cache_memory_mb)]
         if args.fault_fraction:
             cmd += ["--testing-inject-oom", str(args.fault_fraction)]
         self.cmd, self.timeout = cmd, args.start_timeout
