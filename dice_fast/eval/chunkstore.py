@@ -51,25 +51,6 @@ class RawChunks:
     tokens_run: int = 0
     from_cache: bool = False
 
-    @staticmethod
-    def concat(parts: list[RawChunks]) -> RawChunks:
-        """Documents of ``parts`` back to back (chunk_document shifted by the documents before)."""
-        if len(parts) == 1:
-            return parts[0]
-        shift = np.cumsum([0] + [p.n_docs for p in parts[:-1]])
-        spans = all(p.chunk_start_char is not None for p in parts)
-        cat = np.concatenate
-        return RawChunks(
-            chunks=cat([p.chunks for p in parts]), chunk_document=cat([p.chunk_document + s for p, s in zip(parts, shift)]),
-            chunk_start=cat([p.chunk_start for p in parts]), chunk_end=cat([p.chunk_end for p in parts]),
-            chunk_weights=cat([p.chunk_weights for p in parts]), n_docs=int(sum(p.n_docs for p in parts)),
-            chunk_start_char=cat([p.chunk_start_char for p in parts]) if spans else None,
-            chunk_end_char=cat([p.chunk_end_char for p in parts]) if spans else None,
-            n_computed=sum(p.n_computed for p in parts), n_cached=sum(p.n_cached for p in parts),
-            tokens_run=sum(p.tokens_run for p in parts),
-            from_cache=all(p.from_cache for p in parts),
-        )
-
 
 def encode_raw_chunks(encoder, texts: list[str], progress=None) -> RawChunks:
     """Raw chunk vectors of ``texts`` (n_docs strings): ``encoder.encode_documents(texts, return_chunks=True)``.

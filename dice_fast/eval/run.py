@@ -177,22 +177,17 @@ def _run_info(encoder, task, seed) -> dict:
 
 
 def _encode_raw(raw_enc, task, desc: str, show_progress: bool):
-    """Raw chunk vectors of ``task.corpus`` (`RawChunks`), one `encode_raw_chunks` call per run of
-    documents of one context length (each length's own progress and reuse counts)."""
-    from .chunkstore import RawChunks, encode_raw_chunks
+    """Raw chunk vectors of ``task.corpus`` (`RawChunks`) in one `encode_raw_chunks` call (the engine's
+    chunk keys, not the texts, decide what is reused), and its timing."""
+    from .chunkstore import encode_raw_chunks
 
-    labels = np.asarray(task.doc_length)
-    cuts = np.flatnonzero(np.diff(labels)) + 1 if labels.size else np.zeros(0, np.int64)
-    bounds = [0, *cuts.tolist(), len(task.corpus)]
     bar = ProgressBar(None, desc=desc, show=show_progress and bool(task.corpus))
     t0 = time.perf_counter()
     try:
-        parts = [encode_raw_chunks(raw_enc, task.corpus[a:b], bar) for a, b in zip(bounds, bounds[1:])]
+        raw = encode_raw_chunks(raw_enc, task.corpus, bar)
     finally:
         bar.close()
-    raw = RawChunks.concat(parts)
     return raw, {"seconds": time.perf_counter() - t0, "tokens": bar.tokens}
-
 
 def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
              aggregations: Sequence[str] = DEFAULT_AGGREGATIONS, split: int = 4096, seed: int | None = None,

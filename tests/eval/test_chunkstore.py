@@ -10,7 +10,7 @@ import pytest
 
 from dice_fast import DiceEncoder
 from dice_fast.chunk_cache import CACHE_FILE
-from dice_fast.eval.chunkstore import RawChunks, encode_raw_chunks
+from dice_fast.eval.chunkstore import encode_raw_chunks
 from dice_fast.eval.run import raw_twin
 from helpers import assert_close
 from tiny_models import tiny
@@ -75,12 +75,6 @@ def test_chunk_cache_reused_and_damage_recomputed(tiny_bert, tmp_path):
     prefixed = raw_twin(enc, cache=tmp_path, document_prefix="p: ")
     assert not encode_raw_chunks(prefixed, TEXTS).from_cache and prefixed.chunk_stats.disk_hits == 0
 
-def test_concat_and_refuses_normalised_chunks(tiny_bert):
-    enc = DiceEncoder(*tiny_bert, chunk_size=8, normalize_chunks=False)
-    whole = encode_raw_chunks(enc, TEXTS)
-    parts = RawChunks.concat([encode_raw_chunks(enc, TEXTS[:3]), encode_raw_chunks(enc, TEXTS[3:])])
-    np.testing.assert_array_equal(parts.chunk_document, whole.chunk_document)
-    assert_close(parts.chunks, whole.chunks, 1e-6, 1e-6, what="concat")
-    assert parts.n_docs == len(TEXTS)
+def test_refuses_normalised_chunks(tiny_bert):
     with pytest.raises(ValueError, match="normalize_chunks=False"):
         encode_raw_chunks(DiceEncoder(*tiny_bert, normalize_chunks=True), TEXTS)
