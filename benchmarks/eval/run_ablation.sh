@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The normalize_chunks ablation, MaxSim / hybrid rows and evidence@1 behind benchmarks/RESULTS.md §5
 # (bundled all-MiniLM-L6-v2, float32, CPU, 50 documents / 50 queries per length).
-# Every (task, length, chunk size) is encoded once into $CACHE (raw chunk vectors; each distinct chunk
-# run once, so the passkey filler costs ~1/40 of its tokens); the runs below derive everything from
-# them, so the same command with other options re-encodes nothing. Test split: seed 0; dev split
+# Every chunk is encoded once into $CACHE (the engine's persistent chunk cache, $CACHE/chunks.sqlite;
+# identical chunks run once, so the passkey filler costs ~1/40 of its tokens); the runs below derive
+# everything from the raw chunk vectors, so the same command with other options re-encodes nothing
+# (a $CACHE of .npz files from before is ignored). Test split: seed 0; dev split
 # (choice of the hybrid alpha): seed 1. The 2026-12-01 run filled the cache with the same commands
 # restricted to one length (or chunk size) at a time, lengths in the order 256-4k, 8k, so that what
 # fitted the shared CPU came first; needle 16k and 32k did not fit (see RESULTS.md §5).

@@ -110,9 +110,9 @@ def register_cli(subparsers) -> None:
                    help="also pickle the EvalResult (per-sample EC/EDI included) to OUT_DIR/<task>-<dtype>.pkl, "
                         "to redraw tables and plots later without re-encoding")
     p.add_argument("--cache-dir", default=None,
-                   help="keep the raw chunk vectors of every (length, chunk size) in this folder and reuse them "
-                        "on later runs with the same model options and texts (a run over other lengths, "
-                        "aggregations or normalize_chunks re-encodes nothing it has seen)")
+                   help="the persistent chunk cache (DIR/chunks.sqlite, as --cache of encode): chunk vectors are "
+                        "kept there and reused on later runs with the same model (a run over other lengths, "
+                        "aggregations or normalize_chunks re-encodes no chunk it has seen)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     add_encoder_arguments(p)
     p.set_defaults(func=cmd_eval)

@@ -4,8 +4,8 @@
 
 Methods: ``single`` (``strategy="single"``: one window of each document's first tokens, the
 single-vector baseline) and DICE with every requested aggregation at every requested chunk size.
-Each chunk size is encoded **once** (raw pooled chunk vectors, each distinct chunk run once and
-optionally cached on disk: `dice_fast.eval.chunkstore`); every
+Each chunk size is encoded **once** (raw pooled chunk vectors: `dice_fast.eval.chunkstore`; the
+engine runs identical chunks once per call and, with ``cache_dir``, keeps them in its chunk cache); every
 aggregation is then computed from those chunk vectors with `dice_fast.ops.aggregate_documents` and
 exactly the arguments the engine passes (``normalize_chunks`` as the encoder resolves it, ``top_k``,
 ``temperature``, ``normalize``, and for ``weighted_mean`` the wrapped token count of each chunk:
@@ -44,15 +44,16 @@ GROUP_ALL = "all"  # the one group of a local task
 # ------------------------------------------------------------------------------------------------
 # deriving every aggregation from one encoding
 # ------------------------------------------------------------------------------------------------
-def raw_twin(encoder, **changes):
+def raw_twin(encoder, *, cache=None, **changes):
     """A `DiceEncoder` over ``encoder``'s model and tokenizer with ``changes`` applied to its options.
 
-    Shares the loaded model (nothing is copied or moved). Raises ValueError if the model facts it
-    reads differ from ``encoder``'s (a model wrapped with an explicit ``model_path``).
+    Shares the loaded model (nothing is copied or moved). ``cache``: the twin's persistent chunk
+    cache (a folder or an open `dice_fast.chunk_cache.ChunkCache`; None: none). Raises ValueError if
+    the model facts it reads differ from ``encoder``'s (a model wrapped with an explicit ``model_path``).
     """
     from .. import DiceEncoder
 
-    twin = DiceEncoder(encoder.model, encoder.tokenizer, config=encoder.config.replace(**changes))
+    twin = DiceEncoder(encoder.model, encoder.tokenizer, config=encoder.config.replace(**changes), cache=cache)
     if twin.spec != encoder.spec:
         raise ValueError("cannot derive a twin encoder: the model facts differ from the encoder's "
                          f"({twin.spec} vs {encoder.spec}); build the encoder with from_pretrained(path)")
@@ -175,23 +176,18 @@ def _run_info(encoder, task, seed) -> dict:
     }
 
 
-def _encode_raw(raw_enc, task, desc: str, show_progress: bool, cache_dir):
-    """Raw chunk vectors of ``task.corpus`` (`RawChunks`), one `encode_raw_chunks` call (and cache
-    file) per run of documents of one context length, so a run over other lengths reuses them."""
-    from .chunkstore import RawChunks, encode_raw_chunks
+def _encode_raw(raw_enc, task, desc: str, show_progress: bool):
+    """Raw chunk vectors of ``task.corpus`` (`RawChunks`) in one `encode_raw_chunks` call (the engine's
+    chunk keys, not the texts, decide what is reused), and its timing."""
+    from .chunkstore import encode_raw_chunks
 
-    labels = np.asarray(task.doc_length)
-    cuts = np.flatnonzero(np.diff(labels)) + 1 if labels.size else np.zeros(0, np.int64)
-    bounds = [0, *cuts.tolist(), len(task.corpus)]
     bar = ProgressBar(None, desc=desc, show=show_progress and bool(task.corpus))
     t0 = time.perf_counter()
     try:
-        parts = [encode_raw_chunks(raw_enc, task.corpus[a:b], cache_dir, bar) for a, b in zip(bounds, bounds[1:])]
+        raw = encode_raw_chunks(raw_enc, task.corpus, bar)
     finally:
         bar.close()
-    raw = RawChunks.concat(parts)
     return raw, {"seconds": time.perf_counter() - t0, "tokens": bar.tokens}
-
 
 def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
              aggregations: Sequence[str] = DEFAULT_AGGREGATIONS, split: int = 4096, seed: int | None = None,
@@ -207,8 +203,9 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     at most / above it make the report's "≤4k" / ">4k" columns. ``check_docs``: the first documents
     of the task are also encoded by the engine with each method's options and compared with the
     vectors derived from chunks (`EvalResult.check`; a warning above 1e-4 in float32, 5e-2
-    otherwise). ``cache_dir``: keep the raw chunk vectors of every (context length, chunk size)
-    there and reuse them (`dice_fast.eval.chunkstore`); None: encode every time.
+    otherwise). ``cache_dir``: the persistent chunk cache (`dice_fast.chunk_cache`) the raw chunk
+    vectors are read from and written to, so a later run re-encodes no chunk it has seen; None: the
+    encoder's own ``cache`` if it has one, else none (identical chunks within a call still run once).
     ``normalize_chunks``: None uses the encoder's (resolved) setting; a sequence such as
     ``(True, False)`` derives every aggregation (and the hybrid) under each setting from the same
     raw chunk vectors, keys ending in ``-norm`` / ``-raw``. ``scorings``: multi-vector rows per
@@ -259,8 +256,9 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     timings["queries"] = {"seconds": time.perf_counter() - t0, "tokens": 0}
     single_enc = raw_twin(encoder, strategy="single")
     docs = {}
-    single_raw, timings["single"] = _encode_raw(raw_twin(single_enc, normalize_chunks=False), task,
-                                                f"{task.name} single", show_progress, cache_dir)
+    store = _open_cache(encoder, cache_dir)
+    single_raw, timings["single"] = _encode_raw(raw_twin(single_enc, normalize_chunks=False, cache=store), task,
+                                                f"{task.name} single", show_progress)
     docs["single"] = aggregate_from_chunks(single_enc, single_raw, "mean")  # one chunk per document
     del single_raw
     method_info = {"single": _info(f"single (first {single_enc.window} tokens)", None, None, "single")}
@@ -285,11 +283,11 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     n_check = min(check_docs, len(task.corpus))
     hybrid_agg = encoder.config.aggregation
     for k in chunk_sizes:
-        raw_enc = raw_twin(encoder, chunk_size=k, strategy="dice", normalize_chunks=False)
-        raw, timings[f"k{k}"] = _encode_raw(raw_enc, task, f"{task.name} k={k}", show_progress, cache_dir)
+        raw_enc = raw_twin(encoder, chunk_size=k, strategy="dice", normalize_chunks=False, cache=store)
+        raw, timings[f"k{k}"] = _encode_raw(raw_enc, task, f"{task.name} k={k}", show_progress)
         t = timings[f"k{k}"]
         say(f"[{task.name}] chunk size {k}: {len(task.corpus)} documents, {raw.chunks.shape[0]} chunks "
-            f"({raw.n_distinct} distinct), {t['tokens']:,} tokens run in {t['seconds']:.1f} s "
+            f"({raw.n_computed} computed, {raw.n_cached} from the cache), {t['tokens']:,} tokens run in {t['seconds']:.1f} s "
             f"({t['tokens'] / max(t['seconds'], 1e-9):,.0f} tokens/s)" + (" [cache]" if raw.from_cache else ""))
         counts = np.bincount(raw.chunk_document, minlength=len(task.corpus))
         chunks_per_doc[k] = {g: float(counts[np.asarray(task.doc_length) == g].mean()) for g in groups} \
@@ -340,6 +338,8 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
             edi[k] = evidence_stats(q[has_gold], raw.chunks, raw.chunk_document, gold[has_gold], by_method,
                                     min_margin=min_margin)
         del raw, ms
+    if cache_dir is not None and store is not None:
+        store.close()  # opened here (the encoder's own cache stays open)
     if check:
         tol = 1e-4 if info["dtype"] == "float32" else 5e-2
         worst = max(check, key=check.get)
@@ -362,6 +362,15 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
                "default_normalize_chunks": bool(encoder.normalize_chunks), "hybrid_aggregation": hybrid_agg,
                "default_alpha": _default_alpha() if "hybrid" in scorings else None},
     )
+
+
+def _open_cache(encoder, cache_dir):
+    """The `ChunkCache` the raw encodings use: ``cache_dir`` opened, else the encoder's own, else None."""
+    if cache_dir is not None:
+        from ..chunk_cache import ChunkCache
+
+        return ChunkCache(cache_dir)
+    return None if encoder.cache is None else encoder.cache.cache
 
 
 def _info(label, chunk_size, aggregation, scoring, normalize_chunks=None) -> dict:

@@ -98,6 +98,7 @@ def test_normalize_chunks_ablation_from_one_encoding(tmp_path):
     assert res.method_info["k16-max-raw"]["normalize_chunks"] is False
     again = run_eval(task, enc, **kw)
     assert again.timings["k16"]["tokens"] == 0 and again.timings["single"]["tokens"] == 0  # all from the cache
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".sqlite"] == ["chunks.sqlite"]  # the core's cache
     assert again.metrics == res.metrics
     with pytest.raises(ValueError, match="hybrid_alphas"):
         run_eval(task, enc, chunk_sizes=(16,), hybrid_alphas=(1.5,), show_progress=False, log=None)
