@@ -45,8 +45,10 @@ def model_fingerprint(model) -> str:
 
     h = hashlib.sha256()
     config = model.config.to_dict()
-    config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("transformers_version",
-                                                                                       "name_or_path")}
+    # bookkeeping that changes no vector: save_pretrained() writes architectures and dtype into a loaded
+    # model's config (dtype is in the namespace on its own)
+    ignored = ("transformers_version", "name_or_path", "architectures", "dtype", "torch_dtype")
+    config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ignored}
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     for name, t in model.state_dict().items():
         t = t.detach()
@@ -391,7 +393,7 @@ def encoder_namespace(encoder, cache, max_gb=None, model_path=None) -> CacheName
         "torch": minor(torch.__version__),
         "transformers": minor(transformers.__version__),
     }
-    return store.bind(description, encoder.dim)
+    return store.bind(description, encoder.spec.hidden_size)  # chunk vectors are full width (truncate_dim: after)
 
 
 __all__ = ["ChunkCache", "CacheNamespace", "CacheError", "encoder_namespace", "model_fingerprint", "open_cache",

@@ -10,6 +10,7 @@ import pytest
 
 from dice_fast import DiceEncoder, DiceIndex
 from dice_fast.index import dice_index
+from dice_fast.scoring import DEFAULT_ALPHA
 from tiny_models import tiny
 
 DIM = 16
@@ -34,7 +35,7 @@ def _random_index(seed=0, n_docs=40, chunk_dtype="float32"):
     return index, _unit(rng, 5)
 
 
-def brute_force(index: DiceIndex, queries, k, scoring, alpha=0.5):
+def brute_force(index: DiceIndex, queries, k, scoring, alpha=DEFAULT_ALPHA):
     """Per query: [(id, score, chunk, chunk_score)] of the top k, float64, one document at a time."""
     docs, chunks, cu = index.documents.astype(np.float64), index.chunks.astype(np.float64), index.cu_doc_chunks
     out = []
@@ -64,8 +65,8 @@ def test_hits_equal_brute_force(scoring, block, monkeypatch):
     monkeypatch.setattr(dice_index, "_BLOCK_SCORES", block)  # 7: blocks of one or two documents
     index, queries = _random_index()
     for k in (1, 5, 100):
-        got = index.search(queries, k=k, scoring=scoring, alpha=0.5)
-        assert_hits_equal(got, brute_force(index, queries, k, scoring))
+        got = index.search(queries, k=k, scoring=scoring, alpha=0.5)  # a real blend (the default is 0)
+        assert_hits_equal(got, brute_force(index, queries, k, scoring, alpha=0.5))
         for row in got:
             assert len(row) == min(k, len(index))
             for h in row:
