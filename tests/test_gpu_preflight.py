@@ -16,6 +16,7 @@ so CI covers them even where the shell script is not run:
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import os
@@ -253,8 +254,9 @@ def test_e2e_rows_are_handed_out_per_dtype_as_measured():
     sys.path.insert(0, str(REPO / "tests"))
     from tiny_models import tiny
 
-    model, tok, *_ = tiny("bert")
-    encs = {dt: DiceEncoder(model.to(getattr(torch, dt)), tok, chunk_size=8, dtype=dt)
+    model, tok, *_ = tiny("bert")  # shared by the whole session: each dtype gets its own copy (a round trip
+    # through bfloat16 would round the shared weights for every later test)
+    encs = {dt: DiceEncoder(copy.deepcopy(model), tok, chunk_size=8, dtype=dt)
             for dt in ("bfloat16", "float32")}  # the float32 one is measured first
     texts = ["one two three four five six seven eight nine ten eleven", "a b c"]
     seen = []
