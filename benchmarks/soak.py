@@ -15,7 +15,8 @@ and responsive under a long mix of good, oversize, malformed and abandoned reque
    inputs over the token limit, and clients that give up after 50 ms (disconnects).
 4. Reports requests sent, answers by kind and status, 5xx (on requests that reach the model, where an
    injected fault may land, and on those that never do: must be 0), wrong vectors (must be 0), p50/p99
-   latency of good requests, the server's resident memory after the capacity phase and at the end, and
+   latency of good requests, the server's resident memory (after the capacity phase, its peak and the
+   last sample of each minute under load, at the end, and after a 3 s quiet pause), and
    the faults injected (counted in the server's log). Prints a table, appends a row to ``--csv``.
 Exit code 1 when a request that never reaches the model got a 5xx or a vector was wrong.
 """
@@ -32,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from datetime import datetime, timezone
@@ -60,7 +62,9 @@ MALFORMED = [  # (body, content type)
 MAX_OUTSTANDING = 512
 FIELDS = ("date", "device", "model", "duration_s", "capacity_rps", "target_rps", "sent", "good_200", "good_429",
           "p50_ms", "p99_ms", "5xx_model", "5xx_other", "wrong_vectors", "faults_injected", "disconnects",
-          "dropped", "transport_errors", "rss_start_mb", "rss_end_mb", "fault_fraction", "torch", "dice_fast")
+          "dropped", "transport_errors", "rss_start_mb", "rss_end_mb", "fault_fraction", "torch", "dice_fast",
+          "rss_peak_mb", "rss_idle_mb", "rss_minutes")
+IDLE_PAUSE_S = 3.0  # after the load: longer than the worker's quiet period before it trims the heap
 
 
 def parse_args(argv=None):
@@ -90,6 +94,38 @@ def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return kb / 1024
+
+
+class RssSampler:
+    """``with RssSampler(pid) as r:`` the resident memory of ``pid`` every ``every`` seconds in a
+    thread; ``r.samples`` holds (seconds since start, MiB)."""
+
+    def __init__(self, pid: int, every: float = 5.0):
+        self.pid, self.every, self.samples = pid, every, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        t0 = time.perf_counter()
+        while True:
+            self.samples.append((time.perf_counter() - t0, rss_mb(self.pid)))
+            if self._stop.wait(self.every):
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def per_minute(self) -> str:
+        """The last sample of each minute, 'MiB MiB ...' (a compact trend for the CSV)."""
+        last: dict[int, float] = {}
+        for t, mb in self.samples:
+            last[int(t // 60)] = mb
+        return " ".join(f"{last[m]:.0f}" for m in sorted(last))
 
 
 class Server:
@@ -262,8 +298,11 @@ def main(argv=None) -> int:
         rate = max(0.1, args.load * cap)
         print(f"soak: capacity {cap:.2f} requests/s; {args.duration:.0f} s at {rate:.2f}/s; "
               f"server RSS {rss_start:.0f} MiB", flush=True)
-        stats = asyncio.run(soak(server.url, requests, rate, args.duration, rng))
+        with RssSampler(server.proc.pid) as rss:
+            stats = asyncio.run(soak(server.url, requests, rate, args.duration, rng))
         rss_end = rss_mb(server.proc.pid)
+        time.sleep(IDLE_PAUSE_S)  # quiet: the worker hands its kept heap back (`dice_fast.cpu_heap`)
+        rss_idle = rss_mb(server.proc.pid)
         faults = server.read_log().count("injected torch.OutOfMemoryError #")
     status = stats["status"]
     five = {k: n for k, n in status.items() if isinstance(k[1], int) and k[1] >= 500}
@@ -279,7 +318,9 @@ def main(argv=None) -> int:
            "5xx_model": five_model, "5xx_other": five_other, "wrong_vectors": stats["wrong"], "faults_injected": faults,
            "disconnects": status[("disconnect", "timeout")], "dropped": stats["dropped"],
            "transport_errors": sum(n for (_, s), n in status.items() if s == "transport_error"),
-           "rss_start_mb": round(rss_start, 1), "rss_end_mb": round(rss_end, 1), "fault_fraction": args.fault_fraction,
+           "rss_start_mb": round(rss_start, 1), "rss_end_mb": round(rss_end, 1),
+           "rss_peak_mb": round(max(mb for _, mb in rss.samples + [(0, rss_end)]), 1), "rss_idle_mb": round(rss_idle, 1),
+           "rss_minutes": rss.per_minute(), "fault_fraction": args.fault_fraction,
            **{k: v for k, v in versions().items() if k in FIELDS}}
     print(f"\n{'kind':<14}" + "".join(f"{s!s:>9}" for s in sorted({s for _, s in status}, key=str)))
     for kind in MIX:
