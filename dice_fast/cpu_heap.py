@@ -11,7 +11,9 @@ Raising the mmap threshold to glibc's ceiling (32 MiB on 64-bit) and the trim th
 keeps those pages: 1 fault, 0.04 s. Where the heap is trimmed anyway (after each window of
 ``encode_documents`` / ``stream_documents``) the pages are faulted in once per window under either
 policy and the gain is nil. Page faults cost the same on any x86 CPU, so this is a rule, not a
-per-machine measurement. Under steady load the pages of the largest batch stay resident.
+per-machine measurement. Under steady load the pages of the largest batch stay resident (the
+server's worker trims after a quiet second, and at most every 10 s while busy: glibc keeps freed
+pages per thread arena, and a loaded server's request threads otherwise grew it by ~1 GiB in minutes).
 
     keep_freed_pages()       # once per process, at the first CPU encoder; True if applied
     release_freed_memory()   # after each window of a CPU stream: the kept pages go back to the OS

@@ -46,7 +46,7 @@ from ..scheduler import ChunkQueue, Job
 from .errors import DeadlineExceeded, Overloaded, RequestTooLarge, ShuttingDown, Unhealthy
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
 from .planning import check_chars, piece_chars, plan_request
-from .worker import IDLE_TRIM_S, BatchStats, WorkerLoop
+from .worker import BUSY_TRIM_S, IDLE_TRIM_S, BatchStats, WorkerLoop
 
 
 log = logging.getLogger("dice_fast.serve")
@@ -135,9 +135,10 @@ class AsyncDiceEncoder(WorkerLoop):
                 not 0 <= request_timeout < math.inf:
             raise ValueError(f"request_timeout must be a number of seconds >= 0 (0 = none), got {request_timeout!r}")
         self.encoder = encoder
-        # CPU: trim the heap (`dice_fast.cpu_heap`) once the queue has been empty this long
+        # CPU: trim the heap (`dice_fast.cpu_heap`) once the queue has been empty this long, and at
+        # most busy_trim_s apart under load
         self._trims_heap = getattr(getattr(encoder, "device", None), "type", None) == "cpu"
-        self.idle_trim_s = IDLE_TRIM_S
+        self.idle_trim_s, self.busy_trim_s = IDLE_TRIM_S, BUSY_TRIM_S
         self.cache_memory_mb = cache_memory_mb
         memory = MemoryCache(cache_memory_mb << 20) if cache_memory_mb else None
         self._queue = ChunkQueue(encoder, max_batch_tokens, memory=memory)

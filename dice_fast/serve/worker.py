@@ -29,6 +29,10 @@ from ..scheduler import ChunkQueue
 from .errors import OutOfMemory, Unhealthy
 
 IDLE_TRIM_S = 1.0  # seconds without work after which a CPU worker hands its kept heap pages back
+# ... and under steady load, at most this long apart: glibc keeps freed pages per thread arena (the
+# worker's and each request thread's), so a server that never idles grew from 0.87 to 1.72 GiB in
+# 4 minutes (soak, RESULTS §0.11) though its heap after a trim was 0.74 GiB
+BUSY_TRIM_S = 10.0
 WARM_UP_TEXT = "warm up"  # the query of the warm-up forward that `AsyncDiceEncoder.start` runs
 
 log = logging.getLogger("dice_fast.serve")
@@ -94,6 +98,7 @@ class WorkerLoop:
 
     def _work(self) -> None:
         busy = False  # ran a batch since the heap was last trimmed
+        trimmed = time.monotonic()
         while True:
             with self._cond:
                 self._admit()
@@ -107,11 +112,14 @@ class WorkerLoop:
                     if self._cond.wait(timeout=self.idle_trim_s):
                         continue  # woken within the quiet period: look for work again, no trim
             if batch is None:  # quiet for idle_trim_s: hand the kept activation pages back (CPU)
-                busy = False
+                busy, trimmed = False, time.monotonic()
                 release_freed_memory()
                 continue
             busy = True
             self._run(batch)
+            if self._trims_heap and time.monotonic() - trimmed >= self.busy_trim_s:
+                trimmed = time.monotonic()
+                release_freed_memory()
 
     def _admit(self) -> None:
         """Hand planned requests to the ChunkQueue: all of them, or one at a time without cross-request

@@ -95,6 +95,28 @@ def test_worker_hands_memory_back_after_a_quiet_period(tiny_encoder, monkeypatch
     assert n_batches > 4 and counts == [0, 1, 1, 2]
 
 
+def test_worker_hands_memory_back_under_steady_load(tiny_encoder, monkeypatch):
+    """A CPU worker that never idles still trims, once ``busy_trim_s`` has passed since the last trim
+    (0 here: after every batch); the vectors are unchanged."""
+    from dice_fast.serve import worker
+
+    trims = []
+    monkeypatch.setattr(worker, "release_freed_memory", lambda: trims.append(1))
+    texts = word_texts(6, 20, 120, seed=3)
+
+    async def main():
+        async with AsyncDiceEncoder(tiny_encoder, cache_memory_mb=0) as core:
+            core.idle_trim_s, core.busy_trim_s = 3600.0, 0.0
+            batches = []
+            core.add_batch_listener(batches.append)
+            out = await core.embed_documents(texts)
+            return out, len(batches)
+
+    out, n_batches = run(main())
+    assert n_batches > 2 and len(trims) == n_batches
+    assert_close(out.vectors, tiny_encoder.encode_documents(texts), atol=1e-5)
+
+
 def test_without_cross_request_batching_each_batch_holds_one_request(tiny_encoder):
     texts = word_texts(10, 5, 80, seed=3)
     ref = tiny_encoder.encode_documents(texts)
