@@ -200,7 +200,7 @@ def main(argv=None) -> int:
             "steady_tokens_per_s": round(tokens / (wall - startup[p]), 1) if wall > startup[p] else "",
             "max_abs_diff_vs_cli": f"{diffs[p]:.2e}", "ray": ray.__version__, **ver,
         })
-    print(f"\n| path | threads | wall s | startup s | docs/s | tokens/s | steady tokens/s | vs cli | max abs diff vs cli |")
+    print("\n| path | threads | wall s | startup s | docs/s | tokens/s | steady tokens/s | vs cli | max abs diff vs cli |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     base = rows[0]["wall_s"]
     for row in rows:

@@ -12,7 +12,6 @@ import copy
 import functools
 import inspect
 
-import numpy as np
 import torch
 
 

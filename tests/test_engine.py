@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
-import torch
 
 from dice_fast import DiceEncoder
 from helpers import assert_close

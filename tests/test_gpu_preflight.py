@@ -246,8 +246,6 @@ def test_agreement_script_on_a_tiny_model(tmp_path):
 
 
 def test_e2e_rows_are_handed_out_per_dtype_as_measured():
-    import torch
-
     from dice_fast import DiceEncoder
     from dice_fast.bench.run import benchmark, padded_fallback
 
