@@ -97,7 +97,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     app.state.core, app.state.metrics, app.state.model_name = core, metrics, name
     app.state.max_body_bytes = body_limit
     if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=check_api_key(api_key))
+        app.add_middleware(BearerAuth, api_key=check_api_key(api_key), on_refused=metrics.observe_unauthorized)
 
     def error(exc: ServeError) -> JSONResponse:
         status = STATUS.get(type(exc), 422)
@@ -187,11 +187,12 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
 class BearerAuth:
     """ASGI middleware: every HTTP request to a path outside `OPEN_PATHS` needs ``Authorization: Bearer
     <api_key>``; others get 401 in OpenAI's error shape before the app sees them (no body is read).
-    The key is compared in constant time (SHA-256 digests, `hmac.compare_digest`)."""
+    The key is compared in constant time (SHA-256 digests, `hmac.compare_digest`). ``on_refused``, when
+    given, is called with ``"missing"`` or ``"invalid"`` for each 401 (the app counts them in /metrics)."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, on_refused=None):
         check_api_key(api_key)
-        self.app = app
+        self.app, self.on_refused = app, on_refused
         self._digest = hashlib.sha256(api_key.encode("ascii")).digest()
 
     async def __call__(self, scope, receive, send):
@@ -206,6 +207,8 @@ class BearerAuth:
         else:
             exc = Unauthorized("no API key: send it as the header 'Authorization: Bearer <key>'")
             challenge = 'Bearer realm="dice-fast"'
+        if self.on_refused is not None:
+            self.on_refused("invalid" if given else "missing")
         await JSONResponse(exc.body(), status_code=401, headers={"WWW-Authenticate": challenge})(scope, receive, send)
 
 

@@ -4,6 +4,7 @@
 the app exposes at ``GET /metrics``:
 
     dice_fast_requests_total{input_type, status}        embedding requests by outcome (499: client gone)
+    dice_fast_unauthorized_total{reason}                401s: API key missing or invalid
     dice_fast_inputs_total{input_type}                  inputs embedded
     dice_fast_prompt_tokens_total{input_type}           tokens of the inputs embedded (usage.prompt_tokens)
     dice_fast_request_duration_seconds{input_type}      latency of successful requests (histogram)
@@ -182,6 +183,8 @@ class ServerMetrics:
         r = self.registry = Registry()
         self.requests = r.add(Counter("dice_fast_requests_total", "Embedding requests by input type and HTTP status.",
                                       ("input_type", "status")))
+        self.unauthorized = r.add(Counter("dice_fast_unauthorized_total",
+                                          "Requests refused with 401: no API key, or a wrong one.", ("reason",)))
         self.inputs = r.add(Counter("dice_fast_inputs_total", "Inputs embedded.", ("input_type",)))
         self.tokens = r.add(Counter("dice_fast_prompt_tokens_total", "Tokens of the inputs embedded.", ("input_type",)))
         self.latency = r.add(Histogram("dice_fast_request_duration_seconds", "Latency of successful requests.",
@@ -210,6 +213,10 @@ class ServerMetrics:
             self.tokens.inc(tokens, input_type=input_type)
             if seconds is not None:
                 self.latency.observe(seconds, input_type=input_type)
+
+    def observe_unauthorized(self, reason: str) -> None:
+        """Count one 401 (``reason``: "missing" or "invalid"); these never reach the request counter."""
+        self.unauthorized.inc(reason=reason)
 
     def observe_batch(self, stats) -> None:
         """A `BatchStats` from the worker."""

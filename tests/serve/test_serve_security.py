@@ -67,6 +67,10 @@ def test_api_key_guards_every_route_but_health(tiny_encoder):
         # refused before the body is read: a 64 MiB upload announced, none of it sent
         status, fields, _ = raw_request(server.port, {"Content-Length": str(64 << 20), "Content-Type": "application/json"})
         assert status == 401 and fields["www-authenticate"].startswith("Bearer")
+        # every 401 above is counted by reason, on the guarded /metrics
+        text = http.get("/metrics", headers=good).text
+        assert 'dice_fast_unauthorized_total{reason="missing"} 6' in text  # 1 post, 4 gets, 1 raw
+        assert 'dice_fast_unauthorized_total{reason="invalid"} 6' in text
 
 
 def test_the_openai_client_sends_the_key(tiny_encoder):
