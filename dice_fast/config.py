@@ -30,8 +30,8 @@ class DiceConfig:
     normalize_chunks: L2-normalise chunk vectors before aggregating (``None``: True when the model
         ends in a sentence-transformers Normalize module, so chunk vectors match that model's output).
         Settled by the ablation in benchmarks/RESULTS.md §5.3 (all-MiniLM-L6-v2, passkey + needle,
-        chunk sizes 64/128/254, 256 to 32k tokens): normalised chunks won 108 (task, length) cells
-        of Hit@1 against 28 for raw ones (74 tied), mean +2.6 points, and +20 / +10 points for
+        chunk sizes 64/128/254, 256 to 32k tokens): normalised chunks won 111 (task, length) cells
+        of Hit@1 against 34 for raw ones (95 tied), mean +1.9 points, and +20 / +10 points for
         ``mean`` at chunk size 254 on passkey / needle: otherwise a chunk's pooled norm weights it.
     normalize: L2-normalise the returned document and query vectors.
     truncate_dim: keep the first N components of document, query and chunk vectors (Matryoshka;
