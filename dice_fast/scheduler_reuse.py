@@ -105,8 +105,10 @@ class QueueReuse:
                             first: bool) -> tuple[int, int]:
         """Resolve the copies among chunks [lo, hi) of ``job`` being handed to ``batch``: from their
         original's vector (run already), as a copy of an original in this batch (`_fan_out`), or, when
-        the original will not run (cancelled), by running themselves within the budget (the range is
-        cut before one that does not fit). Returns (tokens of the copies run instead, the new hi)."""
+        the original will not run (cancelled), by running themselves within the budget. The range is cut
+        before a copy that does not fit, or whose original is still queued for a later batch (it waits:
+        the original's job is earlier in the queue, so the first job of a batch never waits). Returns
+        (tokens of the copies run instead, the new hi)."""
         keys = job._keys.keys
         lengths = job.plan.chunk_lengths
         extra = 0
@@ -127,6 +129,10 @@ class QueueReuse:
                 batch.fan_out.append((job, c, slot.job, slot.chunk))
                 job._state[c] = DONE
                 self._waited(k, slot)
+            elif slot is not None and not slot.job.cancelled and slot.chunk >= slot.job._handed:
+                # its original is queued for a later batch (this one ran out of budget inside the
+                # original's job, which comes earlier in the queue): wait for it, never run it twice
+                return extra, c
             else:  # the original will not run (its job was cancelled): run this copy instead
                 before = int(job._cum[c - 1] - base) if c > lo else 0
                 if before + extra + int(lengths[c]) > budget and not (first and before == 0 and not extra):

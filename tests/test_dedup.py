@@ -14,7 +14,7 @@ from dice_fast.reuse import MemoryCache
 from dice_fast.scheduler import ChunkQueue
 from helpers import assert_close
 from oracle import ATOL, K, check, corpus
-from tiny_models import tiny
+from tiny_models import WORDS, tiny
 
 
 def _counting(enc):
@@ -61,6 +61,24 @@ def test_copies_in_later_windows_come_from_the_call_memory(monkeypatch):
     enc._dedup = False  # the baseline: every chunk runs
     assert_close(got, enc.encode_documents(texts), ATOL, what="dedup vs none")
     assert sum(seen) > 2 * _unique_chunks(enc, texts) - 1
+
+
+def test_a_copy_waits_for_an_original_queued_for_a_later_batch(monkeypatch):
+    """A batch that ends inside job A with budget left over goes on to job B; a copy in B whose original
+    is one of A's chunks not yet handed out must wait for it (A comes first in the queue), not run too.
+    Here A is 8 full chunks and a 5-token tail; the budget, 77 tokens, takes A's first 7 chunks and
+    leaves 7: A's 8th (10 tokens) does not fit, the copy of A's tail (5) would."""
+    monkeypatch.setattr(engine, "_WINDOW_DOCUMENTS", 1)  # one job per document, two queued at a time
+    model, tok, *_ = tiny("bert")
+    words = [WORDS[(7 * i + i // len(WORDS)) % len(WORDS)] for i in range(8 * K + 3)]  # no chunk repeats
+    a, b = " ".join(words), " ".join(words[8 * K:])
+    enc = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=7 * (K + 2) + 7, pooling_impl="torch")
+    seen = _counting(enc)
+    got = enc.encode_documents([a, b])
+    assert _unique_chunks(enc, [a, b]) == 9 and sum(seen) == 9, seen
+    assert enc.chunk_stats.deduplicated == 1
+    alone = DiceEncoder(model, tok, chunk_size=K, pooling_impl="torch")
+    assert_close(got, np.concatenate([alone.encode_documents([a]), alone.encode_documents([b])]), ATOL)
 
 
 def test_global_positions_and_wrapping_are_part_of_a_chunks_identity():
