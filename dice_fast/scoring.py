@@ -39,6 +39,15 @@ def cu_from_chunk_document(chunk_document: np.ndarray, n_docs: int) -> np.ndarra
     return cu
 
 
+def unit_rows(vectors: np.ndarray) -> np.ndarray:
+    """(n, dim) float32 rows scaled to unit L2 norm (computed in float64; zero rows stay zero). The
+    index and the evidence route score chunks as cosines this way whatever the encoder's
+    ``normalize_chunks``: raw pooled norms carry no relevance (benchmarks/RESULTS.md §5.3)."""
+    v = np.asarray(vectors, np.float64)
+    norms = np.linalg.norm(v, axis=1, keepdims=True)
+    return (v / np.where(norms > 0, norms, 1.0)).astype(np.float32)
+
+
 def chunk_scores(queries: np.ndarray, chunks: np.ndarray) -> np.ndarray:
     """(n_queries, dim) x (n_chunks, dim) -> (n_queries, n_chunks) inner products."""
     q, c = _common(queries, chunks)

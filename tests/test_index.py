@@ -76,6 +76,26 @@ def test_hits_equal_brute_force(scoring, block, monkeypatch):
                     assert (h.start_char, h.end_char) == (index.chunk_start_char[c], index.chunk_end_char[c])
 
 
+def test_chunks_are_stored_unit_length_so_maxsim_is_a_cosine():
+    """Raw chunk vectors (an encoder whose normalize_chunks is False) are stored L2-normalised: the
+    hits equal those over the unit vectors, and a zero vector stays zero (scores 0, not NaN)."""
+    index, queries = _random_index(seed=1)
+    rng = np.random.default_rng(2)
+    raw = index.chunks * rng.uniform(0.1, 20.0, (index.n_chunks, 1)).astype(np.float32)
+    raw[0] = 0.0
+    doc_of = np.repeat(np.arange(len(index)), np.diff(index.cu_doc_chunks))
+    scaled = DiceIndex(DIM, store_text=False)
+    scaled.add_arrays(index.ids, index.documents, raw, doc_of, index.chunk_start_char, index.chunk_end_char,
+                      index.chunk_tokens)
+    norms = np.linalg.norm(scaled.chunks, axis=1)
+    np.testing.assert_allclose(norms[1:], 1.0, atol=1e-6)
+    assert norms[0] == 0.0
+    want = index.chunks.copy()
+    want[0] = 0.0
+    np.testing.assert_allclose(scaled.chunks, want, atol=1e-6)
+    assert_hits_equal(scaled.search(queries, k=10, scoring="maxsim"), brute_force(scaled, queries, 10, "maxsim"))
+
+
 @pytest.mark.parametrize("scoring", ["dice", "maxsim", "hybrid"])
 def test_float16_chunks_are_exact_over_their_rounded_vectors_and_close_to_float32(scoring):
     full, queries = _random_index()

@@ -37,7 +37,7 @@ CHUNK_DTYPES = {"float32": np.float32, "float16": np.float16}
 class Hit:
     """One search result: document ``id`` with its ``score`` under the scoring asked for, and its
     evidence: ``chunk`` (index within the document), its span ``text[start_char:end_char]``, its
-    ``chunk_score`` (query . chunk vector), and ``text``, the passage itself when the index stores
+    ``chunk_score`` (query . unit chunk vector), and ``text``, the passage itself when the index stores
     texts (else None)."""
 
     id: str
@@ -125,7 +125,9 @@ class DiceIndex:
                    texts: Sequence[str] | None = None) -> None:
         """Append encoded documents: ids (n,), documents (n, dim), chunks (n_chunks, dim) with
         chunk_document (n_chunks,) sorted document index in ``0..n-1`` and the chunks' spans and token
-        counts (n_chunks,) each, as `DiceOutput` gives them; texts (n,) when the index stores them."""
+        counts (n_chunks,) each, as `DiceOutput` gives them; texts (n,) when the index stores them.
+        Chunk vectors are stored L2-normalised, so ``maxsim`` is a cosine whatever the encoder's
+        ``normalize_chunks`` (raw pooled norms carry no relevance: RESULTS.md §5.3); a zero row stays zero."""
         ids = self._new_ids(ids, len(documents))
         documents, chunks = np.asarray(documents, np.float32), np.asarray(chunks)
         chunk_document = np.asarray(chunk_document, np.int64)
@@ -145,7 +147,7 @@ class DiceIndex:
         self.ids.extend(ids)
         self._id_set.update(ids)
         self.documents = np.concatenate([self.documents, documents])
-        self.chunks = np.concatenate([self.chunks, chunks.astype(CHUNK_DTYPES[self.chunk_dtype])])
+        self.chunks = np.concatenate([self.chunks, sc.unit_rows(chunks).astype(CHUNK_DTYPES[self.chunk_dtype])])
         self.cu_doc_chunks = np.concatenate([self.cu_doc_chunks, cu[1:]])
         self.chunk_start_char = np.concatenate([self.chunk_start_char, spans[0]])
         self.chunk_end_char = np.concatenate([self.chunk_end_char, spans[1]])

@@ -25,11 +25,13 @@ CLIENT_GONE = 499  # as the app: counted in metrics, never sent
 
 def evidence_rows(req, query_vector, out) -> list[dict]:
     """One row per document of ``out`` (a `DiceOutput`), in input order: its score under
-    ``req.scoring`` and the evidence chunk's index, span, score and text."""
+    ``req.scoring`` and the evidence chunk's index, span, score and text (chunks as unit vectors, as
+    `DiceIndex` stores them: ``maxsim`` is a cosine)."""
     cu = sc.cu_from_chunk_document(out.chunk_document, len(req.documents))
     alpha = sc.DEFAULT_ALPHA if req.alpha is None else req.alpha
-    score, evidence = sc.score(req.scoring, query_vector, out.documents, out.chunks, cu, alpha)
-    per_chunk = sc.chunk_scores(query_vector, out.chunks)[0]
+    chunks = sc.unit_rows(out.chunks)
+    score, evidence = sc.score(req.scoring, query_vector, out.documents, chunks, cu, alpha)
+    per_chunk = sc.chunk_scores(query_vector, chunks)[0]
     rows = []
     for d, text in enumerate(req.documents):
         j = int(evidence[0, d])

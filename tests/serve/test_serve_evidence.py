@@ -56,7 +56,8 @@ def test_evidence_equals_offline_scoring(tiny_server, tiny_encoder, name):
     out = tiny_encoder.encode_documents(texts, return_chunks=True)
     q = tiny_encoder.encode_queries([query])
     cu = scoring.cu_from_chunk_document(out.chunk_document, len(texts))
-    want, evidence = scoring.score(name, q, out.documents, out.chunks, cu, alpha=0.25)
+    assert not tiny_encoder.normalize_chunks  # raw chunk vectors: the route scores them as unit vectors
+    want, evidence = scoring.score(name, q, out.documents, scoring.unit_rows(out.chunks), cu, alpha=0.25)
     r = tiny_server.post("/v1/evidence", json={"query": query, "documents": texts, "scoring": name, "alpha": 0.25})
     assert r.status_code == 200, r.text
     rows = r.json()["data"]
