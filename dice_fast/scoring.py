@@ -40,12 +40,14 @@ def cu_from_chunk_document(chunk_document: np.ndarray, n_docs: int) -> np.ndarra
 
 
 def unit_rows(vectors: np.ndarray) -> np.ndarray:
-    """(n, dim) float32 rows scaled to unit L2 norm (computed in float64; zero rows stay zero). The
-    index and the evidence route score chunks as cosines this way whatever the encoder's
-    ``normalize_chunks``: raw pooled norms carry no relevance (benchmarks/RESULTS.md §5.3)."""
-    v = np.asarray(vectors, np.float64)
-    norms = np.linalg.norm(v, axis=1, keepdims=True)
-    return (v / np.where(norms > 0, norms, 1.0)).astype(np.float32)
+    """(n, dim) float32 rows scaled to unit L2 norm (norms clamped at the engine's ``NORM_EPS``, so
+    zero rows stay zero). The evaluation, the index and the evidence route score chunks as cosines
+    this way whatever the encoder's ``normalize_chunks``: raw pooled norms carry no relevance
+    (benchmarks/RESULTS.md §5.3)."""
+    from .ops.spec import NORM_EPS
+
+    x = np.asarray(vectors, np.float32)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), NORM_EPS)
 
 
 def chunk_scores(queries: np.ndarray, chunks: np.ndarray) -> np.ndarray:

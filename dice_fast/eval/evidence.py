@@ -51,13 +51,13 @@ def chunk_scores(query_vecs, raw, query_groups=None, doc_groups=None, scoring: s
     labels, both or neither (None: one group; each group's documents contiguous); doc_vecs:
     (n_docs, dim) for "hybrid"; alpha: the hybrid weight (None: `dice_fast.scoring.DEFAULT_ALPHA`).
     """
-    from ..scoring import DEFAULT_ALPHA, cu_from_chunk_document, score
+    from ..scoring import DEFAULT_ALPHA, cu_from_chunk_document, score, unit_rows
 
-    q = _unit(query_vecs)
+    q = unit_rows(query_vecs)
     n_q, n_docs = q.shape[0], int(raw.n_docs)
     qg = np.zeros(n_q, np.int64) if query_groups is None else np.asarray(query_groups)
     dg = np.zeros(n_docs, np.int64) if doc_groups is None else np.asarray(doc_groups)
-    d = None if doc_vecs is None else _unit(doc_vecs)
+    d = None if doc_vecs is None else unit_rows(doc_vecs)
     cd = np.asarray(raw.chunk_document, np.int64)
     first = np.searchsorted(cd, np.arange(n_docs + 1), side="left")
     scores = np.zeros((n_q, n_docs), np.float32)
@@ -70,18 +70,11 @@ def chunk_scores(query_vecs, raw, query_groups=None, doc_groups=None, scoring: s
             raise ValueError(f"documents of group {g} must be contiguous (as the synthetic tasks build them)")
         lo, hi = first[ds[0]], first[ds[-1] + 1]
         cu = cu_from_chunk_document(cd[lo:hi] - ds[0], len(ds))
-        sc, ev = score(scoring, q[qs], None if d is None else d[ds], _unit(raw.chunks[lo:hi]), cu,
+        sc, ev = score(scoring, q[qs], None if d is None else d[ds], unit_rows(raw.chunks[lo:hi]), cu,
                        DEFAULT_ALPHA if alpha is None else alpha)
         scores[np.ix_(qs, ds)] = np.where(np.isfinite(sc), sc, 0.0)
         best[np.ix_(qs, ds)] = np.where(ev >= 0, ev + lo + cu[:-1][None, :], -1)
     return ChunkScores(scores, best)
-
-
-def _unit(x) -> np.ndarray:
-    from ..ops.spec import NORM_EPS
-
-    x = np.asarray(x, np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), NORM_EPS)
 
 
 def evidence_at_1(top_doc, best_chunk, raw, gold, answer_span) -> np.ndarray:
