@@ -192,7 +192,7 @@ class QueueReuse:
         if not self.dedup or n == 0:
             return
         chunk_ids, part = batch.packed.chunk_ids.tolist(), batch.part.tolist()
-        keys, idents = [], []
+        keys, idents, rows = [], [], []  # rows: of `vectors`, in step with keys and idents
         with self._lock:
             for i, (c, j) in enumerate(zip(chunk_ids, part)):
                 if i in lost_rows:
@@ -211,8 +211,9 @@ class QueueReuse:
                 if self.cache is not None:
                     keys.append(k)
                     idents.append(job._keys.identity(c))
-        if self.cache is not None:
-            self._unsaved.append((keys, idents, vectors))
+                    rows.append(i)
+        if self.cache is not None:  # lost rows (zeros) are left out, so each key keeps its own vector
+            self._unsaved.append((keys, idents, vectors[rows] if lost_rows else vectors))
 
     def _save(self, everything: bool) -> None:
         """Write computed vectors to the persistent cache: all but the latest batch's (so that a GPU

@@ -81,6 +81,25 @@ def test_a_chunk_failing_alone_fails_only_its_job(encoder):
     assert queue.tokens_waiting == 0 and queue.budget < encoder.max_batch_tokens
 
 
+def test_a_chunk_failing_alone_never_shifts_the_cache(encoder, tmp_path):
+    """The persistent cache gets every vector of a batch with a chunk that failed alone except that
+    chunk's, each under its own key: a later run served from the cache equals an uncached run."""
+    a, b = texts_of(4, 5, 40, seed=2), texts_of(5, 5, 40, seed=3)
+    a[0] = poisoned(a[0])  # its first chunk fails early in the first batch: every later row would shift
+    cached = DiceEncoder(encoder.model, encoder.tokenizer, chunk_size=16, max_batch_tokens=128, cache=tmp_path)
+    queue = ChunkQueue(cached)
+    job_a, job_b = queue.submit(cached.plan(a)), queue.submit(cached.plan(b))
+    with failing_forward(cached.model, has_poison) as seen:
+        while (batch := queue.next_batch()) is not None:
+            queue.run(batch, cached.run_batch)
+    queue.flush()
+    assert [n for n, raised in seen if raised][0] > 18 and job_a.error is not None and job_b.done
+    ref = encoder.encode_documents(a[1:] + b)
+    again = DiceEncoder(encoder.model, encoder.tokenizer, chunk_size=16, max_batch_tokens=128, cache=tmp_path)
+    assert_close(again.encode_documents(a[1:] + b), ref, atol=1e-5)
+    assert again.chunk_stats.snapshot()["disk_hits"] > 0
+
+
 def test_encode_documents_names_the_document_and_streams_exact_windows(encoder):
     small = DiceEncoder(encoder.model, encoder.tokenizer, chunk_size=16, max_batch_tokens=16)  # 1 kB windows
     texts = texts_of(10, 25, 35, seed=4)  # ~1.5 kB: two streaming windows
