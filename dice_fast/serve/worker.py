@@ -87,8 +87,9 @@ class WorkerLoop:
             _settle(request, exc=error)
 
     def _warm_up(self) -> None:
-        """One forward of a short query through the whole path (plan, pack, model, pooling), alone."""
-        queue = ChunkQueue(self.encoder)
+        """One forward of a short query through the whole path (plan, pack, model, pooling), alone
+        (no reuse: a cached warm-up vector would skip the forward it exists for)."""
+        queue = ChunkQueue(self.encoder, dedup=False)
         job = queue.submit(self.encoder.plan([WARM_UP_TEXT], "queries"), "mean")
         while (batch := queue.next_batch()) is not None:
             queue.run(batch, self.encoder.run_batch)

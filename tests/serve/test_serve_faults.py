@@ -184,6 +184,20 @@ def test_a_stopped_worker_makes_health_503_and_refuses_at_once(tiny_encoder):
     assert not core._worker.is_alive()
 
 
+def test_the_warm_up_runs_a_forward_even_with_a_warm_cache(tiny_encoder, tmp_path):
+    """The warm-up is a forward, never a cache hit: a second start over the same chunk cache runs it too."""
+    from dice_fast import DiceEncoder
+
+    cached = DiceEncoder(tiny_encoder.model, tiny_encoder.tokenizer, config=tiny_encoder.config, cache=tmp_path)
+    for _ in range(2):
+        proxy = ProxyEncoder(cached)
+        core = AsyncDiceEncoder(proxy)
+        core.start()
+        wait_until(lambda: core.health[0] == "ok", what="the warm-up")
+        core.close()
+        assert len(proxy.batches) == 1
+
+
 def test_health_is_starting_until_the_warm_up_and_draining_on_sigterm(tiny_encoder):
     import uvicorn
 
