@@ -262,7 +262,7 @@ class ChunkQueue(QueueReuse):
         naming its document within the plan); every other chunk keeps its exact vector. Other errors
         of ``run_batch`` propagate (the caller fails the batch's jobs). The consumer of `next_batch`
         calls this from one thread."""
-        device = getattr(self.encoder, "device", torch.device("cpu"))
+        device = self._device()
         ooms = []
 
         def on_oom():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..scoring import cu_from_chunk_document
+
 
 CHUNK_COLUMNS = ("chunk_embeddings", "chunk_start_char", "chunk_end_char", "chunk_tokens")
 
@@ -20,8 +22,7 @@ class ChunkRows:
     @classmethod
     def of_output(cls, out) -> ChunkRows:
         """From a `DiceOutput` (one window of ``stream_documents(..., return_chunks=True)``)."""
-        cu = np.zeros(len(out.documents) + 1, np.int64)
-        np.cumsum(np.bincount(out.chunk_document, minlength=len(out.documents)), out=cu[1:])
+        cu = cu_from_chunk_document(out.chunk_document, len(out.documents))
         return cls(out.chunks, cu, out.chunk_start_char, out.chunk_end_char, out.chunk_end - out.chunk_start)
 
     def __getitem__(self, rows: slice) -> ChunkRows:

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..progress import ProgressBar
 from ..runinfo import device_name, model_label, versions
+from ..scoring import cu_from_chunk_document
 
 __all__ = ["DEFAULT_AGGREGATIONS", "GROUP_ALL", "EvalResult", "raw_twin", "aggregate_from_chunks", "build_task",
            "run_eval", "method_key"]
@@ -76,9 +77,7 @@ def aggregate_from_chunks(encoder, raw, aggregation: str) -> np.ndarray:
     from ..ops import aggregate_documents
 
     n_docs = len(raw.document_tokens) if hasattr(raw, "document_tokens") else raw.n_docs
-    cd = np.asarray(raw.chunk_document, np.int64)
-    cu = np.zeros(n_docs + 1, np.int64)
-    np.cumsum(np.bincount(cd, minlength=n_docs), out=cu[1:])
+    cu = cu_from_chunk_document(raw.chunk_document, n_docs)
     weights = (np.asarray(raw.chunk_end) - np.asarray(raw.chunk_start) + encoder.chunk_overhead).astype(np.float32)
     c = encoder.config
     out = aggregate_documents(

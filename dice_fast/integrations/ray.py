@@ -38,6 +38,7 @@ import os
 
 import numpy as np
 
+from ..scoring import cu_from_chunk_document
 from ._common import require
 
 __all__ = ["DiceEmbedder", "encode_dataset", "DEFAULT_BATCH_SIZE"]
@@ -87,7 +88,7 @@ class DiceEmbedder:
         docs = out.documents if self.return_chunks else out
         # rows in batch order; an invalid row takes a null index, which `take` turns into a null
         rows = None if errors is None else pa.array(_row_index(keep, batch.num_rows), pa.int64())
-        batch = batch.append_column(self.output_column, _scatter(_vectors(docs, self.encoder.dim), rows))
+        batch = batch.append_column(self.output_column, _scatter(_vectors(docs), rows))
         if self.return_chunks:
             for name, array in _chunk_arrays(out).items():
                 batch = batch.append_column(name, _scatter(array, rows))
@@ -112,7 +113,7 @@ class DiceEmbedder:
             result[self.error_column] = np.array(errors or [None] * len(values), dtype=object)
         if not self.return_chunks:
             return result
-        bounds = _bounds(out.chunk_document, len(texts))
+        bounds = cu_from_chunk_document(out.chunk_document, len(texts))
         slot = _row_index(keep, len(values))
         for name, values_ in (("chunk_embeddings", out.chunks), ("chunk_start", out.chunk_start),
                               ("chunk_end", out.chunk_end)):
@@ -221,24 +222,18 @@ def _scatter(array, rows):
     return array if rows is None else array.take(rows)
 
 
-def _vectors(x: np.ndarray, dim: int | None = None):
+def _vectors(x: np.ndarray):
     """(n, dim) float32 -> fixed_size_list<float32>[dim] (zero copy)."""
     import pyarrow as pa
 
     x = np.ascontiguousarray(x, np.float32)
-    return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1] if x.ndim == 2 else dim)
-
-
-def _bounds(chunk_document: np.ndarray, n_docs: int) -> np.ndarray:
-    out = np.zeros(n_docs + 1, np.int64)
-    np.cumsum(np.bincount(np.asarray(chunk_document, np.int64), minlength=n_docs), out=out[1:])
-    return out
+    return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
 
 
 def _chunk_arrays(out) -> dict:
     import pyarrow as pa
 
-    offsets = pa.array(_bounds(out.chunk_document, len(out.documents)).astype(np.int32))
+    offsets = pa.array(cu_from_chunk_document(out.chunk_document, len(out.documents)).astype(np.int32))
     return {
         "chunk_embeddings": pa.ListArray.from_arrays(offsets, _vectors(out.chunks)),
         "chunk_start": pa.ListArray.from_arrays(offsets, pa.array(np.asarray(out.chunk_start, np.int64))),
