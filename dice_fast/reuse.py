@@ -27,12 +27,10 @@ import numpy as np
 # --------------------------------------------------------------------------------------------
 @dataclass
 class ChunkKeys:
-    """keys: (n_chunks,) int64; messages: n_chunks bytes, ``salt`` + identity (see the module docstring);
-    empty: (n_chunks,) bool, chunks of no tokens at all (their vector is zero, nothing to look up)."""
+    """keys: (n_chunks,) int64; messages: n_chunks bytes, ``salt`` + identity (see the module docstring)."""
 
     keys: np.ndarray
     messages: list
-    empty: np.ndarray
     salt_len: int
 
     def identity(self, c: int) -> bytes:
@@ -62,8 +60,7 @@ def chunk_keys(plan, salt: bytes = b"") -> ChunkKeys:
         messages = [head + raw[s:e] + suf for s, e in zip(starts.tolist(), ends.tolist())]
     keys = np.fromiter((int.from_bytes(sha(m).digest()[:8], "little", signed=True) for m in messages),
                        np.int64, len(messages))
-    empty = (ch.length + (len(plan.prefix) + len(plan.suffix))) == 0
-    return ChunkKeys(keys, messages, empty, len(salt))
+    return ChunkKeys(keys, messages, len(salt))
 
 
 # --------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ class QueueReuse:
     def _lookup(self, job, keys: ChunkKeys | None) -> dict:
         """Chunks of ``job`` known already: {chunk: (tensor, row) from memory or (dim,) float32 from disk}."""
         keys = job._keys = keys if keys is not None else self.keys_for(job.plan)
-        todo = np.flatnonzero(~keys.empty).tolist()
+        todo = np.flatnonzero(job.plan.chunk_lengths).tolist()  # a chunk of no tokens has nothing to look up
         klist = keys.keys.tolist()
         found = {}
         if self.memory is not None and todo:

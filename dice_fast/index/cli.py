@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from ..cliargs import add_encoder_arguments
+from ..scoring import SCORINGS
 
 EPILOG = """\
 input (one document per line or record):
@@ -47,7 +48,7 @@ def register_cli(subparsers) -> None:
     search.add_argument("index", help="an index folder written by `dice-fast index`")
     search.add_argument("query", nargs="+", help="one or more queries")
     search.add_argument("-k", type=int, default=5, help="hits per query (default 5)")
-    search.add_argument("--scoring", choices=("dice", "maxsim", "hybrid"), default="dice",
+    search.add_argument("--scoring", choices=SCORINGS, default="dice",
                         help="dice: document vector; maxsim: best chunk; hybrid: a blend (default dice)")
     search.add_argument("--alpha", type=float, default=None, help="hybrid weight of the dice score")
     search.add_argument("--device", default=None, help="where the query encoder runs (default: cuda if available)")

@@ -24,7 +24,7 @@ def inject_oom(model, fraction: float, seed: int = 0):
     rng, lock = random.Random(seed), threading.Lock()
     injected = [0]
 
-    def hook(module, args, kwargs=None):
+    def hook(module, args):
         with lock:
             fail = rng.random() < fraction
             if fail:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..scoring import SCORINGS
 from .errors import InvalidRequest
 
 ENCODING_FORMATS = ("float", "base64")
@@ -63,7 +64,7 @@ EVIDENCE_SCHEMA = {
     "properties": {
         "query": {"type": "string", "minLength": 1},
         "documents": REQUEST_SCHEMA["properties"]["input"],
-        "scoring": {"type": "string", "enum": ["dice", "maxsim", "hybrid"], "default": "maxsim"},
+        "scoring": {"type": "string", "enum": list(SCORINGS), "default": "maxsim"},
         "alpha": {"type": "number", "minimum": 0, "maximum": 1},
     },
 }
@@ -154,8 +155,9 @@ def parse_evidence_request(body: bytes) -> EvidenceRequest:
         raise InvalidRequest(str(exc).replace("'input'", "'documents'").replace("input[", "documents["),
                              param=(exc.param or "documents").replace("input", "documents")) from None
     scoring = obj.get("scoring") or "maxsim"
-    if scoring not in ("dice", "maxsim", "hybrid"):
-        raise InvalidRequest(f"'scoring' must be one of 'dice', 'maxsim', 'hybrid', got {scoring!r}", param="scoring")
+    if scoring not in SCORINGS:
+        raise InvalidRequest(f"'scoring' must be one of {', '.join(map(repr, SCORINGS))}, got {scoring!r}",
+                             param="scoring")
     alpha = obj.get("alpha")
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
         raise InvalidRequest(f"'alpha' must be a number from 0 to 1, got {alpha!r}", param="alpha")
