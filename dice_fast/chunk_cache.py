@@ -111,7 +111,7 @@ class ChunkCache:
     def _open(self) -> None:
         con = self._con
         con.execute(f"PRAGMA busy_timeout={_BUSY_MS}")
-        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        tables = _tables(con)
         if not tables:
             con.execute("PRAGMA page_size=8192")  # a 384-d row (about 2.6 kB) fills 3 per page, not 1 per 4 kB
             con.execute("PRAGMA auto_vacuum=INCREMENTAL")  # so that eviction can hand pages back
@@ -133,7 +133,7 @@ class ChunkCache:
                 con.execute("CREATE TABLE IF NOT EXISTS chunks(key INTEGER PRIMARY KEY, ns INTEGER NOT NULL, "
                             "ident BLOB NOT NULL, vec BLOB NOT NULL, chk INTEGER NOT NULL, used INTEGER NOT NULL)")
                 con.execute("CREATE INDEX IF NOT EXISTS chunks_used ON chunks(used)")
-        meta = dict(con.execute("SELECT name, value FROM meta").fetchall()) if "meta" in _tables(con) else {}
+        meta = dict(con.execute("SELECT name, value FROM meta").fetchall()) if not tables or "meta" in tables else {}
         if meta.get("magic") != _MAGIC:
             raise CacheError(f"{self.path} is an SQLite file but not a dice_fast chunk cache; delete it or "
                              "choose another --cache folder")
