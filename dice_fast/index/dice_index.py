@@ -98,14 +98,18 @@ class DiceIndex:
 
         model, options = corpus_encoder(path)
         options = {k: v for k, v in options.items() if k not in _MACHINE_OPTIONS}
-        index = None
-        for ids, documents, chunks, chunk_document, start, end, tokens in read_corpus_output(path):
-            if index is None:
-                index = cls(documents.shape[1], encoder, store_text=False, chunk_dtype=chunk_dtype, model=model,
-                            encoder_options=options)
-            index.add_arrays(ids, documents, chunks, chunk_document, start, end, tokens)
-        if index is None:
+        parts = list(read_corpus_output(path))  # (ids, documents, chunks, chunk_document, start, end, tokens)
+        if not parts:
             raise ValueError(f"{path}: the output holds no shards")
+        # one append of all shards (appending shard by shard copied the growing index once per shard)
+        first_doc = np.cumsum([0] + [len(p[1]) for p in parts[:-1]])
+        ids = [i for p in parts for i in p[0]]
+        columns = [np.concatenate([p[j] for p in parts]) for j in (1, 2, 4, 5, 6)]
+        chunk_document = np.concatenate([p[3] + d for p, d in zip(parts, first_doc)])
+        documents, chunks, start, end, tokens = columns
+        index = cls(documents.shape[1], encoder, store_text=False, chunk_dtype=chunk_dtype, model=model,
+                    encoder_options=options)
+        index.add_arrays(ids, documents, chunks, chunk_document, start, end, tokens)
         return index
 
     def add(self, texts: Iterable[str], ids: Sequence | None = None) -> None:
