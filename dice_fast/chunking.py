@@ -22,7 +22,8 @@ import numpy as np
 class TokenizedDocuments:
     """ids: (total_tokens,) int64; offsets: (n_docs + 1,) int64 with offsets[0] == 0; char_start /
     char_end: (total_tokens,) int64 token ``t`` is ``text[char_start[t]:char_end[t]]`` of its document
-    (None when the ids did not come from a tokenizer, e.g. hand-made plans in tests)."""
+    (None when the ids did not come from a tokenizer, e.g. hand-made plans in tests, or were
+    tokenized without spans: `tokenize(..., spans=False)`)."""
 
     ids: np.ndarray
     offsets: np.ndarray
@@ -52,31 +53,36 @@ def check_texts(texts, what: str = "documents") -> list[str]:
     return items
 
 
-def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "texts", base: int = 0) -> TokenizedDocuments:
+def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "texts", base: int = 0,
+             spans: bool = True) -> TokenizedDocuments:
     """Batched fast tokenization without special tokens, flattened, with every token's character
-    span (one tokenizer call gives both). texts: n_docs strings.
+    span (one tokenizer call gives both; ``spans=False``: ids only, ``char_start`` / ``char_end`` None,
+    for callers that return no chunk spans). texts: n_docs strings.
 
     A text the tokenizer cannot take raises ValueError naming ``what[base + index]``.
     """
-    ids, spans = [], []
+    ids, pairs = [], []
     for i in range(0, len(texts), batch_size):
         batch = texts[i : i + batch_size]
         try:
             enc = tokenizer(
                 batch, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False,
-                return_offsets_mapping=True, verbose=False,
+                return_offsets_mapping=spans, verbose=False,
             )
         except (TypeError, ValueError) as exc:
             _raise_for_unencodable(batch, base + i, what, exc)
             raise
         ids.extend(np.asarray(seq, dtype=np.int64) for seq in enc["input_ids"])
-        spans.extend(np.asarray(seq, dtype=np.int64).reshape(-1, 2) for seq in enc["offset_mapping"])
+        if spans:
+            pairs.extend(np.asarray(seq, dtype=np.int64).reshape(-1, 2) for seq in enc["offset_mapping"])
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum([len(a) for a in ids], out=offsets[1:])
     if not ids:
         empty = np.zeros(0, dtype=np.int64)
-        return TokenizedDocuments(empty, offsets, empty, empty.copy())
-    span = np.concatenate(spans)
+        return TokenizedDocuments(empty, offsets, *((empty, empty.copy()) if spans else ()))
+    if not spans:
+        return TokenizedDocuments(np.concatenate(ids), offsets)
+    span = np.concatenate(pairs)
     return TokenizedDocuments(np.concatenate(ids), offsets, span[:, 0].copy(), span[:, 1].copy())
 
 
@@ -135,8 +141,8 @@ def cuts_are_exact(tokenizer) -> bool:
     every call, as Llama 2's does), checked on a probe text cut at every word gap."""
     cuts = [0] + [j for j in range(len(_PROBE)) if word_gap(_PROBE, j)] + [len(_PROBE)]
     pieces = [_PROBE[a:b] for a, b in zip(cuts, cuts[1:])]
-    whole = tokenize(tokenizer, [_PROBE]).ids
-    return np.array_equal(whole, tokenize(tokenizer, pieces).ids)
+    whole = tokenize(tokenizer, [_PROBE], spans=False).ids
+    return np.array_equal(whole, tokenize(tokenizer, pieces, spans=False).ids)
 
 
 def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | None = PIECE_CHARS,

@@ -228,7 +228,8 @@ class DiceEncoder:
         """
         texts = as_iterator(texts, "documents")
         size = self.max_batch_tokens * _WINDOW_BATCHES * _CHARS_PER_TOKEN
-        plans = (self._plan(w, "documents", base) for w, base in windows(texts, size, _WINDOW_DOCUMENTS))
+        plans = (self._plan(w, "documents", base, spans=return_chunks)
+                 for w, base in windows(texts, size, _WINDOW_DOCUMENTS))
         with _progress(show_progress, progress, None) as report:
             yield from self._run(plans, self.config.aggregation, return_chunks, report)
 
@@ -238,7 +239,7 @@ class DiceEncoder:
 
         A query longer than the model window is cut to it, with a warning naming it.
         """
-        plan = self.plan(texts, "queries")
+        plan = self._plan(check_texts(texts, "queries"), "queries", spans=False)
         with _progress(show_progress, progress, int(plan.chunk_lengths.sum())) as report:
             return concat_outputs(list(self._run(iter([plan]), "mean", False, report, "queries")), self.dim, False)
 
@@ -261,9 +262,10 @@ class DiceEncoder:
             size = self.window - self._overhead(wrap)
         return wrap, size, overlap, cap, global_positions
 
-    def _plan(self, texts: list[str], kind: str, base: int = 0) -> EncodingPlan:
+    def _plan(self, texts: list[str], kind: str, base: int = 0, spans: bool = True) -> EncodingPlan:
+        """`plan`; ``spans=False`` skips the tokens' character spans (nothing the caller returns uses them)."""
         with self._tokenizer_lock:
-            tokens = tokenize(self.tokenizer, texts, what=kind, base=base)
+            tokens = tokenize(self.tokenizer, texts, what=kind, base=base, spans=spans)
         return self._plan_tokens(tokens, kind, base)
 
     def _plan_tokens(self, tokens: TokenizedDocuments, kind: str, base: int = 0) -> EncodingPlan:
