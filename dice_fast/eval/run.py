@@ -33,7 +33,7 @@ import numpy as np
 
 from ..progress import ProgressBar
 from ..runinfo import device_name, model_label, versions
-from ..scoring import cu_from_chunk_document
+from ..scoring import DEFAULT_ALPHA, cu_from_chunk_document
 
 __all__ = ["DEFAULT_AGGREGATIONS", "GROUP_ALL", "EvalResult", "raw_twin", "aggregate_from_chunks", "build_task",
            "run_eval", "method_key"]
@@ -215,6 +215,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     (None: silent).
     """
     from .diagnostics import evidence_stats
+    from .evidence import chunk_scores, evidence_at_1
     from .retrieval import evaluate_ranking, rank, search
 
     say = log or (lambda *_: None)
@@ -292,13 +293,11 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
         chunks_per_doc[k] = {g: float(counts[np.asarray(task.doc_length) == g].mean()) for g in groups} \
             if not local else {GROUP_ALL: float(counts.mean())}
         with_evidence = task.answer_span is not None and raw.chunk_start_char is not None
-        ms = _chunk_scores(q, raw, qg, dg) if (scorings or with_evidence) else None
+        ms = chunk_scores(q, raw, qg, dg) if (scorings or with_evidence) else None
 
         def evidence(idx):
             if not with_evidence:
                 return None
-            from .evidence import evidence_at_1
-
             return evidence_at_1(idx[:, 0], ms.best_chunk, raw, gold, task.answer_span)
 
         by_method = {"single": docs["single"]}
@@ -323,8 +322,6 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
             method_info[key] = _info(_method_label(k, "maxsim"), k, "maxsim", "maxsim")
             score(key, (idx := rank(ms.scores, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
         if "hybrid" in scorings:
-            from .evidence import chunk_scores
-
             for nc in nc_settings:
                 for alpha in alphas:
                     key = method_key(k, "hybrid", nc if ablate else None, alpha)
@@ -359,7 +356,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
                "chunks_per_doc": chunks_per_doc, "dim": int(q.shape[1]), "scorings": scorings,
                "normalize_chunks": nc_settings if ablate else None, "hybrid_alphas": alphas,
                "default_normalize_chunks": bool(encoder.normalize_chunks), "hybrid_aggregation": hybrid_agg,
-               "default_alpha": _default_alpha() if "hybrid" in scorings else None},
+               "default_alpha": float(DEFAULT_ALPHA) if "hybrid" in scorings else None},
     )
 
 
@@ -375,18 +372,6 @@ def _open_cache(encoder, cache_dir):
 def _info(label, chunk_size, aggregation, scoring, normalize_chunks=None) -> dict:
     return {"label": label, "chunk_size": chunk_size, "aggregation": aggregation, "scoring": scoring,
             "normalize_chunks": normalize_chunks, "alpha": None}
-
-
-def _default_alpha() -> float:
-    from ..scoring import DEFAULT_ALPHA
-
-    return float(DEFAULT_ALPHA)
-
-
-def _chunk_scores(q, raw, qg, dg):
-    from .evidence import chunk_scores
-
-    return chunk_scores(q, raw, qg, dg)
 
 
 def _per_group(labels) -> int | str:
