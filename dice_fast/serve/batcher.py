@@ -298,19 +298,22 @@ class AsyncDiceEncoder(WorkerLoop):
             check_chars(texts, self.max_input_chars)
             loop = asyncio.get_running_loop()
             abandoned = threading.Event()
-            try:
-                plan, truncated = await self._until(deadline, loop.run_in_executor(
-                    None, lambda: plan_request(self.encoder, texts, kind, piece_chars=self._piece_chars,
+            def plan_and_key():  # in one worker thread: tokenize, check the exact sizes, key the chunks
+                plan, truncated = plan_request(self.encoder, texts, kind, piece_chars=self._piece_chars,
                                                auto_truncate=self.auto_truncate, check_sizes=self._check_sizes,
-                                               abandoned=abandoned)))
+                                               abandoned=abandoned)
+                self._check_sizes(plan.document_tokens)
+                return plan, truncated, self._queue.keys_for(plan)
+
+            try:
+                plan, truncated, keys = await self._until(deadline, loop.run_in_executor(None, plan_and_key))
             except (asyncio.CancelledError, DeadlineExceeded):
                 abandoned.set()  # stop tokenizing at the next piece
                 raise
             tokens = plan.document_tokens
-            self._check_sizes(tokens)
             request = _Request(plan, aggregation, int(tokens.sum()), loop, loop.create_future(),
                                keep_chunks=return_chunks)
-            request.keys = await self._until(deadline, loop.run_in_executor(None, self._queue.keys_for, plan))
+            request.keys = keys
             self._submit(request)
             try:
                 vectors = await self._until(deadline, request.future)
