@@ -119,23 +119,44 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
             return await asyncio.get_running_loop().run_in_executor(None, parse, body, *args)
         return parse(body, *args)
 
+    async def answer(label: str, handle) -> Response:
+        """The routes' shared frame. ``handle(labels)`` returns (JSON bytes, inputs, tokens), or None when
+        the client has gone, and may set ``labels[0]`` (the metrics' input type) once it knows it. A
+        `ServeError` is answered in OpenAI's shape, a client gone gets 499 (counted, never sent), any
+        other error 500 (logged: the model failed, never the client's fault); each is counted in /metrics."""
+        start, labels = time.perf_counter(), [label]
+        try:
+            result = await handle(labels)
+        except ServeError as exc:
+            metrics.observe_request(labels[0], STATUS.get(type(exc), 422))
+            return error(exc)
+        except ClientDisconnect:  # gone while sending the body
+            result = None
+        except Exception:
+            log.exception("dice_fast.serve: %s request failed", labels[0])
+            metrics.observe_request(labels[0], 500)
+            return JSONResponse(internal_error_body(), status_code=500)
+        if result is None:
+            metrics.observe_request(labels[0], CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
+        content, inputs, tokens = result
+        metrics.observe_request(labels[0], 200, time.perf_counter() - start, inputs, tokens)
+        return Response(content, media_type="application/json")
+
     @app.post("/v1/embeddings", summary="Embed documents or queries",
               openapi_extra={"requestBody": {"required": True,
                                              "content": {"application/json": {"schema": REQUEST_SCHEMA}}}})
     async def embeddings(request: Request):
-        start = time.perf_counter()
-        input_type = "unknown"
-        try:
+        async def handle(labels):
             req = await read_request(request, parse_embedding_request, core.dim)
-            input_type = req.input_type
+            labels[0] = req.input_type
             if req.input_type == "query":
                 work = core.embed_queries(req.input)
             else:
                 work = core.embed_documents(req.input, return_chunks=req.return_chunks)
             out = await _unless_disconnected(request, work)
             if out is None:
-                metrics.observe_request(input_type, CLIENT_GONE)
-                return Response(status_code=CLIENT_GONE)
+                return None
             vectors = truncate(out.vectors, req.dimensions, core.encoder.config.normalize)
             chunks = out.chunks
             if chunks is not None and req.dimensions is not None:
@@ -146,20 +167,11 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
                 content = await asyncio.get_running_loop().run_in_executor(None, embedding_response, *args)
             else:
                 content = embedding_response(*args)
-        except ServeError as exc:
-            metrics.observe_request(input_type, STATUS.get(type(exc), 422))
-            return error(exc)
-        except ClientDisconnect:  # gone while sending the body
-            metrics.observe_request(input_type, CLIENT_GONE)
-            return Response(status_code=CLIENT_GONE)
-        except Exception:  # the model failed; never a client's fault
-            log.exception("dice_fast.serve: request failed")
-            metrics.observe_request(input_type, 500)
-            return JSONResponse(internal_error_body(), status_code=500)
-        metrics.observe_request(input_type, 200, time.perf_counter() - start, len(req.input), int(out.tokens.sum()))
-        return Response(content, media_type="application/json")
+            return content, len(req.input), int(out.tokens.sum())
 
-    add_evidence_route(app, core, metrics, name, error, STATUS, read_request, _unless_disconnected)
+        return await answer("unknown", handle)
+
+    add_evidence_route(app, core, name, read_request, answer, _unless_disconnected)
 
     @app.get("/health", summary="Readiness and queue state")
     async def health():  # 200 "ok"; 503 "starting" (no warm-up yet), "draining" (SIGTERM), "unhealthy"

@@ -8,19 +8,11 @@ so the route obeys the same limits as ``/v1/embeddings``; scoring is `dice_fast.
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 
 from .. import scoring as sc
-from .errors import ServeError, internal_error_body
 from .schemas import EVIDENCE_SCHEMA, evidence_response, parse_evidence_request
-
-log = logging.getLogger("dice_fast.serve")
-CLIENT_GONE = 499  # as the app: counted in metrics, never sent
 
 
 def evidence_rows(req, query_vector, out) -> list[dict]:
@@ -42,38 +34,25 @@ def evidence_rows(req, query_vector, out) -> list[dict]:
     return rows
 
 
-def add_evidence_route(app, core, metrics, model_name: str, error, status: dict, read_request,
-                       unless_disconnected) -> None:
-    """Register ``POST /v1/evidence`` on ``app`` over the `AsyncDiceEncoder` ``core``; ``error``,
-    ``status`` (error class -> HTTP status), ``read_request`` (content type, body limit, parsing) and
-    ``unless_disconnected`` are the app's own."""
+def add_evidence_route(app, core, model_name: str, read_request, answer, unless_disconnected) -> None:
+    """Register ``POST /v1/evidence`` on ``app`` over the `AsyncDiceEncoder` ``core``; ``read_request``
+    (content type, body limit, parsing), ``answer`` (errors, disconnects, metrics) and
+    ``unless_disconnected`` are the app's own, shared with ``/v1/embeddings``."""
 
     @app.post("/v1/evidence", summary="Score documents for a query and return each one's evidence passage",
               openapi_extra={"requestBody": {"required": True,
                                              "content": {"application/json": {"schema": EVIDENCE_SCHEMA}}}})
     async def evidence(request: Request):
-        start = time.perf_counter()
-        try:
+        async def handle(_labels):
             req = await read_request(request, parse_evidence_request)
             work = asyncio.gather(core.embed_queries([req.query]),
                                   core.embed_documents(req.documents, return_chunks=True))
             done = await unless_disconnected(request, work)
             if done is None:
-                metrics.observe_request("evidence", CLIENT_GONE)
-                return Response(status_code=CLIENT_GONE)
+                return None
             query, docs = done
             rows = evidence_rows(req, query.vectors, docs.chunks)
             tokens = int(query.tokens.sum() + docs.tokens.sum())
-            content = evidence_response(rows, req.scoring, tokens, model_name)
-        except ServeError as exc:
-            metrics.observe_request("evidence", status.get(type(exc), 422))
-            return error(exc)
-        except ClientDisconnect:
-            metrics.observe_request("evidence", CLIENT_GONE)
-            return Response(status_code=CLIENT_GONE)
-        except Exception:  # the model failed; never a client's fault
-            log.exception("dice_fast.serve: evidence request failed")
-            metrics.observe_request("evidence", 500)
-            return JSONResponse(internal_error_body(), status_code=500)
-        metrics.observe_request("evidence", 200, time.perf_counter() - start, len(req.documents), tokens)
-        return Response(content, media_type="application/json")
+            return evidence_response(rows, req.scoring, tokens, model_name), len(req.documents), tokens
+
+        return await answer("evidence", handle)
