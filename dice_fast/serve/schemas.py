@@ -149,11 +149,7 @@ def parse_evidence_request(body: bytes) -> EvidenceRequest:
         raise InvalidRequest(f"'query' must be a non-empty string, got {_json_type(query)}", param="query")
     if "documents" not in obj:
         raise InvalidRequest("'documents' is required: a string or a list of strings", param="documents")
-    try:
-        documents = _parse_input(obj["documents"])
-    except InvalidRequest as exc:  # the same checks as 'input', named for this route
-        raise InvalidRequest(str(exc).replace("'input'", "'documents'").replace("input[", "documents["),
-                             param=(exc.param or "documents").replace("input", "documents")) from None
+    documents = _parse_input(obj["documents"], "documents")  # the same checks as 'input'
     scoring = obj.get("scoring") or "maxsim"
     if scoring not in SCORINGS:
         raise InvalidRequest(f"'scoring' must be one of {', '.join(map(repr, SCORINGS))}, got {scoring!r}",
@@ -173,24 +169,26 @@ def _json_object(body: bytes, needs: str) -> dict:
     return obj
 
 
-def _parse_input(value) -> list[str]:
+def _parse_input(value, field: str = "input") -> list[str]:
+    """The texts of ``value``, a string or a list of strings, sent as ``field``; `InvalidRequest` naming
+    ``field`` or ``field[i]`` otherwise."""
     if isinstance(value, str):
-        texts, names = [value], ["input"]
+        texts, names = [value], [field]
     elif isinstance(value, list):
         if not value:
-            raise InvalidRequest("'input' must not be an empty list", param="input")
-        texts, names = value, [f"input[{i}]" for i in range(len(value))]
+            raise InvalidRequest(f"'{field}' must not be an empty list", param=field)
+        texts, names = value, [f"{field}[{i}]" for i in range(len(value))]
         if all(_is_int(t) for t in value):
-            raise InvalidRequest(f"'input' is a list of token ids; {_TOKEN_IDS}", param="input")
+            raise InvalidRequest(f"'{field}' is a list of token ids; {_TOKEN_IDS}", param=field)
         for i, item in enumerate(value):
             if isinstance(item, str):
                 continue
             if _is_int(item) or (isinstance(item, list) and item and all(_is_int(t) for t in item)):
                 what = "a token id" if _is_int(item) else "a list of token ids"
-                raise InvalidRequest(f"input[{i}] is {what}; {_TOKEN_IDS}", param=f"input[{i}]")
-            raise InvalidRequest(f"input[{i}] must be a string, got {_json_type(item)}", param=f"input[{i}]")
+                raise InvalidRequest(f"{field}[{i}] is {what}; {_TOKEN_IDS}", param=f"{field}[{i}]")
+            raise InvalidRequest(f"{field}[{i}] must be a string, got {_json_type(item)}", param=f"{field}[{i}]")
     else:
-        raise InvalidRequest(f"'input' must be a string or a list of strings, got {_json_type(value)}", param="input")
+        raise InvalidRequest(f"'{field}' must be a string or a list of strings, got {_json_type(value)}", param=field)
     for name, t in zip(names, texts):
         if not t.strip():
             raise InvalidRequest(f"{name} is empty or only whitespace; every input needs text", param=name)

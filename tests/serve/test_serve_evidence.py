@@ -76,12 +76,15 @@ def test_evidence_equals_offline_scoring(tiny_server, tiny_encoder, name):
     ({"query": "q"}, "documents"),
     ({"query": "q", "documents": []}, "documents"),
     ({"query": "q", "documents": ["a", 3]}, "documents[1]"),
+    ({"query": "q", "documents": " "}, "documents"),
+    ({"query": "q", "documents": [[1, 2]]}, "documents[0]"),
     ({"query": "q", "documents": ["a"], "scoring": "bm25"}, "scoring"),
     ({"query": "q", "documents": ["a"], "alpha": 2}, "alpha"),
 ])
 def test_bad_evidence_requests_name_the_field(tiny_server, body, param):
     r = tiny_server.post("/v1/evidence", json=body)
     assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text
+    assert "input" not in r.json()["error"]["message"].split(";")[0], r.text  # named as this route names it
 
 
 def test_bad_return_chunks_is_named(tiny_server):
