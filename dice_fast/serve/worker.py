@@ -124,22 +124,35 @@ class WorkerLoop:
 
     def _admit(self) -> None:
         """Hand planned requests to the ChunkQueue: all of them, or one at a time without cross-request
-        batching. Called with ``_cond`` held; a request whose admission raises fails alone."""
+        batching. Called with ``_cond`` held, which is released around each `ChunkQueue.submit` (its
+        lookups in the chunk cache read the disk, and the event loop takes ``_cond`` for every request);
+        the request counts as pending meanwhile. A request whose admission raises fails alone; one
+        cancelled meanwhile has its job cancelled at once."""
         while self._pending:
             if not self.cross_request_batching:
                 cur = self._current
                 if cur is not None and not (cur.done or cur.cancelled):
                     return
             request = self._pending.popleft()
-            self._pending_tokens -= request.tokens
+            job = error = None
+            self._cond.release()
             try:
-                request.job = self._current = self._queue.submit(request.plan, request.aggregation, tag=request,
-                                                                 keep_chunks=request.keep_chunks, keys=request.keys)
-                if request.job.done:  # every chunk was in memory or the cache
-                    _settle(request, value=_result(request.job))
+                job = self._queue.submit(request.plan, request.aggregation, tag=request,
+                                         keep_chunks=request.keep_chunks, keys=request.keys)
             except Exception as exc:
+                error = exc
                 log.exception("dice_fast.serve: admitting a request failed")
-                _settle(request, exc=exc)
+            finally:
+                self._cond.acquire()
+                self._pending_tokens -= request.tokens
+            if error is not None:
+                _settle(request, exc=error)
+                continue
+            request.job = self._current = job
+            if request.cancelled:  # while it was being admitted: `_cancel` found neither job nor pending
+                self._queue.cancel(job)
+            elif job.done:  # every chunk was in memory or the cache
+                _settle(request, value=_result(job))
 
     def _next_batch(self):
         """`ChunkQueue.next_batch`; when packing raises, fail the requests it touched and try again.

@@ -117,6 +117,49 @@ def test_worker_hands_memory_back_under_steady_load(tiny_encoder, monkeypatch):
     assert_close(out.vectors, tiny_encoder.encode_documents(texts), atol=1e-5)
 
 
+def test_admission_does_not_hold_the_lock_the_event_loop_needs(tiny_encoder):
+    """`ChunkQueue.submit` (chunk-cache lookups on disk) runs with the core's lock released: while one
+    admission is held inside it, another thread takes the lock at once; the request is still answered
+    exactly, and a request cancelled during its admission has its job cancelled."""
+    import threading
+
+    texts = word_texts(3, 20, 60, seed=40)
+    entered, release, took = threading.Event(), threading.Event(), []
+
+    async def main():
+        async with AsyncDiceEncoder(tiny_encoder) as core:
+            real = core._queue.submit
+
+            def held_submit(*args, **kwargs):
+                entered.set()
+                release.wait(30)
+                return real(*args, **kwargs)
+
+            core._queue.submit = held_submit
+            task = asyncio.ensure_future(core.embed_documents(texts))
+            await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+            took.append(core._cond.acquire(timeout=5))
+            core._cond.release()
+            release.set()
+            out = await task
+            entered.clear(), release.clear()
+            doomed = asyncio.ensure_future(core.embed_documents(word_texts(2, 200, 300, seed=41)))
+            await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+            doomed.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await doomed  # its cancellation reached the core while submit is still held
+            release.set()
+            for _ in range(500):  # the worker cancels the job once its submit returns
+                if core.tokens_waiting == 0 and core._queue.tokens_waiting == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return out, core._queue.tokens_waiting, core.tokens_waiting
+
+    out, *waiting = run(main())
+    assert took == [True] and waiting == [0, 0]
+    assert_close(out.vectors, tiny_encoder.encode_documents(texts), atol=1e-5)
+
+
 def test_without_cross_request_batching_each_batch_holds_one_request(tiny_encoder):
     texts = word_texts(10, 5, 80, seed=3)
     ref = tiny_encoder.encode_documents(texts)
