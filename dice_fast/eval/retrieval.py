@@ -50,10 +50,7 @@ def search(query_vecs, doc_vecs, k: int = 10, *, query_groups=None, doc_groups=N
     d = _as_tensor(doc_vecs, "doc_vecs")
     if q.shape[1] != d.shape[1]:
         raise ValueError(f"doc_vecs has dim {d.shape[1]} but query_vecs has dim {q.shape[1]}")
-    if not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
-    if (query_groups is None) != (doc_groups is None):
-        raise ValueError("pass both query_groups and doc_groups, or neither")
+    _check_k_and_groups(k, query_groups, doc_groups)
     device = q.device if q.device == d.device else torch.device("cpu")
     q, d = _normalise(q.to(device)), _normalise(d.to(device))
     return _ranked(lambda a, b: q[a:b] @ d.T, q.shape[0], d.shape[0], k, query_groups, doc_groups,
@@ -67,12 +64,16 @@ def rank(scores, k: int = 10, *, query_groups=None, doc_groups=None,
     min(k, n_docs)) int64 best first, ties to the lower index, -1 / -inf where a query has fewer
     candidates than k; groups as in `search`."""
     s = _as_tensor(scores, "scores")
+    _check_k_and_groups(k, query_groups, doc_groups)
+    return _ranked(lambda a, b: s[a:b].clone(), s.shape[0], s.shape[1], k, query_groups, doc_groups,
+                   max_block_elems, s.device)
+
+
+def _check_k_and_groups(k, query_groups, doc_groups) -> None:
     if not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
     if (query_groups is None) != (doc_groups is None):
         raise ValueError("pass both query_groups and doc_groups, or neither")
-    return _ranked(lambda a, b: s[a:b].clone(), s.shape[0], s.shape[1], k, query_groups, doc_groups,
-                   max_block_elems, s.device)
 
 
 def _ranked(block_scores, n_q: int, n_docs: int, k: int, query_groups, doc_groups, max_block_elems, device):
