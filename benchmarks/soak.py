@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from dice_fast.serve.bench import _decode, _free_port, make_corpus
+from dice_fast.serve.bench import _decode, _free_port, make_corpus, wait_healthy
 
 # kind -> share of the requests; "reaches_model" kinds may meet an injected fault
 MIX = {"document": 0.70, "query": 0.10, "malformed": 0.06, "unauthorized": 0.03, "over_body": 0.02,
@@ -143,22 +143,11 @@ class Server:
         self.cmd, self.timeout = cmd, args.start_timeout
 
     def __enter__(self):
-        import httpx
-
         env = {**os.environ, "DICE_FAST_API_KEY": self.key}
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"dice-fast serve exited with {self.proc.returncode}:\n{self.read_log()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"dice-fast serve did not start within {self.timeout} s")
-            time.sleep(0.3)
+        wait_healthy(self.url, lambda: None if self.proc.poll() is None else
+                     f"dice-fast serve exited with {self.proc.returncode}:\n{self.read_log()[-3000:]}",
+                     self.timeout, f"dice-fast serve did not start within {self.timeout} s")
         printed = self.read_log()
         self.limits = {k: int(v) for k, v in re.findall(r"(max_\w+)=(\d+)", printed)}
         return self

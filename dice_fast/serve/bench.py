@@ -73,21 +73,11 @@ class _Server:
         self.timeout = timeout
 
     def __enter__(self) -> str:
-        import httpx
-
         self.proc.start()
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if not self.proc.is_alive():
-                raise RuntimeError(f"the benchmark server exited with code {self.proc.exitcode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self.url
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the benchmark server did not start in time")
-            time.sleep(0.2)
+        wait_healthy(self.url, lambda: None if self.proc.is_alive() else
+                     f"the benchmark server exited with code {self.proc.exitcode}",
+                     self.timeout, "the benchmark server did not start in time")
+        return self.url
 
     def __exit__(self, *exc) -> None:
         self.proc.terminate()  # SIGTERM: graceful
@@ -95,6 +85,25 @@ class _Server:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(10)
+
+
+def wait_healthy(url: str, exited, timeout: float, late: str) -> None:
+    """Poll ``url``/health until it answers 200. ``exited()`` returns why the server process is gone
+    (RuntimeError with that text) or None while it runs; after ``timeout`` seconds, TimeoutError(``late``)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if (why := exited()) is not None:
+            raise RuntimeError(why)
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(late)
+        time.sleep(0.2)
 
 
 def _decode(body: dict) -> np.ndarray:
