@@ -158,13 +158,12 @@ def _benchmark_dtype(dt, enc, texts, corpus, model_name, repeats, st_model, padd
 def padded_fallback(encoder) -> str | None:
     """Why ``encoder`` runs chunks on the padded path instead of packed, or None when it does not (the
     GPU check fails on it: a padded engine's speed says nothing about the packed one)."""
+    if encoder.runner.uses_packed(encoder.config.chunk_size + encoder.chunk_overhead):  # what the engine decides
+        return None
     if encoder.backend == "padded":
         return f"the engine runs on the padded path ({encoder.runner.fallback_reason or 'attention_backend=padded'})"
-    limit = encoder.runner.packed_limit
-    if limit is not None and encoder.config.chunk_size + encoder.chunk_overhead > limit:
-        return (f"chunks over the {limit}-token sliding window run on the padded path ({encoder.backend} cannot "
-                "band them)")
-    return None
+    return (f"chunks over the {encoder.runner.packed_limit}-token sliding window run on the padded path "
+            f"({encoder.backend} cannot band them)")
 
 
 def _attention_label(encoder) -> str:
