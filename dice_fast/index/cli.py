@@ -79,15 +79,12 @@ def _build(args) -> int:
 def _search(args) -> int:
     import json
 
-    from ..engine import DiceEncoder
     from ..scoring import DEFAULT_ALPHA
     from . import DiceIndex
 
     if args.k < 1:
         raise ValueError(f"-k must be at least 1, got {args.k}")
-    index = DiceIndex.load(args.index)
-    options = dict(index.encoder_options, device=args.device)
-    index.encoder = DiceEncoder.from_pretrained(index.model, **options)
+    index = DiceIndex.load(args.index, device=args.device)  # the recorded model and options encode the queries
     alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
     for query, hits in zip(args.query, index.search(args.query, args.k, args.scoring, alpha=alpha)):
         if not args.json:

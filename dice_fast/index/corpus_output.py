@@ -68,8 +68,10 @@ def _matrix(fixed_lists, rows: int) -> np.ndarray:
 
 
 def corpus_encoder(path) -> tuple[str | None, dict]:
-    """(model folder or None for the bundled one, DICE options) the encode job recorded in its
+    """(model folder, or `BUNDLED` for the bundled one; DICE options) the encode job recorded in its
     Parquet metadata, for a query encoder that matches its vectors."""
+    from .encoder_match import BUNDLED
+
     import pyarrow.parquet as pq
 
     file = corpus_files(path)[0]
@@ -80,4 +82,4 @@ def corpus_encoder(path) -> tuple[str | None, dict]:
         raise ValueError(f"{file}: no dice_fast options in its metadata ({exc})") from None
     model = options.pop("model", None)
     options.pop("chunks", None)
-    return (None if model is None or model.startswith("(bundled") else model), options
+    return (BUNDLED if model is None or model.startswith("(bundled") else model), options

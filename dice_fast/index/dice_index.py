@@ -20,15 +20,17 @@ a hit's score is exact, but a document the graph does not propose is missed (rec
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from .. import scoring as sc
+from .ann import build as build_graph_over, extend as extend_graph, read as read_graph
+from .encoder_match import check_encoder, model_id, recorded_options, restore_encoder, vector_options
+from .texts import TextColumn
 
-# encoder options a loaded index does not pin (the machine's business, not the vectors')
-_MACHINE_OPTIONS = ("device", "dtype", "max_batch_tokens", "pooling_impl", "attention_backend")
 _BLOCK_SCORES = 1 << 22  # query x chunk scores per exact-search block (16 MiB of float32)
 CHUNK_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -61,16 +63,14 @@ class DiceIndex:
                  model: str | None = None, encoder_options: dict | None = None):
         if chunk_dtype not in CHUNK_DTYPES:
             raise ValueError(f"chunk_dtype must be one of {', '.join(CHUNK_DTYPES)}, got {chunk_dtype!r}")
-        if encoder is not None and encoder.dim != dim:
-            raise ValueError(f"the encoder gives {encoder.dim}-wide vectors, the index holds {dim}")
-        self.dim, self.encoder, self.store_text, self.chunk_dtype = int(dim), encoder, bool(store_text), chunk_dtype
-        # the model and options the vectors were made with, so a query encoder can be rebuilt to match
-        self.model = model if model is not None else (encoder.spec.name if encoder is not None else None)
+        self.dim, self.store_text, self.chunk_dtype = int(dim), bool(store_text), chunk_dtype
+        # the model and options the vectors were made with: a query encoder must match them
+        self.model = model if model is not None else (model_id(encoder) if encoder is not None else None)
         if encoder_options is None and encoder is not None:
-            encoder_options = {k: v for k, v in asdict(encoder.config).items() if k not in _MACHINE_OPTIONS}
-        self.encoder_options = dict(encoder_options or {})
+            encoder_options = vector_options(encoder)
+        self.encoder_options = recorded_options(encoder_options)
         self.ids: list[str] = []
-        self.texts: list[str] | None = [] if store_text else None
+        self.texts: TextColumn | None = TextColumn.from_texts([]) if store_text else None
         self.documents = np.zeros((0, self.dim), np.float32)
         self.chunks = np.zeros((0, self.dim), CHUNK_DTYPES[chunk_dtype])
         self.cu_doc_chunks = np.zeros(1, np.int64)
@@ -78,7 +78,31 @@ class DiceIndex:
         self.chunk_end_char = np.zeros(0, np.int64)
         self.chunk_tokens = np.zeros(0, np.int64)
         self._id_set: set[str] = set()
-        self._faiss: dict = {}
+        self._graphs: dict = {}  # over -> faiss graph built or read here
+        self._graph_files: dict = {}  # over -> a saved graph not read yet
+        self._read_only: set = set()  # graphs read (memory-mapped) from a file: not extended in place
+        self.encoder = None
+        self._restore_device = None
+        self.attach_encoder(encoder, where="this index")
+
+    def attach_encoder(self, encoder, *, device: str | None = None, where: str = "this index") -> None:
+        """Use ``encoder`` to add texts and encode query strings. It must give ``dim``-wide vectors
+        and, when the index records its model and options, match them (ValueError naming each
+        difference). None: rebuild the recorded encoder when first needed (on ``device``)."""
+        if encoder is not None:
+            if encoder.dim != self.dim:
+                raise ValueError(f"the encoder gives {encoder.dim}-wide vectors, the index holds {self.dim}")
+            if self.model is not None or self.encoder_options:
+                check_encoder(encoder, self.model, self.encoder_options, where)
+        self.encoder, self._restore_device, self._where = encoder, device, where
+
+    def _need_encoder(self, purpose: str):
+        if self.encoder is None:
+            if self.model is None:
+                raise ValueError(f"this index has no encoder to {purpose}; pass one to DiceIndex.load(path, encoder) "
+                                 "or search with query vectors")
+            self.encoder = restore_encoder(self.model, self.encoder_options, self._where, self._restore_device)
+        return self.encoder
 
     # ---------------------------------------------------------------------------------------------
     @classmethod
@@ -97,7 +121,6 @@ class DiceIndex:
         from .corpus_output import corpus_encoder, read_corpus_output
 
         model, options = corpus_encoder(path)
-        options = {k: v for k, v in options.items() if k not in _MACHINE_OPTIONS}
         parts = list(read_corpus_output(path))  # (ids, documents, chunks, chunk_document, start, end, tokens)
         if not parts:
             raise ValueError(f"{path}: the output holds no shards")
@@ -116,11 +139,9 @@ class DiceIndex:
         """Encode and append ``texts`` (n strings) under ``ids`` (n, default their position in the
         index as strings). A duplicate id (within ``ids`` or already indexed) is refused by name
         before anything is encoded."""
-        if self.encoder is None:
-            raise ValueError("this index has no encoder; pass one to DiceIndex.load(path, encoder) to add texts")
         texts = list(texts)
         ids = self._new_ids(ids, len(texts))
-        out = self.encoder.encode_documents(texts, return_chunks=True)
+        out = self._need_encoder("add texts").encode_documents(texts, return_chunks=True)
         self.add_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
                         out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
 
@@ -148,15 +169,30 @@ class DiceIndex:
                 raise ValueError("this index stores texts: pass one text per document")
             self.texts.extend(texts)
         cu = sc.cu_from_chunk_document(chunk_document, len(documents)) + self.cu_doc_chunks[-1]
+        chunks = sc.unit_rows(chunks).astype(CHUNK_DTYPES[self.chunk_dtype])
         self.ids.extend(ids)
         self._id_set.update(ids)
         self.documents = np.concatenate([self.documents, documents])
-        self.chunks = np.concatenate([self.chunks, sc.unit_rows(chunks).astype(CHUNK_DTYPES[self.chunk_dtype])])
+        self.chunks = np.concatenate([self.chunks, chunks])
         self.cu_doc_chunks = np.concatenate([self.cu_doc_chunks, cu[1:]])
         self.chunk_start_char = np.concatenate([self.chunk_start_char, spans[0]])
         self.chunk_end_char = np.concatenate([self.chunk_end_char, spans[1]])
         self.chunk_tokens = np.concatenate([self.chunk_tokens, spans[2]])
-        self._faiss.clear()
+        self._graph_files.clear()  # saved graphs are read-only: rebuilt when next needed
+        for over in self._read_only:
+            self._graphs.pop(over, None)
+        self._read_only.clear()
+        for over, graph in self._graphs.items():
+            extend_graph(graph, documents if over == "documents" else chunks)
+
+    def restore(self, ids: list[str], arrays: dict, texts: tuple | None, graph_files: dict) -> None:
+        """Install contents read by `dice_fast.index.folder.load` (checked there): ids, the arrays by
+        attribute name, (text blob, offsets) or None, and {over: saved graph file}."""
+        for name, array in arrays.items():
+            setattr(self, name, array)
+        self.ids, self._id_set = ids, set(ids)
+        self.texts = TextColumn(*texts) if texts is not None else None
+        self._graphs, self._graph_files, self._read_only = {}, dict(graph_files), set()
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -209,10 +245,7 @@ class DiceIndex:
         queries = list(queries)
         if not queries:
             return np.zeros((0, self.dim), np.float32)
-        if self.encoder is None:
-            raise ValueError("this index has no encoder to encode query strings; pass one to "
-                             "DiceIndex.load(path, encoder) or search with query vectors")
-        return self.encoder.encode_queries(queries)
+        return self._need_encoder("encode query strings").encode_queries(queries)
 
     def _score_range(self, q, d0: int, d1: int, scoring: str, alpha: float) -> np.ndarray:
         """(n_q, d1 - d0) scores of documents d0..d1-1 (no evidence: it is found for hits only)."""
@@ -265,17 +298,26 @@ class DiceIndex:
         return out
 
     def _faiss_graph(self, over: str):
-        if over not in self._faiss:
-            try:
-                import faiss
-            except ImportError:
-                raise ImportError("approximate search needs faiss: pip install 'dice_fast[index]' (faiss-cpu)") from None
-            vectors = np.ascontiguousarray(self.documents if over == "documents" else self.chunks, np.float32)
-            graph = faiss.IndexHNSWFlat(self.dim, 32, faiss.METRIC_INNER_PRODUCT)
-            graph.hnsw.efSearch = 128
-            graph.add(vectors)
-            self._faiss[over] = graph
-        return self._faiss[over]
+        if over not in self._graphs:
+            n = len(self.documents) if over == "documents" else len(self.chunks)
+            file = self._graph_files.pop(over, None)
+            if file is not None and Path(file).is_file():
+                self._graphs[over] = read_graph(file, n)
+                self._read_only.add(over)
+            else:
+                self._graphs[over] = build_graph_over(self.documents if over == "documents" else self.chunks)
+        return self._graphs[over]
+
+    def build_graph(self, scoring: str = "maxsim"):
+        """Build (or read) now the HNSW graph that ``approximate=True`` uses for ``scoring`` (over
+        document vectors for "dice", chunk vectors otherwise), so that `save` writes it too."""
+        return self._faiss_graph("documents" if sc.check_scoring(scoring) == "dice" else "chunks")
+
+    def graphs(self) -> dict:
+        """{"documents" | "chunks": faiss graph} built or read so far (saved graphs not yet read are read)."""
+        for over in list(self._graph_files):
+            self._faiss_graph(over)
+        return dict(self._graphs)
 
     def _hit(self, qv: np.ndarray, d: int, score: float, scoring: str) -> Hit:
         c0, c1 = int(self.cu_doc_chunks[d]), int(self.cu_doc_chunks[d + 1])
@@ -305,17 +347,21 @@ class DiceIndex:
         return ids
 
     def save(self, path) -> None:
-        """Write the index to the folder ``path`` (see `dice_fast.index.store`)."""
-        from .store import save
+        """Write the index to the folder ``path``, atomically (see `dice_fast.index.folder`); graphs
+        built by `build_graph` or an approximate search are saved with it."""
+        from .folder import save
 
         save(self, path)
 
     @classmethod
-    def load(cls, path, encoder=None) -> DiceIndex:
-        """Read an index written by `save`; ``encoder`` lets it add texts and encode query strings."""
-        from .store import load
+    def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = None) -> DiceIndex:
+        """Read an index written by `save`. ``encoder``: a `DiceEncoder` matching the recorded model
+        and options (ValueError naming each difference); None: the recorded one is loaded when texts
+        or query strings first need it (on ``device``). ``mmap``: map the vector and text files
+        instead of reading them into memory (search pages them in; `add` copies into memory)."""
+        from .folder import load
 
-        return load(cls, path, encoder)
+        return load(cls, path, encoder, mmap=mmap, device=device)
 
 
 def _sorted(docs: np.ndarray, scores: np.ndarray) -> list[tuple[int, float]]:
