@@ -10,6 +10,15 @@ A consumer of the core's public API (`DiceEncoder`, `dice_fast.scoring`); faiss 
 when an approximate search asks for it.
 """
 
-from .dice_index import DiceIndex, Hit
+from .common import DEFAULT_SCORING, Hit
+from .dice_index import DiceIndex
 
-__all__ = ["DiceIndex", "Hit"]
+__all__ = ["DiceIndex", "Hit", "DEFAULT_SCORING", "open_store"]
+
+
+def open_store(url: str, **options):
+    """A store from a URL (``qdrant://HOST:PORT/COLLECTION``, ``qdrant+path://DIR/COLLECTION``,
+    ``qdrant+memory:///COLLECTION``, ``lancedb://DIR/TABLE``); see `dice_fast.index.stores`."""
+    from .stores import open_store as open_url
+
+    return open_url(url, **options)

@@ -20,7 +20,6 @@ a hit's score is exact, but a document the graph does not propose is missed (rec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -28,30 +27,14 @@ import numpy as np
 
 from .. import scoring as sc
 from .ann import build as build_graph_over, extend as extend_graph, read as read_graph
-from .encoder_match import check_encoder, model_id, recorded_options, restore_encoder, vector_options
+from .common import DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_k, evidence_hit
 from .texts import TextColumn
 
 _BLOCK_SCORES = 1 << 22  # query x chunk scores per exact-search block (16 MiB of float32)
 CHUNK_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
-@dataclass(frozen=True)
-class Hit:
-    """One search result: document ``id`` with its ``score`` under the scoring asked for, and its
-    evidence: ``chunk`` (index within the document), its span ``text[start_char:end_char]``, its
-    ``chunk_score`` (query . unit chunk vector), and ``text``, the passage itself when the index stores
-    texts (else None)."""
-
-    id: str
-    score: float
-    chunk: int
-    start_char: int
-    end_char: int
-    chunk_score: float
-    text: str | None = None
-
-
-class DiceIndex:
+class DiceIndex(EncoderSlot):
     """Document and chunk vectors of a corpus with their spans (see the module docstring).
 
     Build with `from_texts` (and `add`) or `from_arrays`; `search` ranks documents for queries;
@@ -64,11 +47,6 @@ class DiceIndex:
         if chunk_dtype not in CHUNK_DTYPES:
             raise ValueError(f"chunk_dtype must be one of {', '.join(CHUNK_DTYPES)}, got {chunk_dtype!r}")
         self.dim, self.store_text, self.chunk_dtype = int(dim), bool(store_text), chunk_dtype
-        # the model and options the vectors were made with: a query encoder must match them
-        self.model = model if model is not None else (model_id(encoder) if encoder is not None else None)
-        if encoder_options is None and encoder is not None:
-            encoder_options = vector_options(encoder)
-        self.encoder_options = recorded_options(encoder_options)
         self.ids: list[str] = []
         self.texts: TextColumn | None = TextColumn.from_texts([]) if store_text else None
         self.documents = np.zeros((0, self.dim), np.float32)
@@ -81,28 +59,7 @@ class DiceIndex:
         self._graphs: dict = {}  # over -> faiss graph built or read here
         self._graph_files: dict = {}  # over -> a saved graph not read yet
         self._read_only: set = set()  # graphs read (memory-mapped) from a file: not extended in place
-        self.encoder = None
-        self._restore_device = None
-        self.attach_encoder(encoder, where="this index")
-
-    def attach_encoder(self, encoder, *, device: str | None = None, where: str = "this index") -> None:
-        """Use ``encoder`` to add texts and encode query strings. It must give ``dim``-wide vectors
-        and, when the index records its model and options, match them (ValueError naming each
-        difference). None: rebuild the recorded encoder when first needed (on ``device``)."""
-        if encoder is not None:
-            if encoder.dim != self.dim:
-                raise ValueError(f"the encoder gives {encoder.dim}-wide vectors, the index holds {self.dim}")
-            if self.model is not None or self.encoder_options:
-                check_encoder(encoder, self.model, self.encoder_options, where)
-        self.encoder, self._restore_device, self._where = encoder, device, where
-
-    def _need_encoder(self, purpose: str):
-        if self.encoder is None:
-            if self.model is None:
-                raise ValueError(f"this index has no encoder to {purpose}; pass one to DiceIndex.load(path, encoder) "
-                                 "or search with query vectors")
-            self.encoder = restore_encoder(self.model, self.encoder_options, self._where, self._restore_device)
-        return self.encoder
+        self._init_encoder(encoder, model, encoder_options, "this index")
 
     # ---------------------------------------------------------------------------------------------
     @classmethod
@@ -141,7 +98,7 @@ class DiceIndex:
         before anything is encoded."""
         texts = list(texts)
         ids = self._new_ids(ids, len(texts))
-        out = self._need_encoder("add texts").encode_documents(texts, return_chunks=True)
+        texts, out = self._encode_texts(texts)
         self.add_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
                         out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
 
@@ -154,36 +111,50 @@ class DiceIndex:
         Chunk vectors are stored L2-normalised, so ``maxsim`` is a cosine whatever the encoder's
         ``normalize_chunks`` (raw pooled norms carry no relevance: RESULTS.md §5.3); a zero row stays zero."""
         ids = self._new_ids(ids, len(documents))
-        documents, chunks = np.asarray(documents, np.float32), np.asarray(chunks)
-        chunk_document = np.asarray(chunk_document, np.int64)
-        if documents.ndim != 2 or documents.shape[1] != self.dim or chunks.ndim != 2 or chunks.shape[1] != self.dim:
-            raise ValueError(f"expected (n, {self.dim}) vectors, got documents {documents.shape}, chunks {chunks.shape}")
-        if len(chunk_document) and (np.any(np.diff(chunk_document) < 0) or chunk_document[0] < 0
-                                    or chunk_document[-1] >= len(documents)):
-            raise ValueError("chunk_document must be sorted document indices in 0..n-1")
-        spans = [np.asarray(a, np.int64) for a in (chunk_start_char, chunk_end_char, chunk_tokens)]
-        if any(len(a) != len(chunks) for a in [chunk_document, *spans]):
-            raise ValueError("chunk_document, spans and token counts need one entry per chunk")
+        b = check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
+                        chunk_tokens, texts, self.store_text)
+        chunks = b.chunks.astype(CHUNK_DTYPES[self.chunk_dtype])
         if self.store_text:
-            if texts is None or len(texts) != len(documents):
-                raise ValueError("this index stores texts: pass one text per document")
-            self.texts.extend(texts)
-        cu = sc.cu_from_chunk_document(chunk_document, len(documents)) + self.cu_doc_chunks[-1]
-        chunks = sc.unit_rows(chunks).astype(CHUNK_DTYPES[self.chunk_dtype])
-        self.ids.extend(ids)
-        self._id_set.update(ids)
-        self.documents = np.concatenate([self.documents, documents])
+            self.texts.extend(b.texts)
+        self.ids.extend(b.ids)
+        self._id_set.update(b.ids)
+        self.documents = np.concatenate([self.documents, b.documents])
         self.chunks = np.concatenate([self.chunks, chunks])
-        self.cu_doc_chunks = np.concatenate([self.cu_doc_chunks, cu[1:]])
-        self.chunk_start_char = np.concatenate([self.chunk_start_char, spans[0]])
-        self.chunk_end_char = np.concatenate([self.chunk_end_char, spans[1]])
-        self.chunk_tokens = np.concatenate([self.chunk_tokens, spans[2]])
+        self.cu_doc_chunks = np.concatenate([self.cu_doc_chunks, b.cu[1:] + self.cu_doc_chunks[-1]])
+        self.chunk_start_char = np.concatenate([self.chunk_start_char, b.start])
+        self.chunk_end_char = np.concatenate([self.chunk_end_char, b.end])
+        self.chunk_tokens = np.concatenate([self.chunk_tokens, b.tokens])
         self._graph_files.clear()  # saved graphs are read-only: rebuilt when next needed
         for over in self._read_only:
             self._graphs.pop(over, None)
         self._read_only.clear()
         for over, graph in self._graphs.items():
-            extend_graph(graph, documents if over == "documents" else chunks)
+            extend_graph(graph, b.documents if over == "documents" else chunks)
+
+    def upsert_arrays(self, ids: Sequence, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
+                      chunk_tokens, texts: Sequence[str] | None = None) -> None:
+        """`add_arrays`, a document whose id is already indexed replacing it (the stores' write)."""
+        self.delete([str(i) for i in ids])
+        self.add_arrays(ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char, chunk_tokens, texts)
+
+    def delete(self, ids: Sequence) -> int:
+        """Remove the documents ``ids`` (ids not indexed are ignored); returns how many were removed."""
+        gone = {str(i) for i in ids} & self._id_set
+        if not gone:
+            return 0
+        keep = np.array([i not in gone for i in self.ids])
+        counts = np.diff(self.cu_doc_chunks)
+        keep_chunk = np.repeat(keep, counts)
+        self.ids = [i for i, k in zip(self.ids, keep) if k]
+        self._id_set -= gone
+        if self.store_text:
+            self.texts = self.texts.take(np.flatnonzero(keep))
+        self.documents = np.asarray(self.documents)[keep]
+        for name in ("chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens"):
+            setattr(self, name, np.asarray(getattr(self, name))[keep_chunk])
+        self.cu_doc_chunks = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
+        self._graphs, self._graph_files, self._read_only = {}, {}, set()  # rebuilt when next needed
+        return len(gone)
 
     def restore(self, ids: list[str], arrays: dict, texts: tuple | None, graph_files: dict) -> None:
         """Install contents read by `dice_fast.index.folder.load` (checked there): ids, the arrays by
@@ -213,19 +184,18 @@ class DiceIndex:
                 f"chunk_dtype={self.chunk_dtype}, texts={'stored' if self.store_text else 'not stored'})")
 
     # ---------------------------------------------------------------------------------------------
-    def search(self, queries, k: int = 10, scoring: str = "dice", *, alpha: float = sc.DEFAULT_ALPHA,
+    def search(self, queries, k: int = 10, scoring: str = DEFAULT_SCORING, *, alpha: float = sc.DEFAULT_ALPHA,
                approximate: bool = False, candidates: int = 100) -> list[list[Hit]]:
         """Rank documents for ``queries``: n query strings (encoded with the index's encoder) or an
         (n, dim) array of query vectors. Returns n lists of at most ``k`` `Hit`s, best first.
 
-        scoring: "dice" (document vector; evidence = the hit's best chunk), "maxsim" (best chunk) or
-        "hybrid" (``alpha * dice + (1 - alpha) * maxsim``), see `dice_fast.scoring`. Exact unless
+        scoring: "maxsim" (best chunk; the default, measured best: RESULTS.md §5), "dice" (document
+        vector; evidence = the hit's best chunk) or "hybrid" (``alpha * dice + (1 - alpha) * maxsim``), see `dice_fast.scoring`. Exact unless
         ``approximate`` (faiss proposes ``candidates`` documents per query, scored exactly).
         """
         sc.check_scoring(scoring)
         alpha = sc.check_alpha(alpha)
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"k must be a positive integer, got {k!r}")
+        k = check_k(k)
         q = self._query_vectors(queries)
         if len(q) == 0 or len(self) == 0:
             return [[] for _ in range(len(q))]
@@ -234,18 +204,6 @@ class DiceIndex:
         else:
             top = self._exact_top(q, int(k), scoring, alpha)
         return [[self._hit(qv, d, s, scoring) for d, s in row] for qv, row in zip(q, top)]
-
-    def _query_vectors(self, queries) -> np.ndarray:
-        if isinstance(queries, np.ndarray):
-            if queries.ndim != 2 or queries.shape[1] != self.dim:
-                raise ValueError(f"query vectors must be (n, {self.dim}), got {queries.shape}")
-            return queries.astype(np.float32, copy=False)
-        if isinstance(queries, str):
-            raise TypeError("queries must be a list of strings (or an (n, dim) array), not a single string")
-        queries = list(queries)
-        if not queries:
-            return np.zeros((0, self.dim), np.float32)
-        return self._need_encoder("encode query strings").encode_queries(queries)
 
     def _score_range(self, q, d0: int, d1: int, scoring: str, alpha: float) -> np.ndarray:
         """(n_q, d1 - d0) scores of documents d0..d1-1 (no evidence: it is found for hits only)."""
@@ -321,13 +279,8 @@ class DiceIndex:
 
     def _hit(self, qv: np.ndarray, d: int, score: float, scoring: str) -> Hit:
         c0, c1 = int(self.cu_doc_chunks[d]), int(self.cu_doc_chunks[d + 1])
-        if c1 == c0:
-            return Hit(self.ids[d], float(score), -1, 0, 0, float("-inf"), "" if self.store_text else None)
-        per_chunk = sc.chunk_scores(qv[None, :], self.chunks[c0:c1])[0]
-        j = int(np.argmax(per_chunk))
-        start, end = int(self.chunk_start_char[c0 + j]), int(self.chunk_end_char[c0 + j])
-        text = self.texts[d][start:end] if self.store_text else None
-        return Hit(self.ids[d], float(score), j, start, end, float(per_chunk[j]), text)
+        return evidence_hit(self.ids[d], score, qv, self.chunks[c0:c1], self.chunk_start_char[c0:c1],
+                            self.chunk_end_char[c0:c1], self.texts[d] if self.store_text else None)
 
     # ---------------------------------------------------------------------------------------------
     def _new_ids(self, ids, n: int) -> list[str]:
@@ -337,14 +290,10 @@ class DiceIndex:
             ids = [str(i) for i in ids]
             if len(ids) != n:
                 raise ValueError(f"got {len(ids)} ids for {n} documents")
-        seen: dict[str, int] = {}
         for i, name in enumerate(ids):
             if name in self._id_set:
-                raise ValueError(f"duplicate id {name!r}: ids[{i}] is already in the index")
-            if name in seen:
-                raise ValueError(f"duplicate id {name!r}: ids[{seen[name]}] and ids[{i}]")
-            seen[name] = i
-        return ids
+                raise ValueError(f"duplicate id {name!r}: ids[{i}] is already in the index (upsert_arrays replaces)")
+        return ids  # duplicates within ids: refused by check_batch
 
     def save(self, path) -> None:
         """Write the index to the folder ``path``, atomically (see `dice_fast.index.folder`); graphs
