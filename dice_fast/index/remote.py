@@ -51,11 +51,12 @@ class RemoteStore(EncoderSlot):
         if store_text is None:
             store_text = bool(record.get("store_text", True)) if isinstance(record, dict) else True
         self.dim, self.store_text, self.batch_size = int(dim), bool(store_text), batch_size
+        explicit = model is not None or bool(encoder_options)
         self._init_encoder(None, model, encoder_options, where)
-        if encoder is not None and self.model is None and not self.encoder_options:
-            self.model, self.encoder_options = model_id(encoder), vector_options(encoder)
         if record is not None:
-            self._check_record(record, where)
+            self._check_record(record, where, explicit)
+        elif encoder is not None and not explicit:
+            self.model, self.encoder_options = model_id(encoder), vector_options(encoder)
         self.attach_encoder(encoder, where=where)
 
     def record(self) -> dict:
@@ -63,19 +64,26 @@ class RemoteStore(EncoderSlot):
         return {"format": f"dice_fast.{self.kind}/1", "dim": self.dim, "model": self.model,
                 "encoder_options": self.encoder_options, "store_text": self.store_text}
 
-    def _check_record(self, found: dict, where: str) -> None:
-        """Refuse a collection / table whose record differs from this store's (dim, model, options)."""
+    def _check_record(self, found: dict, where: str, explicit: bool) -> None:
+        """Refuse a collection / table whose record differs from this store's width and texts, and
+        (``explicit``: opened with a model and options) its model and options; adopt the recorded
+        model and options otherwise (a passed encoder is then checked against them)."""
         if not isinstance(found, dict) or found.get("format") != f"dice_fast.{self.kind}/1":
             raise ValueError(f"{where} exists but was not written by dice_fast (no dice_fast record); "
                              "choose another name")
         mine = self.record()
-        for key in ("dim", "store_text", "model", "encoder_options"):
-            if key in ("model", "encoder_options") and mine["model"] is None and not mine["encoder_options"]:
-                continue  # opened without saying which encoder: take the recorded one
+        keys = ("dim", "store_text", "model") if explicit else ("dim", "store_text")
+        for key in keys:
             if found.get(key) != mine[key]:
                 raise ValueError(f"{where} holds vectors with {key} {_short(found.get(key))}, not "
                                  f"{_short(mine[key])}; choose another name or delete it")
-        self.model, self.encoder_options = found.get("model"), dict(found.get("encoder_options") or {})
+        theirs = dict(found.get("encoder_options") or {})
+        if explicit and theirs != mine["encoder_options"]:
+            names = sorted(k for k in set(theirs) | set(mine["encoder_options"])
+                           if theirs.get(k) != mine["encoder_options"].get(k))
+            raise ValueError(f"{where} holds vectors made with other options ({', '.join(names)}: "
+                             f"{_short({k: theirs.get(k) for k in names})}); choose another name or delete it")
+        self.model, self.encoder_options = found.get("model"), theirs
 
     # ---------------------------------------------------------------------------------------------
     def add(self, texts, ids: Sequence) -> None:
