@@ -30,6 +30,9 @@ SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "httpx>=0.27"]
 RAY = ["ray[data]>=2.9"]
 MTEB = ["mteb>=2.0"]
 INDEX = ["faiss-cpu>=1.7"]  # approximate DiceIndex search only
+# vector databases for dice_fast.index stores: Qdrant (local mode or a server) and LanceDB (embedded)
+QDRANT = ["qdrant-client>=1.16"]  # collection metadata (the store's record) came in 1.16
+LANCEDB = ["lancedb>=0.25"]
 # retrieval stacks: LangChain / LlamaIndex adapters (httpx, for a remote server, comes with both)
 STACKS = {"langchain": ["langchain-core>=0.3"], "llama-index": ["llama-index-core>=0.12"]}
 STACK_TESTS = [*STACKS["langchain"], *STACKS["llama-index"], "openai>=1.40"]  # + the official client vs the server
@@ -61,7 +64,7 @@ setup(
         "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja",
                  # per-test timeouts (pytest.ini), property-based tests, the metrics-format test
                  "pytest-timeout>=2.1", "hypothesis>=6.80", "prometheus_client>=0.17",
-                 *SERVE, *RAY, *MTEB, *INDEX, *STACK_TESTS],
+                 *SERVE, *RAY, *MTEB, *INDEX, *QDRANT, *LANCEDB, *STACK_TESTS],
         "gpu": ["triton>=3.0"],
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
         "native": ["ninja"],
@@ -69,6 +72,8 @@ setup(
         "ray": RAY,
         "mteb": MTEB,
         "index": INDEX,
+        "qdrant": QDRANT,
+        "lancedb": LANCEDB,
         **STACKS,
     },
     cmdclass={"build_py": build_py},
