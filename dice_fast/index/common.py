@@ -15,11 +15,10 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from .. import scoring as sc
+from ..scoring import DEFAULT_SCORING
 from .encoder_match import check_encoder, model_id, recorded_options, restore_encoder, vector_options
 
-# measured, benchmarks/RESULTS.md §5.1: MaxSim beats every single-vector scoring at every length (needle
-# 16k-32k: document vectors at chance, MaxSim 46-58 %); the hybrid's alpha chosen on the dev split is 0
-DEFAULT_SCORING = "maxsim"
+__all__ = ["DEFAULT_SCORING", "Hit", "Batch", "check_batch", "check_k", "evidence_hit", "EncoderSlot"]
 
 
 @dataclass(frozen=True)
