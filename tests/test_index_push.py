@@ -64,6 +64,10 @@ def test_push_equals_the_index_of_the_same_output(tmp_path, corpus_output, capsy
         for scoring in ("dice", "maxsim"):
             assert _key(store.search(queries, 5, scoring)) == _key(index.search(queries, 5, scoring))
         del store
+        assert main(["search", url, "river stone cloud", "-k", "3", "--json", "--device", "cpu"]) == 0
+        printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        hits = DiceIndex.from_corpus(corpus_output).search(["river stone cloud"], 3)[0]  # the recorded encoder
+        assert [(p["id"], p["chunk"], p["start_char"]) for p in printed] == [(h.id, h.chunk, h.start_char) for h in hits]
         assert main(["index", "push", str(corpus_output), "--to", url]) == 2
         assert "already holds 240 documents: pass --resume" in capsys.readouterr().err
         assert main(["index", "push", str(corpus_output), "--to", url, "--resume", "--quiet"]) == 0

@@ -109,8 +109,9 @@ class RemoteStore(EncoderSlot):
     def search(self, queries, k: int = 10, scoring: str = DEFAULT_SCORING, *, alpha: float = sc.DEFAULT_ALPHA,
                candidates: int | None = None) -> list[list[Hit]]:
         """Rank documents for ``queries`` (n strings or an (n, dim) array): n lists of at most ``k``
-        `Hit`s, best first, as `DiceIndex.search`. ``candidates``: per scoring, the documents the
-        hybrid blend re-ranks (default ``max(4 k, 40)``)."""
+        `Hit`s, best first, as `DiceIndex.search`. ``candidates``: documents fetched per scoring and
+        re-scored here from their vectors (default ``k``, and ``max(4 k, 40)`` for the hybrid blend);
+        more than ``k`` raises the recall of an approximate (indexed) search."""
         sc.check_scoring(scoring)
         alpha = sc.check_alpha(alpha)
         k = check_k(k)
@@ -118,13 +119,13 @@ class RemoteStore(EncoderSlot):
         if len(q) == 0:
             return []
         if scoring == "hybrid" and alpha in (0.0, 1.0):
-            lists = self._nearest(q, "maxsim" if alpha == 0.0 else "dice", k)
+            lists = self._nearest(q, "maxsim" if alpha == 0.0 else "dice", max(k, check_k(candidates or k)))
         elif scoring == "hybrid":
             limit = check_k(candidates) if candidates is not None else max(4 * k, 40)
             by_dice, by_maxsim = self._nearest(q, "dice", limit), self._nearest(q, "maxsim", limit)
             lists = [list({c.id: c for c in a + b}.values()) for a, b in zip(by_dice, by_maxsim)]
         else:
-            lists = self._nearest(q, scoring, k)
+            lists = self._nearest(q, scoring, max(k, check_k(candidates or k)))
         return [self._rank(qv, found, k, scoring, alpha) for qv, found in zip(q, lists)]
 
     def _rank(self, qv: np.ndarray, found: list[Candidate], k: int, scoring: str, alpha: float) -> list[Hit]:
