@@ -10,9 +10,9 @@ import typing
 from .config import DiceConfig
 
 
-def _value_type(field: dataclasses.Field):
+def _value_type(field: dataclasses.Field, config_cls: type):
     """The field's type without ``None``: ``int | None`` -> int."""
-    hint = typing.get_type_hints(DiceConfig)[field.name]
+    hint = typing.get_type_hints(config_cls)[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     if len(args) != 1 or args[0] not in (int, float, str, bool):
         raise TypeError(f"DiceConfig.{field.name}: no flag for type {hint!r} (give int, float, str or bool)")
@@ -35,9 +35,10 @@ def _flag_help(field: dataclasses.Field) -> str:
     return text.replace("%", "%%")
 
 
-def encoder_flag(field: dataclasses.Field) -> tuple[str, dict]:
-    """The flag of one `DiceConfig` field and its `add_argument` keywords (``dest`` is the field's name)."""
-    meta, kind = field.metadata, _value_type(field)
+def encoder_flag(field: dataclasses.Field, config_cls: type = DiceConfig) -> tuple[str, dict]:
+    """The flag of one field of `DiceConfig` (or of ``config_cls``, a subclass) and its `add_argument`
+    keywords (``dest`` is the field's name); TypeError naming the field when it has no help."""
+    meta, kind = field.metadata, _value_type(field, config_cls)
     dashed = field.name.replace("_", "-")
     spec = {"dest": field.name, "default": field.default, "help": _flag_help(field)}
     if kind is bool:
@@ -54,18 +55,18 @@ def encoder_flag(field: dataclasses.Field) -> tuple[str, dict]:
     return f"--{dashed}", spec
 
 
-def encoder_options(args) -> dict:
+def encoder_options(args, config_cls: type = DiceConfig) -> dict:
     """The `DiceConfig` options parsed by the flags of `add_encoder_arguments`: one entry per field."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(DiceConfig)}
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
 
 
-def add_encoder_arguments(p: argparse.ArgumentParser) -> None:
+def add_encoder_arguments(p: argparse.ArgumentParser, config_cls: type = DiceConfig) -> None:
     """``--model`` and one flag per `DiceConfig` field (`encoder_flag`), shared by every sub-command
     that builds an encoder."""
     g = p.add_argument_group("model and DICE options")
     g.add_argument("--model", default=None, help="model folder (default: the bundled all-MiniLM-L6-v2)")
-    for field in dataclasses.fields(DiceConfig):
-        flag, spec = encoder_flag(field)
+    for field in dataclasses.fields(config_cls):
+        flag, spec = encoder_flag(field, config_cls)
         g.add_argument(flag, **spec)
 
 
