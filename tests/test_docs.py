@@ -17,7 +17,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXPECTED_LATER = {
     "docs/architecture.md",  # the data flow, file by file (branch core)
     "docs/serving.md",  # the server, security and limits (branch serve)
-    "docs/retrieval.md",  # retrieve by document, read by chunk (branch stores)
     "docs/cpu.md",  # CPU speed (branch cpu)
 }
 
