@@ -6,8 +6,11 @@ vectors with their character spans, and answers a query with documents and the p
     for hit in index.search(["who signed the treaty?"], k=5, scoring="maxsim")[0]:
         print(hit.id, hit.score, hit.text)        # text: the evidence passage
 
-A consumer of the core's public API (`DiceEncoder`, `dice_fast.scoring`); faiss is imported only
-when an approximate search asks for it.
+The same vectors go into a Qdrant collection or a LanceDB table with one interface
+(`open_store("qdrant://HOST:PORT/COLLECTION" | "qdrant+path://DIR/C" | "lancedb://DIR/TABLE")`: the
+same ``upsert_arrays`` / ``add`` / ``search`` and `Hit`s; docs/retrieval.md). A consumer of the core's
+public API (`DiceEncoder`, `dice_fast.scoring`); faiss, qdrant-client and lancedb are imported only
+when asked for.
 """
 
 from .common import DEFAULT_SCORING, Hit

@@ -43,7 +43,7 @@ class QdrantStore(RemoteStore):
 
     def __init__(self, client, collection: str, *, dim: int | None = None, encoder=None, model: str | None = None,
                  encoder_options: dict | None = None, store_text: bool | None = None, batch_size: int = DEFAULT_BATCH):
-        self._m = require("qdrant_client.models", "qdrant").__dict__
+        self._models = require("qdrant_client.models", "qdrant")
         self.client, self.collection = client, str(collection)
         where = f"Qdrant collection {self.collection!r}"
         exists = client.collection_exists(self.collection)
@@ -57,12 +57,12 @@ class QdrantStore(RemoteStore):
             self._create()
 
     def _create(self) -> None:
-        m = self._m
+        m = self._models
         vectors = {
-            "doc": m["VectorParams"](size=self.dim, distance=m["Distance"].DOT),
-            "chunks": m["VectorParams"](size=self.dim, distance=m["Distance"].DOT,
-                                        multivector_config=m["MultiVectorConfig"](comparator=m["MultiVectorComparator"].MAX_SIM),
-                                        hnsw_config=m["HnswConfigDiff"](m=0)),
+            "doc": m.VectorParams(size=self.dim, distance=m.Distance.DOT),
+            "chunks": m.VectorParams(size=self.dim, distance=m.Distance.DOT,
+                                     multivector_config=m.MultiVectorConfig(comparator=m.MultiVectorComparator.MAX_SIM),
+                                     hnsw_config=m.HnswConfigDiff(m=0)),
         }
         self.client.create_collection(self.collection, vectors_config=vectors, metadata={"dice_fast": self.record()})
 
@@ -77,11 +77,11 @@ class QdrantStore(RemoteStore):
                        "tokens": b.tokens[c0:c1].tolist()}
             if b.texts is not None:
                 payload["text"] = b.texts[d]
-            points.append(self._m["PointStruct"](id=point_id(doc_id), vector=vector, payload=payload))
+            points.append(self._models.PointStruct(id=point_id(doc_id), vector=vector, payload=payload))
         self.client.upsert(self.collection, points=points, wait=True)
 
     def _nearest(self, queries: np.ndarray, scoring: str, limit: int) -> list[list[Candidate]]:
-        request = self._m["QueryRequest"]
+        request = self._models.QueryRequest
         using = "doc" if scoring == "dice" else "chunks"
         requests = [request(query=q.tolist() if scoring == "dice" else [q.tolist()], using=using, limit=limit,
                             with_payload=True, with_vector=True) for q in queries]
@@ -100,7 +100,7 @@ class QdrantStore(RemoteStore):
         """Remove the documents ``ids`` (ids not stored are ignored)."""
         ids = [point_id(i) for i in ids]
         if ids:
-            self.client.delete(self.collection, points_selector=self._m["PointIdsList"](points=ids), wait=True)
+            self.client.delete(self.collection, points_selector=self._models.PointIdsList(points=ids), wait=True)
 
     def contains(self, ids: Sequence) -> list[bool]:
         """For each id in ``ids``: whether the collection holds it."""
