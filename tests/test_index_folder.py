@@ -135,7 +135,9 @@ def test_graphs_are_saved_and_read_back(tmp_path):
     index.build_graph("dice")
     index.save(tmp_path / "ix")
     assert {p.name.split(".")[0] for p in (tmp_path / "ix").glob("graph_*")} == {"graph_documents", "graph_chunks"}
-    back = DiceIndex.load(tmp_path / "ix")
+    DiceIndex.load(tmp_path / "ix").save(tmp_path / "copy")  # saved graphs copied without being read
+    assert {p.name.split(".")[0] for p in (tmp_path / "copy").glob("graph_*")} == {"graph_documents", "graph_chunks"}
+    back = DiceIndex.load(tmp_path / "copy")
     for scoring in ("dice", "maxsim"):
         want = index.search(queries, 5, scoring, approximate=True, candidates=20)
         assert back.search(queries, 5, scoring, approximate=True, candidates=20) == want

@@ -272,10 +272,9 @@ class DiceIndex(EncoderSlot):
         return self._faiss_graph("documents" if sc.check_scoring(scoring) == "dice" else "chunks")
 
     def graphs(self) -> dict:
-        """{"documents" | "chunks": faiss graph} built or read so far (saved graphs not yet read are read)."""
-        for over in list(self._graph_files):
-            self._faiss_graph(over)
-        return dict(self._graphs)
+        """{"documents" | "chunks": a faiss graph built or read so far, or the Path of a saved graph
+        not read yet (still current: it is dropped when documents are added)}."""
+        return {**{over: Path(f) for over, f in self._graph_files.items() if Path(f).is_file()}, **self._graphs}
 
     def _hit(self, qv: np.ndarray, d: int, score: float, scoring: str) -> Hit:
         c0, c1 = int(self.cu_doc_chunks[d]), int(self.cu_doc_chunks[d + 1])

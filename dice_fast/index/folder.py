@@ -61,10 +61,8 @@ def save(index, path) -> None:
     _write(folder / files["ids"]["file"], _json_writer(list(index.ids)))
     graphs = {}
     for over, graph in index.graphs().items():
-        import faiss
-
         graphs[over] = f"graph_{over}.{gen}.faiss"
-        _write(folder / graphs[over], lambda f, g=graph: f.write(faiss.serialize_index(g).tobytes()))
+        _write(folder / graphs[over], lambda f, g=graph: f.write(_graph_bytes(g)))
     meta = {"format": FORMAT, "generation": gen, "dim": index.dim, "n_documents": len(index),
             "n_chunks": index.n_chunks, "chunk_dtype": index.chunk_dtype, "store_text": index.store_text,
             "model": index.model, "encoder_options": index.encoder_options, "files": files, "graphs": graphs}
@@ -128,6 +126,15 @@ def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = Non
     index.restore(ids, loaded, texts, graphs)
     index.attach_encoder(encoder, device=device, where=str(folder))
     return index
+
+
+def _graph_bytes(graph) -> bytes:
+    """A faiss graph serialized, or the bytes of a saved one not read (no faiss needed to copy it)."""
+    if isinstance(graph, Path):
+        return graph.read_bytes()
+    import faiss
+
+    return faiss.serialize_index(graph).tobytes()
 
 
 def _file_names(meta: dict, store_text: bool) -> dict:
