@@ -12,7 +12,7 @@ import stat
 import numpy as np
 import pytest
 
-from dice_fast.chunk_cache import CACHE_FILE, SERVE_MAX_GB, CacheError, ChunkCache
+from dice_fast.reuse.persistent import CACHE_FILE, SERVE_MAX_GB, CacheError, ChunkCache
 from dice_fast.cli import build_parser
 from dice_fast.cliargs import cache_options
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import dice_fast.chunk_cache as cc
+import dice_fast.reuse.persistent as cc
 from dice_fast import DiceEncoder
-from dice_fast.chunk_cache import CACHE_FILE, ChunkCache
+from dice_fast.reuse.persistent import CACHE_FILE, ChunkCache
 from helpers import assert_close
 from oracle import ATOL, K, corpus, text_of
 from tiny_models import tiny
@@ -103,7 +103,7 @@ _KILLED_IN_COMMIT = r"""
 import sqlite3, sys, threading
 from pathlib import Path
 import numpy as np
-from dice_fast.chunk_cache import ChunkCache
+from dice_fast.reuse.persistent import ChunkCache
 gate, folder, at, where = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 real_connect = sqlite3.connect
 begun = [0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..chunk_cache import SERVE_MAX_GB
+from ..reuse.persistent import SERVE_MAX_GB
 from ..cliargs import add_cache_arguments, add_encoder_arguments, make_encoder
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, HTTP_LIMITS, LIMITS
 

@@ -6,7 +6,7 @@ recently used rows are evicted in batches), every row checksummed (a damaged one
 recomputed, never returned). `ChunkCache.bind` gives the `CacheNamespace` of one encoder
 configuration (`encoder_namespace` builds it for a `DiceEncoder`), keyed by `model_fingerprint`
 (SHA-256 of the weights and config, remembered per model folder). Rows are found by the chunk keys
-and identities of `dice_fast.reuse.chunk_keys`.
+and identities of `dice_fast.reuse.keys.chunk_keys`.
 
 Vectors are stored as the pooled chunk vector in float32, before chunk normalisation and aggregation.
 """
@@ -84,7 +84,7 @@ class ChunkCache:
     are returned to the file system.
     Any number of processes and threads may share one folder. Open with ``ChunkCache(folder)``; a file
     that is not a dice_fast chunk cache raises `CacheError` before anything is written to it. The folder
-    is 0700 and its files 0600 whatever the umask (`dice_fast.cache_files`: they hold every chunk's token
+    is 0700 and its files 0600 whatever the umask (`dice_fast.reuse.cache_files`: they hold every chunk's token
     ids, i.e. the text). If the database turns out damaged while in use, a warning is issued and this
     process continues without it (vectors are computed, never wrong).
     """
@@ -333,7 +333,7 @@ class ChunkCache:
 
 @dataclass(frozen=True)
 class CacheNamespace:
-    """A `ChunkCache` seen by one encoder configuration: ``salt`` keys its chunks (see `dice_fast.reuse.chunk_keys`)."""
+    """A `ChunkCache` seen by one encoder configuration: ``salt`` keys its chunks (see `dice_fast.reuse.keys.chunk_keys`)."""
 
     cache: ChunkCache
     id: int
