@@ -17,7 +17,7 @@ import torch
 import dice_fast.reuse.persistent as cc
 from dice_fast import DiceEncoder
 from dice_fast.reuse.persistent import CACHE_FILE, CacheError, ChunkCache
-from helpers import assert_close
+from helpers import assert_close, kill_at_gate
 from oracle import ATOL, K, corpus, text_of
 from tiny_models import tiny
 
@@ -259,8 +259,6 @@ sys.exit(main(sys.argv[3:]))
 
 def test_a_job_killed_mid_write_resumes_and_reruns_from_the_cache(tmp_path):
     import json
-    import signal
-    import time
 
     from dice_fast.cli import main
     from dice_fast.corpus import load_embeddings
@@ -280,15 +278,7 @@ def test_a_job_killed_mid_write_resumes_and_reruns_from_the_cache(tmp_path):
     script.write_text(_KILLED_WRITER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     gate = tmp_path / "gate"
-    proc = subprocess.Popen([sys.executable, str(script), str(gate), str(out), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    t0 = time.monotonic()
-    while not gate.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() - t0 < 100, "the job never reached a cache write"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
+    kill_at_gate([sys.executable, str(script), str(gate), str(out), *args], gate, env, "a cache write")
     with sqlite3.connect(cache / CACHE_FILE) as con:  # the killed transaction is gone, the rest intact
         assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert con.execute("SELECT count(*) FROM chunks").fetchone()[0] > 0

@@ -6,11 +6,8 @@ its last committed state and its stored byte count still equals its rows)."""
 from __future__ import annotations
 
 import os
-import signal
 import sqlite3
-import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -20,8 +17,8 @@ import pytest
 import dice_fast.reuse.persistent as cc
 from dice_fast import DiceEncoder
 from dice_fast.reuse.persistent import CACHE_FILE, ChunkCache
-from helpers import assert_close
-from oracle import ATOL, K, corpus, text_of
+from helpers import assert_close, kill_at_gate
+from oracle import ATOL, K, text_of
 from tiny_models import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,15 +150,7 @@ def test_a_process_killed_inside_the_real_commit_leaves_counts_that_match_the_ro
     gate, folder = tmp_path / "gate", tmp_path / "c"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     at = 6  # transactions: the schema, the namespace, then puts: the 4th put (past the bound, it evicts)
-    proc = subprocess.Popen([sys.executable, str(script), str(gate), str(folder), str(at), where],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    t0 = time.monotonic()
-    while not gate.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() - t0 < 60, "the writer never reached the hook"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    out, _ = proc.communicate(timeout=60)
+    out = kill_at_gate([sys.executable, str(script), str(gate), str(folder), str(at), where], gate, env, "the hook")
     committed = len(out.split())  # puts that returned before the kill
     assert committed == at - 3, out
     rows, keys = _consistent(folder / CACHE_FILE)

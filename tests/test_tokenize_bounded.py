@@ -68,22 +68,26 @@ def test_cuts_are_exact_where_they_are(bert_tokenizer):
     assert not cuts_are_exact(PreTrainedTokenizerFast(tokenizer_object=base, unk_token="[UNK]"))
 
 
+def _short_call_beside(long_call, tokenizer, lock: CountingLock, timeout: float) -> dict:
+    """{"long": long_call(), "short": a short text tokenized with ``lock`` while ``long_call`` runs in
+    another thread, held at the lock's ``hold_at``-th acquisition (a deadlock if the lock stayed held)}."""
+    out = {}
+    t = threading.Thread(target=lambda: out.update(long=long_call()))
+    t.start()
+    assert lock.holding.wait(timeout)
+    out["short"] = tokenize_bounded(tokenizer, ["a short text"], lock)
+    lock.release_hold.set()
+    t.join(timeout)
+    assert not t.is_alive()
+    return out
+
+
 def test_the_lock_is_released_between_pieces(bert_tokenizer):
     """While one thread tokenizes a long text, another thread's whole call gets in between its pieces."""
     long_text = " ".join(WORDS * 500)  # ~25k characters: many pieces of 1,000
     lock = CountingLock(hold_at=3)  # the long text's third piece waits until the short call is done
-    out = {}
-
-    def long_call():
-        out["long"] = tokenize_bounded(bert_tokenizer, [long_text], lock, piece_chars=1000)
-
-    t = threading.Thread(target=long_call)
-    t.start()
-    assert lock.holding.wait(60)
-    out["short"] = tokenize_bounded(bert_tokenizer, ["a short text"], lock)  # would deadlock under a held lock
-    lock.release_hold.set()
-    t.join(60)
-    assert not t.is_alive()
+    out = _short_call_beside(lambda: tokenize_bounded(bert_tokenizer, [long_text], lock, piece_chars=1000),
+                             bert_tokenizer, lock, 60)
     np.testing.assert_array_equal(out["long"].ids, tokenize(bert_tokenizer, [long_text]).ids)
     np.testing.assert_array_equal(out["short"].ids, tokenize(bert_tokenizer, ["a short text"]).ids)
     assert lock.acquired > 20
@@ -187,18 +191,7 @@ def test_two_megabytes_of_gapless_text_go_in_bounded_calls_with_the_lock_release
     text = "a." * 1_000_000
     tok = _Recording(bert_tokenizer)
     lock = CountingLock(hold_at=5)  # the long text's fifth call waits until another thread's call is done
-    out = {}
-
-    def long_call():
-        out["long"] = tokenize_bounded(tok, [text], lock)
-
-    t = threading.Thread(target=long_call)
-    t.start()
-    assert lock.holding.wait(120)
-    out["short"] = tokenize_bounded(bert_tokenizer, ["a short text"], lock)  # would deadlock under a held lock
-    lock.release_hold.set()
-    t.join(300)
-    assert not t.is_alive()
+    out = _short_call_beside(lambda: tokenize_bounded(tok, [text], lock), bert_tokenizer, lock, 300)
     assert max(tok.calls) <= PIECE_CHARS and len(tok.calls) >= 2 * len(text) // PIECE_CHARS
     np.testing.assert_array_equal(out["short"].ids, tokenize(bert_tokenizer, ["a short text"]).ids)
     whole = tokenize(bert_tokenizer, [text])
