@@ -152,8 +152,9 @@ def cuts_are_exact(tokenizer) -> bool:
 def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | None = PIECE_CHARS,
                      check=None, enough: int | None = None, what: str = "texts") -> TokenizedDocuments:
     """`tokenize`'s result, computed in tokenizer calls of at most ``piece_chars`` characters (pieces
-    of several short texts share a call), each holding ``lock`` (a context manager) alone, so another
-    thread's call waits at most one piece.
+    of several short texts share a call; a forced cut's check is one call of at most
+    ``CHECK_CANDIDATES * 4 * CHECK_CHARS`` = 1,536), each holding ``lock`` (a context manager) alone, so
+    another thread's call waits at most one piece.
 
     A text longer than ``piece_chars`` is cut as `pieces` says: the same ids as the whole text where
     `cuts_are_exact(tokenizer)`, except inside a run that offers no agreeing cut (module notes); pass

@@ -135,7 +135,7 @@ class ChunkCache:
                             "ident BLOB NOT NULL, vec BLOB NOT NULL, chk INTEGER NOT NULL, used INTEGER NOT NULL)")
                 con.execute("CREATE INDEX IF NOT EXISTS chunks_used ON chunks(used)")
         meta = dict(con.execute("SELECT name, value FROM meta").fetchall()) if not tables or "meta" in tables else {}
-        check_meta(self.path, meta, _MAGIC, FORMAT)  # made by another process meanwhile
+        check_meta(self.path, meta, _MAGIC, FORMAT)  # another process may have made the file since is_cache
 
     @contextlib.contextmanager
     def _write(self):
