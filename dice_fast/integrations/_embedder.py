@@ -220,7 +220,7 @@ class ServerEmbedder:
         where = f"inputs {lo}..{lo + n - 1} of this call" if n > 1 else f"input {lo} of this call"
         tries = "" if attempts is None else f" (after {attempts.made} tries in {attempts.elapsed:.1f} s)"
         if failure is not None:
-            raise DiceServerError(f"{self.url} could not be reached for {where}{tries}: "
+            raise DiceServerError(f"no response from {self.url} for {where}{tries}: "
                                   f"{type(failure).__name__}: {str(failure)[:200]}", None) from failure
         try:
             body = response.json()
