@@ -59,8 +59,8 @@ def test_429_and_503_are_retried_after_retry_after_with_jitter(tiny_encoder, wan
         np.testing.assert_array_equal(client.documents(TEXTS), want[0])
         gaps = np.diff(app.seen)
         assert len(app.seen) == 4
-        assert 1.0 <= gaps[0] < 2.5  # Retry-After: 1, and a little jitter
-        assert 0.1 <= gaps[1] < 2.0  # no Retry-After: the backoff's second step, 0.5..1 s
+        assert 1.0 <= gaps[0] < 4.0  # Retry-After: 1, and a little jitter (a busy machine adds the rest)
+        assert 0.5 <= gaps[1] < 4.0  # no Retry-After: the backoff's second step, 0.5..1 s
         app.refusals[:] = [(429, "0")] * 3
         with pytest.raises(DiceServerError, match=r"answered 429 for inputs 0\.\.1 of this call \(after 3 tries") as e:
             ServerEmbedder(s.url, max_retries=2).documents(TEXTS)  # retries spent: the 429 is raised
