@@ -39,7 +39,7 @@ from typing import Any
 
 from ..scoring import DEFAULT_SCORING, check_scoring
 from ._common import hit_metadata, require
-from ._embedder import DiceServerError, embedder
+from ._embedder import DiceServerError, QueryTooLong, embedder
 
 require("llama_index.core", "llama-index")
 from llama_index.core.base.embeddings.base import BaseEmbedding  # noqa: E402
@@ -47,7 +47,7 @@ from llama_index.core.retrievers import BaseRetriever  # noqa: E402
 from llama_index.core.schema import NodeRelationship, NodeWithScore, RelatedNodeInfo, TextNode  # noqa: E402
 from pydantic import PrivateAttr  # noqa: E402
 
-__all__ = ["DiceEmbedding", "DiceRetriever", "DiceServerError"]
+__all__ = ["DiceEmbedding", "DiceRetriever", "DiceServerError", "QueryTooLong"]
 
 
 class DiceEmbedding(BaseEmbedding):
