@@ -52,7 +52,7 @@ from .evidence import add_evidence_route
 from .guards import BearerAuth, HostGuard, check_api_key
 from .limits import default_max_body_bytes
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .schemas import QUOTE_CHARS, REQUEST_SCHEMA, embedding_response, parse_embedding_request
+from .schemas import QUOTE_CHARS, embedding_response, parse_embedding_request
 from .transport import LeasedResponse, RequestTimeout, check_content_type, read_body, unless_disconnected
 
 log = logging.getLogger("dice_fast.serve")
@@ -96,6 +96,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     metrics = ServerMetrics(core)
     created = int(time.time())
     documented = {"keyed": api_key is not None, "host_checked": allowed_hosts is not None}
+    embeddings_schema, evidence_schema = oa.request_schemas(core)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -180,7 +181,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     @app.post("/v1/embeddings", summary="Embed documents or queries",
               responses=oa.responses(oa.EMBEDDING_RESPONSE, oa.POST_ERRORS, **documented),
               openapi_extra={"requestBody": {"required": True,
-                                             "content": {"application/json": {"schema": REQUEST_SCHEMA}}}})
+                                             "content": {"application/json": {"schema": embeddings_schema}}}})
     async def embeddings(request: Request):
         async def handle(labels, lease):
             req = await read_request(request, parse_embedding_request, core.dim)
@@ -204,7 +205,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
 
         return await answer(request, "unknown", handle)
 
-    add_evidence_route(app, core, name, read_request, answer, serialise,
+    add_evidence_route(app, core, name, read_request, answer, serialise, evidence_schema,
                        oa.responses(oa.EVIDENCE_RESPONSE, oa.POST_ERRORS, **documented))
 
     health_doc = oa.responses(oa.HEALTH_RESPONSE, host_checked=documented["host_checked"], keyed=False,

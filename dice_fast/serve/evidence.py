@@ -12,7 +12,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from .. import scoring as sc
-from .schemas import EVIDENCE_SCHEMA, evidence_response, parse_evidence_request
+from .schemas import evidence_response, parse_evidence_request
 from .transport import unless_disconnected
 
 
@@ -35,15 +35,17 @@ def evidence_rows(req, query_vector, out) -> list[dict]:
     return rows
 
 
-def add_evidence_route(app, core, model_name: str, read_request, answer, serialise, responses: dict) -> None:
+def add_evidence_route(app, core, model_name: str, read_request, answer, serialise, schema: dict,
+                       responses: dict) -> None:
     """Register ``POST /v1/evidence`` on ``app`` over the `AsyncDiceEncoder` ``core``; ``read_request``
     (content type, body limit, parsing), ``answer`` (the lease, errors, disconnects, metrics) and
-    ``serialise`` are the app's own, shared with ``/v1/embeddings``; ``responses`` its OpenAPI answers."""
+    ``serialise`` are the app's own, shared with ``/v1/embeddings``; ``schema`` the body's JSON schema and
+    ``responses`` the route's answers, for the OpenAPI document."""
 
     @app.post("/v1/evidence", summary="Score documents for a query and return each one's evidence passage",
               responses=responses,
               openapi_extra={"requestBody": {"required": True,
-                                             "content": {"application/json": {"schema": EVIDENCE_SCHEMA}}}})
+                                             "content": {"application/json": {"schema": schema}}}})
     async def evidence(request: Request):
         async def handle(_labels, lease):
             req = await read_request(request, parse_evidence_request)

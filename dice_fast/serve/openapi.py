@@ -1,8 +1,50 @@
-"""What the OpenAPI document (``/openapi.json``) says each route answers: the response bodies' JSON
-schemas and every status code with its meaning, in OpenAI's error shape. Used by `create_app`; the
-request schemas are `dice_fast.serve.schemas.REQUEST_SCHEMA` / `EVIDENCE_SCHEMA`."""
+"""What the OpenAPI document (``/openapi.json``) says of each route: its request body's JSON schema,
+with the core's own limits (`request_schemas`), the response bodies' schemas, and every status code
+with its meaning, in OpenAI's error shape. Used by `create_app`; parsing does not use the schemas
+(`dice_fast.serve.schemas` checks the same rules and names the culprit), but a schema-driven fuzzer
+holds the two to each other (tests/serve/test_serve_openapi.py)."""
 
 from __future__ import annotations
+
+from ..scoring import SCORINGS
+from .schemas import ENCODING_FORMATS, INPUT_TYPES
+
+# a text with a character that str.strip() keeps (Python's \s is str.isspace, which \x1c-\x1f are in)
+TEXT_PATTERN = "[^\\s\\x1c-\\x1f]"
+
+
+def request_schemas(core) -> tuple[dict, dict]:
+    """(the /v1/embeddings body's schema, the /v1/evidence body's) for the `AsyncDiceEncoder` ``core``:
+    its width, inputs per request and characters per input are the schemas' bounds."""
+    text = {"type": "string", "minLength": 1, "maxLength": core.max_input_chars, "pattern": TEXT_PATTERN,
+            "description": "valid Unicode (no lone surrogate), not only whitespace"}
+    texts = {"oneOf": [text, {"type": "array", "minItems": 1, "maxItems": core.max_inputs_per_request,
+                              "items": text}]}
+    queries = [k for k, v in INPUT_TYPES.items() if v == "query"]
+    embeddings = {
+        "type": "object", "required": ["input"],
+        "properties": {
+            "input": texts,
+            "model": {"type": ["string", "null"]},
+            "encoding_format": {"enum": [*ENCODING_FORMATS, None], "default": "float"},
+            "input_type": {"enum": [*INPUT_TYPES, None], "default": "document"},
+            "dimensions": {"type": ["integer", "null"], "minimum": 1, "maximum": core.dim},
+            "return_chunks": {"type": "boolean", "default": False, "description": "documents only"},
+            "user": {"type": ["string", "null"]},
+        },
+        # a query is one window: return_chunks true is refused with it
+        "if": {"required": ["input_type"], "properties": {"input_type": {"enum": queries}}},
+        "then": {"properties": {"return_chunks": {"const": False}}},
+    }
+    evidence = {
+        "type": "object", "required": ["query", "documents"],
+        "properties": {
+            "query": text, "documents": texts,
+            "scoring": {"enum": [*SCORINGS, None], "default": "maxsim"},
+            "alpha": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        },
+    }
+    return embeddings, evidence
 
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"],

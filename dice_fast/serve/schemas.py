@@ -44,33 +44,6 @@ from .errors import InvalidRequest
 ENCODING_FORMATS = ("float", "base64")
 INPUT_TYPES = {"document": "document", "query": "query", "search_document": "document", "search_query": "query"}
 
-# the request body's JSON schema, for the OpenAPI page (parsing does not use it)
-REQUEST_SCHEMA = {
-    "type": "object",
-    "required": ["input"],
-    "properties": {
-        "input": {"oneOf": [{"type": "string", "minLength": 1},
-                            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}]},
-        "model": {"type": "string"},
-        "encoding_format": {"type": "string", "enum": list(ENCODING_FORMATS), "default": "float"},
-        "input_type": {"type": "string", "enum": list(INPUT_TYPES), "default": "document"},
-        "dimensions": {"type": "integer", "minimum": 1},
-        "return_chunks": {"type": "boolean", "default": False},
-        "user": {"type": "string"},
-    },
-}
-EVIDENCE_SCHEMA = {
-    "type": "object",
-    "required": ["query", "documents"],
-    "properties": {
-        "query": {"type": "string", "minLength": 1},
-        "documents": REQUEST_SCHEMA["properties"]["input"],
-        "scoring": {"type": "string", "enum": list(SCORINGS), "default": "maxsim"},
-        "alpha": {"type": "number", "minimum": 0, "maximum": 1},
-    },
-}
-
-
 @dataclass(frozen=True)
 class EmbeddingRequest:
     """A parsed request. input: the texts (a bare string becomes a list of one); input_type: "document"
@@ -117,15 +90,17 @@ def parse_embedding_request(body: bytes, dim: int) -> EmbeddingRequest:
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest(f"'model' must be a string, got {_json_type(model)}", param="model")
-    encoding_format = obj.get("encoding_format") or "float"
+    encoding_format = _or_default(obj, "encoding_format", "float")
     if encoding_format not in ENCODING_FORMATS:
         raise InvalidRequest(f"'encoding_format' must be one of {', '.join(map(repr, ENCODING_FORMATS))}, got "
                              f"{_short(encoding_format)}", param="encoding_format")
-    input_type = obj.get("input_type") or "document"
+    input_type = _or_default(obj, "input_type", "document")
     if not isinstance(input_type, str) or input_type not in INPUT_TYPES:
         raise InvalidRequest(f"'input_type' must be one of {', '.join(map(repr, INPUT_TYPES))}, got "
                              f"{_short(input_type)}", param="input_type")
     dimensions = obj.get("dimensions")
+    if isinstance(dimensions, float) and dimensions.is_integer():  # 8.0 is an integer in JSON Schema's sense
+        dimensions = int(dimensions)
     if dimensions is not None and (not _is_int(dimensions) or not 1 <= dimensions <= dim):
         raise InvalidRequest(f"'dimensions' must be an integer from 1 to {dim} (the served width), got "
                              f"{_short(dimensions)}", param="dimensions")
@@ -151,7 +126,7 @@ def parse_evidence_request(body: bytes) -> EvidenceRequest:
     if "documents" not in obj:
         raise InvalidRequest("'documents' is required: a string or a list of strings", param="documents")
     documents = _parse_input(obj["documents"], "documents")  # the same checks as 'input'
-    scoring = obj.get("scoring") or "maxsim"
+    scoring = _or_default(obj, "scoring", "maxsim")
     if scoring not in SCORINGS:
         raise InvalidRequest(f"'scoring' must be one of {', '.join(map(repr, SCORINGS))}, got {_short(scoring)}",
                              param="scoring")
@@ -159,6 +134,12 @@ def parse_evidence_request(body: bytes) -> EvidenceRequest:
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
         raise InvalidRequest(f"'alpha' must be a number from 0 to 1, got {_short(alpha)}", param="alpha")
     return EvidenceRequest(query, documents, scoring, None if alpha is None else float(alpha))
+
+
+def _or_default(obj: dict, key: str, default):
+    """``obj[key]``, or ``default`` when it is absent or null."""
+    value = obj.get(key)
+    return default if value is None else value
 
 
 def _json_object(body: bytes, needs: str) -> dict:
