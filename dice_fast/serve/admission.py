@@ -25,7 +25,7 @@ import numpy as np
 
 from ..chunking import check_texts
 from ..output import DiceOutput
-from ..scheduler import Job
+from ..chunk_queue import Job
 from .errors import DeadlineExceeded, Overloaded, RequestTooLarge, ShuttingDown, Unhealthy
 from .planning import check_chars, plan_request
 
