@@ -31,6 +31,20 @@ from .planning import check_chars, plan_request
 
 
 @dataclass(frozen=True)
+class Embeddings:
+    """The result of one request. vectors: (n, dim) float32, row i is input i; tokens: (n,) int64
+    tokens the model ran for input i (all its chunks, special tokens and prefix included); truncated:
+    the indices of queries cut to the window (``auto_truncate``); chunks: with ``return_chunks``, the
+    `DiceOutput` (chunk vectors and spans) equal to ``encoder.encode_documents(texts, return_chunks=True)``,
+    else None."""
+
+    vectors: np.ndarray
+    tokens: np.ndarray
+    truncated: tuple[int, ...] = ()
+    chunks: object = None
+
+
+@dataclass(frozen=True)
 class Part:
     """One part of a call: ``texts`` as ``kind`` ("documents" / "queries") with ``aggregation`` (None:
     the encoder's), keeping chunk vectors when ``return_chunks``; ``field`` names it in errors."""
@@ -116,8 +130,6 @@ class RequestSide:
                 lease.release()
 
     async def _embed_parts(self, parts: list[Part], lease: Lease, width: int):
-        from .batcher import Embeddings
-
         self._check_accepting()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout if self.request_timeout else None

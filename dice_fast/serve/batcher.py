@@ -33,14 +33,12 @@ import logging
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
-import numpy as np
 
 from ..reuse import MemoryCache
 from ..chunk_queue import ChunkQueue, Job
-from .admission import Lease, Part, RequestSide
+from .admission import Embeddings, Lease, Part, RequestSide, _Request
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
 from .planning import piece_chars
 from .worker import BUSY_TRIM_S, IDLE_TRIM_S, BatchStats, WorkerLoop
@@ -48,20 +46,6 @@ from .worker import BUSY_TRIM_S, IDLE_TRIM_S, BatchStats, WorkerLoop
 
 log = logging.getLogger("dice_fast.serve")
 __all__ = ["AsyncDiceEncoder", "BatchStats", "Embeddings", "Lease"]
-
-
-@dataclass(frozen=True)
-class Embeddings:
-    """The result of one request. vectors: (n, dim) float32, row i is input i; tokens: (n,) int64
-    tokens the model ran for input i (all its chunks, special tokens and prefix included); truncated:
-    the indices of queries cut to the window (``auto_truncate``); chunks: with ``return_chunks``, the
-    `DiceOutput` (chunk vectors and spans) equal to ``encoder.encode_documents(texts, return_chunks=True)``,
-    else None."""
-
-    vectors: np.ndarray
-    tokens: np.ndarray
-    truncated: tuple[int, ...] = ()
-    chunks: object = None
 
 
 class AsyncDiceEncoder(RequestSide, WorkerLoop):
