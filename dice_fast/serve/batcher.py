@@ -271,6 +271,7 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
         return (f"AsyncDiceEncoder({self.encoder!r}, max_inputs_per_request={self.max_inputs_per_request}, "
                 f"max_input_chars={self.max_input_chars}, max_tokens_per_document={self.max_tokens_per_document}, "
                 f"max_queue_tokens={self.max_queue_tokens}, max_concurrent_requests={self.max_concurrent_requests}, "
-                f"request_timeout={self.request_timeout:g}, max_batch_tokens={self.max_batch_tokens}, "
+                f"request_timeout={self.request_timeout:g}, max_response_floats={self.max_response_floats}, "
+                f"max_batch_tokens={self.max_batch_tokens}, "
                 f"auto_truncate={self.auto_truncate}, "
                 f"cross_request_batching={self.cross_request_batching}, cache_memory_mb={self.cache_memory_mb})")
