@@ -47,12 +47,12 @@ from ..runinfo import model_label
 from . import openapi as oa
 from .batcher import AsyncDiceEncoder
 from .errors import (DeadlineExceeded, InvalidRequest, OutOfMemory, Overloaded, RequestTooLarge, ServeError,
-                     ShuttingDown, Unauthorized, Unhealthy, UnsupportedMediaType, internal_error_body)
+                     ShuttingDown, Unauthorized, Unhealthy, UnsupportedMediaType, internal_error_body, quote)
 from .evidence import add_evidence_route
 from .guards import BearerAuth, HostGuard, check_api_key
 from .limits import default_max_body_bytes
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .schemas import QUOTE_CHARS, embedding_response, parse_embedding_request
+from .schemas import embedding_response, parse_embedding_request
 from .transport import LeasedResponse, RequestTimeout, check_content_type, read_body, unless_disconnected
 
 log = logging.getLogger("dice_fast.serve")
@@ -124,16 +124,14 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):  # 404, 405 in OpenAI's shape
-        path = request.url.path
-        path = path if len(path) <= QUOTE_CHARS else path[: QUOTE_CHARS - 3] + "..."
-        body = {"error": {"message": f"{exc.detail}: {request.method[:QUOTE_CHARS]} {path}",
+        body = {"error": {"message": f"{exc.detail}: {quote(request.method)} {quote(request.url.path)}",
                           "type": "invalid_request_error", "param": None, "code": str(exc.status_code)}}
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def read_request(request: Request, parse, *args):
         """``parse(body, *args)`` of the request's body, once its content type is checked and its bytes,
         counted as they stream in, are within the body limit (parsed off the event loop when large)."""
-        check_content_type(request.headers.get("content-type"), QUOTE_CHARS)
+        check_content_type(request.headers.get("content-type"))
         body = await read_body(request, body_limit, read_timeout)
         request.scope[_BODY_READ] = True
         if len(body) > _OFF_LOOP_BYTES:

@@ -39,7 +39,7 @@ import numpy as np
 import orjson
 
 from ..scoring import SCORINGS
-from .errors import InvalidRequest
+from .errors import QUOTE_CHARS, InvalidRequest, quote
 
 ENCODING_FORMATS = ("float", "base64")
 INPUT_TYPES = {"document": "document", "query": "query", "search_document": "document", "search_query": "query"}
@@ -216,13 +216,9 @@ def _unique_keys(pairs: list) -> dict:
     return obj
 
 
-QUOTE_CHARS = 40  # the most an error message quotes of what a client sent
-
-
 def _short(value, most: int = QUOTE_CHARS) -> str:
     """``repr(value)`` cut to ``most`` characters: an error never echoes a whole huge field."""
-    text = repr(value)
-    return text if len(text) <= most else text[: most - 3] + "..."
+    return quote(repr(value), most)
 
 
 _TOKEN_IDS = (

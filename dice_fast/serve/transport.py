@@ -18,7 +18,7 @@ import contextlib
 
 from starlette.responses import Response
 
-from .errors import InvalidRequest, RequestTooLarge, UnsupportedMediaType
+from .errors import InvalidRequest, RequestTooLarge, UnsupportedMediaType, quote
 
 PIECE_BYTES = 1 << 18  # a response is handed to the connection 256 KiB at a time
 
@@ -29,7 +29,7 @@ class RequestTimeout(InvalidRequest):
     code = "request_timeout"
 
 
-def check_content_type(value: str | None, quote: int = 40) -> None:
+def check_content_type(value: str | None) -> None:
     """Accept JSON (``application/json`` or ``*/*+json``, UTF-8); anything else, or none, is
     `UnsupportedMediaType` (a page in a browser can send ``text/plain`` anywhere without asking)."""
     if value is None:
@@ -37,8 +37,8 @@ def check_content_type(value: str | None, quote: int = 40) -> None:
     media, *params = (part.strip().lower() for part in value.split(";"))
     charset = next((p.split("=", 1)[1].strip('"') for p in params if p.startswith("charset=")), "utf-8")
     if (media != "application/json" and not media.endswith("+json")) or charset not in ("utf-8", "utf8"):
-        shown = value if len(value) <= quote else value[: quote - 3] + "..."
-        raise UnsupportedMediaType(f"the body must be JSON in UTF-8 (Content-Type: application/json), not {shown!r}")
+        raise UnsupportedMediaType(f"the body must be JSON in UTF-8 (Content-Type: application/json), not "
+                                   f"{quote(value)!r}")
 
 
 async def read_body(request, limit: int, timeout: float | None = None) -> bytes:
