@@ -50,11 +50,10 @@ from .errors import (DeadlineExceeded, InvalidRequest, OutOfMemory, Overloaded, 
                      ShuttingDown, Unauthorized, Unhealthy, UnsupportedMediaType, internal_error_body, quote)
 from .evidence import add_evidence_route
 from .guards import BearerAuth, HostGuard, check_api_key
-from .limits import DEFAULT_RESPONSE_MEMORY_MB, default_max_body_bytes
+from .limits import default_max_body_bytes
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .schemas import embedding_response, parse_embedding_request
-from .transport import (ByteBudget, LeasedResponse, RequestTimeout, Share, check_content_type, read_body,
-                        unless_disconnected)
+from .transport import LeasedResponse, RequestTimeout, check_content_type, read_body, unless_disconnected
 
 log = logging.getLogger("dice_fast.serve")
 
@@ -64,12 +63,10 @@ CLIENT_GONE = 499  # nginx's "client closed request": counted in metrics, never 
 _OFF_LOOP_FLOATS = 1 << 16  # responses with more floats than this are serialised in a worker thread
 _OFF_LOOP_BYTES = 1 << 16  # request bodies longer than this are parsed in a worker thread
 _BODY_READ = "dice_fast.body_read"  # scope key: the request body was read whole
-BYTES_PER_FLOAT = {"float": 21, "base64": 5.4}  # a response's size, for the response budget (the most seen)
 
 
 def create_app(encoder, *, model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int | None = None, allowed_hosts=None, read_timeout: float | None = 60.0,
-               response_memory_mb: int = DEFAULT_RESPONSE_MEMORY_MB, **limits):
+               max_body_bytes: int | None = None, allowed_hosts=None, read_timeout: float | None = 60.0, **limits):
     """A FastAPI app serving ``encoder``.
 
     encoder: a `DiceEncoder` (the app builds an `AsyncDiceEncoder` over it with ``limits``, the keyword
@@ -82,9 +79,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     allowed_hosts: the ``Host`` names and addresses answered (`dice_fast.serve.guards.allowed_hosts`
     builds them for a bound address; ``["*"]``: any); others get 400. None (the default for an app you
     mount in your own server): no check. read_timeout: seconds a request body may take to arrive
-    (408 past it; None: no bound). response_memory_mb: the bytes of responses being built or sent, all
-    requests together; a request waits its turn to serialise while they are spent
-    (`dice_fast.serve.transport.ByteBudget`).
+    (408 past it; None: no bound).
     """
     if isinstance(encoder, AsyncDiceEncoder):
         if limits:
@@ -96,10 +91,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
         raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
     if read_timeout is not None and not read_timeout > 0:
         raise ValueError(f"read_timeout must be a number of seconds > 0 (or None), got {read_timeout!r}")
-    if isinstance(response_memory_mb, bool) or not isinstance(response_memory_mb, int) or response_memory_mb < 1:
-        raise ValueError(f"response_memory_mb must be an integer >= 1, got {response_memory_mb!r}")
     body_limit = max_body_bytes or default_max_body_bytes(core.max_queue_tokens)
-    budget = ByteBudget(response_memory_mb << 20)
     name = model_name or model_label(core.encoder.spec.name)
     metrics = ServerMetrics(core)
     created = int(time.time())
@@ -147,16 +139,15 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
         return parse(body, *args)
 
     async def answer(request: Request, label: str, handle) -> Response:
-        """The routes' shared frame. Takes the request's `Share` first (its `Lease` of the core, and later
-        its response's bytes); ``handle(labels, share)`` returns (JSON bytes, inputs, tokens), or None when
-        the client has gone, and may set ``labels[0]`` (the metrics' input type) once it knows it. The
-        share is released when the response's last byte is handed to the connection, or at once for an
-        error. A `ServeError` is
+        """The routes' shared frame. Takes the request's `Lease` (its share of the core) first;
+        ``handle(labels, lease)`` returns (JSON bytes, inputs, tokens), or None when the client has gone,
+        and may set ``labels[0]`` (the metrics' input type) once it knows it. The lease is released when
+        the response's last byte is handed to the connection, or at once for an error. A `ServeError` is
         answered in OpenAI's shape, a client gone gets 499 (counted, never sent), any other error 500
         (logged: the model failed, never the client's fault); each is counted in /metrics."""
         start, labels, lease = time.perf_counter(), [label], None
         try:
-            lease = Share(core.lease(), budget)
+            lease = core.lease()
             result = await handle(labels, lease)
         except ServeError as exc:
             _release(lease)
@@ -179,10 +170,8 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
         metrics.observe_request(labels[0], 200, time.perf_counter() - start, inputs, tokens)
         return LeasedResponse(content, lease)
 
-    async def serialise(share: Share, make, floats: int, size: int, *args) -> bytes:
-        """``make(*args)`` once ``share`` holds ``size`` bytes (the response's, about) of the response
-        budget; in a worker thread when the response holds more than `_OFF_LOOP_FLOATS` floats."""
-        await share.reserve(size + 4096)
+    async def serialise(make, floats: int, *args) -> bytes:
+        """``make(*args)``, in a worker thread when the response holds more than `_OFF_LOOP_FLOATS` floats."""
         if floats > _OFF_LOOP_FLOATS:
             return await asyncio.get_running_loop().run_in_executor(None, make, *args)
         return make(*args)
@@ -192,8 +181,8 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
               openapi_extra={"requestBody": {"required": True,
                                              "content": {"application/json": {"schema": embeddings_schema}}}})
     async def embeddings(request: Request):
-        async def handle(labels, share):
-            req, lease = await read_request(request, parse_embedding_request, core.dim), share.lease
+        async def handle(labels, lease):
+            req = await read_request(request, parse_embedding_request, core.dim)
             labels[0] = req.input_type
             if req.input_type == "query":
                 work = core.embed_queries(req.input, lease=lease, width=req.dimensions)
@@ -208,9 +197,8 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
             if chunks is not None and req.dimensions is not None:
                 chunks = replace(chunks, chunks=truncate(chunks.chunks, req.dimensions, core.encoder.normalize_chunks))
             floats = vectors.size + (chunks.chunks.size if chunks is not None else 0)
-            size = int(floats * BYTES_PER_FLOAT[req.encoding_format])
-            content = await serialise(share, embedding_response, floats, size, vectors, out.tokens, name,
-                                      req.encoding_format, out.truncated, chunks)
+            content = await serialise(embedding_response, floats, vectors, out.tokens, name, req.encoding_format,
+                                      out.truncated, chunks)
             return content, len(req.input), int(out.tokens.sum())
 
         return await answer(request, "unknown", handle)

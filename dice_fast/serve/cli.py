@@ -182,8 +182,7 @@ def cmd_serve(args) -> int:
         inject_oom(encoder.model, args.testing_inject_oom)
     hosts = allowed_hosts(args.host, args.allowed_hosts.split(","))
     app = create_app(encoder, model_name=args.served_model_name, api_key=key, max_body_bytes=args.max_body_bytes,
-                     allowed_hosts=hosts, read_timeout=args.read_timeout, response_memory_mb=args.response_memory_mb,
-                     cache_memory_mb=args.cache_memory_mb,
+                     allowed_hosts=hosts, read_timeout=args.read_timeout, cache_memory_mb=args.cache_memory_mb,
                      **limits(args))
     if encoder.cache is not None:
         print(f"dice-fast serve: chunk cache {encoder.cache.cache!r}", flush=True)

@@ -47,18 +47,16 @@ def add_evidence_route(app, core, model_name: str, read_request, answer, seriali
               openapi_extra={"requestBody": {"required": True,
                                              "content": {"application/json": {"schema": schema}}}})
     async def evidence(request: Request):
-        async def handle(_labels, share):
+        async def handle(_labels, lease):
             req = await read_request(request, parse_evidence_request)
-            work = core.embed_query_and_documents([req.query], req.documents, return_chunks=True, lease=share.lease)
+            work = core.embed_query_and_documents([req.query], req.documents, return_chunks=True, lease=lease)
             done = await unless_disconnected(request, work)
             if done is None:
                 return None
             query, docs = done
             rows = evidence_rows(req, query.vectors, docs.chunks)
             tokens = int(query.tokens.sum() + docs.tokens.sum())
-            size = sum(200 + 2 * len(row["text"]) for row in rows)  # each row: a few numbers and its passage
-            content = await serialise(share, evidence_response, len(rows) * 8, size, rows, req.scoring, tokens,
-                                      model_name)
+            content = await serialise(evidence_response, len(rows) * 8, rows, req.scoring, tokens, model_name)
             return content, len(req.documents), tokens
 
         return await answer(request, "evidence", handle)

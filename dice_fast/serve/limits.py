@@ -29,11 +29,8 @@ QUEUE_BATCHES = 64  # the default max_queue_tokens, in batches of max_batch_toke
 CHARS_PER_TOKEN = 8
 BYTES_PER_TOKEN = 8
 
-# The HTTP app's own limits (`create_app`): the body is counted while it streams in.
-DEFAULT_RESPONSE_MEMORY_MB = 128
+# The HTTP app's own limit (`create_app`): the body is counted while it streams in.
 HTTP_LIMITS = {
-    "response_memory_mb": (DEFAULT_RESPONSE_MEMORY_MB, "MiB of responses being built or sent, all requests together; "
-                                                       "a request waits its turn to serialise while they are spent"),
     "max_body_bytes": (None, f"bytes of a request body, counted as it arrives (default {BYTES_PER_TOKEN} per token "
                              "of max_queue_tokens: 2 MiB on the CPU defaults); more: 413 before it is read whole"),
 }

@@ -8,10 +8,6 @@
   enough of the one before (the server's flow control), so a response being sent keeps counting as in
   flight, and a client that stops reading is cut off by the server's write timeout
   (`dice_fast.serve.server`) instead of pinning the whole body.
-* `ByteBudget` / `Share`: the bytes of responses being built or sent, all requests together, are
-  bounded (``response_memory_mb``): a request reserves its response's size before serialising it and
-  waits while the budget is spent, first come first served; it holds the reservation with its lease
-  until its response is sent.
 * `unless_disconnected`: await work, cancelled when the client goes away.
 """
 
@@ -19,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 
 from starlette.responses import Response
 
@@ -97,59 +92,9 @@ async def _disconnect(request) -> None:
             return
 
 
-class ByteBudget:
-    """At most ``limit`` bytes reserved at once, on one event loop; `acquire` waits its turn (first
-    come first served) and takes at most ``limit`` (a response larger than the budget waits for all of
-    it, then goes alone)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
-        self._waiters: deque[list] = deque()  # [bytes, future] in arrival order; the head is woken
-
-    async def acquire(self, n: int) -> int:
-        """Reserve ``min(n, limit)`` bytes, waiting while they are not free; returns what was reserved."""
-        n = max(0, min(n, self.limit))
-        loop = asyncio.get_running_loop()
-        entry = [n, loop.create_future()]
-        self._waiters.append(entry)
-        try:
-            while self._waiters[0] is not entry or self.used + n > self.limit:
-                await entry[1]
-                entry[1] = loop.create_future()
-        finally:
-            self._waiters.remove(entry)
-            self._wake()
-        self.used += n
-        return n
-
-    def release(self, n: int) -> None:
-        self.used -= n
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiters and not self._waiters[0][1].done():
-            self._waiters[0][1].set_result(None)
-
-
-class Share:
-    """One request's share while its response is built and sent: its core ``lease`` and the response
-    bytes it reserved from ``budget``; `release` gives both back (idempotent)."""
-
-    def __init__(self, lease, budget: ByteBudget):
-        self.lease, self.budget, self.reserved = lease, budget, 0
-
-    async def reserve(self, n: int) -> None:
-        self.reserved += await self.budget.acquire(n)
-
-    def release(self) -> None:
-        self.lease.release()
-        self.budget.release(self.reserved)
-        self.reserved = 0
-
-
 class LeasedResponse(Response):
-    """A response whose ``lease`` (anything with ``release()``: a `Lease`, a `Share`, or None) is
-    released once its last piece is handed to the connection, or the client has gone."""
+    """A response whose ``lease`` (a `Lease`, or None) is released once its last piece is handed to
+    the connection, or the client has gone."""
 
     def __init__(self, content: bytes, lease=None, status_code: int = 200, media_type: str = "application/json",
                  headers=None):
