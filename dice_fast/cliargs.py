@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .config import AGGREGATIONS, ATTENTION_BACKENDS, ATTENTION_MODES, POOLINGS, POSITIONS, STRATEGIES
+from .errors import OptionError
 
 
 def encoder_options(args) -> dict:
@@ -88,5 +89,5 @@ def make_encoder(args):
 
     cache = {"cache": args.cache, "cache_max_gb": args.cache_max_gb} if getattr(args, "cache", None) else {}
     if getattr(args, "cache_max_gb", None) is not None and not cache:
-        raise ValueError("--cache-max-gb needs --cache DIR")
+        raise OptionError("--cache-max-gb needs --cache DIR")
     return DiceEncoder.from_pretrained(args.model, **cache, **encoder_options(args))

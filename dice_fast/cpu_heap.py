@@ -29,6 +29,7 @@ import ctypes
 import functools
 import os
 import threading
+from .errors import OptionError
 
 ENV = "DICE_FAST_CPU_HEAP"
 MMAP_THRESHOLD = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (HEAP_MAX_SIZE / 2)
@@ -58,7 +59,7 @@ def keep_freed_pages() -> bool:
         if _applied is None:
             mode = os.environ.get(ENV, "keep").strip().lower() or "keep"
             if mode not in ("keep", "default"):
-                raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 'keep' (the default) or 'default'")
+                raise OptionError(f"{ENV}={os.environ[ENV]!r}: expected 'keep' (the default) or 'default'")
             libc = _libc()
             _applied = (mode == "keep" and libc is not None
                         and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1

@@ -9,7 +9,6 @@ import pytest
 
 from dice_fast.chunking import check_texts, plan_chunks
 from dice_fast.packing import pack
-from dice_fast.chunk_queue import ChunkQueue
 from dice_fast.chunking import EncodingPlan, TokenizedDocuments
 from reference import chunk_token_lists
 
@@ -44,7 +43,7 @@ def test_batches_respect_budget_and_order():
     plan = EncodingPlan(docs, plan_chunks(lengths, 100), np.zeros(0, np.int64), np.zeros(0, np.int64))
     enc = SimpleNamespace(max_batch_tokens=10, spec=SimpleNamespace(first_position=0),
                           config=SimpleNamespace(aggregation="mean"))
-    queue = ChunkQueue(enc)
+    queue = enc.chunk_queue()
     queue.submit(plan)
     batches = []
     while (batch := queue.next_batch()) is not None:

@@ -28,7 +28,7 @@ import numpy as np
 from .. import scoring as sc
 
 # encoder options a loaded index does not pin (the machine's business, not the vectors')
-_MACHINE_OPTIONS = ("device", "dtype", "max_batch_tokens", "pooling_impl", "attention_backend")
+_MACHINE_OPTIONS = ("device", "dtype", "max_batch_tokens", "pooling_impl", "attention_backend", "dedup")
 _BLOCK_SCORES = 1 << 22  # query x chunk scores per exact-search block (16 MiB of float32)
 CHUNK_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -123,6 +123,10 @@ class DiceIndex:
         out = self.encoder.encode_documents(texts, return_chunks=True)
         self.add_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
                         out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
+
+    def set_ids(self, ids: list[str]) -> None:
+        """Make ``ids`` (n_docs distinct strings, checked by the caller) the ids of this index's documents."""
+        self.ids, self._id_set = list(ids), set(ids)
 
     def add_arrays(self, ids: Sequence, documents: np.ndarray, chunks: np.ndarray, chunk_document: np.ndarray,
                    chunk_start_char: np.ndarray, chunk_end_char: np.ndarray, chunk_tokens: np.ndarray,

@@ -82,7 +82,7 @@ def load(cls, path, encoder=None):
     ids = _read_json(folder / "ids.json")
     if not isinstance(ids, list) or len(ids) != n_docs or not all(isinstance(i, str) for i in ids) or len(set(ids)) != n_docs:
         raise ValueError(f"{folder / 'ids.json'}: expected {n_docs} distinct string ids")
-    index.ids, index._id_set = ids, set(ids)
+    index.set_ids(ids)
     if index.store_text:
         texts = _read_json(folder / "texts.json")
         if not isinstance(texts, list) or len(texts) != n_docs or not all(isinstance(t, str) for t in texts):

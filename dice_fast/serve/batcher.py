@@ -42,7 +42,7 @@ import numpy as np
 from ..chunking import check_texts
 from ..output import DiceOutput
 from ..reuse import MemoryCache
-from ..chunk_queue import ChunkQueue, Job
+from ..chunk_queue import Job
 from .errors import DeadlineExceeded, Overloaded, RequestTooLarge, ShuttingDown, Unhealthy
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
 from .planning import check_chars, piece_chars, plan_request
@@ -141,7 +141,7 @@ class AsyncDiceEncoder(WorkerLoop):
         self.idle_trim_s, self.busy_trim_s = IDLE_TRIM_S, BUSY_TRIM_S
         self.cache_memory_mb = cache_memory_mb
         memory = MemoryCache(cache_memory_mb << 20) if cache_memory_mb else None
-        self._queue = ChunkQueue(encoder, max_batch_tokens, memory=memory)
+        self._queue = encoder.chunk_queue(max_batch_tokens, memory=memory)
         self.max_inputs_per_request = max_inputs_per_request
         self.max_tokens_per_document = max_tokens_per_document
         self.max_queue_tokens = max_queue_tokens or QUEUE_BATCHES * self._queue.max_batch_tokens

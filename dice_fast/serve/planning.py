@@ -10,7 +10,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..chunking import PIECE_CHARS, EncodingPlan, TextError, TokenizedDocuments, cuts_are_exact, tokenize_bounded
+from ..chunking import PIECE_CHARS, EncodingPlan, TokenizedDocuments
+from ..errors import TextError
 from .errors import InvalidRequest, RequestTooLarge
 
 
@@ -21,8 +22,7 @@ class Abandoned(Exception):
 def piece_chars(encoder) -> int | None:
     """Characters per tokenizer call for ``encoder``: `PIECE_CHARS` where cutting texts at word gaps gives
     the ids of the whole (`cuts_are_exact`, checked once here), else None (whole texts)."""
-    with encoder._tokenizer_lock:
-        return PIECE_CHARS if cuts_are_exact(encoder.tokenizer) else None
+    return PIECE_CHARS if encoder.cuts_are_exact() else None
 
 
 def check_chars(texts: list[str], limit: int) -> None:
@@ -60,8 +60,8 @@ def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | Non
         check_sizes(counts if used is None else np.minimum(counts, used), at_least=True)
 
     try:
-        tokens = tokenize_bounded(encoder.tokenizer, texts, encoder._tokenizer_lock, piece_chars=piece_chars,
-                                  check=check, enough=used if kind == "queries" else None, what="input")
+        tokens = encoder.tokenize_bounded(texts, piece_chars=piece_chars, check=check,
+                                          enough=used if kind == "queries" else None, what="input")
     except TextError as exc:  # not valid Unicode
         raise InvalidRequest(str(exc), param=f"input[{exc.index}]") from None
     refuse_long_queries(tokens.lengths)
