@@ -3,6 +3,7 @@ and at the working tree, on a fixed corpus with the bundled all-MiniLM-L6-v2.
 
     python benchmarks/compare_vectors.py --ref ed32828                 # vectors: documents, queries, chunks
     python benchmarks/compare_vectors.py --ref ed32828 --throughput 5  # and engine / padded ratios, 5 rounds
+    python benchmarks/compare_vectors.py --ref ed32828 --throughput 3 --no-vectors
 
 The reference is checked out in a temporary ``git worktree``; each side runs in its own subprocess with
 ``PYTHONPATH`` pointing at its tree. Each side encodes, in one process: documents (``encode_documents``,
@@ -87,8 +88,16 @@ np.savez(sys.argv[1], **out)
 THROUGHPUT = r'''
 import json, random, time, warnings
 from dice_fast import DiceEncoder
-from dice_fast.bench.run import _Planned, encode_plan
+from dice_fast.bench.run import encode_plan
 from dice_fast.bench.baselines import encode_padded_sorted
+
+class Planned:  # the encoder, its plan(texts) the plan made beforehand (as dice-fast bench gives the baselines)
+    def __init__(self, encoder, plan):
+        self.encoder, self.fixed = encoder, plan
+    def plan(self, texts, kind="documents"):
+        return self.fixed
+    def __getattr__(self, name):
+        return getattr(self.encoder, name)
 warnings.simplefilter("ignore")
 rng = random.Random(11)
 words = open(__import__("dice_fast").__path__[0] + "/data/prose.txt", encoding="utf-8").read().split()
@@ -101,7 +110,7 @@ enc = DiceEncoder.from_pretrained(device="cpu", dtype="float32")
 plan = enc.plan(docs)
 encode_plan(enc, plan)  # warm-up
 t = {}
-planned = _Planned(enc, plan)  # the baseline starts from the same tokenized corpus (as dice-fast bench)
+planned = Planned(enc, plan)  # the baseline starts from the same tokenized corpus (as dice-fast bench)
 for name, fn in (("engine", lambda: encode_plan(enc, plan)), ("padded", lambda: encode_padded_sorted(planned, docs))):
     best = []
     for _ in range(2):
@@ -139,6 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ref", required=True, help="the reference commit (e.g. the commit before the change)")
     ap.add_argument("--throughput", type=int, default=0, metavar="N",
                     help="also N alternating rounds of engine / padded throughput per tree (0: none)")
+    ap.add_argument("--no-vectors", action="store_true", help="skip the vector comparison (throughput only)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="dice_compare_") as tmp:
         tmp = Path(tmp)
@@ -147,15 +157,16 @@ def main(argv=None) -> int:
                        check=True)
         try:
             trees = {"ref": ref_tree, "head": ROOT}
-            vectors = {}
-            for side, tree in trees.items():
+            vectors, bad = {}, []
+            for side, tree in (() if args.no_vectors else trees.items()):
                 print(f"encoding at {side} ({tree}) ...", flush=True)
                 run_in(tree, VECTORS, str(tmp / f"{side}.npz"), str(tmp / f"cache_{side}"))
                 vectors[side] = dict(np.load(tmp / f"{side}.npz"))
-            print(f"vectors at {args.ref} (ref) vs the working tree (head):")
-            bad = compare(vectors["ref"], vectors["head"])
-            warm = vectors["head"]["cache_warm_stats"]
-            print(f"  warm cache at head: {int(warm[0])} disk hits, {int(warm[1])} chunks computed")
+            if vectors:
+                print(f"vectors at {args.ref} (ref) vs the working tree (head):")
+                bad = compare(vectors["ref"], vectors["head"])
+                warm = vectors["head"]["cache_warm_stats"]
+                print(f"  warm cache at head: {int(warm[0])} disk hits, {int(warm[1])} chunks computed")
             ratios = {"ref": [], "head": []}
             for r in range(args.throughput):
                 for side in (("ref", "head") if r % 2 == 0 else ("head", "ref")):
@@ -169,7 +180,8 @@ def main(argv=None) -> int:
                       f"(head / ref {med['head'] / med['ref']:.3f})")
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(ref_tree)], check=False)
-    print("all identical" if not bad else f"DIFFERENT: {', '.join(bad)}")
+    if vectors:
+        print("all identical" if not bad else f"DIFFERENT: {', '.join(bad)}")
     return 1 if bad else 0
 
 

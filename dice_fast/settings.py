@@ -26,9 +26,9 @@ from .matryoshka import check_dim
 from .models import ModelSpec
 from .ops import resolve_impl
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# token budget of one packed forward when max_batch_tokens is None (the CPU figure is measured:
-# benchmarks/RESULTS.md, "CPU batch budget")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# token budget of one packed forward when max_batch_tokens is None (why 4096 on a CPU: benchmarks/RESULTS.md,
+# "Figures moved out of docstrings (issue 23)")
 DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
 OTHER_DEVICE_BATCH_TOKENS = 16384
 _CAUSAL = {"model default": None, "causal": True, "bidirectional": False}
@@ -145,7 +145,7 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
 def placement(config: DiceConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
     """Where a model now on ``device`` in ``dtype`` runs under ``config`` (``None`` options: where it is)."""
     return (torch.device(config.device) if config.device is not None else device,
-            DTYPES[config.dtype] if config.dtype is not None else dtype)
+            TORCH_DTYPES[config.dtype] if config.dtype is not None else dtype)
 
 
 def pretrained_placement(device=None, dtype=None) -> tuple[torch.device, str]:
@@ -153,8 +153,8 @@ def pretrained_placement(device=None, dtype=None) -> tuple[torch.device, str]:
     a given ``device`` / ``dtype`` (a name or a ``torch.dtype``) is kept."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = str(dtype or ("bfloat16" if device.type == "cuda" else "float32")).replace("torch.", "")
-    if dtype not in DTYPES:
-        raise OptionError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in TORCH_DTYPES:
+        raise OptionError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
     return device, dtype
 
 
@@ -168,4 +168,4 @@ def _overhead(wrap) -> int:
     return len(wrap[0]) + len(wrap[1])
 
 
-__all__ = ["Chunking", "DTYPES", "DEFAULT_BATCH_TOKENS", "Settings", "placement", "pretrained_placement", "resolve"]
+__all__ = ["Chunking", "TORCH_DTYPES", "DEFAULT_BATCH_TOKENS", "Settings", "placement", "pretrained_placement", "resolve"]
