@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from dice_fast.serve.bench import _decode, _free_port, make_corpus, wait_healthy
+from dice_fast.serve.bench import decode_embeddings, free_port, make_corpus, wait_healthy
 
 # kind -> share of the requests; "reaches_model" kinds may meet an injected fault
 MIX = {"document": 0.70, "query": 0.10, "malformed": 0.06, "unauthorized": 0.03, "over_body": 0.02,
@@ -132,7 +132,7 @@ class Server:
     """``with Server(args) as s:`` dice-fast serve in a child process; s.url, s.key, s.proc, s.limits, s.log."""
 
     def __init__(self, args):
-        self.port, self.key = _free_port(), secrets.token_urlsafe(24)
+        self.port, self.key = free_port(), secrets.token_urlsafe(24)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="dice-fast-soak-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "dice_fast.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
@@ -220,7 +220,7 @@ async def send(http, requests: Requests, kind: str, stats: dict) -> None:
     if r.status_code == 200 and pick is not None:
         if kind != "disconnect":
             stats["latency"].append(seconds)
-        if not np.allclose(_decode(r.json()), ref[pick], atol=1e-4, rtol=0):
+        if not np.allclose(decode_embeddings(r.json()), ref[pick], atol=1e-4, rtol=0):
             stats["wrong"] += 1
 
 

@@ -5,6 +5,8 @@
     docs = enc.encode_documents(texts)             # (n_docs, dim) float32, row i is texts[i]
     qs = enc.encode_queries(queries)               # (n_queries, dim) float32
 
+Every error the core raises derives from `DiceError` (`dice_fast.errors`).
+
 Importing this package is cheap: it touches no GPU, compiles nothing and imports neither
 transformers, triton nor flash-attn; those load on first use.
 """
@@ -19,9 +21,15 @@ _LAZY = {
     "DiceConfig": "dice_fast.config",
     "EncodingPlan": "dice_fast.chunking",
     "DiceIndex": "dice_fast.index",
+    "ChunkCache": "dice_fast.reuse.persistent",
+    "Settings": "dice_fast.settings",
+    **{name: "dice_fast.errors" for name in ("DiceError", "OptionError", "ArgumentTypeError", "TextError", "InputError",
+                                              "MissingDependency", "ModelError", "CacheError", "InputOutOfMemory")},
 }
 
-__all__ = ["DiceEncoder", "DiceOutput", "DiceConfig", "EncodingPlan", "DiceIndex", "__version__"]
+__all__ = ["DiceEncoder", "DiceOutput", "DiceConfig", "EncodingPlan", "DiceIndex", "ChunkCache", "Settings",
+           "DiceError", "OptionError", "ArgumentTypeError", "TextError", "ModelError", "CacheError",
+           "InputOutOfMemory", "InputError", "MissingDependency", "__version__"]
 
 
 def __getattr__(name: str):

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_attention
+from .errors import OptionError
 
 ATTENTION_NAME = "dice_fast_varlen"
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_groups")
@@ -94,7 +95,7 @@ def backend_available(backend: str, device: torch.device) -> bool:
         return _flash_attn_func() is not None
     if backend == "torch_varlen":
         return _torch_varlen_func() is not None
-    raise ValueError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    raise OptionError(f"unknown attention backend {backend!r}; allowed: {', '.join(BACKENDS)}")
 
 
 def supports_sliding_window(backend: str) -> bool:
@@ -116,15 +117,15 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
     if requested == "padded":  # the runner's fallback: the model's own attention
         return requested
     if requested not in BACKENDS:
-        raise ValueError(f"unknown attention backend {requested!r}; allowed: 'auto', {', '.join(BACKENDS)}")
+        raise OptionError(f"unknown attention backend {requested!r}; allowed: 'auto', {', '.join(BACKENDS)}")
     if not backend_available(requested, device):
         how = {
             "flash_attn": "it needs a CUDA device and the flash-attn package (pip install flash-attn)",
             "torch_varlen": "it needs a CUDA device and torch.nn.attention.varlen (torch >= 2.9)",
         }[requested]
-        raise ValueError(f"attention backend {requested!r} is not available on {device}: {how}")
+        raise OptionError(f"attention backend {requested!r} is not available on {device}: {how}")
     if not half:
-        raise ValueError(
+        raise OptionError(
             f"attention backend {requested!r} supports only float16/bfloat16, not {dtype}; "
             "use dtype='bfloat16' or attention_backend='sdpa_groups'"
         )
@@ -246,11 +247,11 @@ def dice_varlen_attention(
     if attention_mask is not None or kwargs.get("position_bias") is not None:
         run.extra_bias = True
     if query.shape[0] != 1:
-        raise ValueError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")
+        raise OptionError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")
     cu = kwargs.get("cu_seq_lens_q")
     max_len = kwargs.get("max_length_q")
     if cu is None or max_len is None:
-        raise ValueError("packed attention needs cu_seq_lens_q and max_length_q forward arguments")
+        raise OptionError("packed attention needs cu_seq_lens_q and max_length_q forward arguments")
     causal = run.causal
     if causal is None:
         causal = kwargs["is_causal"] if kwargs.get("is_causal") is not None else bool(getattr(module, "is_causal", False))
@@ -258,7 +259,7 @@ def dice_varlen_attention(
     # tokens further apart than `band` may not attend to each other; None: no chunk is that long
     band = int(window) - 1 if window is not None and max_len > window else None
     if band is not None and not supports_sliding_window(run.backend):
-        raise ValueError(
+        raise OptionError(
             f"a chunk of {max_len} tokens exceeds the model's sliding attention window of {window}, which the "
             f"{run.backend} backend cannot apply; use a smaller chunk_size or attention_backend='sdpa_groups'"
         )

@@ -1,10 +1,10 @@
 """Batching across callers: the chunks of many encoding plans, packed first-in first-out under one
 token budget, and each plan's document vectors handed back when its last chunk is pooled.
 
-    queue = ChunkQueue(encoder)
+    queue = ChunkQueue(settings, runner, reuse)      # or encoder.chunk_queue()
     job = queue.submit(encoder.plan(texts))          # any number of plans, from any thread
     while (batch := queue.next_batch()) is not None:  # one thread runs the model
-        for done in queue.complete(batch, encoder.run_batch(batch.packed)):
+        for done in queue.complete(batch, runner.run(batch.packed)):
             done.documents                            # (n_docs, dim) float32, row i is the plan's text i
 
 The streaming engine submits windows of a corpus; the server submits requests, so documents of
@@ -17,13 +17,14 @@ Faults stay small (`dice_fast.faults`): `run` runs a batch with out-of-memory sp
 fails only the jobs of a chunk that ran out of memory alone (``job.error`` names its document), while
 the budget of the next batches backs off; `fail`, `fail_packing` and `fail_all` end jobs with an error.
 
-Reuse (a chunk's vector depends only on its wrapped ids, see `dice_fast.reuse`), in the methods of
-`dice_fast.reuse.manager.QueueReuse`: at submit every chunk is looked up in the queue's memory store,
-then the encoder's persistent cache; a hit never enters a batch. A chunk identical to one queued and
+Reuse (a chunk's vector depends only on its wrapped ids, see `dice_fast.reuse`) is the queue's
+`dice_fast.reuse.manager.ChunkReuse`, called through its interface: at submit every chunk is looked up in the queue's memory store,
+then the persistent cache; a hit never enters a batch. A chunk identical to one queued and
 not yet run (same identity, compared exactly after a key match) runs once: the copy waits, costs no
 budget, and gets the vector when its original is pooled. Should the original never run (its job was
 cancelled), the first copy to be handed out runs instead. New vectors go to the memory store and,
-after each batch, to the persistent cache.
+after each batch, to the persistent cache. A finished job's chunk vectors become its document vectors
+in the aggregation stage (`dice_fast.aggregation`).
 """
 
 from __future__ import annotations
@@ -36,20 +37,28 @@ from typing import Any
 import numpy as np
 import torch
 
+from .aggregation import aggregate
 from .chunking import EncodingPlan
-from .faults import BudgetBackoff, InputOutOfMemory, release_cached_memory, run_split
-from .matryoshka import truncate
-from .reuse import ChunkKeys, ChunkStats, MemoryCache
-from .reuse.manager import FOLLOW, RUN, QueueReuse, _Slot
-from .ops import aggregate_documents
+from .errors import InputOutOfMemory
+from .faults import BudgetBackoff, release_cached_memory, run_split
 from .packing import PackedBatch, merge, pack
-from .runner import to_device
+from .reuse import ChunkKeys, ChunkStats
+from .reuse.manager import FOLLOW, RUN, ChunkReuse
+from .runner import ModelRunner, to_device
+from .settings import Settings
 
 
 @dataclass(eq=False)
 class Job:
     """One submitted plan. ``documents`` (n_docs, dim) and ``chunks`` (n_chunks, dim) float32 arrays are
-    set when it is done (``chunks`` only when asked for); ``tag`` is the submitter's."""
+    set when it is done (``chunks`` only when asked for); ``tag`` is the submitter's.
+
+    The fields after ``error`` are the queue's record of the plan, shared with its `ChunkReuse` and
+    read-only for anyone else: ``vectors`` (n_chunks, width) float32 on ``device`` as they arrive,
+    ``cum`` cumulative wrapped tokens of the chunks that run, ``handed`` / ``pooled`` chunks handed out /
+    pooled, ``state`` each chunk's RUN / FOLLOW / DONE, ``keys`` its `ChunkKeys` (None: no reuse),
+    ``left`` chunks still without a vector, ``serial`` / ``range`` the last batch that took chunks of it
+    and their [lo, hi)."""
 
     plan: EncodingPlan
     aggregation: str
@@ -59,26 +68,33 @@ class Job:
     chunks: np.ndarray | None = None
     cancelled: bool = False
     error: BaseException | None = None  # why it failed (it is then cancelled and never done)
-    _vectors: torch.Tensor | None = None
-    _cum: np.ndarray = field(default=None, repr=False)  # cumulative wrapped tokens per chunk
-    _handed: int = 0  # chunks handed out to batches
-    _pooled: int = 0  # chunks pooled (batches complete in order)
-    _docs_reported: int = 0
-    # reuse: chunk states (RUN, FOLLOW, DONE), their keys, chunks still without a vector
-    _state: np.ndarray = field(default=None, repr=False)
-    _keys: ChunkKeys | None = field(default=None, repr=False)
-    _left: int = 0
-    _serial: int = -1  # the last batch that took chunks of this job, and their range
-    _range: tuple[int, int] = (0, 0)
+    width: int = 0  # of the pooled chunk vectors (the model's hidden size; truncate_dim applies after)
+    device: torch.device = field(default=None, repr=False)
+    vectors: torch.Tensor | None = field(default=None, repr=False)
+    cum: np.ndarray = field(default=None, repr=False)
+    handed: int = 0
+    pooled: int = 0
+    state: np.ndarray = field(default=None, repr=False)
+    keys: ChunkKeys | None = field(default=None, repr=False)
+    left: int = 0
+    serial: int = -1
+    range: tuple[int, int] = (0, 0)
+    docs_reported: int = 0  # documents `ChunkQueue.documents_pooled` counted
 
     @property
     def done(self) -> bool:
         return self.documents is not None
 
+    def vectors_on(self, device) -> torch.Tensor:
+        """``vectors``, allocated (zeros) on ``device`` when there are none yet."""
+        if self.vectors is None:
+            self.vectors = torch.zeros((self.plan.n_chunks, self.width), dtype=torch.float32, device=device)
+        return self.vectors
+
     @property
     def tokens_waiting(self) -> int:
         """Wrapped tokens of this job not yet handed to a batch."""
-        return int(self._cum[-1] - (self._cum[self._handed - 1] if self._handed else 0)) if len(self._cum) else 0
+        return int(self.cum[-1] - (self.cum[self.handed - 1] if self.handed else 0)) if len(self.cum) else 0
 
 
 @dataclass
@@ -94,29 +110,37 @@ class Batch:
     serial: int = 0
 
 
-class ChunkQueue(QueueReuse):
+class ChunkQueue:
     """FIFO of chunks from many plans (see the module docstring). Thread-safe."""
 
-    def __init__(self, encoder, max_batch_tokens: int | None = None, *, memory: MemoryCache | None = None,
-                 stats: ChunkStats | None = None, dedup: bool = True):
-        """memory: a `MemoryCache` consulted and filled (shared across calls if you pass one);
-        stats: where reuse is counted (default: a new `ChunkStats`, as ``queue.stats``); the
-        persistent cache is ``encoder.cache`` (a `CacheNamespace`, or None). ``dedup=False`` turns all
-        reuse off (a baseline for benchmarks)."""
-        self.encoder = encoder
-        self.max_batch_tokens = max_batch_tokens or encoder.max_batch_tokens
+    def __init__(self, settings: Settings, runner: ModelRunner | None = None, reuse: ChunkReuse | None = None,
+                 max_batch_tokens: int | None = None):
+        """settings: the encoder's resolved `Settings`; runner: runs a batch in `run` when no other
+        ``run_batch`` is given; reuse: the `ChunkReuse` consulted and filled (default: reuse within the
+        queue only, no memory store or persistent cache); max_batch_tokens: the token budget of a batch
+        (default: the settings')."""
+        self.settings, self.runner = settings, runner
+        self.reuse = reuse if reuse is not None else ChunkReuse()
+        self.max_batch_tokens = max_batch_tokens or settings.max_batch_tokens
         self._jobs: deque[Job] = deque()
         self._lock = threading.Lock()
         self._waiting = 0
         self._backoff = BudgetBackoff(self.max_batch_tokens)
-        self.dedup = dedup
-        self.memory = memory if dedup else None
-        self.cache = getattr(encoder, "cache", None) if dedup else None
-        self.stats = stats if stats is not None else ChunkStats()
-        self._slots: dict[int, _Slot] = {}  # key -> the queued chunk identical copies wait for
         self._serial = 0
-        self._unsaved: list = []  # (keys, identities, vectors tensor) computed, not yet in the persistent cache
         self._forming: Batch | None = None  # the batch `next_batch` formed last (or was forming when it raised)
+
+    @property
+    def stats(self) -> ChunkStats:
+        """Where this queue's reuse is counted."""
+        return self.reuse.stats
+
+    def keys_for(self, plan: EncodingPlan) -> ChunkKeys | None:
+        """`ChunkReuse.keys_for`: the plan's chunk keys, computed in any thread ahead of `submit`."""
+        return self.reuse.keys_for(plan)
+
+    def flush(self) -> None:
+        """Write every vector computed so far (and the recency of cache hits) to the persistent cache."""
+        self.reuse.flush()
 
     @property
     def tokens_waiting(self) -> int:
@@ -125,28 +149,30 @@ class ChunkQueue(QueueReuse):
 
     def submit(self, plan: EncodingPlan, aggregation: str | None = None, keep_chunks: bool = False, tag=None,
                keys: ChunkKeys | None = None) -> Job:
-        """Queue ``plan``'s chunks; ``aggregation`` defaults to the encoder's (queries: their one chunk).
+        """Queue ``plan``'s chunks; ``aggregation`` defaults to the settings' (queries: their one chunk).
         ``keys``: the plan's `chunk_keys` when computed beforehand (e.g. in a worker thread) with
         `keys_for`. A job whose every chunk is known already (memory, cache) is done on return."""
-        job = Job(plan, aggregation or self.encoder.config.aggregation, keep_chunks, tag)
+        s = self.settings
+        job = Job(plan, aggregation or s.config.aggregation, keep_chunks, tag, width=s.spec.hidden_size,
+                  device=s.device)
         if plan.n_chunks == 0:  # no documents: nothing to run
-            job._cum = np.zeros(0, np.int64)
-            job.documents = np.zeros((0, self.encoder.dim), np.float32)
+            job.cum = np.zeros(0, np.int64)
+            job.documents = np.zeros((0, s.dim), np.float32)
             job.chunks = job.documents.copy() if keep_chunks else None
             return job
-        found = self._lookup(job, keys) if self.dedup else {}
+        found = self.reuse.look_up(job, keys) if self.reuse.enabled else {}
         with self._lock:
-            self._resolve(job, found)
-            job._cum = np.cumsum(plan.chunk_lengths * (job._state == RUN))
-            if job._left:
+            self.reuse.register(job, found)
+            job.cum = np.cumsum(plan.chunk_lengths * (job.state == RUN))
+            if job.left:
                 self._jobs.append(job)
                 self._waiting += job.tokens_waiting
                 return job
             idle = not self._jobs
-        job._pooled = plan.n_chunks
+        job.pooled = plan.n_chunks
         self._finish(job)  # every chunk was known already
-        if idle and self.cache is not None:
-            self.cache.flush()
+        if idle:
+            self.reuse.flush_cache()
         return job
 
     def cancel(self, job: Job) -> None:
@@ -155,8 +181,8 @@ class ChunkQueue(QueueReuse):
             if not job.cancelled:
                 job.cancelled = True
                 self._waiting -= job.tokens_waiting
-                self._release(job)
-                job._handed = job.plan.n_chunks
+                self.reuse.release(job)
+                job.handed = job.plan.n_chunks
 
     def next_batch(self) -> Batch | None:
         """The next chunks, first in first out, up to ``max_batch_tokens`` wrapped tokens (a chunk
@@ -168,29 +194,29 @@ class ChunkQueue(QueueReuse):
             batch = self._forming = Batch(None, None, [], [], serial=self._serial)
             parts = []
             for job in self._jobs:
-                if job._handed >= job.plan.n_chunks:
+                if job.handed >= job.plan.n_chunks:
                     continue
-                base = job._cum[job._handed - 1] if job._handed else 0
-                hi = int(np.searchsorted(job._cum, base + budget, side="right"))
-                if hi == job._handed and not parts:
-                    hi = job._handed + 1  # a chunk over the budget runs alone
-                if hi == job._handed:
+                base = job.cum[job.handed - 1] if job.handed else 0
+                hi = int(np.searchsorted(job.cum, base + budget, side="right"))
+                if hi == job.handed and not parts:
+                    hi = job.handed + 1  # a chunk over the budget runs alone
+                if hi == job.handed:
                     break
-                lo = job._handed
-                job._serial, job._range = batch.serial, (lo, hi)
+                lo = job.handed
+                job.serial, job.range = batch.serial, (lo, hi)
                 extra, cut = 0, False
-                if (job._state[lo:hi] == FOLLOW).any():
-                    extra, end = self._hand_out_followers(job, lo, hi, base, budget, batch, not parts)
+                if (job.state[lo:hi] == FOLLOW).any():
+                    extra, end = self.reuse.hand_out(job, lo, hi, base, budget, batch, not parts)
                     hi, cut = end, end < hi
-                    job._range = (lo, hi)
+                    job.range = (lo, hi)
                     if hi == lo:
                         break
-                ids = lo + np.flatnonzero(job._state[lo:hi] == RUN)
+                ids = lo + np.flatnonzero(job.state[lo:hi] == RUN)
                 parts.append(self._pack(job, ids))
                 batch.jobs.append(job)
                 batch.ranges.append((lo, hi))
-                counted = int(job._cum[hi - 1] - base) if hi > lo else 0
-                job._handed = hi
+                counted = int(job.cum[hi - 1] - base) if hi > lo else 0
+                job.handed = hi
                 self._waiting -= counted
                 budget -= counted + extra
                 if budget <= 0 or cut:
@@ -208,45 +234,35 @@ class ChunkQueue(QueueReuse):
         for j, job in enumerate(batch.jobs):
             rows = np.flatnonzero(batch.part == j)
             if len(rows):
-                self._ensure_vectors(job, vectors.device)
+                job.vectors_on(vectors.device)
                 dst = to_device(batch.packed.chunk_ids[rows], vectors.device)
-                job._vectors.index_copy_(0, dst, vectors[to_device(rows, vectors.device)])
-                job._left -= len(rows)
-            job._pooled = batch.ranges[j][1]
-        self._fan_out(batch, vectors, lost_rows)
+                job.vectors.index_copy_(0, dst, vectors[to_device(rows, vectors.device)])
+                job.left -= len(rows)
+            job.pooled = batch.ranges[j][1]
+        self.reuse.fan_out(batch, vectors, lost_rows)
         finished = []
         for job in batch.jobs:
-            if job._left == 0 and not job.cancelled and not job.done:
+            if job.left == 0 and not job.cancelled and not job.done:
                 self._finish(job)
                 finished.append(job)
         with self._lock:
             while self._jobs and (self._jobs[0].done or self._jobs[0].cancelled):
                 self._jobs.popleft()
             idle = not self._jobs
-        self._save(everything=idle)
+        self.reuse.save(everything=idle)
         return finished
 
     def documents_pooled(self, job: Job) -> int:
         """Documents of ``job`` whose chunks are all pooled and that were not counted by an earlier call."""
-        done = int(np.searchsorted(job.plan.chunks.cu_doc_chunks, job._pooled, side="right")) - 1
-        new, job._docs_reported = done - job._docs_reported, max(done, job._docs_reported)
+        done = int(np.searchsorted(job.plan.chunks.cu_doc_chunks, job.pooled, side="right")) - 1
+        new, job.docs_reported = done - job.docs_reported, max(done, job.docs_reported)
         return max(new, 0)
 
     def _finish(self, job: Job) -> None:
-        enc, plan = self.encoder, job.plan
-        self._ensure_vectors(job, self._device())
-        vecs = job._vectors
-        cu = torch.from_numpy(plan.chunks.cu_doc_chunks).to(vecs.device)
-        weights = torch.from_numpy(plan.chunk_weights).to(vecs.device)
-        c = enc.config
-        docs = aggregate_documents(vecs, cu, weights, job.aggregation, c.top_k, c.temperature,
-                                   enc.normalize_chunks, c.normalize, impl=enc.pooling_impl)
-        docs = truncate(docs, c.truncate_dim, c.normalize)  # Matryoshka: after aggregating full vectors
-        if job.keep_chunks:
-            out = torch.nn.functional.normalize(vecs, dim=1, eps=1e-12) if enc.normalize_chunks else vecs
-            job.chunks = truncate(out, c.truncate_dim, enc.normalize_chunks).cpu().numpy()
-        job._vectors = None
-        job.documents = docs.cpu().numpy()
+        """``job``'s documents (and chunks when kept) from its chunk vectors: the aggregation stage."""
+        vectors = job.vectors_on(self.settings.device)
+        job.documents, job.chunks = aggregate(vectors, job.plan, job.aggregation, self.settings, job.keep_chunks)
+        job.vectors = None
 
     # ------------------------------------------------------------------ faults (see dice_fast.faults)
     @property
@@ -255,21 +271,23 @@ class ChunkQueue(QueueReuse):
         out-of-memory batch (`dice_fast.faults.BudgetBackoff`)."""
         return self._backoff.budget
 
-    def run(self, batch: Batch, run_batch) -> tuple[list[Job], list[Job]]:
-        """Run ``batch`` with ``run_batch`` (PackedBatch -> (n, dim) float32), splitting it on
+    def run(self, batch: Batch, run_batch=None) -> tuple[list[Job], list[Job]]:
+        """Run ``batch`` with ``run_batch`` (PackedBatch -> (n, dim) float32; default: the runner's
+        `ModelRunner.run`), splitting it on
         out-of-memory down to single chunks, and complete it. Returns (jobs finished, jobs failed): a
         job fails when one of its chunks ran out of memory alone (``job.error``, an `InputOutOfMemory`
         naming its document within the plan); every other chunk keeps its exact vector. Other errors
         of ``run_batch`` propagate (the caller fails the batch's jobs). The consumer of `next_batch`
         calls this from one thread."""
-        device = self._device()
+        device = self.settings.device
+        run_batch = run_batch or self.runner.run
         ooms = []
 
         def on_oom():
             ooms.append(1)
             release_cached_memory(device)
 
-        vectors, failed = run_split(run_batch, batch.packed, self.encoder.spec.hidden_size, on_oom)  # full width
+        vectors, failed = run_split(run_batch, batch.packed, self.settings.spec.hidden_size, on_oom)  # full width
         self._backoff.failed() if ooms else self._backoff.succeeded()
         failed_jobs = []
 
@@ -302,7 +320,7 @@ class ChunkQueue(QueueReuse):
         """`pack` ``job``'s chunks ``ids``; an error raised names the job (for `fail_packing`)."""
         p = job.plan
         try:
-            return pack(p.tokens, p.chunks, ids, p.prefix, p.suffix, self.encoder.spec.first_position,
+            return pack(p.tokens, p.chunks, ids, p.prefix, p.suffix, self.settings.spec.first_position,
                         p.global_positions)
         except Exception as exc:
             exc.dice_fast_job = job
@@ -315,12 +333,12 @@ class ChunkQueue(QueueReuse):
         formed, so those are the jobs with chunks handed but not pooled). Returns the failed jobs."""
         culprit = getattr(error, "dice_fast_job", None)
         with self._lock:
-            self._withdraw_copies(self._forming)
-            touched = [job for job in self._jobs if not job.cancelled and job._handed > job._pooled]
+            self.reuse.withdraw(self._forming)
+            touched = [job for job in self._jobs if not job.cancelled and job.handed > job.pooled]
             if culprit is not None:
                 for job in touched:
-                    self._waiting += int(job._cum[job._handed - 1] - (job._cum[job._pooled - 1] if job._pooled else 0))
-                    job._handed = job._pooled
+                    self._waiting += int(job.cum[job.handed - 1] - (job.cum[job.pooled - 1] if job.pooled else 0))
+                    job.handed = job.pooled
                 touched = [culprit]
         for job in touched:
             self.fail(job, error)

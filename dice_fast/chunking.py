@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import ArgumentTypeError, OptionError, TextError
+
 
 @dataclass(frozen=True)
 class TokenizedDocuments:
@@ -42,14 +44,14 @@ class TokenizedDocuments:
 def check_texts(texts, what: str = "documents") -> list[str]:
     """Return ``texts`` as a list of str; TypeError naming the first non-string element's index."""
     if isinstance(texts, (str, bytes)):
-        raise TypeError(f"{what} must be a sequence of strings, not a single {type(texts).__name__}")
+        raise ArgumentTypeError(f"{what} must be a sequence of strings, not a single {type(texts).__name__}")
     try:
         items = list(texts)
     except TypeError:
-        raise TypeError(f"{what} must be a sequence of strings, got {type(texts).__name__}") from None
+        raise ArgumentTypeError(f"{what} must be a sequence of strings, got {type(texts).__name__}") from None
     for i, t in enumerate(items):
         if not isinstance(t, str):
-            raise TypeError(f"{what}[{i}] is {type(t).__name__}, expected str")
+            raise ArgumentTypeError(f"{what}[{i}] is {type(t).__name__}, expected str")
     return items
 
 
@@ -70,7 +72,7 @@ def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "t
                 return_offsets_mapping=spans, verbose=False,
             )
         except (TypeError, ValueError) as exc:
-            _raise_for_unencodable(batch, base + i, what, exc)
+            raise_for_unencodable(batch, base + i, what, exc)
             raise
         ids.extend(np.asarray(seq, dtype=np.int64) for seq in enc["input_ids"])
         if spans:
@@ -86,15 +88,7 @@ def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "t
     return TokenizedDocuments(np.concatenate(ids), offsets, span[:, 0].copy(), span[:, 1].copy())
 
 
-class TextError(ValueError):
-    """A text that cannot be encoded as it is; ``index``: its position among the texts passed in."""
-
-    def __init__(self, message: str, index: int):
-        super().__init__(message)
-        self.index = index
-
-
-def _raise_for_unencodable(batch: list[str], base: int, what: str, exc: Exception) -> None:
+def raise_for_unencodable(batch: list[str], base: int, what: str, exc: Exception) -> None:
     """Name the first text the tokenizer cannot take (e.g. a lone surrogate, which is not UTF-8)."""
     for j, text in enumerate(batch):
         try:
@@ -136,7 +130,7 @@ def plan_chunks(doc_lengths: np.ndarray, chunk_size: int, overlap: int = 0, max_
     document's first chunks.
     """
     if not 0 <= overlap < chunk_size:
-        raise ValueError(f"overlap ({overlap}) must satisfy 0 <= overlap < chunk_size ({chunk_size})")
+        raise OptionError(f"overlap ({overlap}) must satisfy 0 <= overlap < chunk_size ({chunk_size})")
     lengths = np.asarray(doc_lengths, dtype=np.int64)
     stride = chunk_size - overlap
     extra = np.maximum(lengths - chunk_size, 0)

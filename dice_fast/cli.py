@@ -36,11 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand. A user's error (a bad option, input, model or cache, out of memory) is
+    printed as one ``dice-fast: error:`` line, by its type (`dice_fast.errors.describe`), with exit
+    status 2; anything else is a bug and raises with its traceback."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, OSError) as exc:
-        print(f"dice-fast: error: {exc}", file=sys.stderr)
+    except Exception as exc:
+        from .errors import describe
+
+        message = describe(exc)
+        if message is None:
+            raise
+        print(f"dice-fast: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import typing
 
 from .config import DiceConfig
+from .errors import ArgumentTypeError, OptionError
 
 
 def _value_type(field: dataclasses.Field, config_cls: type):
@@ -15,7 +16,7 @@ def _value_type(field: dataclasses.Field, config_cls: type):
     hint = typing.get_type_hints(config_cls)[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     if len(args) != 1 or args[0] not in (int, float, str, bool):
-        raise TypeError(f"DiceConfig.{field.name}: no flag for type {hint!r} (give int, float, str or bool)")
+        raise ArgumentTypeError(f"DiceConfig.{field.name}: no flag for type {hint!r} (give int, float, str or bool)")
     return args[0]
 
 
@@ -24,13 +25,13 @@ def _flag_help(field: dataclasses.Field) -> str:
     True: "do not <help>") needs no default."""
     meta = field.metadata
     if not meta.get("help"):
-        raise TypeError(f"DiceConfig.{field.name} has no help: declare it with config.option(default, help)")
+        raise ArgumentTypeError(f"DiceConfig.{field.name} has no help: declare it with config.option(default, help)")
     if isinstance(field.default, bool):
         text = f"do not {meta['help']}" if field.default else meta["help"]
     else:
         default = meta["default_help"]
         if default is None and field.default is None:
-            raise TypeError(f"DiceConfig.{field.name} defaults to None: say what that means (default_help=...)")
+            raise ArgumentTypeError(f"DiceConfig.{field.name} defaults to None: say what that means (default_help=...)")
         text = f"{meta['help']} (default: {field.default if default is None else default})"
     return text.replace("%", "%%")
 
@@ -110,7 +111,7 @@ def cache_options(args) -> dict:
     explicit = getattr(args, "cache_max_gb", None)
     if not getattr(args, "cache", None):
         if explicit is not None:
-            raise ValueError("--cache-max-gb needs --cache DIR")
+            raise OptionError("--cache-max-gb needs --cache DIR")
         return {}
     max_gb = explicit if explicit is not None else getattr(args, "cache_default_max_gb", None)
     return {"cache": args.cache, "cache_max_gb": None if max_gb == float("inf") else max_gb}

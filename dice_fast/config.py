@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .errors import ArgumentTypeError, OptionError
 from .ops import IMPLS
 from .ops.spec import AGGREGATIONS, POOLINGS, check_aggregation, check_pooling
 
@@ -107,6 +108,10 @@ class DiceConfig:
         detail='`"triton"` (CUDA), `"native"` (the C++ extension), `"torch"` (vectorised PyTorch, the CPU '
         'default without the extension), `"reference"` / `"ref"` (the float64 spec; tests only). '
         'See [ops.md](ops.md).')
+    dedup: bool = option(
+        True, "reuse chunk vectors: identical chunks run once, and the persistent cache serves known ones",
+        detail="Off runs every chunk (the baseline of `benchmarks/bench_cache.py`); the vectors are the same "
+        "either way. See [reuse.md](reuse.md).")
 
     def __post_init__(self):
         _choice("strategy", self.strategy, STRATEGIES)
@@ -124,21 +129,21 @@ class DiceConfig:
         _positive_int("max_length", self.max_length, optional=True)
         _positive_int("max_batch_tokens", self.max_batch_tokens, optional=True)
         if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) or self.overlap < 0:
-            raise ValueError(f"overlap must be an integer >= 0, got {self.overlap!r}")
+            raise OptionError(f"overlap must be an integer >= 0, got {self.overlap!r}")
         if self.chunk_size is not None and self.overlap >= self.chunk_size:
-            raise ValueError(
+            raise OptionError(
                 f"overlap ({self.overlap}) must be smaller than chunk_size ({self.chunk_size}); "
                 "allowed: 0 <= overlap < chunk_size"
             )
         for name in ("document_prefix", "query_prefix"):
             if not isinstance(getattr(self, name), str):
-                raise TypeError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
-        for name in ("normalize", "normalize_chunks"):
+                raise ArgumentTypeError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+        for name in ("normalize", "normalize_chunks", "dedup"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or (value is None and name == "normalize_chunks")):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
+                raise ArgumentTypeError(f"{name} must be True or False, got {value!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise OptionError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _choice("pooling_impl", self.pooling_impl, IMPLS)
 
     def replace(self, **changes) -> DiceConfig:
@@ -152,14 +157,14 @@ class DiceConfig:
 
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
-        raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(map(repr, allowed))}")
+        raise OptionError(f"unknown {name} {value!r}; allowed: {', '.join(map(repr, allowed))}")
 
 
 def _positive_int(name: str, value, optional: bool = False) -> None:
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1{' or None' if optional else ''}, got {value!r}")
+        raise OptionError(f"{name} must be an integer >= 1{' or None' if optional else ''}, got {value!r}")
 
 
 __all__ = ["DiceConfig", "option", "DTYPES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES", "ATTENTION_BACKENDS", "POOLINGS", "AGGREGATIONS"]

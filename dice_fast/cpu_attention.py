@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .runinfo import cpu_model
+from .errors import OptionError
 
 ENV_DTYPE = "DICE_FAST_CPU_ATTENTION_DTYPE"
 ENV_KERNEL = "DICE_FAST_CPU_ATTENTION_KERNEL"
@@ -163,13 +164,13 @@ def _env_dtype(dtype: torch.dtype) -> torch.dtype | None:
         return torch.float32
     if raw in ("input", "native", "bfloat16", "bf16", "float16", "fp16", "half"):
         return dtype
-    raise ValueError(f"{ENV_DTYPE} must be auto, float32 or input (bfloat16 / float16), got {raw!r}")
+    raise OptionError(f"{ENV_DTYPE} must be auto, float32 or input (bfloat16 / float16), got {raw!r}")
 
 
 def _env_sdpa_only() -> bool:
     raw = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
     if raw not in ("auto", "sdpa"):
-        raise ValueError(f"{ENV_KERNEL} must be auto or sdpa, got {raw!r}")
+        raise OptionError(f"{ENV_KERNEL} must be auto or sdpa, got {raw!r}")
     return raw == "sdpa"
 
 

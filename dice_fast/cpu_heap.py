@@ -4,16 +4,16 @@ between windows.
 A CPU forward allocates and frees activations of megabytes per operation (MiniLM, 4096 tokens:
 6 MB per projection, 25 MB per feed-forward input). Under glibc's default, adaptive thresholds the
 freed top of the heap is often returned to the OS and faulted back in, zero-filled, by the next
-operation; how often depends on the heap's layout. Measured on batches run back to back (the
-benchmark's loop, a steadily loaded server) on a 2-core EPYC: 183,000-270,000 minor page faults and
-0.7-1.1 s of system time per 42,000-token pass, spent in ``addmm``'s bias copy and ``gelu``.
-Raising the mmap threshold to glibc's ceiling (32 MiB on 64-bit) and the trim threshold to 1 GiB
-keeps those pages: 1 fault, 0.04 s. Where the heap is trimmed anyway (after each window of
-``encode_documents`` / ``stream_documents``) the pages are faulted in once per window under either
-policy and the gain is nil. Page faults cost the same on any x86 CPU, so this is a rule, not a
-per-machine measurement. Under steady load the pages of the largest batch stay resident (the
-server's worker trims after a quiet second, and at most every 10 s while busy: glibc keeps freed
-pages per thread arena, and a loaded server's request threads otherwise grew it by ~1 GiB in minutes).
+operation; how often depends on the heap's layout. On batches run back to back (the benchmark's
+loop, a steadily loaded server) that costs page faults and system time in ``addmm``'s bias copy and
+``gelu``; raising the mmap threshold to glibc's ceiling (32 MiB on 64-bit) and the trim threshold to
+1 GiB keeps those pages (measured: benchmarks/RESULTS.md §0.7). Where the heap is trimmed anyway
+(after each window of ``encode_documents`` / ``stream_documents``) the pages are faulted in once per
+window under either policy and the gain is nil. Page faults cost the same on any x86 CPU, so this is
+a rule, not a per-machine measurement. Under steady load the pages of the largest batch stay
+resident (the server's worker trims after a quiet second, and at most every 10 s while busy: glibc
+keeps freed pages per thread arena, and a loaded server's request threads otherwise grew it;
+benchmarks/RESULTS.md §0.11).
 
     keep_freed_pages()       # once per process, at the first CPU encoder; True if applied
     release_freed_memory()   # after each window of a CPU stream: the kept pages go back to the OS
@@ -29,6 +29,7 @@ import ctypes
 import functools
 import os
 import threading
+from .errors import OptionError
 
 ENV = "DICE_FAST_CPU_HEAP"
 MMAP_THRESHOLD = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (HEAP_MAX_SIZE / 2)
@@ -58,7 +59,7 @@ def keep_freed_pages() -> bool:
         if _applied is None:
             mode = os.environ.get(ENV, "keep").strip().lower() or "keep"
             if mode not in ("keep", "default"):
-                raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected 'keep' (the default) or 'default'")
+                raise OptionError(f"{ENV}={os.environ[ENV]!r}: expected 'keep' (the default) or 'default'")
             libc = _libc()
             _applied = (mode == "keep" and libc is not None
                         and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1

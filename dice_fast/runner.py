@@ -27,6 +27,7 @@ from . import attention as attn
 from .ops import pool_chunks
 from .packing import PackedBatch, pack
 from .chunking import ChunkPlan, TokenizedDocuments
+from .errors import OptionError
 
 PADDED = "padded"
 # relative error of the probe's packed hidden states against per-chunk forwards; chunks attending to
@@ -74,7 +75,7 @@ class ModelRunner:
         if self.fallback_reason is not None:
             attn.uninstall(model)
             if causal is not None and causal != spec.is_causal:
-                raise ValueError(
+                raise OptionError(
                     f"attention={'causal' if causal else 'bidirectional'} needs the packed path, but this model runs "
                     f"on the padded fallback ({self.fallback_reason}); use the model's own attention"
                 )
@@ -101,7 +102,8 @@ class ModelRunner:
         """Whether a batch whose longest chunk has ``longest_chunk`` tokens runs packed."""
         return self.backend != PADDED and (self.packed_limit is None or longest_chunk <= self.packed_limit)
 
-    def _packed_hidden(self, batch: PackedBatch, cu: torch.Tensor, causal) -> tuple[torch.Tensor, attn._Run]:
+    def _packed_hidden(self, batch: PackedBatch, cu: torch.Tensor, causal) -> tuple[torch.Tensor, object]:
+        """(hidden states, the forward's `attention_context` record)."""
         kwargs = {"use_cache": False} if self._takes_cache else {}
         with attn.attention_context(self.backend, causal, batch.lengths, batch.cu_seqlens) as run:
             out = self.model(

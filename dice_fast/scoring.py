@@ -19,6 +19,7 @@ products are taken in float32 unless the inputs are float64.
 from __future__ import annotations
 
 import numpy as np
+from .errors import OptionError
 
 SCORINGS = ("dice", "maxsim", "hybrid")
 # measured (benchmarks/RESULTS.md §5.1): MaxSim beats every single-vector scoring at every length (needle
@@ -31,7 +32,7 @@ DEFAULT_ALPHA = 0.0  # 69.5 at 0, 68.7 at 0.25, 68.5 at 0.5, 65.7 at 0.75, 44.2 
 def check_scoring(scoring: str) -> str:
     """Return ``scoring``; ValueError naming the allowed ones otherwise."""
     if scoring not in SCORINGS:
-        raise ValueError(f"unknown scoring {scoring!r}; allowed: {', '.join(map(repr, SCORINGS))}")
+        raise OptionError(f"unknown scoring {scoring!r}; allowed: {', '.join(map(repr, SCORINGS))}")
     return scoring
 
 
@@ -128,7 +129,7 @@ def score(scoring: str, queries: np.ndarray, documents: np.ndarray, chunks: np.n
     if scoring == "dice":
         return dice(queries, documents, chunks, cu_doc_chunks)
     if chunks is None:
-        raise ValueError(f"scoring {scoring!r} needs chunk vectors")
+        raise OptionError(f"scoring {scoring!r} needs chunk vectors")
     if scoring == "maxsim":
         return maxsim(queries, chunks, cu_doc_chunks)
     return hybrid(queries, documents, chunks, cu_doc_chunks, alpha)
@@ -137,7 +138,7 @@ def score(scoring: str, queries: np.ndarray, documents: np.ndarray, chunks: np.n
 def check_alpha(alpha) -> float:
     alpha = float(alpha)
     if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be between 0 and 1, got {alpha}")
+        raise OptionError(f"alpha must be between 0 and 1, got {alpha}")
     return alpha
 
 
@@ -145,8 +146,8 @@ def _common(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Both as 2-d arrays of one float dtype (float64 if either is, else float32), same width."""
     a, b = np.asarray(a), np.asarray(b)
     if a.ndim != 2 or b.ndim != 2:
-        raise ValueError(f"expected 2-d arrays, got shapes {a.shape} and {b.shape}")
+        raise OptionError(f"expected 2-d arrays, got shapes {a.shape} and {b.shape}")
     if a.shape[1] != b.shape[1]:
-        raise ValueError(f"vector widths differ: {a.shape[1]} and {b.shape[1]}")
+        raise OptionError(f"vector widths differ: {a.shape[1]} and {b.shape[1]}")
     dtype = np.float64 if np.float64 in (a.dtype, b.dtype) else np.float32
     return a.astype(dtype, copy=False), b.astype(dtype, copy=False)

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import concurrent.futures
 from typing import Iterator
+from .errors import ArgumentTypeError
 
 
 def as_iterator(texts, what: str) -> Iterator:
     if isinstance(texts, (str, bytes)):
-        raise TypeError(f"{what} must be an iterable of strings, not a single {type(texts).__name__}")
+        raise ArgumentTypeError(f"{what} must be an iterable of strings, not a single {type(texts).__name__}")
     try:
         return iter(texts)
     except TypeError:
-        raise TypeError(f"{what} must be an iterable of strings, got {type(texts).__name__}") from None
+        raise ArgumentTypeError(f"{what} must be an iterable of strings, got {type(texts).__name__}") from None
 
 
 def windows(texts: Iterator, max_chars: int, max_documents: int) -> Iterator[tuple[list[str], int]]:
@@ -22,7 +23,7 @@ def windows(texts: Iterator, max_chars: int, max_documents: int) -> Iterator[tup
     base, window, chars = 0, [], 0
     for i, text in enumerate(texts):
         if not isinstance(text, str):
-            raise TypeError(f"documents[{i}] is {type(text).__name__}, expected str")
+            raise ArgumentTypeError(f"documents[{i}] is {type(text).__name__}, expected str")
         window.append(text)
         chars += len(text)
         if chars >= max_chars or len(window) >= max_documents:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from typing import Iterator
+from .errors import InputError
 
 
 def decode_line(raw: bytes, where: str) -> str:
@@ -12,7 +13,7 @@ def decode_line(raw: bytes, where: str) -> str:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        raise InputError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     return line.rstrip("\n").rstrip("\r")
 
 
@@ -21,9 +22,9 @@ def parse_json_object(line: str, where: str) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+        raise InputError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
     return record
 
 

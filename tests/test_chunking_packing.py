@@ -5,11 +5,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 import pytest
 
+from dice_fast.chunk_queue import ChunkQueue
 from dice_fast.chunking import check_texts, plan_chunks
 from dice_fast.packing import pack
-from dice_fast.chunk_queue import ChunkQueue
 from dice_fast.chunking import EncodingPlan, TokenizedDocuments
 from reference import chunk_token_lists
 
@@ -42,9 +43,9 @@ def test_batches_respect_budget_and_order():
     lengths = np.array([5, 0, 3, 9, 2, 2, 20, 1])
     docs = TokenizedDocuments(np.arange(int(lengths.sum())), np.concatenate([[0], np.cumsum(lengths)]))
     plan = EncodingPlan(docs, plan_chunks(lengths, 100), np.zeros(0, np.int64), np.zeros(0, np.int64))
-    enc = SimpleNamespace(max_batch_tokens=10, spec=SimpleNamespace(first_position=0),
-                          config=SimpleNamespace(aggregation="mean"))
-    queue = ChunkQueue(enc)
+    settings = SimpleNamespace(max_batch_tokens=10, spec=SimpleNamespace(first_position=0, hidden_size=4),
+                               config=SimpleNamespace(aggregation="mean"), device=torch.device("cpu"), dim=4)
+    queue = ChunkQueue(settings)  # the queue reads only its settings to hand batches out
     queue.submit(plan)
     batches = []
     while (batch := queue.next_batch()) is not None:

@@ -11,7 +11,6 @@ import pytest
 import dice_fast.engine as engine
 from dice_fast import DiceEncoder
 from dice_fast.reuse import MemoryCache
-from dice_fast.chunk_queue import ChunkQueue
 from helpers import assert_close
 from oracle import ATOL, K, check, corpus
 from tiny_models import WORDS, tiny
@@ -58,9 +57,10 @@ def test_copies_in_later_windows_come_from_the_call_memory(monkeypatch):
     got = enc.encode_documents(texts)
     assert sum(seen) == _unique_chunks(enc, texts)
     assert enc.chunk_stats.memory_hits > 0
-    enc._dedup = False  # the baseline: every chunk runs
-    assert_close(got, enc.encode_documents(texts), ATOL, what="dedup vs none")
-    assert sum(seen) > 2 * _unique_chunks(enc, texts) - 1
+    baseline = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=40, pooling_impl="torch", dedup=False)
+    seen_all = _counting(baseline)  # the baseline: every chunk runs
+    assert_close(got, baseline.encode_documents(texts), ATOL, what="dedup vs none")
+    assert sum(seen_all) >= 2 * _unique_chunks(enc, texts) and baseline.chunk_stats.memory_hits == 0
 
 
 def test_a_copy_waits_for_an_original_queued_for_a_later_batch(monkeypatch):
@@ -94,7 +94,7 @@ def test_global_positions_and_wrapping_are_part_of_a_chunks_identity():
     model, tok, *_ = tiny("bert")
     enc = DiceEncoder(model, tok, chunk_size=K, document_prefix="passage :", query_prefix="query :",
                       pooling_impl="torch")
-    queue = ChunkQueue(enc)
+    queue = enc.chunk_queue()
     text = ["the cat sat"]
     jobs = [queue.submit(enc.plan(text, "documents")), queue.submit(enc.plan(text, "queries"), "mean")]
     while (batch := queue.next_batch()) is not None:
@@ -113,7 +113,7 @@ def test_cancelling_either_side_of_a_copy(cancel):
     shared = ["alpha beta gamma delta note sun day night the cat", "red house with tree"]
     a_texts = ["old man boy girl car road city river"] + shared
     b_texts = shared[::-1] + ["water fire passage query"]
-    queue = ChunkQueue(enc)
+    queue = enc.chunk_queue()
     a, b = queue.submit(enc.plan(a_texts)), queue.submit(enc.plan(b_texts))
     assert queue.tokens_waiting < sum(int(j.plan.chunk_lengths.sum()) for j in (a, b))  # copies cost nothing
     if cancel == "original after a batch":
@@ -126,7 +126,7 @@ def test_cancelling_either_side_of_a_copy(cancel):
     survivor, texts = (a, a_texts) if victim is b else (b, b_texts)
     assert survivor.done and not victim.done
     assert_close(survivor.documents, enc.encode_documents(texts), ATOL, what=f"after cancelling the {cancel}")
-    assert queue._slots == {} and queue.tokens_waiting == 0  # nothing left waiting or remembered
+    assert queue.reuse.waiting_originals == 0 and queue.tokens_waiting == 0  # nothing left waiting or remembered
 
 
 def test_server_answers_a_request_wholly_from_memory():

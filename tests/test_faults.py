@@ -13,7 +13,6 @@ import torch
 
 from dice_fast import DiceEncoder, faults
 from dice_fast.faults import InputOutOfMemory, is_out_of_memory, rows_of, run_split
-from dice_fast.chunk_queue import ChunkQueue
 from fault_injection import failing_forward, has_poison, poisoned
 from helpers import assert_close
 from tiny_models import WORDS, tiny
@@ -46,7 +45,7 @@ def test_budget_halves_on_out_of_memory_and_recovers(encoder, monkeypatch):
     texts = texts_of(2, 256, 256, seed=1)  # 16 chunks of 18 tokens each
     ref = encoder.encode_documents(texts)
     limit = [40]  # forwards over this many tokens run out of memory
-    queue = ChunkQueue(encoder)
+    queue = encoder.chunk_queue()
     job = queue.submit(encoder.plan(texts))
     budgets = []
     with failing_forward(encoder.model, lambda ids: ids.numel() > limit[0]):
@@ -66,7 +65,7 @@ def test_budget_halves_on_out_of_memory_and_recovers(encoder, monkeypatch):
 def test_a_chunk_failing_alone_fails_only_its_job(encoder):
     a, b = texts_of(4, 5, 40, seed=2), texts_of(5, 5, 40, seed=3)
     a[2] = poisoned(a[2])
-    queue = ChunkQueue(encoder)
+    queue = encoder.chunk_queue()
     job_a, job_b = queue.submit(encoder.plan(a)), queue.submit(encoder.plan(b))
     failed = []
     with failing_forward(encoder.model, has_poison) as seen:
@@ -87,7 +86,7 @@ def test_a_chunk_failing_alone_never_shifts_the_cache(encoder, tmp_path):
     a, b = texts_of(4, 5, 40, seed=2), texts_of(5, 5, 40, seed=3)
     a[0] = poisoned(a[0])  # its first chunk fails early in the first batch: every later row would shift
     cached = DiceEncoder(encoder.model, encoder.tokenizer, chunk_size=16, max_batch_tokens=128, cache=tmp_path)
-    queue = ChunkQueue(cached)
+    queue = cached.chunk_queue()
     job_a, job_b = queue.submit(cached.plan(a)), queue.submit(cached.plan(b))
     with failing_forward(cached.model, has_poison) as seen:
         while (batch := queue.next_batch()) is not None:
@@ -133,7 +132,7 @@ def test_other_errors_propagate_and_allocator_errors_count(encoder):
 
 
 def test_run_split_keeps_packing_order(encoder):
-    queue = ChunkQueue(encoder)
+    queue = encoder.chunk_queue()
     queue.submit(encoder.plan(texts_of(6, 5, 40, seed=6)))
     batch = queue.next_batch()
     whole = encoder.run_batch(batch.packed)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dice_fast import DiceEncoder, DiceIndex
+from dice_fast.errors import ModelError
 from dice_fast.index import folder
 from test_index import _random_index, assert_hits_equal, brute_force
 from tiny_models import tiny
@@ -201,7 +202,7 @@ def test_a_missing_model_is_named_and_vectors_still_search(tmp_path, model_folde
     back = DiceIndex.load(tmp_path / "ix")
     vectors = enc.encode_queries(["river"])
     assert back.search(vectors, 2) == index.search(vectors, 2)
-    with pytest.raises(ValueError, match=r"made with the model '.*model', which is not a folder here"):
+    with pytest.raises(ModelError, match=r"model .*model: no such model folder"):
         back.search(["river"], 2)
     bare, queries = _random_index()
     with pytest.raises(ValueError, match="no encoder to encode query strings"):

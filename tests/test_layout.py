@@ -131,3 +131,126 @@ def test_lean_import_loads_no_extra():
         "assert not torch.cuda.is_initialized()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Private names stay in their module. The rule, for dice_fast/ and benchmarks/:
+# * ``x._name`` (not a dunder) only where x is ``self``, ``cls`` or ``super()``: an object's own state;
+# * ``from m import _name`` never (a private module, e.g. ``eval/_arrays.py``, is imported only from its
+#   own package, where its public names are the package's internals);
+# * third-party private names dice_fast has to read are listed in THIRD_PARTY_PRIVATE, each with why.
+# Tests may read the private names of the module they test (white-box checks); public seams exist for
+# what a test of another module needs (e.g. the engine's tokenizer, the ``dedup`` option).
+THIRD_PARTY_PRIVATE = {
+    "_attn_implementation",  # transformers' config field that selects the attention function
+    "_global_mapping",  # transformers' AttentionInterface registry of attention functions
+    "_C", "_dispatch_has_kernel_for_dispatch_key",  # torch's dispatcher: is an op registered for a key
+    "_actions",  # argparse's list of a parser's actions (the only way to walk its flags)
+}
+ROOT = PACKAGE.parent
+# a GPU preflight inspects the Triton kernels' launch internals and attention's probes by design
+PRIVATE_READERS = {"benchmarks/preflight.py"}
+
+
+def private_uses(path: Path) -> list[str]:
+    """Every private name ``path`` reads from another object or module (see the rule above)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.endswith("__"):
+            v = node.value
+            own = (isinstance(v, ast.Name) and v.id in ("self", "cls")) or (
+                isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super")
+            if not own and node.attr not in THIRD_PARTY_PRIVATE:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names if a.name.startswith("_") and not a.name.endswith("__")]
+            if node.module and any(p.startswith("_") and not p.endswith("__") for p in node.module.split(".")) and not node.level:
+                names.append(node.module)  # an absolute import of a private module: from outside its package
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import {n}" for n in names]
+    return found
+
+
+def test_private_use_finder_finds_what_it_should():
+    probe = ROOT / "tests" / "_layout_probe.py"
+    probe.write_text("from m import _x\nfrom dice_fast.eval._arrays import y\nself._a; cls._b; super()._c\n"
+                     "other._d; a.b._e; x.__dict__; cfg._attn_implementation\n")
+    try:
+        got = [line.split(": ", 1)[1] for line in private_uses(probe)]
+    finally:
+        probe.unlink()
+    assert sorted(got) == sorted(["from m import _x", "from dice_fast.eval._arrays import dice_fast.eval._arrays",
+                                  "other._d", "a.b._e"])
+
+
+def test_no_module_reads_another_modules_private_names():
+    files = [p for p in [*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+             if str(p.relative_to(ROOT)) not in PRIVATE_READERS]
+    bad = [use for p in files for use in private_uses(p)]
+    assert not bad, "private names read across modules:\n" + "\n".join(bad)
+
+
+def test_the_queue_imports_nothing_of_the_engine():
+    """The queue is built from settings, a runner and a reuse object; it never climbs back up."""
+    g = graph()
+
+    def reach(name, seen=None):
+        seen = set() if seen is None else seen
+        for d in g[name]:
+            if d not in seen:
+                seen.add(d)
+                reach(d, seen)
+        return seen
+
+    assert "dice_fast.engine" not in reach("dice_fast.chunk_queue")
+    assert "dice_fast.engine" not in reach("dice_fast.reuse.manager")
+    assert not any(m.startswith("dice_fast.engine") for m in g["dice_fast.aggregation"] | g["dice_fast.settings"])
+
+
+def test_reuse_is_one_package():
+    """Chunk identity, the memory store, the persistent store and the dedup bookkeeping live in
+    dice_fast/reuse/ and nowhere else."""
+    assert sorted(p.name for p in (PACKAGE / "reuse").glob("*.py")) == [
+        "__init__.py", "cache_files.py", "keys.py", "manager.py", "memory.py", "persistent.py"]
+    strays = [p.name for p in PACKAGE.glob("*.py") if p.stem in ("reuse", "chunk_cache", "scheduler_reuse")]
+    assert not strays, strays
+    owners = {}
+    for p in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.name in ("ChunkKeys", "MemoryCache", "ChunkStats", "ChunkCache",
+                                                                  "ChunkReuse", "CacheNamespace"):
+                owners[node.name] = p.parent.name
+    assert set(owners.values()) == {"reuse"} and len(owners) == 6, owners
+
+
+# the compiled kernels' build and launch errors stay RuntimeError (ops/native.py, ops/triton_pool.py)
+KERNEL_SOURCES = {"ops/native.py", "ops/triton_pool.py"}
+# raised by the core besides its own errors: a module's __getattr__, and a broken invariant (a bug)
+NOT_USER_ERRORS = {"AttributeError", "RuntimeError"}
+
+
+def core_modules() -> list[Path]:
+    return [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in (*CONSUMERS, "cli.py")
+            and str(p.relative_to(PACKAGE)) not in KERNEL_SOURCES]
+
+
+def test_every_core_error_derives_from_dice_error():
+    import dice_fast
+    from dice_fast import errors
+
+    mine = {n for n in errors.__all__ if isinstance(getattr(errors, n), type)}
+    assert len(mine) >= 9
+    for name in mine:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.DiceError) and getattr(dice_fast, name) is cls, name
+    assert issubclass(errors.OptionError, ValueError) and issubclass(errors.InputOutOfMemory, RuntimeError)
+    classes, raised = [], []
+    for p in core_modules():
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and any(isinstance(b, ast.Name) and (
+                    b.id.endswith("Error") or b.id in ("Exception", "BaseException")) for b in node.bases):
+                classes.append(f"{p.relative_to(ROOT)}: {node.name}")
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
+                if node.exc.func.id not in mine | NOT_USER_ERRORS:
+                    raised.append(f"{p.relative_to(ROOT)}:{node.lineno}: raise {node.exc.func.id}")
+    assert all(c.startswith("dice_fast/errors.py") for c in classes), f"error classes outside errors.py: {classes}"
+    assert not raised, "the core raises errors that are not DiceErrors:\n" + "\n".join(raised)

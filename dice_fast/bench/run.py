@@ -168,18 +168,16 @@ def padded_fallback(encoder) -> str | None:
 
 def _attention_label(encoder) -> str:
     """The engine's attention backend, and on the CPU how its attention computed (`dice_fast.cpu_attention`)."""
-    from .. import cpu_attention as tuning
+    from .. import cpu_attention
 
-    how = tuning.describe(encoder.dtype) if encoder.device.type == "cpu" else ""
+    how = cpu_attention.describe(encoder.dtype) if encoder.device.type == "cpu" else ""
     return f"{encoder.backend} ({how})" if how else encoder.backend
 
 
 def encode_plan(encoder, plan) -> np.ndarray:
     """(n_docs, dim) float32 document vectors of an already tokenized ``plan``: the engine's batching
     (`dice_fast.chunk_queue.ChunkQueue`, the encoder's token budget) without its tokenizer."""
-    from ..chunk_queue import ChunkQueue
-
-    queue = ChunkQueue(encoder)
+    queue = encoder.chunk_queue()
     job = queue.submit(plan)
     while (batch := queue.next_batch()) is not None:
         queue.complete(batch, encoder.run_batch(batch.packed))

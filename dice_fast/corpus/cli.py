@@ -7,7 +7,6 @@ Registering the subcommand imports neither torch, transformers nor pyarrow.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ..cliargs import add_cache_arguments, add_encoder_arguments
 
@@ -86,30 +85,13 @@ def register_cli(subparsers) -> None:
 
 
 def cmd_encode(args) -> int:
-    """Run the job; every foreseeable failure becomes one ``dice-fast: error:`` line and exit status 2."""
+    """Run the job; a foreseeable failure raises, and `dice_fast.cli.main` prints it as one
+    ``dice-fast: error:`` line with exit status 2 (`dice_fast.errors.describe`)."""
     if args.quiet:
         _quiet_transformers()
-    try:
-        from .job import EncodeJob
+    from .job import EncodeJob
 
-        return EncodeJob(args).run()
-    except (ValueError, TypeError, OSError, ImportError) as exc:
-        return _fail(exc)
-    except RuntimeError as exc:
-        if "out of memory" not in str(exc).lower():
-            raise
-        return _fail(f"out of memory ({_one_line(exc)[:200]}); lower --max-batch-tokens")
-
-
-def _fail(exc) -> int:
-    print(f"dice-fast: error: {_one_line(exc)}", file=sys.stderr)
-    return 2
-
-
-def _one_line(exc) -> str:
-    if isinstance(exc, OSError) and exc.strerror and exc.filename:
-        return f"{exc.strerror}: {exc.filename}"
-    return " ".join(str(exc).split()) or type(exc).__name__
+    return EncodeJob(args).run()
 
 
 def _quiet_transformers() -> None:

@@ -330,6 +330,7 @@ def _resolved(enc) -> dict:
 
     config = asdict(enc.config)
     config["device"] = enc.device.type
+    config.pop("dedup")  # changes no vector: a job may resume with it either way
     return {"model": {"name": enc.spec.name, "label": model_label(enc.spec.name), "dim": enc.dim}, "config": config}
 
 

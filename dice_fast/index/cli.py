@@ -126,7 +126,7 @@ def _search(args) -> int:
 
     if args.index.startswith(SCHEMES):  # the recorded model and options encode the queries
         index = open_store(args.index)
-        index.attach_encoder(None, device=args.device, where=index._where)
+        index.attach_encoder(None, device=args.device, where=index.where)
     else:
         index = DiceIndex.load(args.index, device=args.device)
     alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha

@@ -127,14 +127,14 @@ class EncoderSlot:
                 raise ValueError(f"the encoder gives {encoder.dim}-wide vectors, {where} holds {self.dim}")
             if self.model is not None or self.encoder_options:
                 check_encoder(encoder, self.model, self.encoder_options, where)
-        self.encoder, self._restore_device, self._where = encoder, device, where
+        self.encoder, self._restore_device, self.where = encoder, device, where
 
     def _need_encoder(self, purpose: str):
         if self.encoder is None:
             if self.model is None:
-                raise ValueError(f"{self._where} has no encoder to {purpose}; pass one (DiceIndex.load(path, "
+                raise ValueError(f"{self.where} has no encoder to {purpose}; pass one (DiceIndex.load(path, "
                                  "encoder), encoder=...) or search with query vectors")
-            self.encoder = restore_encoder(self.model, self.encoder_options, self._where, self._restore_device)
+            self.encoder = restore_encoder(self.model, self.encoder_options, self.where, self._restore_device)
         return self.encoder
 
     def _query_vectors(self, queries) -> np.ndarray:

@@ -102,6 +102,10 @@ class DiceIndex(EncoderSlot):
         self.add_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
                         out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
 
+    def set_ids(self, ids: list[str]) -> None:
+        """Make ``ids`` (n_docs distinct strings, checked by the caller) the ids of this index's documents."""
+        self.ids, self._id_set = list(ids), set(ids)
+
     def add_arrays(self, ids: Sequence, documents: np.ndarray, chunks: np.ndarray, chunk_document: np.ndarray,
                    chunk_start_char: np.ndarray, chunk_end_char: np.ndarray, chunk_tokens: np.ndarray,
                    texts: Sequence[str] | None = None) -> None:

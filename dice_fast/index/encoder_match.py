@@ -17,7 +17,7 @@ from pathlib import Path
 
 BUNDLED = "(bundled all-MiniLM-L6-v2)"  # the name `dice-fast encode` records for the bundled model too
 # options an index does not pin: where and how fast the model runs, never what a vector is
-MACHINE_OPTIONS = ("device", "dtype", "max_batch_tokens", "pooling_impl", "attention_backend")
+MACHINE_OPTIONS = ("device", "dtype", "max_batch_tokens", "pooling_impl", "attention_backend", "dedup")
 
 
 def model_id(encoder) -> str:
@@ -76,9 +76,7 @@ def restore_encoder(model: str | None, options: dict, where: str, device: str | 
     if model is None:
         raise ValueError(f"{where} records no model (built from bare vectors): pass an encoder, or search with "
                          "query vectors")
-    if model != BUNDLED and not Path(model).is_dir():
-        raise ValueError(f"{where} was made with the model {model!r}, which is not a folder here (moved or "
-                         "deleted?): pass a matching encoder, or search with query vectors")
+    # a recorded model folder that is gone raises the same `ModelError` as every command's bad --model
     opts = recorded_options(options)
     if device is not None:
         opts["device"] = device

@@ -26,10 +26,10 @@ def push(output, store, *, resume: bool = False, progress: bool = True) -> dict:
 
     files = corpus_files(output)
     if len(store) and not resume:
-        raise ValueError(f"{store._where} already holds {len(store)} documents: pass --resume (resume=True) to "
+        raise ValueError(f"{store.where} already holds {len(store)} documents: pass --resume (resume=True) to "
                          "continue a push into it, or choose another collection")
     total = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-    bar = tqdm(total=total, unit="doc", desc=f"push to {store._where}", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=total, unit="doc", desc=f"push to {store.where}", disable=not progress, dynamic_ncols=True)
     written = skipped = 0
     try:
         for file in files:

@@ -31,7 +31,6 @@ import warnings
 
 import numpy as np
 
-from ..chunking import tokenize
 from ._common import as_encoder, require
 from ._retry import RetryPolicy
 
@@ -74,8 +73,7 @@ class LocalEmbedder:
         enc = self.encoder
         texts = list(texts)
         used = enc.max_tokens_used("queries")
-        with enc._tokenizer_lock:  # the engine's own lock: a fast tokenizer is not safe from two threads
-            lengths = tokenize(enc.tokenizer, texts, what="queries", spans=False).lengths
+        lengths = enc.tokenize(texts, what="queries", spans=False).lengths  # thread-safe (the engine's lock)
         if (over := np.flatnonzero(lengths > used)).size:
             i = int(over[0])
             raise QueryTooLong(f"query {i} of this call has {int(lengths[i])} tokens, more than the model window "

@@ -27,6 +27,7 @@ import importlib
 import torch
 
 from .spec import AGGREGATIONS, POOLINGS, SCHEMAS
+from ..errors import OptionError
 
 # concrete implementation -> module that defines `pool_chunks_<suffix>` and `aggregate_documents_<suffix>`
 IMPLEMENTATIONS = {
@@ -56,7 +57,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     """Map ``impl`` (one of `IMPLS`) to the implementation (a key of `IMPLEMENTATIONS`) used for
     tensors on ``device``."""
     if impl not in IMPLS:
-        raise ValueError(f"unknown pooling implementation {impl!r}; allowed: {', '.join(IMPLS)}")
+        raise OptionError(f"unknown pooling implementation {impl!r}; allowed: {', '.join(IMPLS)}")
     if impl != "auto":
         return ALIASES.get(impl, impl)
     device = torch.device(device)

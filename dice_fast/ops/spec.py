@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import OptionError
+
 POOLINGS = ("mean", "cls", "last")
 AGGREGATIONS = ("mean", "weighted_mean", "max", "topk_norm", "softmax_norm")
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,20 +71,20 @@ SCHEMAS = {
 def check_pooling(pooling: str) -> int:
     """Return the integer code of ``pooling`` (its index in `POOLINGS`) or raise ValueError."""
     if pooling not in POOLINGS:
-        raise ValueError(f"unknown pooling {pooling!r}; allowed: {', '.join(POOLINGS)}")
+        raise OptionError(f"unknown pooling {pooling!r}; allowed: {', '.join(POOLINGS)}")
     return POOLINGS.index(pooling)
 
 
 def check_aggregation(aggregation: str, top_k: int = 1, temperature: float = 1.0) -> int:
     """Return the integer code of ``aggregation`` (its index in `AGGREGATIONS`) or raise ValueError."""
     if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; allowed: {', '.join(AGGREGATIONS)}")
+        raise OptionError(f"unknown aggregation {aggregation!r}; allowed: {', '.join(AGGREGATIONS)}")
     if aggregation == "topk_norm" and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an integer >= 1 for aggregation='topk_norm', got {top_k!r}")
+        raise OptionError(f"top_k must be an integer >= 1 for aggregation='topk_norm', got {top_k!r}")
     if aggregation == "softmax_norm":
         t = float(temperature)
         if not (t > 0.0 and t < float("inf")):
-            raise ValueError(f"temperature must be a finite number > 0 for aggregation='softmax_norm', got {temperature!r}")
+            raise OptionError(f"temperature must be a finite number > 0 for aggregation='softmax_norm', got {temperature!r}")
     return AGGREGATIONS.index(aggregation)
 
 
@@ -94,9 +96,9 @@ def check_pool_chunks_inputs(hidden: torch.Tensor, cu_seqlens: torch.Tensor, poo
     """
     code = check_pooling(pooling)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
-        raise ValueError(f"hidden must be a 2-D tensor (total_tokens, hidden_size), got {_describe(hidden)}")
+        raise OptionError(f"hidden must be a 2-D tensor (total_tokens, hidden_size), got {_describe(hidden)}")
     if hidden.dtype not in HIDDEN_DTYPES:
-        raise ValueError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
+        raise OptionError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
     _check_offsets(cu_seqlens, "cu_seqlens", "(n_chunks + 1,)", torch.int32, hidden, "hidden")
     return code
 
@@ -112,30 +114,30 @@ def check_aggregate_inputs(
     """Validate `aggregate_documents` arguments; return the aggregation code."""
     code = check_aggregation(aggregation, top_k, temperature)
     if not isinstance(chunks, torch.Tensor) or chunks.dim() != 2:
-        raise ValueError(f"chunks must be a 2-D tensor (n_chunks, hidden_size), got {_describe(chunks)}")
+        raise OptionError(f"chunks must be a 2-D tensor (n_chunks, hidden_size), got {_describe(chunks)}")
     if chunks.dtype != torch.float32:
-        raise ValueError(f"chunks must be float32, got {chunks.dtype}")
+        raise OptionError(f"chunks must be float32, got {chunks.dtype}")
     _check_offsets(cu_doc_chunks, "cu_doc_chunks", "(n_docs + 1,)", torch.int64, chunks, "chunks")
     if aggregation == "weighted_mean":
         if chunk_weights is None:
-            raise ValueError("aggregation='weighted_mean' needs chunk_weights (n_chunks,) float32")
+            raise OptionError("aggregation='weighted_mean' needs chunk_weights (n_chunks,) float32")
         if chunk_weights.shape != (chunks.shape[0],) or chunk_weights.dtype != torch.float32:
-            raise ValueError(
+            raise OptionError(
                 f"chunk_weights must be float32 of shape ({chunks.shape[0]},), got {_describe(chunk_weights)}"
             )
         if chunk_weights.device != chunks.device:
-            raise ValueError(f"chunk_weights is on {chunk_weights.device} but chunks is on {chunks.device}")
+            raise OptionError(f"chunk_weights is on {chunk_weights.device} but chunks is on {chunks.device}")
     return code
 
 
 def _check_offsets(offsets, name: str, shape: str, dtype: torch.dtype, data: torch.Tensor, data_name: str) -> None:
     """A cumulative-offsets argument: a non-empty 1-D tensor of ``dtype`` on ``data``'s device."""
     if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"{name} must be a 1-D tensor {shape}, got {_describe(offsets)}")
+        raise OptionError(f"{name} must be a 1-D tensor {shape}, got {_describe(offsets)}")
     if offsets.dtype != dtype:
-        raise ValueError(f"{name} must be {str(dtype).replace('torch.', '')}, got {offsets.dtype}")
+        raise OptionError(f"{name} must be {str(dtype).replace('torch.', '')}, got {offsets.dtype}")
     if offsets.device != data.device:
-        raise ValueError(f"{name} is on {offsets.device} but {data_name} is on {data.device}")
+        raise OptionError(f"{name} is on {offsets.device} but {data_name} is on {data.device}")
 
 
 def _describe(x) -> str:

@@ -25,12 +25,10 @@ import sqlite3
 import stat
 from pathlib import Path
 
+from ..errors import CacheError
+
 _HEADER = b"SQLite format 3\x00"
 SIDE_FILES = ("-wal", "-shm")
-
-
-class CacheError(ValueError):
-    """A cache folder or file that cannot be used (not a dice_fast chunk cache, unreadable)."""
 
 
 def private_folder(folder: Path, cache_file: str) -> None:
@@ -86,7 +84,7 @@ def is_cache(path: Path, magic: str, fmt: int) -> None:
     with open(path, "rb") as f:
         head = f.read(100)
     if len(head) < 100 or not head.startswith(_HEADER):
-        raise unusable(path, "not an SQLite database")
+        raise CacheError(unusable(path, "not an SQLite database"))
     if head[18:20] != b"\x02\x02":  # not in WAL mode
         check_meta(path, {}, magic, fmt)
     uri = path.resolve().as_uri()
@@ -108,9 +106,9 @@ def check_meta(path: Path, meta: dict, magic: str, fmt: int) -> None:
                          f"{fmt}; delete it or choose another --cache folder")
 
 
-def unusable(path: Path, why) -> CacheError:
-    return CacheError(f"{path} is not a usable dice_fast chunk cache ({why}); delete it or choose another "
-                      "--cache folder")
+def unusable(path: Path, why) -> str:
+    """The message of a `CacheError` for a cache file at ``path`` that cannot be used because of ``why``."""
+    return f"{path} is not a usable dice_fast chunk cache ({why}); delete it or choose another --cache folder"
 
 
 def _meta(uri: str, path: Path | None = None) -> dict:
@@ -126,4 +124,4 @@ def _meta(uri: str, path: Path | None = None) -> dict:
     except sqlite3.DatabaseError as exc:
         if path is None:
             raise
-        raise unusable(path, exc) from None
+        raise CacheError(unusable(path, exc)) from None

@@ -18,6 +18,7 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+from ..errors import OptionError
 
 
 # --------------------------------------------------------------------------------------------
@@ -39,7 +40,7 @@ def chunk_keys(plan, salt: bytes = b"") -> ChunkKeys:
     tokens plus about a microsecond per chunk (a SHA-256 of its ids)."""
     ids = plan.tokens.ids
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= 2**31):
-        raise ValueError("token ids must lie in [0, 2**31) to be keyed")
+        raise OptionError("token ids must lie in [0, 2**31) to be keyed")
     raw = ids.astype("<i4").tobytes()
     pre = np.asarray(plan.prefix, "<i4").tobytes()
     suf = np.asarray(plan.suffix, "<i4").tobytes()

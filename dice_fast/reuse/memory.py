@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from ..errors import OptionError
 
 
 @dataclass
@@ -49,7 +50,7 @@ class MemoryCache:
 
     def __init__(self, max_bytes: int):
         if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"max_bytes must be an integer >= 0, got {max_bytes!r}")
+            raise OptionError(f"max_bytes must be an integer >= 0, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self.bytes = 0
         self._items: OrderedDict = OrderedDict()

@@ -4,7 +4,7 @@
 job), crash-safe (a killed writer leaves the last committed state), bounded (``max_gb``: least
 recently used rows are evicted in batches), every row checksummed (a damaged one is dropped and
 recomputed, never returned). `ChunkCache.bind` gives the `CacheNamespace` of one encoder
-configuration (`encoder_namespace` builds it for a `DiceEncoder`), keyed by `model_fingerprint`
+configuration (`settings_namespace` builds it from an encoder's resolved settings), keyed by `model_fingerprint`
 (SHA-256 of the weights and config, remembered per model folder). Rows are found by the chunk keys
 and identities of `dice_fast.reuse.keys.chunk_keys`.
 
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .cache_files import CacheError, check_meta, is_cache, private_database, private_folder, tighten, unusable
+from ..errors import ArgumentTypeError, CacheError, OptionError
+from .cache_files import check_meta, is_cache, private_database, private_folder, tighten, unusable
 
 FORMAT = 1  # bump when what a stored vector means changes
 CACHE_FILE = "chunks.sqlite"
@@ -91,7 +92,7 @@ class ChunkCache:
 
     def __init__(self, folder, max_gb: float | None = None):
         if max_gb is not None and (isinstance(max_gb, bool) or not max_gb > 0):
-            raise ValueError(f"max_gb must be a number > 0, got {max_gb!r}")
+            raise OptionError(f"max_gb must be a number > 0, got {max_gb!r}")
         folder = Path(folder).expanduser()
         private_folder(folder, CACHE_FILE)
         self.folder, self.path = folder, folder / CACHE_FILE
@@ -107,7 +108,7 @@ class ChunkCache:
                                         check_same_thread=False)
             self._open()
         except sqlite3.DatabaseError as exc:
-            raise unusable(self.path, exc) from None
+            raise CacheError(unusable(self.path, exc)) from None
 
     def _open(self) -> None:
         con = self._con
@@ -363,16 +364,17 @@ def open_cache(cache, max_gb: float | None = None) -> ChunkCache:
     """``cache`` as a `ChunkCache`: a folder path (opened) or a `ChunkCache` (returned)."""
     if isinstance(cache, ChunkCache):
         if max_gb is not None:
-            raise TypeError("max_gb belongs to the ChunkCache passed in; set it there")
+            raise ArgumentTypeError("max_gb belongs to the ChunkCache passed in; set it there")
         return cache
     if not isinstance(cache, (str, os.PathLike)):
-        raise TypeError(f"cache must be a folder path or a ChunkCache, got {type(cache).__name__}")
+        raise ArgumentTypeError(f"cache must be a folder path or a ChunkCache, got {type(cache).__name__}")
     return ChunkCache(cache, max_gb)
 
 
-def encoder_namespace(encoder, cache, max_gb=None, model_path=None) -> CacheNamespace:
-    """The `CacheNamespace` of a `DiceEncoder` in ``cache`` (a folder or a `ChunkCache`): everything a
-    chunk's vector depends on besides its ids (the wrapped ids and positions are in each identity)."""
+def settings_namespace(settings, model, cache, max_gb=None, model_path=None) -> CacheNamespace:
+    """The `CacheNamespace`, in ``cache`` (a folder or a `ChunkCache`), of an encoder's resolved
+    `dice_fast.settings.Settings` for ``model``: everything a chunk's vector depends on besides its ids
+    (the wrapped ids and positions are in each identity)."""
     import torch
     import transformers
 
@@ -380,17 +382,17 @@ def encoder_namespace(encoder, cache, max_gb=None, model_path=None) -> CacheName
     minor = lambda v: ".".join(v.split("+")[0].split(".")[:2])  # noqa: E731
     description = {
         "format": FORMAT,
-        "model": store.fingerprint(encoder.model, model_path),
-        "dtype": str(encoder.dtype).replace("torch.", ""),
-        "device": encoder.device.type,
-        "pooling": encoder.pooling,
-        "causal": encoder.spec.is_causal if encoder.causal is None else encoder.causal,
-        "first_position": encoder.spec.first_position,
+        "model": store.fingerprint(model, model_path),
+        "dtype": str(settings.dtype).replace("torch.", ""),
+        "device": settings.device.type,
+        "pooling": settings.pooling,
+        "causal": settings.is_causal,
+        "first_position": settings.spec.first_position,
         "torch": minor(torch.__version__),
         "transformers": minor(transformers.__version__),
     }
-    return store.bind(description, encoder.spec.hidden_size)  # chunk vectors are full width (truncate_dim: after)
+    return store.bind(description, settings.spec.hidden_size)  # chunk vectors are full width (truncate_dim: after)
 
 
-__all__ = ["ChunkCache", "CacheNamespace", "CacheError", "encoder_namespace", "model_fingerprint", "open_cache",
+__all__ = ["ChunkCache", "CacheNamespace", "CacheError", "settings_namespace", "model_fingerprint", "open_cache",
            "CACHE_FILE"]

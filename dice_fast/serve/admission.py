@@ -57,7 +57,7 @@ class Part:
 
 
 @dataclass(eq=False)
-class _Request:
+class QueuedRequest:
     plan: object
     aggregation: str | None
     tokens: int
@@ -76,22 +76,15 @@ class Lease:
     `release` (idempotent; also ``with core.lease() as lease: ...``)."""
 
     def __init__(self, core):
-        self._core, self.tokens, self.released = core, 0, False
+        self.core, self.tokens, self.released = core, 0, False
 
     def hold(self, tokens: int) -> None:
         """Count ``tokens`` more against the queue bound until release."""
-        with self._core._cond:
-            if not self.released:
-                self.tokens += tokens
-                self._core._held_tokens += tokens
+        self.core.hold_tokens(self, tokens)
 
     def release(self) -> None:
         """Give the slot and the held tokens back."""
-        with self._core._cond:
-            if not self.released:
-                self.released = True
-                self._core._held_tokens -= self.tokens
-                self._core._in_flight -= 1
+        self.core.end_lease(self)
 
     def __enter__(self) -> Lease:
         return self
@@ -116,12 +109,27 @@ class RequestSide:
             self._in_flight += 1
         return Lease(self)
 
+    def hold_tokens(self, lease: Lease, tokens: int) -> None:
+        """`Lease.hold`: ``tokens`` more of ``lease`` count against ``max_queue_tokens``."""
+        with self._cond:
+            if not lease.released:
+                lease.tokens += tokens
+                self._held_tokens += tokens
+
+    def end_lease(self, lease: Lease) -> None:
+        """`Lease.release`: its slot and held tokens back (once)."""
+        with self._cond:
+            if not lease.released:
+                lease.released = True
+                self._held_tokens -= lease.tokens
+                self._in_flight -= 1
+
     async def _embed(self, parts: list[Part], lease: Lease | None, width: int | None):
         """The `Embeddings` of each part of one call (see the module docstring)."""
         own = lease is None
         if own:
             lease = self.lease()
-        elif lease.released or lease._core is not self:
+        elif lease.released or lease.core is not self:
             raise ValueError("the lease is released or belongs to another AsyncDiceEncoder")
         try:
             return await self._embed_parts(parts, lease, width or self.dim)
@@ -170,7 +178,7 @@ class RequestSide:
             abandoned.set()  # stop tokenizing at the next piece
             raise
         requests = [None if plan is None else
-                    _Request(plan, p.aggregation, int(plan.document_tokens.sum()), loop, loop.create_future(),
+                    QueuedRequest(plan, p.aggregation, int(plan.document_tokens.sum()), loop, loop.create_future(),
                              keys=keys, keep_chunks=p.return_chunks)
                     for p, (plan, _, keys) in zip(parts, planned)]
         queued = [r for r in requests if r is not None]
@@ -244,7 +252,7 @@ class RequestSide:
         return Overloaded(f"the queue holds {self.tokens_held} tokens; {tokens} more would pass its limit of "
                           f"{self.max_queue_tokens} (max_queue_tokens); retry later", self.retry_after())
 
-    def _submit(self, requests: list[_Request]) -> None:
+    def _submit(self, requests: list[QueuedRequest]) -> None:
         """Queue ``requests`` (the parts of one call) together, or none of them."""
         tokens = sum(r.tokens for r in requests)
         with self._cond:
@@ -257,7 +265,7 @@ class RequestSide:
             self._start_worker(warm_up=False)
             self._cond.notify()
 
-    def _cancel(self, request: _Request) -> None:
+    def _cancel(self, request: QueuedRequest) -> None:
         with self._cond:
             if request.future.done() and not request.future.cancelled():
                 return  # finished: nothing left to drop

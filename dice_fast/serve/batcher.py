@@ -37,8 +37,8 @@ from typing import Callable, Iterable
 
 
 from ..reuse import MemoryCache
-from ..chunk_queue import ChunkQueue, Job
-from .admission import Embeddings, Lease, Part, RequestSide, _Request
+from ..chunk_queue import Job
+from .admission import Embeddings, Lease, Part, QueuedRequest, RequestSide
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
 from .planning import piece_chars
 from .worker import BUSY_TRIM_S, IDLE_TRIM_S, BatchStats, WorkerLoop
@@ -115,7 +115,7 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
         self.idle_trim_s, self.busy_trim_s = IDLE_TRIM_S, BUSY_TRIM_S
         self.cache_memory_mb = cache_memory_mb
         memory = MemoryCache(cache_memory_mb << 20) if cache_memory_mb else None
-        self._queue = ChunkQueue(encoder, max_batch_tokens, memory=memory)
+        self._queue = encoder.chunk_queue(max_batch_tokens, memory=memory)
         self.max_inputs_per_request = max_inputs_per_request
         self.max_tokens_per_document = max_tokens_per_document
         self.max_queue_tokens = max_queue_tokens or QUEUE_BATCHES * self._queue.max_batch_tokens
@@ -128,7 +128,7 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
         self.cross_request_batching = cross_request_batching
         self._piece_chars = piece_chars(encoder)
         self._cond = threading.Condition()
-        self._pending: deque[_Request] = deque()  # planned, not yet handed to the ChunkQueue
+        self._pending: deque[QueuedRequest] = deque()  # planned, not yet handed to the ChunkQueue
         self._pending_tokens = 0
         self._current: Job | None = None  # the running job when cross_request_batching is off
         self._in_flight = 0

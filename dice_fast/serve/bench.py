@@ -43,7 +43,7 @@ def make_corpus(tokenizer, n_docs: int, lo: int, hi: int, seed: int) -> list[str
     return prose_documents(tokenizer, lengths, seed)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -66,7 +66,7 @@ class _Server:
     """``with _Server(options, cross) as url:`` a benchmark server in a child process."""
 
     def __init__(self, options: dict, cross: bool, timeout: float):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         ctx = multiprocessing.get_context("spawn")
         self.proc = ctx.Process(target=_serve, args=(options, self.port, cross), daemon=True)
@@ -106,7 +106,7 @@ def wait_healthy(url: str, exited, timeout: float, late: str) -> None:
         time.sleep(0.2)
 
 
-def _decode(body: dict) -> np.ndarray:
+def decode_embeddings(body: dict) -> np.ndarray:
     rows = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") if isinstance(d["embedding"], str)
             else np.asarray(d["embedding"], np.float32) for d in body["data"]]
     return np.stack(rows)
@@ -131,7 +131,7 @@ async def _closed_loop(url: str, requests: list[list[int]], texts: list[str], re
                 raise RuntimeError(f"request {r}: HTTP {resp.status_code}: {resp.text[:300]}")
             body = json.loads(resp.content)
             tokens[0] += body["usage"]["prompt_tokens"]
-            errors[0] = max(errors[0], float(np.abs(_decode(body) - ref[pick]).max()))
+            errors[0] = max(errors[0], float(np.abs(decode_embeddings(body) - ref[pick]).max()))
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:

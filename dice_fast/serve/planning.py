@@ -10,8 +10,9 @@ from typing import Callable
 
 import numpy as np
 
-from ..chunking import EncodingPlan, TextError, TokenizedDocuments
-from ..pieces import PIECE_CHARS, cuts_are_exact, tokenize_bounded
+from ..chunking import EncodingPlan, TokenizedDocuments
+from ..errors import TextError
+from ..pieces import PIECE_CHARS
 from .errors import InvalidRequest, RequestTooLarge
 
 
@@ -22,8 +23,7 @@ class Abandoned(Exception):
 def piece_chars(encoder) -> int | None:
     """Characters per tokenizer call for ``encoder``: `PIECE_CHARS` where cutting texts at word gaps gives
     the ids of the whole (`cuts_are_exact`, checked once here), else None (whole texts)."""
-    with encoder._tokenizer_lock:
-        return PIECE_CHARS if cuts_are_exact(encoder.tokenizer) else None
+    return PIECE_CHARS if encoder.cuts_are_exact() else None
 
 
 def check_chars(texts: list[str], limit: int, field: str = "input") -> None:
@@ -62,8 +62,8 @@ def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | Non
         check_sizes(counts if used is None else np.minimum(counts, used), at_least=True)
 
     try:
-        tokens = tokenize_bounded(encoder.tokenizer, texts, encoder._tokenizer_lock, piece_chars=piece_chars,
-                                  check=check, enough=used if kind == "queries" else None, what=field)
+        tokens = encoder.tokenize_bounded(texts, piece_chars=piece_chars, check=check,
+                                          enough=used if kind == "queries" else None, what=field)
     except TextError as exc:  # not valid Unicode
         raise InvalidRequest(str(exc), param=f"{field}[{exc.index}]") from None
     refuse_long_queries(tokens.lengths)

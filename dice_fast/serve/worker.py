@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from ..cpu_heap import release_freed_memory
 from ..faults import InputOutOfMemory
-from ..chunk_queue import ChunkQueue
 from .errors import OutOfMemory, Unhealthy
 
 IDLE_TRIM_S = 1.0  # seconds without work after which a CPU worker hands its kept heap pages back
@@ -89,7 +88,7 @@ class WorkerLoop:
     def _warm_up(self) -> None:
         """One forward of a short query through the whole path (plan, pack, model, pooling), alone
         (no reuse: a cached warm-up vector would skip the forward it exists for)."""
-        queue = ChunkQueue(self.encoder, dedup=False)
+        queue = self.encoder.chunk_queue(dedup=False)
         job = queue.submit(self.encoder.plan([WARM_UP_TEXT], "queries"), "mean")
         while (batch := queue.next_batch()) is not None:
             queue.run(batch, self.encoder.run_batch)

@@ -244,7 +244,7 @@ def test_malformed_input_writes_no_output(tmp_path, capsys, cached_encoders):
 @pytest.mark.parametrize("argv,message", [
     (["--chunk-size", "8", "--overlap", "8"], "overlap (8) must be smaller than chunk_size (8)"),
     (["--overlap", "300"], "overlap (300) must be smaller than the default chunk_size (254)"),
-    (["--model", "/no/such/model"], "--model /no/such/model: no such model folder"),
+    (["--model", "/no/such/model"], "model /no/such/model: no such model folder"),
     (["--shard", "2/2"], "--shard 2/2: INDEX must be in 0..COUNT-1"),
     (["--resume"], "--resume needs a shard folder output"),
     (["--truncate-dim", "385"], "truncate_dim must be an integer from 1 to 384"),

@@ -13,7 +13,7 @@ import signal
 import httpx
 import pytest
 
-from dice_fast import chunk_queue as scheduler
+from dice_fast import aggregation, chunk_queue
 from dice_fast.serve import AsyncDiceEncoder, create_app
 from dice_fast.serve.errors import DeadlineExceeded
 from fault_injection import failing_forward, has_poison, poisoned
@@ -88,7 +88,7 @@ def test_out_of_memory_fails_only_the_request_of_the_chunk(tiny_encoder):
 
 
 def test_packing_error_fails_only_the_request_it_was_packing(tiny_encoder, monkeypatch):
-    pack = scheduler.pack
+    pack = chunk_queue.pack
     packs = []  # per pack call: whether it raised
 
     def flaky_pack(docs, *args, **kwargs):
@@ -99,7 +99,7 @@ def test_packing_error_fails_only_the_request_it_was_packing(tiny_encoder, monke
 
     texts = word_texts(6, 5, 12, seed=31)  # one chunk each: the three requests fit one batch
     ref = tiny_encoder.encode_documents(texts)
-    monkeypatch.setattr(scheduler, "pack", flaky_pack)
+    monkeypatch.setattr(chunk_queue, "pack", flaky_pack)
     proxy = ProxyEncoder(tiny_encoder)
 
     async def main():
@@ -130,7 +130,7 @@ def _catching(factory):
 
 
 def test_pooling_error_fails_its_request_and_the_next_succeeds(tiny_encoder, monkeypatch):
-    aggregate = scheduler.aggregate_documents
+    aggregate = aggregation.aggregate_documents
     calls = []
 
     def flaky_aggregate(vectors, cu_doc_chunks, *args, **kwargs):
@@ -142,7 +142,7 @@ def test_pooling_error_fails_its_request_and_the_next_succeeds(tiny_encoder, mon
     texts = word_texts(4, 5, 30, seed=32)
     long_doc = word_texts(1, 300, 300, seed=33)[0]  # 19 chunks: spans three batches
     ref = tiny_encoder.encode_documents(texts + [long_doc])
-    monkeypatch.setattr(scheduler, "aggregate_documents", flaky_aggregate)
+    monkeypatch.setattr(aggregation, "aggregate_documents", flaky_aggregate)
     proxy = ProxyEncoder(tiny_encoder)
 
     async def main():  # one request per batch: the failing one shares none

@@ -17,7 +17,7 @@ from dice_fast import DiceEncoder
 from dice_fast.serve import AsyncDiceEncoder, create_app
 from dice_fast.serve.cli import api_key
 from dice_fast.serve.errors import InvalidRequest
-from helpers import CountingLock, assert_close
+from helpers import assert_close
 from serve_testing import ProxyEncoder, ServerThread, embeddings_of, wait_until, word_texts
 from tiny_models import WORDS, tiny
 
@@ -149,7 +149,7 @@ def test_body_limit_is_enforced_while_the_body_streams_in(tiny_encoder):
 JSON = {"Content-Type": "application/json"}
 
 
-def test_huge_inputs_are_refused_before_costing_their_tokenization(tiny_encoder):
+def test_huge_inputs_are_refused_before_costing_their_tokenization(tiny_encoder, monkeypatch):
     """12 MB of text: refused by the character limit without a tokenizer call; with that limit lifted,
     after a few pieces, as soon as the tokens found pass the queue (tiny: 8,192 tokens)."""
     big = " ".join(WORDS * 55_000)  # ~12.5 MB, ~2.7 M tokens
@@ -157,26 +157,43 @@ def test_huge_inputs_are_refused_before_costing_their_tokenization(tiny_encoder)
     proxy = ProxyEncoder(tiny_encoder)
     body = json.dumps({"input": ["short", big]}).encode()
 
+    counting = CountingTokenizer(tiny_encoder.tokenizer)
+    monkeypatch.setattr(tiny_encoder, "tokenizer", counting)  # the engine tokenizes through its public attribute
+
     def serve(**limits):
         app = create_app(proxy, max_body_bytes=64 << 20, **limits)
-        proxy._tokenizer_lock = CountingLock()  # counts the calls of requests only
+        counting.calls = 0  # counts the calls of requests only
         return ServerThread(app)
 
     with serve() as server:
         r = httpx.post(server.url + "/v1/embeddings", content=body, timeout=60, headers=JSON)
         assert r.status_code == 413 and r.json()["error"]["param"] == "input[1]"
-        assert "max_input_chars" in r.json()["error"]["message"] and proxy._tokenizer_lock.acquired == 0
+        assert "max_input_chars" in r.json()["error"]["message"] and counting.calls == 0
     with serve(max_input_chars=10**8) as server:
         r = httpx.post(server.url + "/v1/embeddings", content=body, timeout=60, headers=JSON)
         assert r.status_code == 413 and "max_queue_tokens" in r.json()["error"]["message"]
-        calls = proxy._tokenizer_lock.acquired
+        calls = counting.calls
         assert calls <= 4, f"{calls} tokenizer calls for a request refused after the first pieces"
     with serve(max_input_chars=10**8, max_tokens_per_document=500) as server:
         r = httpx.post(server.url + "/v1/embeddings", json={"input": ["short", big[:200_000]]}, timeout=60)
         assert r.status_code == 413 and r.json()["error"]["param"] == "input[1]"
-        assert "more than 500 tokens" in r.json()["error"]["message"] and proxy._tokenizer_lock.acquired <= 3
+        assert "more than 500 tokens" in r.json()["error"]["message"] and counting.calls <= 3
         r = httpx.post(server.url + "/v1/embeddings", json={"input": ["short", "a bit longer"]}, timeout=60)
         assert r.status_code == 200
+
+
+class CountingTokenizer:
+    """A tokenizer that counts its calls; everything else is the wrapped one's."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 @pytest.mark.filterwarnings("ignore:.*longer than the model window")

@@ -1,0 +1,123 @@
+"""Every error dice_fast's core raises, in one place; each derives from `DiceError`.
+
+Each also keeps the standard exception it has always been (``OptionError`` is a ``ValueError``,
+``InputOutOfMemory`` a ``RuntimeError``), so ``except ValueError`` goes on working:
+
+    DiceError
+      OptionError(ValueError)         an option or argument value that is not allowed
+      ArgumentTypeError(TypeError)    an argument of the wrong type (texts, options)
+      TextError(ValueError)           a text that cannot be encoded as it is (``index`` names it)
+      InputError(ValueError)          an input file or record that cannot be read (names file and line)
+      ModelError(ValueError)          a model that cannot be loaded or used (``path`` names it)
+      CacheError(ValueError)          a chunk-cache folder or file that cannot be used
+      InputOutOfMemory(RuntimeError)  one chunk ran out of memory even alone in its batch
+      MissingDependency(ImportError)  an optional package a feature needs is not installed
+
+The command line maps these types to one-line messages (`describe`); the server has its own
+request errors (`dice_fast.serve.errors`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+class DiceError(Exception):
+    """Base of every error raised by dice_fast's core."""
+
+
+class OptionError(DiceError, ValueError):
+    """An option or argument value that is not allowed (the message names it and what is allowed)."""
+
+
+class ArgumentTypeError(DiceError, TypeError):
+    """An argument of the wrong type (e.g. a single string where a list of texts is expected)."""
+
+
+class TextError(DiceError, ValueError):
+    """A text that cannot be encoded as it is; ``index``: its position among the texts passed in."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+class InputError(DiceError, ValueError):
+    """An input file or record that cannot be read (not UTF-8, malformed JSON, a CSV of other columns)."""
+
+
+class MissingDependency(DiceError, ImportError):
+    """An optional package a feature needs is not installed (the message says what to install)."""
+
+
+class ModelError(DiceError, ValueError):
+    """A model that cannot be loaded or used; ``path``: the folder or name given (None: the bundled one)."""
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class CacheError(DiceError, ValueError):
+    """A cache folder or file that cannot be used (not a dice_fast chunk cache, unreadable)."""
+
+
+class InputOutOfMemory(DiceError, RuntimeError):
+    """One chunk of an input ran out of memory even alone in its batch.
+
+    index: the input's index within its call (or request); name: how the message names it
+    ("documents[3]", "input[3]"); tokens: the failing chunk's tokens; cause: the allocator's message.
+    Nothing else of the call is mixed up: the other inputs' vectors were exact.
+    """
+
+    def __init__(self, index: int, tokens: int, cause: str, name: str | None = None):
+        self.index, self.tokens, self.cause = int(index), int(tokens), cause
+        self.name = name or f"input[{self.index}]"
+        super().__init__(f"out of memory encoding {self.name}: one of its chunks ({self.tokens} tokens) ran out of "
+                         f"memory even alone in a batch ({cause}); free memory, or lower chunk_size")
+
+    def renamed(self, name: str, offset: int = 0) -> InputOutOfMemory:
+        """The same failure with the input named ``name`` and its index shifted by ``offset``."""
+        return InputOutOfMemory(self.index + offset, self.tokens, self.cause, name)
+
+
+def describe(exc: BaseException) -> str | None:
+    """The one-line message the command line prints for ``exc``, or None when it is not a user's error
+    (a bug: let it raise with its traceback). Decided by the exception's type, never by its message."""
+    if isinstance(exc, InputOutOfMemory):
+        return one_line(exc)
+    torch = sys.modules.get("torch")  # only a process that loaded torch can have its errors
+    if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)):
+        return f"out of memory ({one_line(exc)[:200]}); lower --max-batch-tokens"
+    if isinstance(exc, (DiceError, ValueError, TypeError, OSError, ImportError)):
+        return one_line(exc)
+    return None
+
+
+# what torch's CPU allocator says: it raises a plain RuntimeError, so only its message tells
+_ALLOCATOR_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory", "defaultcpuallocator",
+                       "failed to allocate")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocator failure (CUDA or CPU), which a smaller batch may avoid. The one
+    place dice_fast recognises one: by type (``torch.OutOfMemoryError``, ``MemoryError``), and for the
+    plain ``RuntimeError`` of torch's CPU allocator by its message (the engine's split-and-retry,
+    `dice_fast.faults`, needs to know; what escapes it is an `InputOutOfMemory`)."""
+    if isinstance(exc, MemoryError):
+        return True
+    torch = sys.modules.get("torch")  # only a process that loaded torch can have its errors
+    if torch is not None and isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _ALLOCATOR_MESSAGES)
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (an OSError as "reason: file")."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+__all__ = ["ArgumentTypeError", "CacheError", "DiceError", "InputError", "InputOutOfMemory", "MissingDependency",
+           "ModelError", "OptionError", "TextError", "describe", "is_out_of_memory", "one_line"]

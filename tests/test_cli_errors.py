@@ -1,0 +1,67 @@
+"""The command line reports a user's error as one line, decided by the error's type: a bad ``--model``
+reads the same in every subcommand, and out-of-memory is recognised without reading messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dice_fast import DiceEncoder, DiceIndex, cli
+from dice_fast.errors import CacheError, InputOutOfMemory, ModelError, OptionError, describe
+from tiny_models import tiny
+
+BAD = "/nonexistent/dice-model"
+EXPECTED = f"dice-fast: error: model {BAD}: no such model folder"
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    (tmp_path / "docs.txt").write_text("a first document\nand a second one\n")
+    return tmp_path
+
+
+def _index_with_bad_model(tmp_path) -> str:
+    model, tok, *_ = tiny("bert")
+    index = DiceIndex.from_texts(DiceEncoder(model, tok, chunk_size=8), ["one text", "another text"], ["a", "b"])
+    index.save(tmp_path / "idx")
+    meta = json.loads((tmp_path / "idx" / "index.json").read_text())
+    meta["model"] = BAD
+    (tmp_path / "idx" / "index.json").write_text(json.dumps(meta))
+    return str(tmp_path / "idx")
+
+
+SUBCOMMANDS = {
+    "encode": lambda d: ["encode", str(d / "docs.txt"), "-o", str(d / "out.npy"), "--model", BAD],
+    "eval": lambda d: ["eval", "--model", BAD],
+    "bench": lambda d: ["bench", "--csv", str(d / "bench.csv"), "--model", BAD],
+    "serve": lambda d: ["serve", "--model", BAD],
+    "bench-serve": lambda d: ["bench-serve", "--model", BAD],
+    "index": lambda d: ["index", str(d / "docs.txt"), "-o", str(d / "idx"), "--model", BAD],
+    "search": lambda d: ["search", _index_with_bad_model(d), "a query"],
+}
+
+
+def test_every_subcommand_is_covered():
+    usage = cli.build_parser().format_usage()  # "usage: dice-fast [-h] [--version] {encode,eval,...} ..."
+    assert set(usage[usage.index("{") + 1 : usage.index("}")].split(",")) == set(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_a_bad_model_path_reads_the_same_everywhere(command, inputs, capsys):
+    assert cli.main(SUBCOMMANDS[command](inputs)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == EXPECTED, err
+
+
+def test_errors_are_described_by_type_not_text():
+    assert describe(ModelError("model x: no such folder", "x")) == "model x: no such folder"
+    assert describe(OptionError("overlap must be\n  smaller")) == "overlap must be smaller"
+    assert describe(CacheError("not a cache")) == "not a cache"
+    oom = InputOutOfMemory(3, 512, "CUDA out of memory", "documents[3]")
+    assert describe(oom) == str(oom) and "documents[3]" in describe(oom)
+    assert describe(torch.OutOfMemoryError("CUDA out of memory. Tried")).startswith("out of memory (")
+    assert describe(MemoryError()).startswith("out of memory (")
+    assert describe(RuntimeError("out of memory")) is None  # never by its text: a bug, raised with its traceback
+    assert describe(KeyError("x")) is None
