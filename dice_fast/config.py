@@ -12,6 +12,8 @@ POSITIONS = ("local", "global")
 ATTENTION_MODES = ("model default", "causal", "bidirectional")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_groups", "padded")
 DEFAULT_CHUNK_SIZE = 256
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+COMPILE_MODES = ("off", "on", "auto")
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,13 @@ class DiceConfig:
         ``max_seq_length``, else the tokenizer's ``model_max_length``, else the position table).
     max_batch_tokens: token budget of one packed forward (``None``: 4096 on CPU, 65536 on CUDA).
     device, dtype: where and in which precision the model runs (``None``: CUDA if available with
-        bfloat16, else CPU with float32).
+        bfloat16, else CPU with float32). ``dtype="auto"`` (CPU): the fastest forward on this machine
+        whose vectors agree with float32 to cos >= `dice_fast.cpu_paths.AGREEMENT` on the bundled
+        prose, measured once per machine and model and cached (docs/cpu.md).
+    compile: "off" | "on" | "auto": run the packed forward under ``torch.compile`` (inductor; compiled
+        once per encoder, at construction: docs/cpu.md). "auto" is for ``dtype="auto"``: compiled
+        and eager forwards are both candidates (with an explicit dtype: whichever of the two measures
+        faster). The padded fallback is never compiled: "on" refuses a model that needs it.
     pooling_impl: "auto" | "torch" | "triton" | "native" | "reference" (see `dice_fast.ops`).
     """
 
@@ -75,6 +83,7 @@ class DiceConfig:
     device: str | None = None
     dtype: str | None = None
     pooling_impl: str = "auto"
+    compile: str = "off"
 
     def __post_init__(self):
         _choice("strategy", self.strategy, STRATEGIES)
@@ -105,8 +114,9 @@ class DiceConfig:
             value = getattr(self, name)
             if not (isinstance(value, bool) or (value is None and name == "normalize_chunks")):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _choice("compile", self.compile, COMPILE_MODES)
         from .ops import IMPLS
 
         _choice("pooling_impl", self.pooling_impl, IMPLS)
@@ -132,4 +142,4 @@ def _positive_int(name: str, value, optional: bool = False) -> None:
         raise ValueError(f"{name} must be an integer >= 1{' or None' if optional else ''}, got {value!r}")
 
 
-__all__ = ["DiceConfig", "STRATEGIES", "POSITIONS", "ATTENTION_MODES", "ATTENTION_BACKENDS", "POOLINGS", "AGGREGATIONS"]
+__all__ = ["DiceConfig", "DTYPES", "COMPILE_MODES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES", "ATTENTION_BACKENDS", "POOLINGS", "AGGREGATIONS"]

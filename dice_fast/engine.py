@@ -78,6 +78,11 @@ class DiceEncoder:
         if isinstance(options.get("dtype"), torch.dtype):
             options["dtype"] = str(options["dtype"]).replace("torch.", "")
         cfg = config or DiceConfig(**options)
+        self.path_choice = None  # dice_fast.cpu_paths.PathChoice of dtype="auto" / compile="auto"
+        if cfg.dtype == "auto" or cfg.compile == "auto":
+            from .cpu_paths import resolve
+
+            cfg, self.path_choice = resolve(type(self), model, tokenizer, cfg, model_path)
 
         param = next(model.parameters())
         device = torch.device(cfg.device) if cfg.device is not None else param.device
@@ -126,7 +131,7 @@ class DiceEncoder:
         self._dedup = True  # False: no reuse at all (the baseline of benchmarks/bench_cache.py)
         self.runner = ModelRunner(
             model, self.spec, attn.choose_backend(cfg.attention_backend, device, dtype), self.causal, self.pooling,
-            self.pooling_impl, self.max_batch_tokens, tokenizer.pad_token_id,
+            self.pooling_impl, self.max_batch_tokens, tokenizer.pad_token_id, compile=cfg.compile == "on",
         )
 
     @classmethod
@@ -141,10 +146,8 @@ class DiceEncoder:
         device = torch.device(options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = options.get("dtype") or ("bfloat16" if device.type == "cuda" else "float32")
         dtype = str(dtype).replace("torch.", "")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         DiceConfig(**{**options, "device": str(device), "dtype": dtype})  # fail on bad options before loading
-        model, tokenizer = load_model(path, device, _DTYPES[dtype], trust_remote_code)
+        model, tokenizer = load_model(path, device, _DTYPES.get(dtype, torch.float32), trust_remote_code)
         from .models import default_model_path
 
         model_path = str(path) if path is not None else default_model_path()
@@ -179,8 +182,18 @@ class DiceEncoder:
             f"attention={backend}{'' if self.causal is None else ('/causal' if self.causal else '/bidirectional')}, "
             f"pooling_impl={self.pooling_impl}, strategy={c.strategy}, chunk_size={c.chunk_size}, overlap={c.overlap}, "
             f"positions={c.positions}, pooling={self.pooling}, aggregation={c.aggregation}, window={self.window}, "
-            f"max_batch_tokens={self.max_batch_tokens})"
+            f"max_batch_tokens={self.max_batch_tokens}{self._speed_label()})"
         )
+
+    def _speed_label(self) -> str:
+        """", compile=on (compiled in 12.3 s)" and ", path=bf16 (measured, ...)" where they apply."""
+        out = ""
+        if self.runner.compiled is not None:
+            took = self.runner.compiled.compile_seconds
+            out += ", compile=on" + (f" (compiled in {took:.1f} s)" if took is not None else "")
+        if self.path_choice is not None:
+            out += f", path={self.path_choice}"
+        return out
 
     # ----------------------------------------------------------------------------------------
     def plan(self, texts: Iterable[str], kind: str = "documents") -> EncodingPlan:

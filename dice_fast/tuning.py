@@ -261,7 +261,7 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
             break
     load = _load()
     return {"dtype": _dtype_name(work), "matmul_max_len": matmul_max_len, "ms": {k: round(v, 4) for k, v in ms.items()},
-            "threads": torch.get_num_threads(), "load": load, "busy": load >= 0.5 * max(1, (os.cpu_count() or 1) - torch.get_num_threads() + 1),
+            "threads": torch.get_num_threads(), "load": load, "busy": busy(load),
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
@@ -284,6 +284,12 @@ def _load() -> float:
     load = sum(_SAMPLES) / len(_SAMPLES) if _SAMPLES else 0.0
     _SAMPLES.clear()
     return round(load, 2)
+
+
+def busy(load: float) -> bool:
+    """Whether ``load`` (`_load`: other runnable threads seen while measuring) means the cores were
+    contended: a timing taken then is used but not cached."""
+    return load >= 0.5 * max(1, (os.cpu_count() or 1) - torch.get_num_threads() + 1)
 
 
 def _race(fns: dict, deadline: float, max_rounds: int = 7) -> dict:
