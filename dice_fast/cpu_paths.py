@@ -120,7 +120,7 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
         encoders = {p.name: encoder_for(p.options) for p in paths}
         reference = encoders.get(REFERENCE) or encoder_for(PATHS[0].options)
         rates, agreement, busy = (measure or measure_paths)(encoders, reference)
-        entry = {"tokens_per_s": rates, "cos_min": agreement, "date": datetime.datetime.now().isoformat("seconds")}
+        entry = {"tokens_per_s": rates, "cos_min": agreement, "date": datetime.datetime.now().isoformat(timespec="seconds")}
         source = "measured"
         if not busy:
             cache.setdefault(tuning.machine_key(), {}).setdefault(_KEY, {})[slot] = entry
