@@ -13,7 +13,7 @@ every path that can run here (bf16 only where the CPU has bf16 dot products: avx
   path adds its compile once.
 
 The fastest eligible path wins (float32 eager always is: it is the reference) and is cached per
-machine (`dice_fast.tuning.machine_key`) and model (`model_fingerprint`) in the CPU tuning cache
+machine (`dice_fast.cpu_attention.machine_key`) and model (`model_fingerprint`) in the CPU tuning cache
 file beside the attention choices (``$DICE_FAST_CACHE_DIR/cpu_tuning.json``); a measurement taken
 while other processes competed for the cores is used but not kept. ``print(encoder)`` shows the
 choice. Which paths are candidates follows ``compile``: "off" eager only, "on" compiled only, "auto"
@@ -63,7 +63,7 @@ class PathChoice:
 
 def bf16_units() -> str | None:
     """None where the CPU has bf16 dot products (avx512_bf16 or AMX), else why bf16 is not a candidate."""
-    from .tuning import cpu_flags
+    from .cpu_attention import cpu_flags
 
     flags = cpu_flags()
     if flags & {"avx512_bf16", "amx_bf16"}:
@@ -102,19 +102,19 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
     (default `measure_paths`; tests inject their own). Cached under ``model_key`` (default: the
     model's fingerprint).
     """
-    from . import tuning
+    from . import cpu_attention
 
     paths = [p for p in candidates(dtype, compile) if p.usable() is None]
     if not paths:
         raise ValueError(f"dtype={dtype!r} with compile={compile!r}: no candidate path runs on this CPU")
     if model_key is None:
-        from .chunk_cache import model_fingerprint
+        from .reuse.persistent import model_fingerprint
 
         model_key = model_fingerprint(model)
-    cache = tuning._read_cache()
+    cache = cpu_attention._read_cache()
     names = ",".join(p.name for p in paths)
     slot = f"{model_key}|{names}|{AGREEMENT}"
-    entry = cache.get(tuning.machine_key(), {}).get(_KEY, {}).get(slot)
+    entry = cache.get(cpu_attention.machine_key(), {}).get(_KEY, {}).get(slot)
     source = "cache"
     if not _valid(entry, paths):
         encoders = {p.name: encoder_for(p.options) for p in paths}
@@ -123,8 +123,8 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
         entry = {"tokens_per_s": rates, "cos_min": agreement, "date": datetime.datetime.now().isoformat(timespec="seconds")}
         source = "measured"
         if not busy:
-            cache.setdefault(tuning.machine_key(), {}).setdefault(_KEY, {})[slot] = entry
-            tuning._write_cache(cache)
+            cache.setdefault(cpu_attention.machine_key(), {}).setdefault(_KEY, {})[slot] = entry
+            cpu_attention._write_cache(cache)
     eligible = [p for p in paths if entry["cos_min"][p.name] >= AGREEMENT]
     if not eligible:
         raise ValueError(f"no path meets the agreement bound cos >= {AGREEMENT}: measured {entry['cos_min']}")
@@ -142,7 +142,7 @@ def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
     `AGREEMENT_CHUNKS` chunks of the bundled prose, packed as one batch per encoder budget."""
     from .data import prose_documents
     from .packing import pack
-    from . import tuning
+    from . import cpu_attention
 
     size = reference.config.chunk_size
     texts = prose_documents(reference.tokenizer, np.full(AGREEMENT_CHUNKS, size), seed=0)
@@ -158,14 +158,14 @@ def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
     agreement = {name: float(np.min(np.sum(_unit(run(enc)) * want, axis=1))) for name, enc in encoders.items()}
     times: dict[str, list] = {name: [] for name in encoders}
     for _ in range(ROUNDS):
-        tuning._sample_others()
+        cpu_attention._sample_others()
         for name, enc in encoders.items():
             t0 = time.perf_counter()
             run(enc)
             times[name].append(time.perf_counter() - t0)
     tokens = int(plan.tokens.lengths.sum())
     rates = {name: tokens / float(np.median(t)) for name, t in times.items()}
-    return rates, agreement, tuning.busy(tuning._load())
+    return rates, agreement, cpu_attention.busy(cpu_attention._load())
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

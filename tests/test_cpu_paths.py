@@ -6,17 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dice_fast import DiceEncoder, cpu_paths, tuning
+from dice_fast import DiceEncoder, cpu_paths
+from dice_fast import cpu_attention
 from tiny_models import tiny
 
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(tuning, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    tuning.reset()
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    cpu_attention.reset()
     yield
-    tuning.reset()
+    cpu_attention.reset()
 
 
 def _fake(rates, cos, busy=False, calls=None):
@@ -61,7 +62,7 @@ def test_busy_measurement_is_not_cached(monkeypatch):
 
 
 def test_no_bf16_without_bf16_units(monkeypatch):
-    monkeypatch.setattr(tuning, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx2"})
     calls = []
     monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 1.0, "bf16": 9.0}, {"fp32": 1.0, "bf16": 1.0}, calls=calls))
     assert _encoder(dtype="auto").path_choice.name == "fp32" and calls == [["fp32"]]
