@@ -11,6 +11,10 @@
   position biases), and for chunks longer than a sliding attention window on a ``torch_varlen``
   without ``window_size`` (torch 2.9-2.10); every other backend bands the window inside chunks.
 
+With ``compile=True`` the packed path runs compiled (`dice_fast.compiled`: the same attention as a
+traceable op, one dynamic graph for every batch size), made at construction and checked against the
+eager packed forward on the probe batch; a model on the padded fallback is refused.
+
 Which path a model takes is found at construction by a probe: two short chunks are run packed and
 each alone, and the packed path is kept only if the attention function saw every layer without a
 bias of its own and the hidden states agree. Nothing here mutates the model after construction.
