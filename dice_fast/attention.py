@@ -348,6 +348,12 @@ def _sdpa_groups(q, k, v, groups, causal, scale, band=None, band_masks=None):
     # On the CPU the dtype and kernel are measured per machine (`dice_fast.cpu_attention`): bf16 SDPA is
     # slower than fp32 on an EPYC (a (60,12,256,32) run 116 vs 97 ms) but ~2x faster on an AMX Xeon.
     cpu = q.device.type == "cpu"
+    if cpu and len(groups) > 1:
+        choice = cpu_attention.cpu_attention(q.dtype, d)
+        if choice.dtype != q.dtype and not choice.matmul_max_len:
+            # half inputs attended in float32: cast the layer's q, k, v once, not once per run (a
+            # mixed-length batch has a run per tail length; the values are the same either way)
+            q, k, v = q.to(choice.dtype), k.to(choice.dtype), v.to(choice.dtype)
     for start, n, length in groups:
         if n == 0:
             continue
