@@ -207,7 +207,7 @@ def attention_context(backend: str, causal: bool | None, chunk_lengths_sorted=No
     """
     groups: tuple = ()
     if backend == "sdpa_groups":
-        groups = _length_runs(chunk_lengths_sorted, cu_seqlens_host)
+        groups = length_runs(chunk_lengths_sorted, cu_seqlens_host)
     run = _Run(backend, causal, groups)
     token = _CURRENT.set(run)
     try:
@@ -216,7 +216,7 @@ def attention_context(backend: str, causal: bool | None, chunk_lengths_sorted=No
         _CURRENT.reset(token)
 
 
-def _length_runs(lengths, cu) -> tuple[tuple[int, int, int], ...]:
+def length_runs(lengths, cu) -> tuple[tuple[int, int, int], ...]:
     runs = []
     i, n = 0, len(lengths)
     while i < n:
@@ -252,10 +252,8 @@ def dice_varlen_attention(
     max_len = kwargs.get("max_length_q")
     if cu is None or max_len is None:
         raise OptionError("packed attention needs cu_seq_lens_q and max_length_q forward arguments")
-    causal = run.causal
-    if causal is None:
-        causal = kwargs["is_causal"] if kwargs.get("is_causal") is not None else bool(getattr(module, "is_causal", False))
-    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    causal = resolve_causal(run.causal, module, kwargs)
+    window = layer_window(module, kwargs)
     # tokens further apart than `band` may not attend to each other; None: no chunk is that long
     band = int(window) - 1 if window is not None and max_len > window else None
     if band is not None and not supports_sliding_window(run.backend):
@@ -272,8 +270,23 @@ def dice_varlen_attention(
     elif run.backend == "torch_varlen":
         out = _torch_varlen(q, k, v, cu, max_len, causal, scale, band)
     else:
-        out = _sdpa_groups(q, k, v, run, causal, scale, band)
+        out = groups_attention(q, k, v, run.groups, causal, scale, band, run.band_masks)
     return out.unsqueeze(0), None
+
+
+def resolve_causal(forced: bool | None, module, kwargs) -> bool:
+    """Whether this layer's attention is causal: ``forced`` (the encoder's attention mode) unless
+    None, else the layer's own ``is_causal`` (call argument first, then the module's attribute)."""
+    if forced is not None:
+        return forced
+    if kwargs.get("is_causal") is not None:
+        return bool(kwargs["is_causal"])
+    return bool(getattr(module, "is_causal", False))
+
+
+def layer_window(module, kwargs) -> int | None:
+    """The layer's sliding attention window in tokens (None: full attention)."""
+    return kwargs.get("sliding_window", getattr(module, "sliding_window", None))
 
 
 def _flash(q, k, v, cu, max_len, causal, scale, band=None):
@@ -308,22 +321,26 @@ def _torch_varlen(q, k, v, cu, max_len, causal, scale, band=None):
     return _torch_varlen_func()(q, k, v, cu, cu, max_len, max_len, **extra)
 
 
-def _band_mask(run, length: int, band: int, causal: bool, device) -> torch.Tensor:
+def _band_mask(memo: dict, length: int, band: int, causal: bool, device) -> torch.Tensor:
     """(L, L) bool, True where query i may attend to key j: |i - j| <= band (and j <= i when causal);
-    made once per forward and shape."""
+    made once per ``memo`` (a forward's) and shape."""
     key = (length, band, causal)
-    mask = run.band_masks.get(key)
+    mask = memo.get(key)
     if mask is None:
         i = torch.arange(length, device=device)
         dist = i[:, None] - i[None, :]
         mask = (dist <= band) & ((dist >= 0) if causal else (dist >= -band))
-        run.band_masks[key] = mask
+        memo[key] = mask
     return mask
 
 
-def _sdpa_groups(q, k, v, run, causal, scale, band=None):
+def groups_attention(q, k, v, groups, causal, scale, band=None, band_masks=None):
     """Exact block-diagonal attention as one dense SDPA call per run of equal-length chunks (banded
-    inside chunks longer than ``band + 1`` tokens when a sliding window applies)."""
+    inside chunks longer than ``band + 1`` tokens when a sliding window applies).
+
+    q: (T, Hq, D); k, v: (T, Hkv, D); groups: (token_start, n_chunks, length) runs covering the
+    chunks (a run of n = 0 is skipped). Returns (T, Hq, D) in q's dtype."""
+    band_masks = {} if band_masks is None else band_masks
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     gqa = hq != hkv
     # written in place, run by run: one copy of the output instead of a copy per run plus a cat
@@ -332,13 +349,21 @@ def _sdpa_groups(q, k, v, run, causal, scale, band=None):
     # On the CPU the dtype and kernel are measured per machine (`dice_fast.cpu_attention`): bf16 SDPA is
     # slower than fp32 on an EPYC (a (60,12,256,32) run 116 vs 97 ms) but ~2x faster on an AMX Xeon.
     cpu = q.device.type == "cpu"
-    for start, n, length in run.groups:
+    if cpu and len(groups) > 1:
+        choice = cpu_attention.cpu_attention(q.dtype, d)
+        if choice.dtype != q.dtype and not choice.matmul_max_len:
+            # half inputs attended in float32: cast the layer's q, k, v once, not once per run (a
+            # mixed-length batch has a run per tail length; the values are the same either way)
+            q, k, v = q.to(choice.dtype), k.to(choice.dtype), v.to(choice.dtype)
+    for start, n, length in groups:
+        if n == 0:
+            continue
         end = start + n * length
         # (n*L, H, D) -> (n, H, L, D), views of the packed projections
         qs = q[start:end].reshape(n, length, hq, d).transpose(1, 2)
         ks = k[start:end].reshape(n, length, hkv, d).transpose(1, 2)
         vs = v[start:end].reshape(n, length, hkv, d).transpose(1, 2)
-        mask = _band_mask(run, length, band, causal, q.device) if band is not None and length > band + 1 else None
+        mask = _band_mask(band_masks, length, band, causal, q.device) if band is not None and length > band + 1 else None
         is_causal = causal and length > 1 and mask is None
         if cpu:
             o = cpu_attention.cpu_attend(qs, ks, vs, is_causal, scale, gqa, mask)

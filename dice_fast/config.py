@@ -18,8 +18,9 @@ STRATEGIES = ("dice", "single")
 POSITIONS = ("local", "global")
 ATTENTION_MODES = ("model default", "causal", "bidirectional")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_groups", "padded")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 DEFAULT_CHUNK_SIZE = 256
+COMPILE_MODES = ("off", "on", "auto")
 
 
 def option(default, help: str, *, default_help: str | None = None, detail: str = "", choices=None,
@@ -101,8 +102,13 @@ class DiceConfig:
                                           default_help="4096 on CPU, 65536 on CUDA")
     device: str | None = option(None, "where the model runs: cpu, cuda, cuda:1 ...",
                                 default_help="cuda if available, else cpu")
-    dtype: str | None = option(None, "model precision", choices=DTYPES,
-                               default_help="bfloat16 on CUDA, float32 on CPU")
+    dtype: str | None = option(
+        None, "model precision; auto (CPU): the fastest forward on this machine whose vectors agree with "
+        "float32 (cos >= 0.999 on the bundled prose), measured once and cached", choices=DTYPES,
+        default_help="bfloat16 on CUDA, float32 on CPU",
+        detail='`"auto"` measures float32, bfloat16 (only where the CPU has avx512_bf16 or AMX) and, with '
+        '`compile`, compiled forwards, once per machine and model; `print(encoder)` shows the choice. '
+        'See [cpu.md](cpu.md).')
     pooling_impl: str = option(
         "auto", "segment pooling implementation (dice_fast.ops)", choices=IMPLS,
         detail='`"triton"` (CUDA), `"native"` (the C++ extension), `"torch"` (vectorised PyTorch, the CPU '
@@ -112,6 +118,12 @@ class DiceConfig:
         True, "reuse chunk vectors: identical chunks run once, and the persistent cache serves known ones",
         detail="Off runs every chunk (the baseline of `benchmarks/bench_cache.py`); the vectors are the same "
         "either way. See [reuse.md](reuse.md).")
+    compile: str = option(
+        "off", "run the packed forward under torch.compile (inductor), compiled once per encoder at construction",
+        choices=COMPILE_MODES,
+        detail='`"on"`: compiled (refused for a model on the padded fallback); `"auto"`: compiled and eager '
+        'forwards are both candidates of `dtype="auto"` (with an explicit dtype: the faster of its two). '
+        'See [cpu.md](cpu.md).')
 
     def __post_init__(self):
         _choice("strategy", self.strategy, STRATEGIES)
@@ -144,6 +156,7 @@ class DiceConfig:
                 raise ArgumentTypeError(f"{name} must be True or False, got {value!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise OptionError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _choice("compile", self.compile, COMPILE_MODES)
         _choice("pooling_impl", self.pooling_impl, IMPLS)
 
     def replace(self, **changes) -> DiceConfig:
@@ -167,4 +180,5 @@ def _positive_int(name: str, value, optional: bool = False) -> None:
         raise OptionError(f"{name} must be an integer >= 1{' or None' if optional else ''}, got {value!r}")
 
 
-__all__ = ["DiceConfig", "option", "DTYPES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES", "ATTENTION_BACKENDS", "POOLINGS", "AGGREGATIONS"]
+__all__ = ["DiceConfig", "option", "DTYPES", "COMPILE_MODES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES",
+           "ATTENTION_BACKENDS", "POOLINGS", "AGGREGATIONS"]

@@ -180,7 +180,7 @@ def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:
     if forced is not None and kernel_forced:
         return CpuAttention(forced, 0, "env")
     name = f"{_dtype_name(dtype)}/d{head_dim}"
-    cache = _read_cache()
+    cache = read_cache()
     entry = cache.get(machine_key(), {}).get(name)
     source = "cache"
     if not _valid(entry):
@@ -188,7 +188,7 @@ def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:
         source = "measured"
         if not entry["busy"]:  # a measurement taken while other work held the cores is used, not kept
             cache.setdefault(machine_key(), {})[name] = entry
-            _write_cache(cache)
+            write_cache(cache)
     work = forced if forced is not None else getattr(torch, entry["dtype"])
     matmul = 0 if kernel_forced else int(entry["matmul_max_len"])
     return CpuAttention(work, matmul, "env" if forced is not None and dtype != torch.float32 else source)
@@ -260,16 +260,16 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
             matmul_max_len = length
         else:
             break
-    load = _load()
+    load = measured_load()
     return {"dtype": _dtype_name(work), "matmul_max_len": matmul_max_len, "ms": {k: round(v, 4) for k, v in ms.items()},
-            "threads": torch.get_num_threads(), "load": load, "busy": load >= 0.5 * max(1, (os.cpu_count() or 1) - torch.get_num_threads() + 1),
+            "threads": torch.get_num_threads(), "load": load, "busy": busy(load),
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
 _SAMPLES: list[int] = []
 
 
-def _sample_others() -> None:
+def sample_others() -> None:
     """Record how many runnable threads besides this process's compute threads the kernel sees now
     (the 4th field of /proc/loadavg; nothing where there is none)."""
     try:
@@ -280,11 +280,17 @@ def _sample_others() -> None:
     _SAMPLES.append(max(0, running - torch.get_num_threads()))
 
 
-def _load() -> float:
+def measured_load() -> float:
     """Mean runnable threads of other work seen while measuring (0 on a quiet machine)."""
     load = sum(_SAMPLES) / len(_SAMPLES) if _SAMPLES else 0.0
     _SAMPLES.clear()
     return round(load, 2)
+
+
+def busy(load: float) -> bool:
+    """Whether ``load`` (`measured_load`: other runnable threads seen while measuring) means the cores were
+    contended: a timing taken then is used but not cached."""
+    return load >= 0.5 * max(1, (os.cpu_count() or 1) - torch.get_num_threads() + 1)
 
 
 def _race(fns: dict, deadline: float, max_rounds: int = 7) -> dict:
@@ -298,7 +304,7 @@ def _race(fns: dict, deadline: float, max_rounds: int = 7) -> dict:
     alive = {n: f for n, f in fns.items() if first[n] <= 8 * best_first}
     best = {n: first[n] for n in fns}  # dropped ones keep their (slow) first time
     for r in range(max_rounds):
-        _sample_others()
+        sample_others()
         if r and time.perf_counter() > deadline:
             break
         for name, fn in alive.items():
@@ -339,7 +345,7 @@ def machine_key() -> str:
     return f"{model} | {','.join(isa) or 'no-isa-flags'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
 
 
-def _read_cache() -> dict:
+def read_cache() -> dict:
     try:
         data = json.loads(cache_path().read_text(encoding="utf-8"))
         return data if isinstance(data, dict) else {}
@@ -347,7 +353,7 @@ def _read_cache() -> dict:
         return {}
 
 
-def _write_cache(data: dict) -> None:
+def write_cache(data: dict) -> None:
     """Atomic write; a read-only or missing home only costs re-measuring next process."""
     path = cache_path()
     try:

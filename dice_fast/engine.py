@@ -78,6 +78,11 @@ class DiceEncoder:
         if isinstance(options.get("dtype"), torch.dtype):
             options["dtype"] = str(options["dtype"]).replace("torch.", "")
         cfg = config or DiceConfig(**options)
+        self.path_choice = None  # dice_fast.cpu_paths.PathChoice of dtype="auto" / compile="auto"
+        if cfg.dtype == "auto" or cfg.compile == "auto":
+            from .cpu_paths import resolve as resolve_path
+
+            cfg, self.path_choice = resolve_path(type(self), model, tokenizer, cfg, model_path)
 
         param = next(model.parameters())
         device, dtype = placement(cfg, param.device, param.dtype)
@@ -93,7 +98,7 @@ class DiceEncoder:
         self.chunk_stats = ChunkStats()
         self.cache = None if cache is None else settings_namespace(s, model, cache, cache_max_gb, model_path)
         self.runner = ModelRunner(model, s.spec, s.backend, s.causal, s.pooling, s.pooling_impl, s.max_batch_tokens,
-                                  tokenizer.pad_token_id)
+                                  tokenizer.pad_token_id, compile=cfg.compile == "on")
 
     @classmethod
     def from_pretrained(cls, path=None, *, trust_remote_code: bool = False, cache=None,
@@ -107,7 +112,7 @@ class DiceEncoder:
         _check_option_names(options)
         device, dtype = pretrained_placement(options.get("device"), options.get("dtype"))
         DiceConfig(**{**options, "device": str(device), "dtype": dtype})  # fail on bad options before loading
-        model, tokenizer = load_model(path, device, TORCH_DTYPES[dtype], trust_remote_code)
+        model, tokenizer = load_model(path, device, TORCH_DTYPES.get(dtype, torch.float32), trust_remote_code)
         from .models import default_model_path
 
         model_path = str(path) if path is not None else default_model_path()
@@ -155,8 +160,18 @@ class DiceEncoder:
             f"attention={backend}{'' if self.causal is None else ('/causal' if self.causal else '/bidirectional')}, "
             f"pooling_impl={self.pooling_impl}, strategy={c.strategy}, chunk_size={c.chunk_size}, overlap={c.overlap}, "
             f"positions={c.positions}, pooling={self.pooling}, aggregation={c.aggregation}, window={self.window}, "
-            f"max_batch_tokens={self.max_batch_tokens})"
+            f"max_batch_tokens={self.max_batch_tokens}{self._speed_label()})"
         )
+
+    def _speed_label(self) -> str:
+        """", compile=on (compiled in 12.3 s)" and ", path=bf16 (measured, ...)" where they apply."""
+        out = ""
+        if self.runner.compiled is not None:
+            took = self.runner.compiled.compile_seconds
+            out += ", compile=on" + (f" (compiled in {took:.1f} s)" if took is not None else "")
+        if self.path_choice is not None:
+            out += f", path={self.path_choice}"
+        return out
 
     # ----------------------------------------------------------------------------------------
     def plan(self, texts: Iterable[str], kind: str = "documents") -> EncodingPlan:

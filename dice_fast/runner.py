@@ -11,6 +11,10 @@
   position biases), and for chunks longer than a sliding attention window on a ``torch_varlen``
   without ``window_size`` (torch 2.9-2.10); every other backend bands the window inside chunks.
 
+With ``compile=True`` the packed path runs compiled (`dice_fast.compiled`: the same attention as a
+traceable op, one dynamic graph for every batch size), made at construction and checked against the
+eager packed forward on the probe batch; a model on the padded fallback is refused.
+
 Which path a model takes is found at construction by a probe: two short chunks are run packed and
 each alone, and the packed path is kept only if the attention function saw every layer without a
 bias of its own and the hidden states agree. Nothing here mutates the model after construction.
@@ -56,8 +60,9 @@ class ModelRunner:
     or ``"padded"`` when the model runs on the fallback only."""
 
     def __init__(self, model, spec, backend: str, causal: bool | None, pooling: str, pooling_impl: str,
-                 max_batch_tokens: int, pad_token_id: int | None):
+                 max_batch_tokens: int, pad_token_id: int | None, compile: bool = False):
         self.model, self.spec, self.causal = model, spec, causal
+        self.compiled = None  # a dice_fast.compiled.CompiledForward when the packed forward is compiled
         self.pooling, self.pooling_impl, self.max_batch_tokens = pooling, pooling_impl, max_batch_tokens
         self.device = next(model.parameters()).device
         self.pad_id = int(pad_token_id or 0)
@@ -82,6 +87,8 @@ class ModelRunner:
             self.backend = PADDED
         else:
             self.backend = backend
+        if compile:
+            self._compile()
 
     # ----------------------------------------------------------------------------------------
     def run(self, batch: PackedBatch) -> torch.Tensor:
@@ -93,7 +100,8 @@ class ModelRunner:
             if self.uses_packed(batch.max_seqlen):
                 if not attn.installed(self.model):  # the caller switched the model's attention since
                     attn.install(self.model)
-                hidden = self._packed_hidden(batch, cu, self.causal)[0]
+                hidden = (self._compiled_hidden(batch, cu) if self.compiled is not None
+                          else self._packed_hidden(batch, cu, self.causal)[0])
             else:
                 hidden = self._padded_hidden(batch)
             return pool_chunks(hidden, cu, self.pooling, impl=self.pooling_impl)
@@ -113,6 +121,33 @@ class ModelRunner:
                 **kwargs,
             )
         return out.last_hidden_state[0], run
+
+    def _compiled_hidden(self, batch: PackedBatch, cu: torch.Tensor) -> torch.Tensor:
+        from .attention_op import group_table
+
+        groups = group_table(attn.length_runs(batch.lengths, batch.cu_seqlens))
+        return self.compiled(to_device(batch.input_ids, self.device), to_device(batch.position_ids, self.device), cu,
+                             groups, self.causal)
+
+    def _compile(self) -> None:
+        """Compile the packed forward (`dice_fast.compiled`) on the probe batch, checked against eager."""
+        if self.backend != "sdpa_groups":
+            why = self.fallback_reason or f"attention_backend={self.backend}"
+            raise OptionError(
+                f"compile='on' compiles the packed sdpa_groups forward, but this model runs on {self.backend} ({why}); "
+                "use compile='off'" + ("" if self.backend == PADDED else " or attention_backend='sdpa_groups'")
+            )
+        from .compiled import CompiledForward
+
+        self.compiled = CompiledForward(self.model, self._takes_cache)
+        batch = _probe_batch(self)
+        cu = to_device(batch.cu_seqlens, self.device)
+        with torch.inference_mode():
+            got = self._compiled_hidden(batch, cu).float()
+            want = self._packed_hidden(batch, cu, self.causal)[0].float()
+        err = float((got - want).norm() / want.norm().clamp_min(1e-12))
+        if not err <= _PROBE_TOLERANCE.get(self.model.dtype, _PROBE_TOLERANCE_HALF):
+            raise RuntimeError(f"the compiled forward differs from the eager one on the probe (relative error {err:.2g})")
 
     def _padded_hidden(self, batch: PackedBatch) -> torch.Tensor:
         """(T, H) hidden states of the batch's tokens in packed order, from dense padded sub-batches."""
@@ -143,14 +178,8 @@ class ModelRunner:
     # ----------------------------------------------------------------------------------------
     def _probe(self, backend: str) -> str | None:
         """Why the packed path is not exact for this model, or None when it is (see the module docstring)."""
-        vocab = self.model.get_input_embeddings().num_embeddings
-        rng = np.random.default_rng(0)
-        ids = rng.integers(0, vocab, 16)
-        ids = np.where(ids == self.pad_id, (ids + 1) % vocab, ids)
-        docs = TokenizedDocuments(ids, np.array([0, 5, 8]))
-        plan = ChunkPlan(np.array([0, 1]), np.array([0, 0]), np.array([5, 3]), np.array([0, 1, 2]))
-        prefix, suffix = np.array(self.spec.special_prefix, np.int64), np.array(self.spec.special_suffix, np.int64)
-        batch = pack(docs, plan, np.arange(2), prefix, suffix, self.spec.first_position)
+        docs, plan, prefix, suffix = _probe_inputs(self)
+        batch = _probe_batch(self)
         cu = to_device(batch.cu_seqlens, self.device)
         self.backend = backend
         with torch.inference_mode():
@@ -170,6 +199,22 @@ class ModelRunner:
         if not err <= tol:
             return f"its packed forward differs from per-chunk forwards (relative error {err:.2g})"
         return None
+
+
+def _probe_inputs(runner: ModelRunner):
+    """Two chunks (5 and 3 tokens of random ids, never the pad id) of one document, and the wrapping."""
+    vocab = runner.model.get_input_embeddings().num_embeddings
+    ids = np.random.default_rng(0).integers(0, vocab, 16)
+    ids = np.where(ids == runner.pad_id, (ids + 1) % vocab, ids)
+    docs = TokenizedDocuments(ids, np.array([0, 5, 8]))
+    plan = ChunkPlan(np.array([0, 1]), np.array([0, 0]), np.array([5, 3]), np.array([0, 1, 2]))
+    spec = runner.spec
+    return docs, plan, np.array(spec.special_prefix, np.int64), np.array(spec.special_suffix, np.int64)
+
+
+def _probe_batch(runner: ModelRunner) -> PackedBatch:
+    docs, plan, prefix, suffix = _probe_inputs(runner)
+    return pack(docs, plan, np.arange(2), prefix, suffix, runner.spec.first_position)
 
 
 def _padded_groups(lengths: np.ndarray, budget: int):

@@ -153,8 +153,8 @@ def pretrained_placement(device=None, dtype=None) -> tuple[torch.device, str]:
     a given ``device`` / ``dtype`` (a name or a ``torch.dtype``) is kept."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = str(dtype or ("bfloat16" if device.type == "cuda" else "float32")).replace("torch.", "")
-    if dtype not in TORCH_DTYPES:
-        raise OptionError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+    if dtype not in (*TORCH_DTYPES, "auto"):  # "auto" loads float32 weights (dice_fast.cpu_paths chooses)
+        raise OptionError(f"dtype must be one of {', '.join(TORCH_DTYPES)} or auto, got {dtype!r}")
     return device, dtype
 
 

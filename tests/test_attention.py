@@ -104,13 +104,18 @@ def test_sdpa_groups_matches_per_chunk_attention(causal, band):
     lengths = [9, 9, 5, 5, 5, 1]  # packed longest first, as the packer orders them
     cu = torch.tensor([0, 9, 18, 23, 28, 33, 34], dtype=torch.int32)
     q, k, v = torch.randn(34, 4, 8), torch.randn(34, 2, 8), torch.randn(34, 2, 8)
-    groups = attn._length_runs(lengths, cu.tolist())
+    groups = attn.length_runs(lengths, cu.tolist())
     assert groups == ((0, 2, 9), (18, 3, 5), (33, 1, 1))
-    run = attn._Run("sdpa_groups", causal, groups)
     want = _per_chunk(q, k, v, cu, causal, 0.25, _band_window(band, causal))
-    got = attn._sdpa_groups(q, k, v, run, causal, 0.25, band)
+    got = attn.groups_attention(q, k, v, groups, causal, 0.25, band)
     assert_close(got, want, 1e-5, what="sdpa_groups")
-    low = attn._sdpa_groups(q.bfloat16(), k.bfloat16(), v.bfloat16(), run, causal, 0.25, band)
+    # the traceable op of the compiled forward (a window of band + 1 tokens; padded group rows skipped)
+    from dice_fast.attention_op import group_table
+
+    op = torch.ops.dice_fast.sdpa_groups(q, k, v, group_table(groups, min_rows=5), causal, 0.25,
+                                         0 if band is None else band + 1)
+    assert torch.equal(op, got)
+    low = attn.groups_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), groups, causal, 0.25, band)
     assert low.dtype == torch.bfloat16
     assert_close(low, want, 3e-2, what="sdpa_groups bf16")
     if band is not None and band < 8:  # the band really cut something: it differs from full attention

@@ -22,7 +22,7 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(tuning.ENV_DTYPE, raising=False)
     monkeypatch.delenv(tuning.ENV_KERNEL, raising=False)
-    monkeypatch.setattr(tuning, "_sample_others", lambda: None)
+    monkeypatch.setattr(tuning, "sample_others", lambda: None)
     tuning.reset()
     yield
     tuning.reset()
@@ -74,7 +74,7 @@ def test_cache_decides_and_is_per_machine(monkeypatch):
 
 
 def test_busy_measurements_are_not_cached(monkeypatch):
-    monkeypatch.setattr(tuning, "_load", lambda: 5.0)
+    monkeypatch.setattr(tuning, "measured_load", lambda: 5.0)
     assert tuning.cpu_attention(torch.bfloat16, 16).source == "measured"
     assert not tuning.cache_path().exists()
 

@@ -15,7 +15,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Pages other branches are writing (issue 23), linked from the README's map before they are merged.
 # Each entry must go once its page exists: test_expected_pages_are_still_missing fails until it does.
 EXPECTED_LATER = {
-    "docs/cpu.md",  # CPU speed (branch cpu)
 }
 
 

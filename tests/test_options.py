@@ -106,12 +106,12 @@ def test_a_new_field_with_help_is_all_a_new_flag_needs():
     @dataclasses.dataclass(frozen=True)
     class Extended(DiceConfig):
         dedup: bool = option(True, "run identical chunks once per call")
-        compile: bool = option(False, "compile the forward")
+        warm_up: bool = option(False, "run one batch at construction")
         budget: float | None = option(None, "seconds to spend", default_help="unbounded", metavar="S")
 
     flags = _flags_of(Extended)
     assert flags["--no-dedup"]["action"] == "store_false" and flags["--no-dedup"]["help"].startswith("do not run")
-    assert flags["--compile"]["action"] == "store_true"
+    assert flags["--warm-up"]["action"] == "store_true"
     assert flags["--budget"]["type"] is float and "(default: unbounded)" in flags["--budget"]["help"]
     p = argparse.ArgumentParser()
     add_encoder_arguments(p, Extended)

@@ -1,0 +1,59 @@
+"""The packed forward under ``torch.compile`` (inductor): fused elementwise work around the GEMMs.
+
+`CompiledForward(model, takes_cache)` holds a *shadow* of the model — a copy of its module tree
+that shares every parameter and buffer with it (no weight is copied) and whose config names the
+traceable attention of `dice_fast.attention_op` — and that shadow's forward compiled once with
+dynamic shapes: the token count, the number of chunks and the number of equal-length runs are
+symbolic, so batches of any size reuse one graph (plus, at most, one for a batch of a single token:
+the compiler specialises sizes 0 and 1). The caller's model is never modified.
+
+    forward = CompiledForward(model, takes_cache=False)
+    hidden = forward(input_ids, position_ids, cu_seqlens, groups, causal)   # (T, H)
+    forward.compile_seconds                                                  # paid at the first call
+
+Compilation happens at the first call (the runner makes it at construction, on its probe batch),
+once per encoder and process; inductor's on-disk cache makes a later process's compile shorter.
+The model is frozen (``freezing``: weights are constants, GEMM weights pre-packed for oneDNN):
+weights changed after the first call are not seen — build a new encoder after changing a model.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import torch
+
+class CompiledForward:
+    """A compiled packed forward of one model (see the module docstring)."""
+
+    def __init__(self, model, takes_cache: bool):
+        from . import attention_op
+
+        attention_op.register()
+        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        self.shadow = copy.deepcopy(model, memo=shared)  # new modules and config, the same tensors
+        self.shadow.config._attn_implementation = attention_op.TRACED_NAME
+        self._kwargs = {"use_cache": False} if takes_cache else {}
+        self._fn = torch.compile(self._forward, dynamic=True, fullgraph=True, options={"freezing": True})
+        self._lock = threading.Lock()
+        self.compile_seconds: float | None = None  # wall time of the first call (tracing + codegen + run)
+
+    def _forward(self, input_ids, position_ids, cu, groups, causal):
+        out = self.shadow(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                          cu_seq_lens_q=cu, cu_seq_lens_k=cu, dice_groups=groups, dice_causal=causal, **self._kwargs)
+        return out.last_hidden_state[0]
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                 groups: torch.Tensor, causal: bool | None) -> torch.Tensor:
+        """input_ids, position_ids: (T,) int64; cu_seqlens: (n + 1,) int32; groups: (G, 3) int64 on the
+        CPU (`dice_fast.attention_op.group_table`). Returns the last hidden state (T, H)."""
+        if self.compile_seconds is None:
+            with self._lock:  # one thread compiles; the others wait for its graph
+                if self.compile_seconds is None:
+                    t0 = time.perf_counter()
+                    out = self._fn(input_ids, position_ids, cu_seqlens, groups, causal)
+                    self.compile_seconds = time.perf_counter() - t0
+                    return out
+        return self._fn(input_ids, position_ids, cu_seqlens, groups, causal)

@@ -1,0 +1,194 @@
+"""``dtype="auto"`` on a CPU: the fastest forward that keeps float32's vectors, measured per machine.
+
+A *path* is a set of `DiceConfig` changes that changes how the forward runs, never what it means:
+``{"dtype": "float32"}``, ``{"dtype": "bfloat16"}``, the same with ``"compile": "on"``; a later path
+(int8) registers itself with `register_path`. `choose_path` measures, once per machine and model,
+every path that can run here (bf16 only where the CPU has bf16 dot products: avx512_bf16 or AMX):
+
+* agreement: cosine between its chunk vectors and float32 eager ones on the bundled prose
+  (`AGREEMENT_CHUNKS` chunks of the encoder's chunk size); a path is eligible when the minimum is
+  >= `AGREEMENT` (0.999);
+* speed: document tokens/s of the packed forward on the same chunks (one warm-up, then
+  `ROUNDS` timed rounds interleaved across paths, median). A few seconds for MiniLM; a compiled
+  path adds its compile once.
+
+The fastest eligible path wins (float32 eager always is: it is the reference) and is cached per
+machine (`dice_fast.cpu_attention.machine_key`) and model (`model_fingerprint`) in the CPU tuning cache
+file beside the attention choices (``$DICE_FAST_CACHE_DIR/cpu_tuning.json``); a measurement taken
+while other processes competed for the cores is used but not kept. ``print(encoder)`` shows the
+choice. Which paths are candidates follows ``compile``: "off" eager only, "on" compiled only, "auto"
+both (with an explicit dtype, only that dtype's two forwards).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .errors import OptionError
+
+AGREEMENT = 0.999  # minimum cosine to float32 eager, over the measured chunks
+AGREEMENT_CHUNKS = 32
+ROUNDS = 3
+_KEY = "paths"  # the cache file's section (beside the attention choices)
+
+
+@dataclass(frozen=True)
+class CpuPath:
+    """One way to run the forward: ``options`` (DiceConfig changes); ``usable()`` says why it cannot
+    run on this machine (None: it can)."""
+
+    name: str
+    options: dict
+    usable: Callable[[], str | None] = field(default=lambda: None, compare=False)
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """The chosen path and what was measured: tokens/s and cos min per path name; source "measured" or "cache"."""
+
+    name: str
+    options: dict
+    tokens_per_s: dict
+    cos_min: dict
+    source: str
+
+    def __str__(self) -> str:
+        rate = self.tokens_per_s.get(self.name)
+        return f"{self.name} ({self.source}{f', {rate:,.0f} tok/s' if rate else ''})"
+
+
+def bf16_units() -> str | None:
+    """None where the CPU has bf16 dot products (avx512_bf16 or AMX), else why bf16 is not a candidate."""
+    from .cpu_attention import cpu_flags
+
+    flags = cpu_flags()
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        return None
+    return "no avx512_bf16 or AMX: bf16 matmuls are emulated (slower than float32)"
+
+
+PATHS: list[CpuPath] = [
+    CpuPath("fp32", {"dtype": "float32", "compile": "off"}),
+    CpuPath("bf16", {"dtype": "bfloat16", "compile": "off"}, bf16_units),
+    CpuPath("fp32+compile", {"dtype": "float32", "compile": "on"}),
+    CpuPath("bf16+compile", {"dtype": "bfloat16", "compile": "on"}, bf16_units),
+]
+REFERENCE = "fp32"
+
+
+def register_path(path: CpuPath) -> None:
+    """Add a candidate (e.g. an int8 path); replaces one of the same name."""
+    PATHS[:] = [p for p in PATHS if p.name != path.name] + [path]
+
+
+def candidates(dtype: str, compile: str) -> list[CpuPath]:
+    """The paths `choose_path` considers for the ``dtype`` / ``compile`` options, the reference first."""
+    want = {"off": ("off",), "on": ("on",), "auto": ("off", "on")}[compile]
+    out = [p for p in PATHS if p.options.get("compile", "off") in want
+           and (dtype == "auto" or p.options.get("dtype") == dtype)]
+    return out
+
+
+def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure: Callable | None = None,
+                model_key: str | None = None) -> PathChoice:
+    """The fastest eligible path (see the module docstring).
+
+    encoder_for(options) -> a `DiceEncoder` running a copy of the model with ``options``;
+    measure(encoders {name: encoder}, reference encoder) -> ({name: tokens/s}, {name: cos min}, busy)
+    (default `measure_paths`; tests inject their own). Cached under ``model_key`` (default: the
+    model's fingerprint).
+    """
+    from . import cpu_attention
+
+    paths = [p for p in candidates(dtype, compile) if p.usable() is None]
+    if not paths:
+        raise OptionError(f"dtype={dtype!r} with compile={compile!r}: no candidate path runs on this CPU")
+    if model_key is None:
+        from .reuse.persistent import model_fingerprint
+
+        model_key = model_fingerprint(model)
+    cache = cpu_attention.read_cache()
+    names = ",".join(p.name for p in paths)
+    slot = f"{model_key}|{names}|{AGREEMENT}"
+    entry = cache.get(cpu_attention.machine_key(), {}).get(_KEY, {}).get(slot)
+    source = "cache"
+    if not _valid(entry, paths):
+        encoders = {p.name: encoder_for(p.options) for p in paths}
+        reference = encoders.get(REFERENCE) or encoder_for(PATHS[0].options)
+        rates, agreement, busy = (measure or measure_paths)(encoders, reference)
+        entry = {"tokens_per_s": rates, "cos_min": agreement, "date": datetime.datetime.now().isoformat(timespec="seconds")}
+        source = "measured"
+        if not busy:
+            cache.setdefault(cpu_attention.machine_key(), {}).setdefault(_KEY, {})[slot] = entry
+            cpu_attention.write_cache(cache)
+    eligible = [p for p in paths if entry["cos_min"][p.name] >= AGREEMENT]
+    if not eligible:
+        raise OptionError(f"no path meets the agreement bound cos >= {AGREEMENT}: measured {entry['cos_min']}")
+    best = max(eligible, key=lambda p: entry["tokens_per_s"][p.name])
+    return PathChoice(best.name, dict(best.options), dict(entry["tokens_per_s"]), dict(entry["cos_min"]), source)
+
+
+def _valid(entry, paths) -> bool:
+    return (isinstance(entry, dict) and all(isinstance(entry.get(k), dict) and all(p.name in entry[k] for p in paths)
+                                            for k in ("tokens_per_s", "cos_min")))
+
+
+def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
+    """({name: document tokens/s}, {name: min cosine to ``reference``}, busy) of each encoder on
+    `AGREEMENT_CHUNKS` chunks of the bundled prose, packed as one batch per encoder budget."""
+    from .data import prose_documents
+    from .packing import pack
+    from . import cpu_attention
+
+    size = reference.config.chunk_size
+    texts = prose_documents(reference.tokenizer, np.full(AGREEMENT_CHUNKS, size), seed=0)
+    plan = reference.plan(texts)
+    per_batch = max(1, reference.max_batch_tokens // int(plan.chunk_lengths.max()))
+    batches = [pack(plan.tokens, plan.chunks, np.arange(lo, min(lo + per_batch, plan.n_chunks)), plan.prefix,
+                    plan.suffix, reference.spec.first_position) for lo in range(0, plan.n_chunks, per_batch)]
+
+    def run(enc):
+        return np.concatenate([enc.run_batch(b).cpu().numpy() for b in batches])
+
+    want = _unit(run(reference))
+    agreement = {name: float(np.min(np.sum(_unit(run(enc)) * want, axis=1))) for name, enc in encoders.items()}
+    times: dict[str, list] = {name: [] for name in encoders}
+    for _ in range(ROUNDS):
+        cpu_attention.sample_others()
+        for name, enc in encoders.items():
+            t0 = time.perf_counter()
+            run(enc)
+            times[name].append(time.perf_counter() - t0)
+    tokens = int(plan.tokens.lengths.sum())
+    rates = {name: tokens / float(np.median(t)) for name, t in times.items()}
+    return rates, agreement, cpu_attention.busy(cpu_attention.measured_load())
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def resolve(encoder_cls, model, tokenizer, cfg, model_path=None, measure=None, model_key=None):
+    """(cfg with the chosen path's options, `PathChoice`) for an encoder built with ``dtype="auto"``
+    or ``compile="auto"``; each candidate runs on its own copy of ``model`` (the caller's is untouched)."""
+    import torch
+
+    param = next(model.parameters())
+    device = torch.device(cfg.device) if cfg.device is not None else param.device
+    if device.type != "cpu":
+        raise OptionError(f"dtype='auto' and compile='auto' choose among CPU forwards; on {device} pass an explicit "
+                         "dtype (bfloat16) and compile ('off' or 'on')")
+    dtype = cfg.dtype if cfg.dtype is not None else str(param.dtype).replace("torch.", "")
+
+    def encoder_for(options):
+        return encoder_cls(copy.deepcopy(model), tokenizer, config=cfg.replace(**options), model_path=model_path)
+
+    choice = choose_path(encoder_for, model, dtype, cfg.compile, measure=measure, model_key=model_key)
+    return cfg.replace(**choice.options), choice

@@ -1,0 +1,95 @@
+"""``dtype="auto"`` (`dice_fast.cpu_paths`): only paths that meet the agreement bound are chosen, the
+choice is cached per machine and model, bf16 is a candidate only with bf16 units, and it is printed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dice_fast import DiceEncoder, cpu_paths
+from dice_fast import cpu_attention
+from tiny_models import tiny
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    cpu_attention.reset()
+    yield
+    cpu_attention.reset()
+
+
+def _fake(rates, cos, busy=False, calls=None):
+    def measure(encoders, reference):
+        if calls is not None:
+            calls.append(sorted(encoders))
+        assert reference.dtype == torch.float32
+        return {n: rates[n] for n in encoders}, {n: cos[n] for n in encoders}, busy
+    return measure
+
+
+def _encoder(**options):
+    model, tok, *_ = tiny("bert")  # tiny() is shared by the session: an encoder that picks bf16 moves its model
+    return DiceEncoder(copy.deepcopy(model), tok, chunk_size=8, pooling_impl="torch", **options)
+
+
+def test_fastest_path_within_the_bound_wins(monkeypatch):
+    calls = []
+    # bf16 is faster but disagrees: fp32 is chosen; then, cached, no measurement runs again
+    monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": 300.0}, {"fp32": 1.0, "bf16": 0.99}, calls=calls))
+    enc = _encoder(dtype="auto")
+    assert enc.path_choice.name == "fp32" and enc.dtype == torch.float32 and enc.path_choice.source == "measured"
+    assert calls == [["bf16", "fp32"]]
+    again = _encoder(dtype="auto")
+    assert again.path_choice.source == "cache" and again.path_choice.name == "fp32" and len(calls) == 1
+    assert "path=fp32 (cache" in repr(again)
+
+
+def test_faster_agreeing_path_is_chosen(monkeypatch):
+    monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": 180.0}, {"fp32": 1.0, "bf16": 0.9995}))
+    enc = _encoder(dtype="auto")
+    assert enc.path_choice.name == "bf16" and enc.dtype == torch.bfloat16
+    assert enc.config.dtype == "bfloat16" and enc.config.compile == "off"
+
+
+def test_busy_measurement_is_not_cached(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 1.0, "bf16": 2.0}, {"fp32": 1.0, "bf16": 1.0}, busy=True, calls=calls))
+    _encoder(dtype="auto")
+    _encoder(dtype="auto")
+    assert len(calls) == 2
+
+
+def test_no_bf16_without_bf16_units(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx2"})
+    calls = []
+    monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 1.0, "bf16": 9.0}, {"fp32": 1.0, "bf16": 1.0}, calls=calls))
+    assert _encoder(dtype="auto").path_choice.name == "fp32" and calls == [["fp32"]]
+
+
+def test_candidates_follow_compile():
+    names = lambda d, c: [p.name for p in cpu_paths.candidates(d, c)]  # noqa: E731
+    assert names("auto", "off") == ["fp32", "bf16"]
+    assert names("auto", "on") == ["fp32+compile", "bf16+compile"]
+    assert names("bfloat16", "auto") == ["bf16", "bf16+compile"]
+    extra = cpu_paths.CpuPath("int8-test", {"dtype": "float32", "compile": "off"})
+    cpu_paths.register_path(extra)
+    try:
+        assert "int8-test" in names("auto", "off")
+    finally:
+        cpu_paths.PATHS.remove(extra)
+
+
+def test_real_measurement_agrees_with_itself():
+    model, tok, *_ = tiny("bert")
+    ref = DiceEncoder(model, tok, chunk_size=8, pooling_impl="torch")
+    rates, cos, _ = cpu_paths.measure_paths({"fp32": ref}, ref)
+    assert rates["fp32"] > 0 and cos["fp32"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_auto_is_cpu_only():
+    with pytest.raises(ValueError, match="CPU"):
+        _encoder(dtype="auto", device="meta")
