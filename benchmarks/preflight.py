@@ -685,6 +685,7 @@ def e2e_plan(args: list[str], tok_rate: float) -> dict:
 
     from dice_fast.bench.cli import register_cli
     from dice_fast.bench.corpora import RANDOM_MODELS, corpus_lengths, word_tokenizer
+    from dice_fast.bench.measure import attention_width
 
     p = argparse.ArgumentParser()
     register_cli(p.add_subparsers(dest="command"))
@@ -701,7 +702,7 @@ def e2e_plan(args: list[str], tok_rate: float) -> dict:
     def flops(rows: np.ndarray, width: np.ndarray | None = None) -> float:
         """rows: real tokens per sequence; width: padded length (attention is quadratic in it)."""
         w = rows if width is None else width
-        attn = 4.0 * config.num_hidden_layers * config.hidden_size * float((w.astype(np.float64) ** 2).sum())
+        attn = 4.0 * config.num_hidden_layers * attention_width(config) * float((w.astype(np.float64) ** 2).sum())
         return 2.0 * params * float(w.sum()) + attn * (0.5 if causal else 1.0)
 
     rate = H200_BF16_TFLOPS * 1e12 * ASSUMED_MFU
