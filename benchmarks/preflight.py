@@ -296,10 +296,8 @@ def check_varlen_meta(plan: dict) -> dict:
 
 def _varlen_meta_runs(label: str, problems: list, details: dict) -> None:
     import inspect
-    from unittest import mock
 
     import torch
-    from transformers import masking_utils
 
     from dice_fast import attention as attn
     from dice_fast.bench.corpora import RANDOM_MODELS, random_model
@@ -321,10 +319,12 @@ def _varlen_meta_runs(label: str, problems: list, details: dict) -> None:
                     except Exception as e:
                         problems.append(f"{what}: {type(e).__name__}: {e}")
     # Decoder models' mask preparation looks for packed sequences in position_ids with a data-dependent
-    # `.all()` (one device-to-host sync per forward on a GPU; impossible on meta). Inside dice_fast's
-    # packed forward its result is unused (dice_fast's mask function returns None), so it is stubbed here.
-    stub = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-    details["stubbed"] = "transformers.masking_utils.find_packed_sequence_indices (host sync per decoder forward)"
+    # `.all()` (a host sync per forward on a GPU, impossible on meta) unless a 2-D mask is given:
+    # dice_fast's packed forward gives one (`dice_fast.nosync`), so these meta forwards run unstubbed
+    from dice_fast.models import _is_decoder_only
+    from dice_fast.nosync import sync_free_kwargs
+
+    details["stubbed"] = "nothing: the packed-sequence check of transformers is skipped by dice_fast.nosync"
     for name in RANDOM_MODELS:
         try:
             model, _ = random_model(name, torch.device("meta"), torch.bfloat16)
@@ -334,7 +334,8 @@ def _varlen_meta_runs(label: str, problems: list, details: dict) -> None:
             ids = torch.zeros(1, L * n, dtype=torch.long, device="meta")
             cu = torch.empty(n + 1, dtype=torch.int32, device="meta")
             extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-            with stub, torch.inference_mode(), attn.attention_context("torch_varlen", None, [L] * n,
+            extra.update(sync_free_kwargs(ids, _is_decoder_only(model)))
+            with torch.inference_mode(), attn.attention_context("torch_varlen", None, [L] * n,
                                                                             [0, L, 2 * L, 3 * L]) as run:
                 out = model(input_ids=ids, position_ids=ids.clone(), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                             max_length_q=L, max_length_k=L, **extra).last_hidden_state

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import attention as attn
+from .nosync import sync_free_kwargs
 from .ops import pool_chunks
 from .packing import PackedBatch, pack
 from .chunking import ChunkPlan, TokenizedDocuments
@@ -103,9 +104,11 @@ class ModelRunner:
 
     def _packed_hidden(self, batch: PackedBatch, cu: torch.Tensor, causal) -> tuple[torch.Tensor, attn._Run]:
         kwargs = {"use_cache": False} if self._takes_cache else {}
+        ids = to_device(batch.input_ids, self.device).unsqueeze(0)
+        kwargs.update(sync_free_kwargs(ids, self.spec.is_causal))  # no host sync in transformers' mask code
         with attn.attention_context(self.backend, causal, batch.lengths, batch.cu_seqlens) as run:
             out = self.model(
-                input_ids=to_device(batch.input_ids, self.device).unsqueeze(0),
+                input_ids=ids,
                 position_ids=to_device(batch.position_ids, self.device).unsqueeze(0),
                 cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen,
                 **kwargs,
