@@ -107,6 +107,11 @@ class DiceConfig:
         detail='`"triton"` (CUDA), `"native"` (the C++ extension), `"torch"` (vectorised PyTorch, the CPU '
         'default without the extension), `"reference"` / `"ref"` (the float64 spec; tests only). '
         'See [ops.md](ops.md).')
+    cuda_graphs: bool = option(
+        False, "replay small packed batches (serving, queries) as CUDA graphs, one per token-count bucket",
+        detail="CUDA with `flash_attn` or `torch_varlen` only; batches up to 4,096 tokens are padded with dummy chunks "
+        "to their bucket (vectors unchanged: attention is block-diagonal); larger ones run as before. See "
+        "[gpu.md](gpu.md).")
 
     def __post_init__(self):
         _choice("strategy", self.strategy, STRATEGIES)

@@ -128,6 +128,10 @@ class DiceEncoder:
             model, self.spec, attn.choose_backend(cfg.attention_backend, device, dtype), self.causal, self.pooling,
             self.pooling_impl, self.max_batch_tokens, tokenizer.pad_token_id,
         )
+        if cfg.cuda_graphs:
+            from .graphs import use_cuda_graphs
+
+            use_cuda_graphs(self, capture=True)
 
     @classmethod
     def from_pretrained(cls, path=None, *, trust_remote_code: bool = False, cache=None,

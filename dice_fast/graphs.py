@@ -160,8 +160,8 @@ class GraphedRunner:
         if capture is None:
             capture = runner.device.type == "cuda" and runner.backend in GRAPH_BACKENDS
         if capture and (runner.device.type != "cuda" or runner.backend not in GRAPH_BACKENDS):
-            raise ValueError(f"CUDA graphs need a CUDA device and one of {', '.join(GRAPH_BACKENDS)}, not "
-                             f"{runner.device} with {runner.backend!r}")
+            raise ValueError(f"CUDA graphs (cuda_graphs=True) need a CUDA device and attention_backend one of "
+                             f"{', '.join(GRAPH_BACKENDS)}, not {runner.device} with {runner.backend!r}")
         buckets = make_buckets(DEFAULT_BUCKETS if buckets is None else buckets, longest_chunk, shortest_chunk)
         dtype = next(runner.model.parameters()).dtype
         self.budget = int(memory_mb * 2**20)

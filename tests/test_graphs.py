@@ -110,5 +110,12 @@ def test_memory_bound_drops_large_buckets():
 def test_capture_needs_cuda_and_a_device_side_backend():
     model, tok, *_ = tiny("bert")
     enc = DiceEncoder(model, tok, chunk_size=8)
-    with pytest.raises(ValueError, match="CUDA graphs need"):
+    with pytest.raises(ValueError, match="CUDA graphs .* need"):
         graphs.GraphedRunner(enc.runner, 10, capture=True)
+
+
+def test_the_option_is_off_by_default_and_refused_without_cuda():
+    model, tok, *_ = tiny("bert")
+    assert not DiceEncoder(model, tok, chunk_size=8).config.cuda_graphs
+    with pytest.raises(ValueError, match=r"cuda_graphs=True.*not cpu"):
+        DiceEncoder(model, tok, chunk_size=8, cuda_graphs=True)
