@@ -229,7 +229,7 @@ def check_machinery(plan: dict, gpu_check: str | os.PathLike = REPO / "benchmark
                   "archive:./a.log": "the log archive lacks a log",
                   "not in ONLY": "ONLY= did not skip a step outside it",
                   "live-archive:started-live": "a running step's log is not in the archive while it runs",
-                  "0s  SKIP x: not on this tree": "a step exiting 3 was not a SKIP with its reason",
+                  "s  SKIP x: not on this tree": "a step exiting 3 was not a SKIP with its reason",
                   "summary:killed         TIMEOUT": "summary.txt was not rewritten after a killed step",
                   "summary:before-kill": "a step killed at its limit lost its log"}
         problems += [why for key, why in expect.items() if key not in out]
