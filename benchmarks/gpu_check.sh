@@ -215,7 +215,7 @@ else
   step e2e_decoder "$LIMIT_E2E_DECODER" "$PY" -m dice_fast.cli bench $E2E_DECODER_ARGS --no-sentence-transformers \
        --flops --budget-s $((LIMIT_E2E_DECODER / 2)) --csv "$OUT/e2e.csv" --raw-csv "$OUT/e2e_raw.csv"
   # ---- 2. the forward modes, each A/B against eager in one process (a mode this tree lacks: SKIP)
-  step modes "$LIMIT_MODES" "$PY" benchmarks/bench_modes.py $MODES_ARGS --budget-s $((LIMIT_MODES / 2)) \
+  step modes "$LIMIT_MODES" "$PY" benchmarks/bench_modes.py $MODES_ARGS --budget-s $((LIMIT_MODES / 3)) \
        --csv "$OUT/modes.csv"
   # ---- 3. the C++/CUDA extension, in the background (its own step: a kill cannot leave a lock behind
   #         for a later step), while the GPU tests that do not need it run (after the timed steps:
