@@ -117,7 +117,8 @@ step() {  # step NAME LIMIT CMD... : run with a time limit (and the deadline), l
   kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
   case $rc in
     0) ;;
-    3) st=SKIP; why="$(grep '^SKIP' "$WORK/$name.log" | tr '\n' ' ' | sed 's/ *$//')" ;;  # the feature is absent
+    3) why="$(grep '^SKIP' "$WORK/$name.log" | tr '\n' ' ' | sed 's/ *$//')"  # the feature is absent: it says why
+       if [ -n "$why" ]; then st=SKIP; else st=FAIL; why="exit code 3"; fi ;;
     124|137) st=TIMEOUT; why="killed at its ${limit} s limit" ;;
     *) st=FAIL; why="exit code $rc" ;;
   esac
