@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark of dice_fast in one run, sized to fit 7 minutes on one H200.
+# Every GPU check and benchmark of dice_fast in one run, sized to fit 8 minutes on one H200.
 #
 #   bash benchmarks/gpu_check.sh               # on the GPU machine (any working directory)
 #   PREFLIGHT=1 bash benchmarks/gpu_check.sh   # on a CPU (CI, ~3 min): everything checkable without a GPU
@@ -11,14 +11,16 @@
 # any wheels carried in ./.carry/*.whl. The benchmark models are random-weight BERT-base and Qwen2-1.5B
 # with a word-level tokenizer; the bundled all-MiniLM-L6-v2 runs the agreement check too when carried
 # in ./.carry/minilm-bf16 (benchmarks/carry_model.py; README, "Evaluation and benchmarks").
-# A step whose tools are missing is skipped with the reason; every probe and step has a time limit
-# inside the whole run's deadline; every row is written to its CSV as it is measured and every log is
-# packed after every step, so whatever stops the run, what was measured comes back.
+# A step whose tools are missing, or whose feature this tree lacks, is skipped with the reason; every
+# probe and step has a time limit inside the whole run's deadline. The headline steps (end to end,
+# the forward modes) run first, the correctness and micro-benchmark steps after them. Every row is
+# written to its CSV as it is measured, the running step's log is packed every few seconds and
+# summary.txt is rewritten after every step, so whatever stops the run, what was measured comes back.
 #
 # Output under $OUT (default benchmarks/gpu_out), at most 8 files (what the device tool returns):
 #   summary.txt   environment, each step's status and time, the last lines of each log
 #   logs.tgz      every step's full log
-#   pooling.csv   e2e.csv   e2e_raw.csv   agreement.csv   (preflight: preflight.json)
+#   e2e.csv   e2e_raw.csv   modes.csv   agreement.csv   pooling.csv   (preflight: preflight.json)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -32,9 +34,10 @@ PY="${PYTHON:-python3}"
 PREFLIGHT="${PREFLIGHT:-${SMOKE:-0}}"
 
 # ---- the plan: limits (s) and work of every step; `preflight.py sizing` checks the work against the limits
-DEADLINE_S=440          # the whole run; a step never gets more than what is left
+DEADLINE_S=465          # the whole run (under 8 minutes with the summary); a step never gets more than what is left
 PREFLIGHT_DEADLINE_S=2400  # the CPU preflight's (CI), on 2 cores
 PROBE_S=30              # each environment probe (an import, nvidia-smi, nvcc --version)
+CUDA_PROBE_S=90         # the CUDA toolkit probe (a cold import of torch.utils.cpp_extension + nvcc can take 30 s)
 LIMIT_ENV=60
 LIMIT_INSTALL=60        # pip install of this tree and the carried wheels, offline
 LIMIT_BUILD=150         # C++/CUDA extension, in the background while the GPU tests run
@@ -46,12 +49,14 @@ LIMIT_NATIVE_TESTS=70
 LIMIT_POOLING=60
 LIMIT_E2E_ENCODER=65
 LIMIT_E2E_DECODER=65
+LIMIT_MODES=50          # eager vs CUDA graphs / compiled / producer, A/B interleaved (absent modes SKIP)
 AGREEMENT_ARGS="--random-model bert-base --init-std 0.05 --docs 48 --longest 4096"
 AGREEMENT_MINILM_ARGS="--docs 48 --longest 4096"
 POOLING_ARGS=""
 E2E_ENCODER_ARGS="--random-model bert-base --dtypes bfloat16 --docs 1000 --repeats 3 --require-packed"
 E2E_DECODER_ARGS="--random-model qwen2-1.5b --chunk-size 512 --dtypes bfloat16 --docs 80 --repeats 2 --require-packed"
-GPU_TEST_FILES="tests/test_gpu.py tests/ops/test_triton_pool.py tests/ops/test_torch_pool.py"
+MODES_ARGS="--modes graphs producer compiled --random-model bert-base --docs 200 --longest 8192 --repeats 5"
+GPU_TEST_FILES="tests/test_gpu.py tests/test_gpu_graphs.py tests/ops/test_triton_pool.py tests/ops/test_torch_pool.py"
 NATIVE_TEST_FILES="tests/ops/test_native.py"
 CARRY=".carry"          # the ignored folder named in the device tool's `carry`: *.whl, minilm-bf16/
 
@@ -66,8 +71,26 @@ pack() {  # the background build packs too: a temporary name of its own, then an
   rc=$?  # 1: a log changed while it was read (a step still writing); the archive is whole: keep it
   if [ "$rc" -le 1 ]; then mv -f "$tmp" "$OUT/logs.tgz"; else rm -f "$tmp"; fi
 }
+summary() {  # $OUT/summary.txt from what has run so far (a temporary of its own, then an atomic rename)
+  local f tmp="$OUT/.summary.$BASHPID.txt"
+  {
+    echo "dice_fast gpu_check ($([ "${PREFLIGHT:-0}" = 1 ] && echo preflight || echo GPU)) after $((SECONDS - START)) s"
+    [ -f "$WORK/env.log" ] && cat "$WORK/env.log"
+    echo
+    echo "== steps"
+    cat "$WORK/steps.txt" 2>/dev/null
+    for f in "$WORK"/*.log; do
+      [ -f "$f" ] && [ "$(basename "$f")" != env.log ] || continue
+      echo
+      echo "== $(basename "$f" .log) (last lines)"
+      grep -v -e '^Loading' -e 'it/s\]' -e '^  .* round [0-9]*:' "$f" | tail -n 14
+    done
+  } >"$tmp" 2>&1
+  mv -f "$tmp" "$OUT/summary.txt"
+}
 record() {  # record NAME STATUS SECONDS DETAIL
   printf '%-14s %-7s %4ss  %s\n' "$1" "$2" "$3" "$4" | tee -a "$WORK/steps.txt"
+  summary
   pack
 }
 ext_root() { echo "${TORCH_EXTENSIONS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dice_fast}"; }
@@ -84,12 +107,18 @@ step() {  # step NAME LIMIT CMD... : run with a time limit (and the deadline), l
   local left=$((DEADLINE - SECONDS))
   if [ "$left" -lt 15 ]; then record "$name" SKIP 0 "no time left before the ${DEADLINE_S} s deadline"; return 0; fi
   [ "$limit" -gt "$left" ] && limit=$left
-  local t0=$SECONDS
+  local t0=$SECONDS packer
   echo "\$ $*" >"$WORK/$name.log"
+  # the running step's log is packed every PACK_EVERY_S seconds: a run killed from outside keeps it
+  ( while sleep "${PACK_EVERY_S:-5}"; do pack; done ) &
+  packer=$!
   timeout -k 10 "$limit" "$@" >>"$WORK/$name.log" 2>&1
   local rc=$? st=PASS why=""
+  kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
   case $rc in
     0) ;;
+    3) why="$(grep '^SKIP' "$WORK/$name.log" | tr '\n' ' ' | sed 's/ *$//')"  # the feature is absent: it says why
+       if [ -n "$why" ]; then st=SKIP; else st=FAIL; why="exit code 3"; fi ;;
     124|137) st=TIMEOUT; why="killed at its ${limit} s limit" ;;
     *) st=FAIL; why="exit code $rc" ;;
   esac
@@ -103,7 +132,8 @@ have_cmd() { command -v "$1" >/dev/null 2>&1 || have_module "$1"; }
 
 # ---- 0. environment; this tree installed offline with the carried wheels; what each step needs
 # the CUDA half of the extension needs nvcc (CUDA_HOME) of torch's CUDA major version: else SKIP, not FAIL
-probe "$PY" benchmarks/preflight.py _cuda_toolkit >"$WORK/cuda_deps.txt" 2>&1 &
+# its verdict is its own last line of stdout (warnings of a cold import go to the log, never into the verdict)
+timeout -k 5 "$CUDA_PROBE_S" "$PY" benchmarks/preflight.py _cuda_toolkit >"$WORK/cuda_deps.txt" 2>"$WORK/cuda_probe.err" &
 CUDA_PROBE=$!  # beside the version probe: both import torch
 { probe nvidia-smi 2>/dev/null || echo "no nvidia-smi"; date -u; git rev-parse HEAD 2>/dev/null; nproc
   probe "$PY" - <<'EOF'
@@ -133,8 +163,11 @@ NATIVE_DEPS=""
 have_cmd ninja || NATIVE_DEPS="ninja is missing"
 command -v "${CXX:-c++}" >/dev/null 2>&1 || NATIVE_DEPS="${NATIVE_DEPS:+$NATIVE_DEPS; }no C++ compiler"
 wait "$CUDA_PROBE"; rc=$?
-[ "$rc" = 0 ] || sed -i "1s/^/the CUDA toolkit probe failed (exit code $rc): /" "$WORK/cuda_deps.txt"
-CUDA_DEPS="$(tail -n 3 "$WORK/cuda_deps.txt" | tr '\n' ' ' | sed 's/ *$//')"
+case $rc in
+  0) CUDA_DEPS="$(tail -n 1 "$WORK/cuda_deps.txt")" ;;
+  124|137) CUDA_DEPS="the CUDA toolkit probe did not answer in $CUDA_PROBE_S s" ;;
+  *) CUDA_DEPS="the CUDA toolkit probe failed (exit code $rc): $(tail -n 1 "$WORK/cuda_probe.err")" ;;
+esac
 MODEL="$CARRY/minilm-bf16"
 HAVE_MODEL=no; [ -f "$MODEL/config.json" ] && HAVE_MODEL=yes
 record env PASS $((SECONDS - START)) "pytest: $([ -n "$PYTEST" ] && echo found || echo MISSING); native build: ${NATIVE_DEPS:-ok}; CUDA build: ${CUDA_DEPS:-ok}; bundled model carried: $HAVE_MODEL"
@@ -166,14 +199,28 @@ if [ "$PREFLIGHT" = 1 ]; then
   step agreement 120 "$PY" benchmarks/agreement.py $AGREEMENT_ARGS --device cpu --layers 2 --hidden 128 --docs 6 \
        --longest 700 --csv "$OUT/agreement.csv"
   step carry 180 $PRE carry
-  step pooling 120 "$PY" benchmarks/bench_pooling.py $POOLING_ARGS --smoke --native skip --csv "$OUT/pooling.csv"
   step e2e_encoder 240 "$PY" -m dice_fast.cli bench $E2E_ENCODER_ARGS --device cpu --dtypes float32 --docs 3 \
        --longest 600 --repeats 1 --no-sentence-transformers --flops --budget-s 60 --csv "$OUT/e2e.csv" \
        --raw-csv "$OUT/e2e_raw.csv"
-  step sizing 300 $PRE sizing
+  # the GPU step's command at CPU sizes (graphs run their padded path eagerly here; absent modes SKIP)
+  step modes 240 "$PY" benchmarks/bench_modes.py $MODES_ARGS --device cpu --layers 2 --hidden 128 --docs 4 \
+       --longest 600 --repeats 1 --budget-s 20 --csv "$OUT/modes.csv"
+  step pooling 120 "$PY" benchmarks/bench_pooling.py $POOLING_ARGS --smoke --native skip --csv "$OUT/pooling.csv"
+  step sizing 600 $PRE sizing  # ~350 s on a loaded 2-core machine (the Triton variant count)
 else
-  # ---- 1. the C++/CUDA extension, in the background (its own step: a kill cannot leave a lock behind
-  #         for a later step), while the GPU tests that do not need it run
+  # ---- 1. the headline first: end to end vs naive chunk batching, mixed corpus with a long tail to
+  #         32k tokens; model TFLOP/s and MFU against the bf16 matmul rate measured in the same run;
+  #         tokenization apart; an engine that fell back to the padded path fails the step (--require-packed)
+  step e2e_encoder "$LIMIT_E2E_ENCODER" "$PY" -m dice_fast.cli bench $E2E_ENCODER_ARGS --no-sentence-transformers \
+       --flops --budget-s $((LIMIT_E2E_ENCODER / 2)) --csv "$OUT/e2e.csv" --raw-csv "$OUT/e2e_raw.csv"
+  step e2e_decoder "$LIMIT_E2E_DECODER" "$PY" -m dice_fast.cli bench $E2E_DECODER_ARGS --no-sentence-transformers \
+       --flops --budget-s $((LIMIT_E2E_DECODER / 2)) --csv "$OUT/e2e.csv" --raw-csv "$OUT/e2e_raw.csv"
+  # ---- 2. the forward modes, each A/B against eager in one process (a mode this tree lacks: SKIP)
+  step modes "$LIMIT_MODES" "$PY" benchmarks/bench_modes.py $MODES_ARGS --budget-s $((LIMIT_MODES / 3)) \
+       --csv "$OUT/modes.csv"
+  # ---- 3. the C++/CUDA extension, in the background (its own step: a kill cannot leave a lock behind
+  #         for a later step), while the GPU tests that do not need it run (after the timed steps:
+  #         nvcc on the host's cores would slow the host side of the benchmarks)
   BUILD_PID=""
   if [ -n "$NATIVE_DEPS$CUDA_DEPS" ]; then
     skip build "${NATIVE_DEPS:-$CUDA_DEPS}"
@@ -181,13 +228,14 @@ else
     ( step build "$LIMIT_BUILD" "$PY" -c "from dice_fast.ops import native; print(native.build(with_cuda=True))" ) &
     BUILD_PID=$!
   fi
-  # ---- 2. correctness on the GPU: engine backends vs the per-chunk oracle, Triton / torch pooling
+  # ---- 4. correctness on the GPU: engine backends vs the per-chunk oracle, graphs, no host sync,
+  #         Triton / torch pooling
   if [ -n "$PYTEST" ]; then
     step gpu_tests "$LIMIT_GPU_TESTS" $PYTEST $GPU_TEST_FILES -m gpu
   else
     skip gpu_tests "pytest is missing (carry it as a wheel in $CARRY/)"
   fi
-  # ---- 3. bf16 vs fp32 engine on a model whose vectors discriminate between documents, and on the real one
+  # ---- 5. bf16 vs fp32 engine on a model whose vectors discriminate between documents, and on the real one
   step agreement "$LIMIT_AGREEMENT" "$PY" benchmarks/agreement.py $AGREEMENT_ARGS --csv "$OUT/agreement.csv"
   if [ "$HAVE_MODEL" = yes ]; then
     step agreement_minilm "$LIMIT_AGREEMENT_MINILM" "$PY" benchmarks/agreement.py --model "$MODEL" \
@@ -199,38 +247,19 @@ else
   clean_locks
   NATIVE=skip
   passed build && NATIVE=build
-  # ---- 4. the CUDA C++ twin vs the references
+  # ---- 6. the CUDA C++ twin vs the references
   if [ -z "$PYTEST" ]; then skip native_tests "pytest is missing"
   elif [ "$NATIVE" = skip ]; then skip native_tests "the extension was not built (see the build step)"
   else step native_tests "$LIMIT_NATIVE_TESTS" $PYTEST $NATIVE_TEST_FILES -m gpu; fi
-  # ---- 5. pooling kernel: GB/s vs copy bandwidth, vs PyTorch composites and the C++ twin
+  # ---- 7. micro-benchmark: pooling kernel GB/s vs copy bandwidth, vs PyTorch composites and the C++ twin
   step pooling "$LIMIT_POOLING" "$PY" benchmarks/bench_pooling.py $POOLING_ARGS --native "$NATIVE" \
        --budget-s $((LIMIT_POOLING - 8)) --csv "$OUT/pooling.csv"
-  # ---- 6. end to end vs naive chunk batching, mixed corpus with a long tail to 32k tokens; model
-  #         TFLOP/s and MFU against the bf16 matmul rate measured in the same run; tokenization apart;
-  #         an engine that fell back to the padded path fails the step (--require-packed)
-  step e2e_encoder "$LIMIT_E2E_ENCODER" "$PY" -m dice_fast.cli bench $E2E_ENCODER_ARGS --no-sentence-transformers \
-       --flops --budget-s $((LIMIT_E2E_ENCODER / 2)) --csv "$OUT/e2e.csv" --raw-csv "$OUT/e2e_raw.csv"
-  step e2e_decoder "$LIMIT_E2E_DECODER" "$PY" -m dice_fast.cli bench $E2E_DECODER_ARGS --no-sentence-transformers \
-       --flops --budget-s $((LIMIT_E2E_DECODER / 2)) --csv "$OUT/e2e.csv" --raw-csv "$OUT/e2e_raw.csv"
 fi
 
 # ---- summary (also in $OUT/summary.txt)
-{
-  echo "dice_fast gpu_check ($([ "$PREFLIGHT" = 1 ] && echo preflight || echo GPU)) in $((SECONDS - START)) s"
-  cat "$WORK/env.log"
-  echo
-  echo "== steps"
-  cat "$WORK/steps.txt"
-  for f in "$WORK"/*.log; do
-    [ "$(basename "$f")" = env.log ] && continue
-    echo
-    echo "== $(basename "$f" .log) (last lines)"
-    grep -v -e '^Loading' -e 'it/s\]' -e '^  .* round [0-9]*:' "$f" | tail -n 14
-  done
-} >"$OUT/summary.txt" 2>&1
+summary
 pack
-rm -f "$OUT"/.logs.*.tgz  # the temporary of a pack killed mid-way
+rm -f "$OUT"/.logs.*.tgz "$OUT"/.summary.*.txt  # the temporaries of a pack or summary killed mid-way
 sed -n "/^== steps/,\$p" "$OUT/summary.txt"
 rm -rf "$WORK"
 ! grep -q -E '^[a-z_0-9]+ +(FAIL|TIMEOUT)' "$OUT/summary.txt"

@@ -124,6 +124,11 @@ class DiceConfig:
         detail='`"on"`: compiled (refused for a model on the padded fallback); `"auto"`: compiled and eager '
         'forwards are both candidates of `dtype="auto"` (with an explicit dtype: the faster of its two). '
         'See [cpu.md](cpu.md).')
+    cuda_graphs: bool = option(
+        False, "replay small packed batches (serving, queries) as CUDA graphs, one per token-count bucket",
+        detail="CUDA with `flash_attn` or `torch_varlen` only; batches up to 4,096 tokens are padded with dummy chunks "
+        "to their bucket (vectors unchanged: attention is block-diagonal); larger ones run as before. See "
+        "[gpu.md](gpu.md).")
 
     def __post_init__(self):
         _choice("strategy", self.strategy, STRATEGIES)

@@ -99,6 +99,10 @@ class DiceEncoder:
         self.cache = None if cache is None else settings_namespace(s, model, cache, cache_max_gb, model_path)
         self.runner = ModelRunner(model, s.spec, s.backend, s.causal, s.pooling, s.pooling_impl, s.max_batch_tokens,
                                   tokenizer.pad_token_id, compile=cfg.compile == "on")
+        if cfg.cuda_graphs:
+            from .graphs import use_cuda_graphs
+
+            use_cuda_graphs(self, capture=True)
 
     @classmethod
     def from_pretrained(cls, path=None, *, trust_remote_code: bool = False, cache=None,

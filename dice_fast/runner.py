@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import attention as attn
+from .nosync import sync_free_kwargs
 from .ops import pool_chunks
 from .packing import PackedBatch, pack
 from .chunking import ChunkPlan, TokenizedDocuments
@@ -68,7 +69,7 @@ class ModelRunner:
         self.pad_id = int(pad_token_id or 0)
         params = inspect.signature(model.forward).parameters
         self._takes_positions = "position_ids" in params
-        self._takes_cache = "use_cache" in params
+        self.takes_cache = "use_cache" in params
         # chunks longer than a sliding window run packed where the backend applies the window itself
         self.packed_limit = None if attn.supports_sliding_window(backend) else sliding_window(model.config)
         self.fallback_reason: str | None = None
@@ -112,10 +113,12 @@ class ModelRunner:
 
     def _packed_hidden(self, batch: PackedBatch, cu: torch.Tensor, causal) -> tuple[torch.Tensor, object]:
         """(hidden states, the forward's `attention_context` record)."""
-        kwargs = {"use_cache": False} if self._takes_cache else {}
+        kwargs = {"use_cache": False} if self.takes_cache else {}
+        ids = to_device(batch.input_ids, self.device).unsqueeze(0)
+        kwargs.update(sync_free_kwargs(ids, self.spec.is_causal))  # no host sync in transformers' mask code
         with attn.attention_context(self.backend, causal, batch.lengths, batch.cu_seqlens) as run:
             out = self.model(
-                input_ids=to_device(batch.input_ids, self.device).unsqueeze(0),
+                input_ids=ids,
                 position_ids=to_device(batch.position_ids, self.device).unsqueeze(0),
                 cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen,
                 **kwargs,
@@ -139,7 +142,7 @@ class ModelRunner:
             )
         from .compiled import CompiledForward
 
-        self.compiled = CompiledForward(self.model, self._takes_cache)
+        self.compiled = CompiledForward(self.model, self.takes_cache)
         batch = _probe_batch(self)
         cu = to_device(batch.cu_seqlens, self.device)
         with torch.inference_mode():
@@ -163,7 +166,7 @@ class ModelRunner:
             ids[rows, cols] = batch.input_ids[t_lo:t_hi]
             mask = np.zeros((n, width), dtype=np.int64)
             mask[rows, cols] = 1
-            kwargs = {"use_cache": False} if self._takes_cache else {}
+            kwargs = {"use_cache": False} if self.takes_cache else {}
             if self._takes_positions:
                 pos = np.full((n, width), self.spec.first_position, dtype=np.int64)
                 pos[rows, cols] = batch.position_ids[t_lo:t_hi]

@@ -37,9 +37,12 @@ def pytest_collection_modifyitems(config, items):
     run_slow = os.environ.get("DICE_FAST_SLOW") == "1" or "slow" in (config.getoption("-m") or "")
     skip_slow = None if run_slow else pytest.mark.skip(reason="slow: set DICE_FAST_SLOW=1 to run")
     for item in items:
-        if skip_gpu is not None and "gpu" in item.keywords:
+        # markers, not item.keywords: keywords also hold the names of the parent folders, so a checkout
+        # in a folder named "gpu" or "slow" would skip every test
+        if skip_gpu is not None and item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
-        if skip_slow is not None and "slow" in item.keywords:
+        slow = item.get_closest_marker("slow") is not None
+        if skip_slow is not None and slow:
             item.add_marker(skip_slow)
-        if "slow" in item.keywords and item.get_closest_marker("timeout") is None:
+        if slow and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))

@@ -44,10 +44,12 @@ def plan():
 def test_plan_names_every_step_with_a_limit(plan):
     lim = preflight.limits(plan)
     assert set(lim) == {"env", "install", "build", "gpu_tests", "agreement", "agreement_minilm", "native_tests", "pooling",
-                        "e2e_encoder", "e2e_decoder"}
-    for key in ("E2E_ENCODER_ARGS", "E2E_DECODER_ARGS", "AGREEMENT_ARGS", "GPU_TEST_FILES", "NATIVE_TEST_FILES"):
+                        "e2e_encoder", "e2e_decoder", "modes"}
+    for key in ("E2E_ENCODER_ARGS", "E2E_DECODER_ARGS", "AGREEMENT_ARGS", "GPU_TEST_FILES", "NATIVE_TEST_FILES",
+                "MODES_ARGS"):
         assert plan[key], key
-    assert "--random-model bert-base" in plan["E2E_ENCODER_ARGS"] and int(plan["DEADLINE_S"]) <= 540
+    assert "--random-model bert-base" in plan["E2E_ENCODER_ARGS"]
+    assert int(plan["DEADLINE_S"]) <= preflight.MAX_DEADLINE_S < 480  # the whole command under 8 minutes
     assert "--require-packed" in plan["E2E_ENCODER_ARGS"] and "--require-packed" in plan["E2E_DECODER_ARGS"]
     assert int(plan["PYTEST_TIMEOUT"]) < min(lim["gpu_tests"], lim["native_tests"])
 

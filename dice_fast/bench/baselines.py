@@ -22,6 +22,7 @@ import torch
 
 from ..matryoshka import truncate
 from ..ops import aggregate_documents
+from ..runner import to_device
 
 
 def encode_padded_sorted(encoder, texts: list[str], batch_size: int = 32) -> np.ndarray:
@@ -83,14 +84,16 @@ def _encode_padded(encoder, texts: list[str], batch_size: int, sort: bool) -> np
             if plan.global_positions:
                 positions = positions + plan.chunks.start[idx][:, None]
             positions = np.where(valid, positions, first)  # padding stays inside the position table
-            valid_t = torch.from_numpy(valid).to(device)
+            # copies as the engine makes them (`runner.to_device`: pinned, non-blocking on CUDA), so a
+            # speed-up over this path is packing, not the engine's overlap of copies with compute
+            valid_t = to_device(valid, device)
             hidden = model(
-                input_ids=torch.from_numpy(ids).to(device),
+                input_ids=to_device(ids, device),
                 attention_mask=_attention_mask(valid_t, encoder.causal),
-                position_ids=torch.from_numpy(np.ascontiguousarray(positions)).to(device),
+                position_ids=to_device(positions, device),
             ).last_hidden_state
-            n_t = torch.from_numpy(n).to(device)
-            chunks[torch.from_numpy(idx).to(device)] = _pool(hidden, valid_t, n_t, encoder.pooling)
+            n_t = to_device(n, device)
+            chunks[to_device(idx, device)] = _pool(hidden, valid_t, n_t, encoder.pooling)
     return _aggregate(encoder, plan, chunks)
 
 

@@ -64,16 +64,28 @@ class PeakMemory:
 
 def model_flops(encoder, texts: list[str] | None = None, plan=None) -> float:
     """Forward FLOPs of the engine's chunks (``encoder.plan(texts)``, or ``plan``): 2 x the parameters
-    every token passes through x tokens + attention (QK^T and PV: 4 x layers x hidden x length^2 per
-    chunk, half when causal). Embedding tables (a lookup) and BERT's pooler (one token per forward)
-    are not counted."""
+    every token passes through x tokens + attention (QK^T and PV: 4 x layers x attention width x
+    length^2 per chunk, half when causal; the width is `attention_width`, not hidden_size: Qwen3-0.6B
+    attends 16 x 128 = 2048 wide at hidden size 1024). Embedding tables (a lookup) and BERT's pooler
+    (one token per forward) are not counted."""
     plan = plan if plan is not None else encoder.plan(texts)
     lengths = plan.chunk_lengths.astype(np.float64)
     params = sum(p.numel() for n, p in encoder.model.named_parameters() if "embed" not in n and "pooler" not in n)
     mc = encoder.model.config
     causal = encoder.causal if encoder.causal is not None else encoder.spec.is_causal
-    attn = 4.0 * mc.num_hidden_layers * mc.hidden_size * float((lengths**2).sum()) * (0.5 if causal else 1.0)
+    attn = 4.0 * mc.num_hidden_layers * attention_width(mc) * float((lengths**2).sum()) * (0.5 if causal else 1.0)
     return 2.0 * params * float(lengths.sum()) + attn
+
+
+def attention_width(config) -> int:
+    """Width of the queries (and of the attention output) of a transformers ``config``: heads x
+    head_dim. ``head_dim`` is read where the config sets it (Qwen3, Gemma: 128 at any hidden size),
+    else hidden_size / heads (BERT, Llama, Qwen2: equal to hidden_size)."""
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    if not heads:
+        return int(config.hidden_size)
+    return int(heads) * int(head_dim or config.hidden_size // heads)
 
 
 def matmul_tflops(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192,

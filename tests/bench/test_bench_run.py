@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from dice_fast import DiceEncoder
 from dice_fast.bench.measure import model_flops
@@ -112,3 +113,27 @@ def test_cli_bench_arguments(tmp_path, capsys):
     assert all(float(r["min_cosine_vs_engine"]) > 0.999 for r in read)
     with pytest.raises(ValueError, match="--docs must be >= 1"):
         cmd_bench(parser.parse_args(["bench", "--docs", "0"]))
+
+
+def test_model_flops_use_the_attention_width_not_hidden_size():
+    """Qwen3 sets head_dim independently of hidden_size (0.6B: 16 heads x 128 = 2048 at hidden 1024):
+    attention FLOPs scale with heads x head_dim; for BERT that product is hidden_size."""
+    from dice_fast.bench.measure import attention_width
+
+    import copy
+
+    import transformers
+
+    base, tok, *_ = tiny("qwen3")
+    c = copy.deepcopy(base.config)
+    c.head_dim = 2 * c.hidden_size // c.num_attention_heads  # attention twice as wide as the residual stream
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(c).eval()
+    assert attention_width(c) == c.num_attention_heads * c.head_dim == 2 * c.hidden_size
+    enc = DiceEncoder(model, tok, chunk_size=K)
+    lengths = enc.plan(corpus()).chunk_lengths.astype(np.float64)
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n and "pooler" not in n)
+    want = 2.0 * params * lengths.sum() + 0.5 * 4.0 * c.num_hidden_layers * attention_width(c) * (lengths**2).sum()
+    assert math.isclose(model_flops(enc, plan=enc.plan(corpus())), want, rel_tol=1e-12)
+    bert = tiny("bert")[0].config
+    assert attention_width(bert) == bert.hidden_size
