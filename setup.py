@@ -30,6 +30,8 @@ SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "httpx>=0.27"]
 RAY = ["ray[data]>=2.9"]
 MTEB = ["mteb>=2.0"]
 INDEX = ["faiss-cpu>=1.7"]  # approximate DiceIndex search only
+# dtype="int8": static int8 on the CPU (dice_fast.quant: OpenVINO runtime + NNCF calibration)
+INT8 = ["openvino>=2024.4", "nncf>=2.13"]
 # retrieval stacks: LangChain / LlamaIndex adapters (httpx, for a remote server, comes with both)
 STACKS = {"langchain": ["langchain-core>=0.3"], "llama-index": ["llama-index-core>=0.12"]}
 STACK_TESTS = [*STACKS["langchain"], *STACKS["llama-index"], "openai>=1.40"]  # + the official client vs the server
@@ -61,7 +63,7 @@ setup(
         "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja",
                  # per-test timeouts (pytest.ini), property-based tests, the metrics-format test
                  "pytest-timeout>=2.1", "hypothesis>=6.80", "prometheus_client>=0.17",
-                 *SERVE, *RAY, *MTEB, *INDEX, *STACK_TESTS],
+                 *SERVE, *RAY, *MTEB, *INDEX, *STACK_TESTS, *INT8],
         "gpu": ["triton>=3.0"],
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
         "native": ["ninja"],
@@ -69,6 +71,7 @@ setup(
         "ray": RAY,
         "mteb": MTEB,
         "index": INDEX,
+        "int8": INT8,
         **STACKS,
     },
     cmdclass={"build_py": build_py},

@@ -385,7 +385,7 @@ def encoder_namespace(encoder, cache, max_gb=None, model_path=None) -> CacheName
     description = {
         "format": FORMAT,
         "model": store.fingerprint(encoder.model, model_path),
-        "dtype": str(encoder.dtype).replace("torch.", ""),
+        "dtype": encoder.precision,
         "device": encoder.device.type,
         "pooling": encoder.pooling,
         "causal": encoder.spec.is_causal if encoder.causal is None else encoder.causal,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import AGGREGATIONS, ATTENTION_BACKENDS, ATTENTION_MODES, POOLINGS, POSITIONS, STRATEGIES
+from .config import AGGREGATIONS, ATTENTION_BACKENDS, ATTENTION_MODES, DTYPES, POOLINGS, POSITIONS, STRATEGIES
 
 
 def encoder_options(args) -> dict:
@@ -31,6 +31,8 @@ def encoder_options(args) -> dict:
         "device": args.device,
         "dtype": args.dtype,
     }
+    if getattr(args, "calibration", None) is not None:  # absent otherwise: job manifests stay as they were
+        opts["calibration"] = args.calibration
     return opts
 
 
@@ -66,8 +68,11 @@ def add_encoder_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-tokens", type=int, default=None,
                    help="tokens per packed forward (default 4096 on CPU, 65536 on CUDA)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="model precision (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="model precision (default: bfloat16 on CUDA, float32 on CPU); int8: static int8 on "
+                        "a CPU with VNNI/AMX (the int8 extra), agreement stated in docs/int8.md")
+    g.add_argument("--calibration", default=None, metavar="FILE",
+                   help="--dtype int8: a text sample of your corpus to calibrate on (default: bundled prose)")
 
 
 def add_cache_arguments(p: argparse.ArgumentParser):

@@ -12,6 +12,8 @@ POSITIONS = ("local", "global")
 ATTENTION_MODES = ("model default", "causal", "bidirectional")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_groups", "padded")
 DEFAULT_CHUNK_SIZE = 256
+# int8: static int8 on the CPU (dice_fast.quant), the float32 model kept for its facts and export
+DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,11 @@ class DiceConfig:
         ``max_seq_length``, else the tokenizer's ``model_max_length``, else the position table).
     max_batch_tokens: token budget of one packed forward (``None``: 4096 on CPU, 65536 on CUDA).
     device, dtype: where and in which precision the model runs (``None``: CUDA if available with
-        bfloat16, else CPU with float32).
+        bfloat16, else CPU with float32). ``dtype="int8"``: static int8 on the CPU (OpenVINO + NNCF,
+        the ``int8`` extra; CPUs with VNNI or AMX): not exact, its agreement with float32 is stated in
+        docs/int8.md and checked by `dice_fast.quant.agreement`.
+    calibration: ``dtype="int8"`` only: a UTF-8 text file, a sample of the user's corpus, whose chunks
+        calibrate the int8 model (``None``: the first half of the bundled prose).
     pooling_impl: "auto" | "torch" | "triton" | "native" | "reference" (see `dice_fast.ops`).
     """
 
@@ -75,6 +81,7 @@ class DiceConfig:
     device: str | None = None
     dtype: str | None = None
     pooling_impl: str = "auto"
+    calibration: str | None = None
 
     def __post_init__(self):
         _choice("strategy", self.strategy, STRATEGIES)
@@ -105,8 +112,11 @@ class DiceConfig:
             value = getattr(self, name)
             if not (isinstance(value, bool) or (value is None and name == "normalize_chunks")):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.calibration is not None and (self.dtype != "int8" or not isinstance(self.calibration, str)):
+            raise ValueError(f"calibration (a text file path) applies to dtype='int8' only; got "
+                             f"calibration={self.calibration!r} with dtype={self.dtype!r}")
         from .ops import IMPLS
 
         _choice("pooling_impl", self.pooling_impl, IMPLS)

@@ -38,7 +38,8 @@ from .reuse import ChunkStats, MemoryCache
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .streaming import Prefetch, as_iterator, windows
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the torch dtype of the model's weights; "int8" keeps the float32 model (dice_fast.quant exports it)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.float32}
 # CPU: activations of a 4k-token batch stay in cache; MiniLM, 40 mixed documents on the 2-core EPYC:
 # fp32 6.5 s at 4096 vs 7.4 s at 16384 tokens (padded baseline 7.5 s); bf16 3.9 vs 4.5 s.
 _DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
@@ -122,12 +123,17 @@ class DiceEncoder:
         self.max_batch_tokens = cfg.max_batch_tokens or _DEFAULT_BATCH_TOKENS.get(device.type, 16384)
         self.causal = {"model default": None, "causal": True, "bidirectional": False}[cfg.attention]
         self.chunk_stats = ChunkStats()
-        self.cache = None if cache is None else encoder_namespace(self, cache, cache_max_gb, model_path)
         self._dedup = True  # False: no reuse at all (the baseline of benchmarks/bench_cache.py)
-        self.runner = ModelRunner(
-            model, self.spec, attn.choose_backend(cfg.attention_backend, device, dtype), self.causal, self.pooling,
-            self.pooling_impl, self.max_batch_tokens, tokenizer.pad_token_id,
-        )
+        if cfg.dtype == "int8":
+            from .quant import int8_runner
+
+            self.runner = int8_runner(self, model, tokenizer.pad_token_id)
+        else:
+            self.runner = ModelRunner(
+                model, self.spec, attn.choose_backend(cfg.attention_backend, device, dtype), self.causal,
+                self.pooling, self.pooling_impl, self.max_batch_tokens, tokenizer.pad_token_id,
+            )
+        self.cache = None if cache is None else encoder_namespace(self, cache, cache_max_gb, model_path)
 
     @classmethod
     def from_pretrained(cls, path=None, *, trust_remote_code: bool = False, cache=None,
@@ -163,6 +169,12 @@ class DiceEncoder:
         return self.runner.backend
 
     @property
+    def precision(self) -> str:
+        """What chunk vectors are computed in: "float32", "bfloat16", "float16", or the int8 path's
+        identity (backend, versions, model and calibration hashes); part of the chunk cache's key."""
+        return getattr(self.runner, "identity", None) or str(self.dtype).replace("torch.", "")
+
+    @property
     def chunk_overhead(self) -> int:
         """Tokens every chunk carries besides its text (special tokens and document prefix)."""
         return self._overhead(self._doc_prefix)
@@ -175,7 +187,7 @@ class DiceEncoder:
         elif self.runner.packed_limit is not None:
             backend += f" (padded for chunks over the {self.runner.packed_limit}-token sliding window)"
         return (
-            f"DiceEncoder(model={self.spec.name!r}, device={self.device}, dtype={str(self.dtype).replace('torch.', '')}, "
+            f"DiceEncoder(model={self.spec.name!r}, device={self.device}, dtype={self.precision}, "
             f"attention={backend}{'' if self.causal is None else ('/causal' if self.causal else '/bidirectional')}, "
             f"pooling_impl={self.pooling_impl}, strategy={c.strategy}, chunk_size={c.chunk_size}, overlap={c.overlap}, "
             f"positions={c.positions}, pooling={self.pooling}, aggregation={c.aggregation}, window={self.window}, "
