@@ -143,7 +143,7 @@ def check_deps(plan: dict) -> dict:
                  "assert c.is_ninja_available(), 'ninja'",
         "agreement": "import triton, transformers, dice_fast.engine, dice_fast.bench.corpora",
         "e2e": "import triton.testing, dice_fast.engine, dice_fast.bench.cli, dice_fast.bench.run, "
-               "dice_fast.bench.measure, dice_fast.bench.corpora, dice_fast.bench.baselines, dice_fast.scheduler",
+               "dice_fast.bench.measure, dice_fast.bench.corpora, dice_fast.bench.baselines, dice_fast.chunk_queue",
     }
     for step, code in imports.items():
         rc, out = _run([sys.executable, "-c", code], env, 120)

@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import tuning
+from . import cpu_attention
 
 ATTENTION_NAME = "dice_fast_varlen"
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_groups")
@@ -328,7 +328,7 @@ def _sdpa_groups(q, k, v, run, causal, scale, band=None):
     # written in place, run by run: one copy of the output instead of a copy per run plus a cat
     # (MiniLM on the 2-core CPU: the cat was ~10% of the forward)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    # On the CPU the dtype and kernel are measured per machine (`dice_fast.tuning`): bf16 SDPA is
+    # On the CPU the dtype and kernel are measured per machine (`dice_fast.cpu_attention`): bf16 SDPA is
     # slower than fp32 on an EPYC (a (60,12,256,32) run 116 vs 97 ms) but ~2x faster on an AMX Xeon.
     cpu = q.device.type == "cpu"
     for start, n, length in run.groups:
@@ -340,7 +340,7 @@ def _sdpa_groups(q, k, v, run, causal, scale, band=None):
         mask = _band_mask(run, length, band, causal, q.device) if band is not None and length > band + 1 else None
         is_causal = causal and length > 1 and mask is None
         if cpu:
-            o = tuning.cpu_attend(qs, ks, vs, is_causal, scale, gqa, mask)
+            o = cpu_attention.cpu_attend(qs, ks, vs, is_causal, scale, gqa, mask)
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=is_causal, scale=scale,
                                                enable_gqa=gqa)

@@ -32,8 +32,8 @@ from .ops import resolve_impl
 from .packing import PackedBatch
 from .progress import ProgressBar
 from .runner import ModelRunner
-from .scheduler import ChunkQueue
-from .chunk_cache import encoder_namespace
+from .chunk_queue import ChunkQueue
+from .reuse.persistent import encoder_namespace
 from .reuse import ChunkStats, MemoryCache
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .streaming import Prefetch, as_iterator, windows
@@ -56,7 +56,7 @@ class DiceEncoder:
     ``DiceEncoder(model, tokenizer, **options)`` wraps a loaded model; `from_pretrained` loads one.
     Options are the fields of `DiceConfig` (see README.md); ``config=`` may pass a whole `DiceConfig`.
 
-    ``cache``: a folder (or an open `dice_fast.chunk_cache.ChunkCache`) holding the persistent chunk
+    ``cache``: a folder (or an open `dice_fast.reuse.ChunkCache`) holding the persistent chunk
     cache: chunks found there are not run again, new ones are added (README, "Reusing chunks");
     ``cache_max_gb`` bounds it. Identical chunks within one call always run once, cache or not;
     ``chunk_stats`` counts chunks computed, deduplicated and served from memory or the cache.
@@ -311,7 +311,7 @@ class DiceEncoder:
             top_up()
             while jobs:
                 batch = None if jobs[0].done else queue.next_batch()
-                if batch is None and not jobs[0].done:  # pragma: no cover - a scheduler bug, never silent
+                if batch is None and not jobs[0].done:  # pragma: no cover - a queue bug, never silent
                     raise RuntimeError("dice_fast: a queued plan has no chunks left to run but is not done")
                 if batch is not None:
                     failed = queue.run(batch, self.run_batch)[1]

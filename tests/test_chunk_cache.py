@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-import dice_fast.chunk_cache as cc
+import dice_fast.reuse.persistent as cc
 from dice_fast import DiceEncoder
-from dice_fast.chunk_cache import CACHE_FILE, CacheError, ChunkCache
+from dice_fast.reuse.persistent import CACHE_FILE, CacheError, ChunkCache
 from helpers import assert_close
 from oracle import ATOL, K, corpus, text_of
 from tiny_models import tiny
@@ -238,7 +238,7 @@ def test_two_processes_write_one_cache_at_once(tmp_path):
 _KILLED_WRITER = r"""
 import sys, threading
 from pathlib import Path
-import dice_fast.chunk_cache as cc
+import dice_fast.reuse.persistent as cc
 gate, out = Path(sys.argv[1]), Path(sys.argv[2])
 real = cc.ChunkCache._commit
 

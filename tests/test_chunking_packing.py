@@ -9,7 +9,7 @@ import pytest
 
 from dice_fast.chunking import check_texts, plan_chunks
 from dice_fast.packing import pack
-from dice_fast.scheduler import ChunkQueue
+from dice_fast.chunk_queue import ChunkQueue
 from dice_fast.chunking import EncodingPlan, TokenizedDocuments
 from reference import chunk_token_lists
 

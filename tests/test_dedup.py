@@ -11,7 +11,7 @@ import pytest
 import dice_fast.engine as engine
 from dice_fast import DiceEncoder
 from dice_fast.reuse import MemoryCache
-from dice_fast.scheduler import ChunkQueue
+from dice_fast.chunk_queue import ChunkQueue
 from helpers import assert_close
 from oracle import ATOL, K, check, corpus
 from tiny_models import WORDS, tiny

@@ -13,7 +13,7 @@ import torch
 
 from dice_fast import DiceEncoder, faults
 from dice_fast.faults import InputOutOfMemory, is_out_of_memory, rows_of, run_split
-from dice_fast.scheduler import ChunkQueue
+from dice_fast.chunk_queue import ChunkQueue
 from fault_injection import failing_forward, has_poison, poisoned
 from helpers import assert_close
 from tiny_models import WORDS, tiny

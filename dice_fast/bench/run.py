@@ -167,8 +167,8 @@ def padded_fallback(encoder) -> str | None:
 
 
 def _attention_label(encoder) -> str:
-    """The engine's attention backend, and on the CPU how its attention computed (`dice_fast.tuning`)."""
-    from .. import tuning
+    """The engine's attention backend, and on the CPU how its attention computed (`dice_fast.cpu_attention`)."""
+    from .. import cpu_attention as tuning
 
     how = tuning.describe(encoder.dtype) if encoder.device.type == "cpu" else ""
     return f"{encoder.backend} ({how})" if how else encoder.backend
@@ -176,8 +176,8 @@ def _attention_label(encoder) -> str:
 
 def encode_plan(encoder, plan) -> np.ndarray:
     """(n_docs, dim) float32 document vectors of an already tokenized ``plan``: the engine's batching
-    (`dice_fast.scheduler.ChunkQueue`, the encoder's token budget) without its tokenizer."""
-    from ..scheduler import ChunkQueue
+    (`dice_fast.chunk_queue.ChunkQueue`, the encoder's token budget) without its tokenizer."""
+    from ..chunk_queue import ChunkQueue
 
     queue = ChunkQueue(encoder)
     job = queue.submit(plan)

@@ -1,7 +1,7 @@
 """Evaluation of DICE against the single-vector baseline: the paper's retrieval tasks and diagnostics.
 
 A consumer of the core's public API (`dice_fast.DiceEncoder`, `dice_fast.ops.aggregate_documents`,
-`dice_fast.runinfo`, `dice_fast.cliargs`, `dice_fast.chunk_cache`); it imports no sibling subpackage. One
+`dice_fast.runinfo`, `dice_fast.cliargs`, `dice_fast.reuse.persistent`); it imports no sibling subpackage. One
 module per step:
 
 * `tasks`: LongEmbed-style *passkey* / *needle* tasks generated for a tokenizer, and local BEIR

@@ -11,7 +11,7 @@ encoding per chunk size serves them all.
 Reuse is the core's (README, "Reusing chunks"): identical chunks within one call share one forward
 (the synthetic passkey haystack repeats one filler paragraph, so most of its chunks are copies;
 prose has almost none), and an encoder built with ``cache=`` reads and writes the persistent chunk
-cache (`dice_fast.chunk_cache`; ``--cache-dir`` of ``dice-fast eval``). `RawChunks` reports what
+cache (`dice_fast.reuse.persistent`; ``--cache-dir`` of ``dice-fast eval``). `RawChunks` reports what
 was run from the encoder's `ChunkStats` during the call.
 """
 

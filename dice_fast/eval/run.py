@@ -49,7 +49,7 @@ def raw_twin(encoder, *, cache=None, **changes):
     """A `DiceEncoder` over ``encoder``'s model and tokenizer with ``changes`` applied to its options.
 
     Shares the loaded model (nothing is copied or moved). ``cache``: the twin's persistent chunk
-    cache (a folder or an open `dice_fast.chunk_cache.ChunkCache`; None: none). Raises ValueError if
+    cache (a folder or an open `dice_fast.reuse.ChunkCache`; None: none). Raises ValueError if
     the model facts it reads differ from ``encoder``'s (a model wrapped with an explicit ``model_path``).
     """
     from .. import DiceEncoder
@@ -202,7 +202,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     at most / above it make the report's "≤4k" / ">4k" columns. ``check_docs``: the first documents
     of the task are also encoded by the engine with each method's options and compared with the
     vectors derived from chunks (`EvalResult.check`; a warning above 1e-4 in float32, 5e-2
-    otherwise). ``cache_dir``: the persistent chunk cache (`dice_fast.chunk_cache`) the raw chunk
+    otherwise). ``cache_dir``: the persistent chunk cache (`dice_fast.reuse.persistent`) the raw chunk
     vectors are read from and written to, so a later run re-encodes no chunk it has seen; None: the
     encoder's own ``cache`` if it has one, else none (identical chunks within a call still run once).
     ``normalize_chunks``: None uses the encoder's (resolved) setting; a sequence such as
@@ -363,7 +363,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
 def _open_cache(encoder, cache_dir):
     """The `ChunkCache` the raw encodings use: ``cache_dir`` opened, else the encoder's own, else None."""
     if cache_dir is not None:
-        from ..chunk_cache import ChunkCache
+        from ..reuse import ChunkCache
 
         return ChunkCache(cache_dir)
     return None if encoder.cache is None else encoder.cache.cache

@@ -8,7 +8,7 @@
 A request is checked against the character limit, tokenized in bounded pieces and planned on the event
 loop's default executor (`dice_fast.serve.planning`: the tokenizer lock is held per piece, and
 tokenizing stops as soon as the request is over a token limit), checked and queued; one worker thread owns the model and forms token-budget batches first in, first out over
-the chunks of every queued request (`dice_fast.scheduler.ChunkQueue`), so the documents of several
+the chunks of every queued request (`dice_fast.chunk_queue.ChunkQueue`), so the documents of several
 requests share one forward and a long document's chunks may span batches. When a request's last
 chunk is pooled its vectors are handed back to its event loop. A request whose awaiting task is
 cancelled (the client went away) or past its deadline (``request_timeout``) drops its chunks that
@@ -42,7 +42,7 @@ import numpy as np
 from ..chunking import check_texts
 from ..output import DiceOutput
 from ..reuse import MemoryCache
-from ..scheduler import ChunkQueue, Job
+from ..chunk_queue import ChunkQueue, Job
 from .errors import DeadlineExceeded, Overloaded, RequestTooLarge, ShuttingDown, Unhealthy
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
 from .planning import check_chars, piece_chars, plan_request

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..cpu_heap import release_freed_memory
 from ..faults import InputOutOfMemory
-from ..scheduler import ChunkQueue
+from ..chunk_queue import ChunkQueue
 from .errors import OutOfMemory, Unhealthy
 
 IDLE_TRIM_S = 1.0  # seconds without work after which a CPU worker hands its kept heap pages back

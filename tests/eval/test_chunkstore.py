@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dice_fast import DiceEncoder
-from dice_fast.chunk_cache import CACHE_FILE
+from dice_fast.reuse.persistent import CACHE_FILE
 from dice_fast.eval.chunkstore import encode_raw_chunks
 from dice_fast.eval.run import raw_twin
 from helpers import assert_close

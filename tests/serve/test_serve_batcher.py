@@ -48,7 +48,7 @@ def test_concurrent_requests_equal_offline_and_share_batches(tiny_encoder):
         assert_close(out.vectors, ref[p], atol=1e-5, what=f"request {p}")
         np.testing.assert_array_equal(out.tokens, tiny_encoder.plan([texts[i] for i in p]).document_tokens)
     assert max(shared) > 1, "no batch held chunks of more than one request"
-    # identical chunks queued at once run once (dice_fast.scheduler_reuse): every distinct chunk ran exactly once
+    # identical chunks queued at once run once (dice_fast.reuse.manager): every distinct chunk ran exactly once
     plan = tiny_encoder.plan([texts[i] for p in picks for i in p])
     distinct = {plan.chunk_ids(c).tobytes() for c in range(plan.n_chunks)}
     assert sum(proxy.batches) == sum(len(b) // 8 for b in distinct), "a chunk ran twice or not at all"

@@ -13,7 +13,7 @@ import signal
 import httpx
 import pytest
 
-from dice_fast import scheduler
+from dice_fast import chunk_queue as scheduler
 from dice_fast.serve import AsyncDiceEncoder, create_app
 from dice_fast.serve.errors import DeadlineExceeded
 from fault_injection import failing_forward, has_poison, poisoned

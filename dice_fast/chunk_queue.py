@@ -18,7 +18,7 @@ fails only the jobs of a chunk that ran out of memory alone (``job.error`` names
 the budget of the next batches backs off; `fail`, `fail_packing` and `fail_all` end jobs with an error.
 
 Reuse (a chunk's vector depends only on its wrapped ids, see `dice_fast.reuse`), in the methods of
-`dice_fast.scheduler_reuse.QueueReuse`: at submit every chunk is looked up in the queue's memory store,
+`dice_fast.reuse.manager.QueueReuse`: at submit every chunk is looked up in the queue's memory store,
 then the encoder's persistent cache; a hit never enters a batch. A chunk identical to one queued and
 not yet run (same identity, compared exactly after a key match) runs once: the copy waits, costs no
 budget, and gets the vector when its original is pooled. Should the original never run (its job was
@@ -40,7 +40,7 @@ from .chunking import EncodingPlan
 from .faults import BudgetBackoff, InputOutOfMemory, release_cached_memory, run_split
 from .matryoshka import truncate
 from .reuse import ChunkKeys, ChunkStats, MemoryCache
-from .scheduler_reuse import FOLLOW, RUN, QueueReuse, _Slot
+from .reuse.manager import FOLLOW, RUN, QueueReuse, _Slot
 from .ops import aggregate_documents
 from .packing import PackedBatch, merge, pack
 from .runner import to_device

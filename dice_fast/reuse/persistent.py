@@ -6,7 +6,7 @@ recently used rows are evicted in batches), every row checksummed (a damaged one
 recomputed, never returned). `ChunkCache.bind` gives the `CacheNamespace` of one encoder
 configuration (`encoder_namespace` builds it for a `DiceEncoder`), keyed by `model_fingerprint`
 (SHA-256 of the weights and config, remembered per model folder). Rows are found by the chunk keys
-and identities of `dice_fast.reuse.chunk_keys`.
+and identities of `dice_fast.reuse.keys.chunk_keys`.
 
 Vectors are stored as the pooled chunk vector in float32, before chunk normalisation and aggregation.
 """
@@ -337,7 +337,7 @@ class ChunkCache:
 
 @dataclass(frozen=True)
 class CacheNamespace:
-    """A `ChunkCache` seen by one encoder configuration: ``salt`` keys its chunks (see `dice_fast.reuse.chunk_keys`)."""
+    """A `ChunkCache` seen by one encoder configuration: ``salt`` keys its chunks (see `dice_fast.reuse.keys.chunk_keys`)."""
 
     cache: ChunkCache
     id: int

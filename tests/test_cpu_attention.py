@@ -1,4 +1,4 @@
-"""Hardware-aware CPU choices (`dice_fast.tuning`): measured once per machine, cached, overridable,
+"""Hardware-aware CPU choices (`dice_fast.cpu_attention`): measured once per machine, cached, overridable,
 never run at import, and exact whichever way they go."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dice_fast import tuning
+from dice_fast import cpu_attention as tuning
 from helpers import assert_close
 
 
@@ -43,7 +43,7 @@ def _qkv(n, hq, hkv, length, d, dtype, seed=0):
 
 
 def test_nothing_runs_at_import(tmp_path):
-    code = ("import dice_fast, dice_fast.tuning, dice_fast.attention, pathlib, os\n"
+    code = ("import dice_fast, dice_fast.cpu_attention, dice_fast.attention, pathlib, os\n"
             "assert not pathlib.Path(os.environ['DICE_FAST_CACHE_DIR']).exists()")
     subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ,
                                                                    "DICE_FAST_CACHE_DIR": str(tmp_path / "c")})

@@ -1,4 +1,4 @@
-"""The reuse steps of `dice_fast.scheduler.ChunkQueue` (a mixin, so the queue's own logic stays apart).
+"""The reuse steps of `dice_fast.chunk_queue.ChunkQueue` (a mixin, so the queue's own logic stays apart).
 
 At submit every chunk is looked up in the queue's memory store, then the encoder's persistent cache
 (`_lookup`); chunks not found are registered (`_resolve`): the first of identical chunks RUNs, later
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .reuse import ChunkKeys, chunk_keys
+from .keys import ChunkKeys, chunk_keys
 
 RUN, FOLLOW, DONE = 0, 1, 2  # a chunk runs, waits for an identical chunk's vector, or has its vector
 
@@ -24,7 +24,7 @@ class _Slot:
     """A chunk queued to run that identical chunks wait for: its owner (job, chunk), copies waiting,
     and once run its vector (tensor, row) while copies still wait for it."""
 
-    job: object  # a scheduler.Job
+    job: object  # a chunk_queue.Job
     chunk: int
     waiting: int = 0
     vector: tuple | None = None

@@ -7,8 +7,8 @@ Intel Xeon with AMX runs bf16 SDPA about 2x faster than float32; an EPYC without
 instructions (AVX2 only) runs bf16 matmuls ~50x slower than float32. So the choice is measured,
 not hard-coded:
 
-    tuning.cpu_attention(torch.bfloat16, head_dim=64)   # -> CpuAttention(dtype, matmul_max_len, source)
-    tuning.cpu_attend(q, k, v, causal, scale, enable_gqa) # one run, attended the chosen way
+    cpu_attention.cpu_attention(torch.bfloat16, head_dim=64)   # -> CpuAttention(dtype, matmul_max_len, source)
+    cpu_attention.cpu_attend(q, k, v, causal, scale, enable_gqa) # one run, attended the chosen way
 
 The first call for a (dtype, head size) runs a micro-benchmark (well under a second, bounded by
 `BUDGET_S`) of the kernels the engine runs, on the engine's own layout (strided views of packed
