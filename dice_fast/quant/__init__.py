@@ -28,8 +28,8 @@ def int8_runner(encoder, model, pad_token_id):
         import openvino  # noqa: F401
     except ImportError as exc:
         raise ImportError("dtype='int8' needs OpenVINO and NNCF: pip install 'dice-fast[int8]'") from exc
-    from ..chunk_cache import model_fingerprint
-    from ..tuning import cache_path
+    from ..reuse.persistent import model_fingerprint
+    from ..cpu_attention import cache_path
     from .calibration import calibration_chunks, calibration_text
     from .runner import Int8Runner
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from ..tuning import cpu_flags
+from ..cpu_attention import cpu_flags
 
 INT8_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 ENV_ANY_CPU = "DICE_FAST_INT8_ANY_CPU"
