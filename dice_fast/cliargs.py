@@ -4,75 +4,70 @@ from __future__ import annotations
 
 import argparse
 
-from .config import AGGREGATIONS, ATTENTION_BACKENDS, ATTENTION_MODES, DTYPES, POOLINGS, POSITIONS, STRATEGIES
+import dataclasses
+import typing
+
+from .config import DiceConfig
 
 
-def encoder_options(args) -> dict:
-    """The `DiceConfig` options named by the arguments of `add_encoder_arguments`."""
-    opts = {
-        "chunk_size": args.chunk_size,
-        "overlap": args.overlap,
-        "positions": args.positions,
-        "pooling": args.pooling,
-        "aggregation": args.aggregation,
-        "top_k": args.top_k,
-        "temperature": args.temperature,
-        "normalize_chunks": args.normalize_chunks,
-        "normalize": not args.no_normalize,
-        "truncate_dim": args.truncate_dim,
-        "strategy": args.strategy,
-        "attention": args.attention,
-        "attention_backend": args.attention_backend,
-        "document_prefix": args.document_prefix,
-        "query_prefix": args.query_prefix,
-        "max_chunks_per_document": args.max_chunks_per_document,
-        "max_length": args.max_length,
-        "max_batch_tokens": args.max_batch_tokens,
-        "device": args.device,
-        "dtype": args.dtype,
-    }
-    if getattr(args, "calibration", None) is not None:  # absent otherwise: job manifests stay as they were
-        opts["calibration"] = args.calibration
-    return opts
+def _value_type(field: dataclasses.Field, config_cls: type):
+    """The field's type without ``None``: ``int | None`` -> int."""
+    hint = typing.get_type_hints(config_cls)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if len(args) != 1 or args[0] not in (int, float, str, bool):
+        raise TypeError(f"DiceConfig.{field.name}: no flag for type {hint!r} (give int, float, str or bool)")
+    return args[0]
 
 
-def add_encoder_arguments(p: argparse.ArgumentParser) -> None:
-    """The model and DICE options shared by every sub-command."""
+def _flag_help(field: dataclasses.Field) -> str:
+    """The option's help and what its default is; an on/off flag (``--no-name`` for a default of
+    True: "do not <help>") needs no default."""
+    meta = field.metadata
+    if not meta.get("help"):
+        raise TypeError(f"DiceConfig.{field.name} has no help: declare it with config.option(default, help)")
+    if isinstance(field.default, bool):
+        text = f"do not {meta['help']}" if field.default else meta["help"]
+    else:
+        default = meta["default_help"]
+        if default is None and field.default is None:
+            raise TypeError(f"DiceConfig.{field.name} defaults to None: say what that means (default_help=...)")
+        text = f"{meta['help']} (default: {field.default if default is None else default})"
+    return text.replace("%", "%%")
+
+
+def encoder_flag(field: dataclasses.Field, config_cls: type = DiceConfig) -> tuple[str, dict]:
+    """The flag of one field of `DiceConfig` (or of ``config_cls``, a subclass) and its `add_argument`
+    keywords (``dest`` is the field's name); TypeError naming the field when it has no help."""
+    meta, kind = field.metadata, _value_type(field, config_cls)
+    dashed = field.name.replace("_", "-")
+    spec = {"dest": field.name, "default": field.default, "help": _flag_help(field)}
+    if kind is bool:
+        if field.default is None:
+            return f"--{dashed}", {**spec, "action": argparse.BooleanOptionalAction}
+        if field.default:
+            return f"--no-{dashed}", {**spec, "action": "store_false"}
+        return f"--{dashed}", {**spec, "action": "store_true"}
+    spec["type"] = kind
+    if meta.get("choices") is not None:
+        spec["choices"] = meta["choices"]
+    if meta.get("metavar"):
+        spec["metavar"] = meta["metavar"]
+    return f"--{dashed}", spec
+
+
+def encoder_options(args, config_cls: type = DiceConfig) -> dict:
+    """The `DiceConfig` options parsed by the flags of `add_encoder_arguments`: one entry per field."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
+
+
+def add_encoder_arguments(p: argparse.ArgumentParser, config_cls: type = DiceConfig) -> None:
+    """``--model`` and one flag per `DiceConfig` field (`encoder_flag`), shared by every sub-command
+    that builds an encoder."""
     g = p.add_argument_group("model and DICE options")
     g.add_argument("--model", default=None, help="model folder (default: the bundled all-MiniLM-L6-v2)")
-    g.add_argument("--chunk-size", type=int, default=None,
-                   help="tokens of document text per chunk (default: min(256, model window - special tokens))")
-    g.add_argument("--overlap", type=int, default=0, help="tokens shared by consecutive chunks (default 0)")
-    g.add_argument("--positions", choices=POSITIONS, default="local",
-                   help="local: restart per chunk (DICE); global: chunk offset in the document (ablation)")
-    g.add_argument("--pooling", choices=POOLINGS, default=None,
-                   help="token -> chunk pooling (default: the model's sentence-transformers setting, else mean)")
-    g.add_argument("--aggregation", choices=AGGREGATIONS, default="mean", help="chunk -> document (default mean)")
-    g.add_argument("--top-k", type=int, default=2, help="chunks kept by topk_norm (default 2)")
-    g.add_argument("--temperature", type=float, default=1.0, help="temperature of softmax_norm (default 1.0)")
-    g.add_argument("--normalize-chunks", action=argparse.BooleanOptionalAction, default=None,
-                   help="L2-normalise chunk vectors before aggregating (default: when the model ends in Normalize)")
-    g.add_argument("--no-normalize", action="store_true", help="do not L2-normalise the output vectors")
-    g.add_argument("--truncate-dim", type=int, default=None, metavar="N",
-                   help="keep the first N components of every vector (Matryoshka), re-normalised (default: all)")
-    g.add_argument("--strategy", choices=STRATEGIES, default="dice",
-                   help="dice, or single: the single-vector baseline (first window of each document)")
-    g.add_argument("--attention", choices=ATTENTION_MODES, default="model default",
-                   help="causal or bidirectional attention (default: the model's own)")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="varlen attention implementation (default: best available)")
-    g.add_argument("--document-prefix", default="", help='text put in every chunk, e.g. "passage: "')
-    g.add_argument("--query-prefix", default="", help='text put before every query, e.g. "query: "')
-    g.add_argument("--max-chunks-per-document", type=int, default=None, help="keep only the first N chunks")
-    g.add_argument("--max-length", type=int, default=None, help="model window in tokens, specials included")
-    g.add_argument("--max-batch-tokens", type=int, default=None,
-                   help="tokens per packed forward (default 4096 on CPU, 65536 on CUDA)")
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    g.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="model precision (default: bfloat16 on CUDA, float32 on CPU); int8: static int8 on "
-                        "a CPU with VNNI/AMX (the int8 extra), agreement stated in docs/int8.md")
-    g.add_argument("--calibration", default=None, metavar="FILE",
-                   help="--dtype int8: a text sample of your corpus to calibrate on (default: bundled prose)")
+    for field in dataclasses.fields(config_cls):
+        flag, spec = encoder_flag(field, config_cls)
+        g.add_argument(flag, **spec)
 
 
 def add_cache_arguments(p: argparse.ArgumentParser):

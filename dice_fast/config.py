@@ -1,87 +1,118 @@
-"""Options of a `DiceEncoder`, validated once when the encoder is built."""
+"""Options of a `DiceEncoder`, validated once when the encoder is built.
+
+Each option is stated once, here: its field carries its default and its help (`option`), and from
+those `dice_fast.cliargs` generates every command's flag and ``docs/make_docs.py`` the options table
+of ``docs/python.md``. Adding an option is adding a field with `option(...)` (and its check below).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+from .ops import IMPLS
 from .ops.spec import AGGREGATIONS, POOLINGS, check_aggregation, check_pooling
 
 STRATEGIES = ("dice", "single")
 POSITIONS = ("local", "global")
 ATTENTION_MODES = ("model default", "causal", "bidirectional")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_groups", "padded")
-DEFAULT_CHUNK_SIZE = 256
 # int8: static int8 on the CPU (dice_fast.quant), the float32 model kept for its facts and export
 DTYPES = ("float32", "bfloat16", "float16", "int8")
+DEFAULT_CHUNK_SIZE = 256
+
+
+def option(default, help: str, *, default_help: str | None = None, detail: str = "", choices=None,
+           metavar: str | None = None):
+    """A `DiceConfig` field with its documentation, the one place an option is described.
+
+    help: one line (plain text) saying what the option does; the flag's ``--help`` and the first part
+        of its line in the options table. default_help: what the default means, where ``default``
+        alone does not say it (needed for a ``None`` default: "4096 on CPU, 65536 on CUDA").
+    detail: more for the options table only (Markdown). choices: the allowed values (the flag
+        refuses others). metavar: the flag's value name in ``--help``.
+    The flag's form follows the field: ``--name-with-dashes VALUE``; for a bool that defaults to
+    True ``--no-name`` (its help then reads "do not <help>": phrase a bool's help as an action), to
+    False ``--name``, to None ``--name/--no-name``.
+    """
+    meta = {"help": help, "default_help": default_help, "detail": detail,
+            "choices": None if choices is None else tuple(choices), "metavar": metavar}
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class DiceConfig:
-    """Every option of the engine. See README.md ("Options") for the table.
+    """Every option of the engine: each field's help is in its `option` metadata (``--help`` of any
+    command, or the options table of ``docs/python.md``)."""
 
-    chunk_size: tokens of document text per chunk (specials and prefix come on top); ``None`` means
-        ``min(256, what fits the model's window beside the specials and prefix)``.
-    overlap: tokens shared by consecutive chunks (paper default 0); must be < chunk_size.
-    positions: "local" (restart at the model's first position in every chunk: DICE) or "global"
-        (the chunk's offset in the document: the paper's ablation).
-    pooling: token -> chunk, "mean" | "cls" | "last"; ``None`` reads the model's
-        sentence-transformers config, else "mean".
-    aggregation: chunk -> document, "mean" | "weighted_mean" | "max" | "topk_norm" | "softmax_norm".
-    top_k: chunks kept by "topk_norm". temperature: of "softmax_norm".
-    normalize_chunks: L2-normalise chunk vectors before aggregating (``None``: True when the model
-        ends in a sentence-transformers Normalize module, so chunk vectors match that model's output).
-        Settled by the ablation in benchmarks/RESULTS.md §5.3 (all-MiniLM-L6-v2, passkey + needle,
-        chunk sizes 64/128/254, 256 to 32k tokens): normalised chunks won 111 (task, length) cells
-        of Hit@1 against 34 for raw ones (95 tied), mean +1.9 points, and +20 / +10 points for
-        ``mean`` at chunk size 254 on passkey / needle: otherwise a chunk's pooled norm weights it.
-    normalize: L2-normalise the returned document and query vectors.
-    truncate_dim: keep the first N components of document, query and chunk vectors (Matryoshka;
-        sentence-transformers' name), re-normalised when those vectors are normalised (documents and
-        queries: ``normalize``; chunks: ``normalize_chunks``); aggregation runs on the full chunk
-        vectors. ``None``: the model's width. Must be <= the model's width.
-    strategy: "dice" or "single" (the single-vector baseline: one window of the first
-        ``max_length`` tokens).
-    attention: "model default" | "causal" | "bidirectional".
-    attention_backend: "auto" | "flash_attn" | "torch_varlen" | "sdpa_groups" | "padded" (the exact
-        fallback: dense padded batches with the model's own attention; chosen by "auto" for models
-        whose attention cannot run packed).
-    document_prefix / query_prefix: text placed after the special prefix of every chunk / query.
-    max_chunks_per_document: keep only the first N chunks of each document (``None``: all).
-    max_length: the model window in tokens including specials (``None``: the sentence-transformers
-        ``max_seq_length``, else the tokenizer's ``model_max_length``, else the position table).
-    max_batch_tokens: token budget of one packed forward (``None``: 4096 on CPU, 65536 on CUDA).
-    device, dtype: where and in which precision the model runs (``None``: CUDA if available with
-        bfloat16, else CPU with float32). ``dtype="int8"``: static int8 on the CPU (OpenVINO + NNCF,
-        the ``int8`` extra; CPUs with VNNI or AMX): not exact, its agreement with float32 is stated in
-        docs/int8.md and checked by `dice_fast.quant.agreement`.
-    calibration: ``dtype="int8"`` only: a UTF-8 text file, a sample of the user's corpus, whose chunks
-        calibrate the int8 model (``None``: the first half of the bundled prose).
-    pooling_impl: "auto" | "torch" | "triton" | "native" | "reference" (see `dice_fast.ops`).
-    """
-
-    chunk_size: int | None = None
-    overlap: int = 0
-    positions: str = "local"
-    pooling: str | None = None
-    aggregation: str = "mean"
-    top_k: int = 2
-    temperature: float = 1.0
-    normalize_chunks: bool | None = None
-    normalize: bool = True
-    truncate_dim: int | None = None
-    strategy: str = "dice"
-    attention: str = "model default"
-    attention_backend: str = "auto"
-    document_prefix: str = ""
-    query_prefix: str = ""
-    max_chunks_per_document: int | None = None
-    max_length: int | None = None
-    max_batch_tokens: int | None = None
-    device: str | None = None
-    dtype: str | None = None
-    pooling_impl: str = "auto"
-    calibration: str | None = None
+    chunk_size: int | None = option(
+        None, "tokens of document text per chunk; special tokens and prefix come on top",
+        default_help="min(256, model window - special tokens - prefix)")
+    overlap: int = option(0, "tokens shared by consecutive chunks", detail="`0 <= overlap < chunk_size`.")
+    positions: str = option(
+        "local", "local: restart at the model's first position in every chunk (DICE); global: the chunk's "
+        "offset in the document (the paper's ablation; must fit the position table)", choices=POSITIONS)
+    pooling: str | None = option(
+        None, "token -> chunk pooling", choices=POOLINGS,
+        default_help="the model's sentence-transformers setting, else mean",
+        detail='`"mean"`: all tokens of the wrapped chunk, specials included, as sentence-transformers does; '
+        '`"cls"`: the first token; `"last"`: the last token.')
+    aggregation: str = option(
+        "mean", "chunk -> document", choices=AGGREGATIONS,
+        detail='`"mean"`; `"weighted_mean"` (by the chunk\'s token count, specials included); `"max"` '
+        '(element-wise); `"topk_norm"` (mean of the `top_k` chunks of largest L2 norm; ties: the earlier '
+        'chunk); `"softmax_norm"` (weights `softmax(norm / temperature)`).')
+    top_k: int = option(2, "chunks kept by topk_norm", detail="All of them when a document has fewer.")
+    temperature: float = option(1.0, "temperature of softmax_norm")
+    normalize_chunks: bool | None = option(
+        None, "L2-normalise chunk vectors before aggregating",
+        default_help="on when the model ends in a sentence-transformers Normalize module",
+        detail="So chunk vectors match that model's own output; norm-based aggregations still rank by the "
+        "norm as pooled. The default is settled by the ablation in `benchmarks/RESULTS.md` §5.3.")
+    normalize: bool = option(True, "L2-normalise the returned document and query vectors")
+    truncate_dim: int | None = option(
+        None, "keep the first N components of document, query and chunk vectors (Matryoshka), "
+        "re-normalised when those vectors are normalised", default_help="the model's width", metavar="N",
+        detail="Aggregation runs on the full chunk vectors; must be at most the model's width.")
+    strategy: str = option(
+        "dice", "dice, or single: the single-vector baseline (one window of each document's first tokens)",
+        choices=STRATEGIES)
+    attention: str = option(
+        "model default", "causal or bidirectional attention", choices=ATTENTION_MODES,
+        default_help="the model's own",
+        detail="An override for LLM2Vec / Dream-style decoder embedders; refused on a model that needs the "
+        "padded fallback.")
+    attention_backend: str = option(
+        "auto", "varlen attention implementation", choices=ATTENTION_BACKENDS, default_help="best available",
+        detail='`"flash_attn"`, `"torch_varlen"`, `"sdpa_groups"` run packed; `"padded"` is the exact fallback '
+        '(dense padded batches with the model\'s own attention), chosen by `"auto"` for models that cannot '
+        'run packed.')
+    document_prefix: str = option("", 'text put after the special prefix of every chunk, e.g. "passage: "',
+                                  default_help="none")
+    query_prefix: str = option("", 'text put after the special prefix of every query, e.g. "query: "',
+                               default_help="none")
+    max_chunks_per_document: int | None = option(None, "keep only each document's first N chunks",
+                                                 default_help="all", metavar="N")
+    max_length: int | None = option(
+        None, "model window in tokens, specials included (queries and strategy single)",
+        default_help="sentence-transformers max_seq_length, else the tokenizer's model_max_length, else the "
+        "position table")
+    max_batch_tokens: int | None = option(None, "token budget of one packed forward",
+                                          default_help="4096 on CPU, 65536 on CUDA")
+    device: str | None = option(None, "where the model runs: cpu, cuda, cuda:1 ...",
+                                default_help="cuda if available, else cpu")
+    dtype: str | None = option(
+        None, "model precision", choices=DTYPES, default_help="bfloat16 on CUDA, float32 on CPU",
+        detail='`"int8"`: static int8 on a CPU with VNNI or AMX (OpenVINO + NNCF, the `int8` extra), calibrated '
+        'on text; not exact: its agreement with float32 is stated in [int8.md](int8.md).')
+    calibration: str | None = option(
+        None, "dtype int8 only: a UTF-8 text file (a sample of your corpus) to calibrate the int8 model on",
+        default_help="the first half of the bundled prose", metavar="FILE")
+    pooling_impl: str = option(
+        "auto", "segment pooling implementation (dice_fast.ops)", choices=IMPLS,
+        detail='`"triton"` (CUDA), `"native"` (the C++ extension), `"torch"` (vectorised PyTorch, the CPU '
+        'default without the extension), `"reference"` / `"ref"` (the float64 spec; tests only). '
+        'See [ops.md](ops.md).')
 
     def __post_init__(self):
         _choice("strategy", self.strategy, STRATEGIES)
@@ -117,8 +148,6 @@ class DiceConfig:
         if self.calibration is not None and (self.dtype != "int8" or not isinstance(self.calibration, str)):
             raise ValueError(f"calibration (a text file path) applies to dtype='int8' only; got "
                              f"calibration={self.calibration!r} with dtype={self.dtype!r}")
-        from .ops import IMPLS
-
         _choice("pooling_impl", self.pooling_impl, IMPLS)
 
     def replace(self, **changes) -> DiceConfig:
@@ -142,4 +171,4 @@ def _positive_int(name: str, value, optional: bool = False) -> None:
         raise ValueError(f"{name} must be an integer >= 1{' or None' if optional else ''}, got {value!r}")
 
 
-__all__ = ["DiceConfig", "STRATEGIES", "POSITIONS", "ATTENTION_MODES", "ATTENTION_BACKENDS", "POOLINGS", "AGGREGATIONS"]
+__all__ = ["DiceConfig", "option", "DTYPES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES", "ATTENTION_BACKENDS", "POOLINGS", "AGGREGATIONS"]

@@ -8,7 +8,7 @@ Everything the evaluation derives (every aggregation, ``normalize_chunks`` on an
 hybrid, evidence spans, the diagnostics) is a function of these vectors and the chunk spans, so one
 encoding per chunk size serves them all.
 
-Reuse is the core's (README, "Reusing chunks"): identical chunks within one call share one forward
+Reuse is the core's (docs/reuse.md): identical chunks within one call share one forward
 (the synthetic passkey haystack repeats one filler paragraph, so most of its chunks are copies;
 prose has almost none), and an encoder built with ``cache=`` reads and writes the persistent chunk
 cache (`dice_fast.reuse.persistent`; ``--cache-dir`` of ``dice-fast eval``). `RawChunks` reports what

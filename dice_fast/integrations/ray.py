@@ -44,7 +44,7 @@ from ._common import require
 __all__ = ["DiceEmbedder", "encode_dataset", "DEFAULT_BATCH_SIZE"]
 
 # documents per actor call: each call ends with one partly filled packed batch, so a call should
-# hold several token budgets' worth of text (see README "Ray Data on a GPU cluster")
+# hold several token budgets' worth of text (see docs/integrations.md, "On a multi-GPU Ray cluster")
 DEFAULT_BATCH_SIZE = 256
 CHUNK_COLUMNS = ("chunk_embeddings", "chunk_start", "chunk_end", "document_tokens")
 ON_INVALID = ("raise", "null")
@@ -164,7 +164,7 @@ def encode_dataset(ds, model: str | os.PathLike | None = None, *, text_column: s
 
     concurrency: actors (an int, or ``(min, max)`` for an autoscaling pool); num_gpus / num_cpus: per
     actor (``num_gpus=1``: one GPU each, the engine then runs on CUDA in bfloat16 unless ``device`` /
-    ``dtype`` say otherwise); batch_size: documents per actor call (see README on sizing it against
+    ``dtype`` say otherwise); batch_size: documents per actor call (docs/integrations.md says how to size it against
     ``max_batch_tokens``); id_column / on_invalid / error_column: rows whose text is null or not a
     string (see `DiceEmbedder`). Options are checked here, before any actor starts.
     Each actor reserves ``num_cpus`` (Ray's default: 1): leave CPUs free for the read and write tasks,

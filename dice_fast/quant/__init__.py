@@ -20,8 +20,8 @@ __all__ = ["Agreement", "agreement", "held_out_texts", "Int8Unsupported", "check
 
 
 def int8_runner(encoder, model, pad_token_id):
-    """The `Int8Runner` of a `DiceEncoder` being built (its tokenizer, spec, wrapping and chunk size
-    are set): calibration chunks from ``encoder.config.calibration`` (None: the bundled prose), the
+    """The `Int8Runner` of a `DiceEncoder` being built (its tokenizer, spec, window and wrapping are
+    set): calibration chunks from ``encoder.config.calibration`` (None: the bundled prose), the
     quantized model cached beside the CPU tuning cache (``$DICE_FAST_CACHE_DIR``)."""
     try:
         import nncf  # noqa: F401
@@ -29,6 +29,7 @@ def int8_runner(encoder, model, pad_token_id):
     except ImportError as exc:
         raise ImportError("dtype='int8' needs OpenVINO and NNCF: pip install 'dice-fast[int8]'") from exc
     from ..reuse.persistent import model_fingerprint
+    from ..config import DEFAULT_CHUNK_SIZE
     from ..cpu_attention import cache_path
     from .calibration import calibration_chunks, calibration_text
     from .runner import Int8Runner
@@ -37,7 +38,10 @@ def int8_runner(encoder, model, pad_token_id):
         raise ValueError(f"dtype='int8' runs on the CPU only; got device {encoder.device}")
     check_int8_cpu()  # before any export or calibration work
     prefix, suffix = encoder._doc_prefix
-    chunks = calibration_chunks(encoder.tokenizer, calibration_text(encoder.config.calibration),
-                                encoder.config.chunk_size, prefix, suffix, encoder.spec.first_position)
+    # windows of the default chunk size whatever chunk_size is: encoders differing only in their
+    # chunking (the evaluation's twins) share one quantized model
+    size = min(DEFAULT_CHUNK_SIZE, encoder.window - encoder.chunk_overhead)
+    chunks = calibration_chunks(encoder.tokenizer, calibration_text(encoder.config.calibration), size, prefix,
+                                suffix, encoder.spec.first_position)
     return Int8Runner(model, encoder.spec, encoder.pooling, encoder.pooling_impl, encoder.max_batch_tokens,
                       pad_token_id, chunks, cache_path().parent, model_fingerprint(model))
