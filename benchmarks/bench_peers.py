@@ -1,7 +1,7 @@
 """dice_fast against the CPU peers a user would pick instead, on the same chunks of held-out prose.
 
     bash benchmarks/peers_env.sh                      # once: the peers' own venv (their pins conflict)
-    python benchmarks/bench_peers.py                  # ~6-8 min on 2 cores once exports are cached
+    python benchmarks/bench_peers.py                  # ~6-7 min on 2 quiet cores once exports are cached
     python benchmarks/bench_peers.py --chunks 1000 --repeats 3 --csv benchmarks/peers.csv
 
 Rows: sentence-transformers with PyTorch fp32, ONNX Runtime fp32, ONNX Runtime dynamic int8
@@ -10,7 +10,7 @@ half of the bundled prose); dice_fast float32, bfloat16, compiled (where the ``c
 exists) and int8. Every path encodes the same ``--chunks`` texts of 254 tokens (256 with [CLS] and
 [SEP]: one full window, one chunk each) cut from the held-out second half of the bundled prose. Runs
 are interleaved (each repeat runs every path once, order rotated per repeat), seconds are medians
-of ``--repeats``, after one warm-up call per path. Agreement: cosine of every text's vector against
+of ``--repeats``, after one warm-up call per path (64 texts). Agreement: cosine of every text's vector against
 sentence-transformers' PyTorch fp32 one (min, mean).
 
 The peers need transformers < 5 (optimum-onnx / optimum-intel pins) while dice_fast needs >= 5, so
@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 TEXT_TOKENS = 254  # + [CLS], [SEP] = the model's 256-token window
 CALIBRATION_CHUNKS = 300
+WARMUP_TEXTS = 64
 
 
 def parse_args(argv=None):
@@ -75,8 +76,8 @@ class Peers:
                 print(f"  peers: {msg}", flush=True)
         raise RuntimeError(f"the peer worker exited (see {self.work / 'worker.log'})")
 
-    def run(self, name: str) -> tuple[float, np.ndarray]:
-        self.proc.stdin.write(name + "\n")
+    def run(self, name: str, count: int | None = None) -> tuple[float, np.ndarray]:
+        self.proc.stdin.write(name + ("" if count is None else f" {count}") + "\n")
         self.proc.stdin.flush()
         msg = self._reply("ran")
         return msg["seconds"], np.load(self.work / f"{name}.npy")
@@ -154,11 +155,11 @@ def main(argv=None) -> int:
     runs = {}
     for name in (peers.ready["peers"] if peers else []):
         if name not in args.skip:
-            runs[name] = lambda name=name: peers.run(name)
+            runs[name] = lambda count=None, name=name: peers.run(name, count)
     for name, enc in encoders.items():
-        def dice_run(enc=enc):
+        def dice_run(count=None, enc=enc):
             t0 = time.perf_counter()
-            vecs = enc.encode_documents(texts)
+            vecs = enc.encode_documents(texts[:count])
             return time.perf_counter() - t0, vecs
         runs[name] = dice_run
     if "st_torch_fp32" not in runs:
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
     vectors = {}
     order = list(runs)
     for name in order:  # warm-up: first-call costs (OpenVINO compile, thread pools, tuning) paid here
-        runs[name]()
+        runs[name](WARMUP_TEXTS)
     for r in range(args.repeats):
         for name in order[r % len(order):] + order[: r % len(order)]:
             s, v = runs[name]()

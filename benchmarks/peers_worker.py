@@ -6,8 +6,8 @@ Exports every peer OFFLINE from the bundled model folder (copied into --work, ne
 place, never a hub): sentence-transformers with PyTorch fp32, ONNX Runtime fp32, ONNX Runtime
 dynamic int8 (avx512_vnni), OpenVINO (its default inference precision) and OpenVINO static int8
 (NNCF via optimum-intel, calibrated on the texts' "calibration" list: the first half of the bundled
-prose). Then answers the driver on stdin, one line per request: a peer's name -> it encodes the
-texts once and writes its vectors to --work/NAME.npy; "quit" ends. Replies are stdout lines
+prose). Then answers the driver on stdin, one line per request: "NAME [N]" -> that peer encodes the
+texts (the first N) once and writes its vectors to --work/NAME.npy; "quit" ends. Replies are stdout lines
 starting with "@@ " (JSON), so library chatter on stdout is ignored by the driver.
 """
 
@@ -83,12 +83,15 @@ def load_peers(model_dir: Path, work: Path, calibration: list[str]) -> tuple[dic
 
     attempt("st_torch_fp32", lambda: SentenceTransformer(str(folder), device="cpu"))
 
-    def onnx():
-        if not (folder / "onnx" / "model.onnx").exists():
-            SentenceTransformer(str(folder), backend="onnx", device="cpu").save_pretrained(str(folder))
-        return SentenceTransformer(str(folder), backend="onnx", device="cpu")
+    def exported(backend: str, marker: str):
+        """The peer for ``backend``, exported into the folder once (``marker``: the file it writes)."""
+        def build():
+            if not (folder / marker).exists():
+                SentenceTransformer(str(folder), backend=backend, device="cpu").save_pretrained(str(folder))
+            return SentenceTransformer(str(folder), backend=backend, device="cpu")
+        return build
 
-    attempt("st_onnx_fp32", onnx)
+    attempt("st_onnx_fp32", exported("onnx", "onnx/model.onnx"))
 
     def onnx_int8():
         name = "onnx/model_qint8_avx512_vnni.onnx"
@@ -98,12 +101,7 @@ def load_peers(model_dir: Path, work: Path, calibration: list[str]) -> tuple[dic
 
     attempt("st_onnx_int8_dynamic", onnx_int8)
 
-    def ov():
-        if not (folder / "openvino" / "openvino_model.xml").exists():
-            SentenceTransformer(str(folder), backend="openvino", device="cpu").save_pretrained(str(folder))
-        return SentenceTransformer(str(folder), backend="openvino", device="cpu")
-
-    attempt("st_openvino", ov)
+    attempt("st_openvino", exported("openvino", "openvino/openvino_model.xml"))
 
     def ov_int8():
         if not (folder / "openvino" / "openvino_model_qint8_quantized.xml").exists():
@@ -127,14 +125,15 @@ def main() -> int:
     models, skipped = load_peers(args.model, args.work, data["calibration"])
     say(event="ready", peers=list(models), skipped=skipped, versions=_versions())
     for line in sys.stdin:
-        name = line.strip()
+        name, _, count = line.strip().partition(" ")  # "NAME [N]": encode the first N texts (a warm-up)
         if name == "quit":
             break
         if name not in models:
             say(event="error", name=name, error="unknown or skipped peer")
             continue
         t0 = time.perf_counter()
-        vecs = models[name].encode(texts, batch_size=args.batch_size, convert_to_numpy=True)
+        vecs = models[name].encode(texts[: int(count or len(texts))], batch_size=args.batch_size,
+                                   convert_to_numpy=True)
         seconds = time.perf_counter() - t0
         np.save(args.work / f"{name}.npy", np.asarray(vecs, np.float32))
         say(event="ran", name=name, seconds=seconds)

@@ -126,11 +126,9 @@ def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_pos
     versions = _versions()
     digest = calibration_hash(calibration)
     key = cache_key(fingerprint, digest, versions)
-    identity = f"int8 (openvino {versions['openvino']}, nncf {versions['nncf']}, model {fingerprint[:12]}, " \
-               f"calibration {digest[:12]})"
     with _LOCK:
         if (key, threads) in _MEMO:
-            return _MEMO[key, threads], identity
+            return _MEMO[key, threads]
         folder = Path(cache_root) / "int8" / key
         if not (folder / "model.xml").is_file():
             folder.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +136,12 @@ def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_pos
         core = ov.Core()
         compiled = core.compile_model(core.read_model(str(folder / "model.xml")), "CPU", {
             "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": int(threads)})
-        _MEMO[key, threads] = compiled
+        # the float parts' precision is OpenVINO's per-CPU default (bf16 where the CPU has it): named,
+        # since it shifts vectors (within the stated agreement)
+        rest = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16" / "f32"
+        identity = (f"int8 (openvino {versions['openvino']}, nncf {versions['nncf']}, float parts {rest}, "
+                    f"model {fingerprint[:12]}, calibration {digest[:12]})")
+        _MEMO[key, threads] = compiled, identity
         return compiled, identity
 
 
