@@ -17,10 +17,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 TORCH_VERSION="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || echo 2.13.0)"
-# torch pinned to the shared build so no requirement can replace it with a CUDA wheel
+# torch pinned to the shared build so no requirement can replace it with a CUDA wheel; the rest pinned
+# to the set that resolved on 2026-12-01 (unpinned, pip's resolver backtracked for over 20 minutes):
+# optimum-onnx / optimum-intel need transformers < 5 and huggingface-hub < 1, which dice_fast cannot use
 "$VENV/bin/python" -m pip install -q \
-  "torch==${TORCH_VERSION}" \
-  "sentence-transformers[onnx,openvino]" optimum optimum-intel nncf onnxruntime openvino datasets
+  "torch==${TORCH_VERSION}" "transformers==4.57.6" "huggingface-hub==0.36.2" \
+  "sentence-transformers[onnx,openvino]==5.7.0" "optimum==2.1.0" "optimum-intel==1.27.0" "optimum-onnx==0.1.0" \
+  "onnxruntime==1.32.0" "openvino==2026.4.1" "nncf==3.4.0" "datasets==4.8.5"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 for p in ("torch", "transformers", "sentence-transformers", "optimum", "optimum-intel", "optimum-onnx",
