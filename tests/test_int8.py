@@ -111,6 +111,16 @@ def test_int8_agrees_with_float32_on_held_out_prose(cache_dir, tmp_path):
     a = agreement(int8, fp32, n_chunks=48)
     assert a.n_chunks == 48 and a.tokens == 48 * 126
     assert a.cos_min >= 0.98 and a.cos_mean >= 0.995, a
+    # retrieval: passkey Hit@1 and evidence@1 of the DICE vector and MaxSim within 2 of 10 queries of float32
+    from dice_fast.eval.run import build_task, run_eval
+
+    task = build_task("passkey", fp32.tokenizer, [256, 1024], docs_per_length=5, queries_per_length=5)
+    res = [run_eval(task, enc, chunk_sizes=(126,), aggregations=("mean",), scorings=("maxsim",), check_docs=0,
+                    show_progress=False, log=None).metrics for enc in (fp32, int8)]
+    for method in ("k126-mean", "k126-maxsim"):
+        for metric in ("hit@1", "evidence@1"):
+            want, got = (np.mean(list(r[method][metric].values())) for r in res)
+            assert abs(got - want) <= 0.2 + 1e-9, (method, metric, want, got)
     # static scales: a chunk's vector does not depend on its batch neighbours or the padding
     texts = ["A short sentence about attributes.", "A longer paragraph " * 20]
     alone = np.concatenate([int8.encode_documents([t]) for t in texts])
