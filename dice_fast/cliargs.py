@@ -70,15 +70,30 @@ def add_encoder_arguments(p: argparse.ArgumentParser, config_cls: type = DiceCon
         g.add_argument(flag, **spec)
 
 
-def add_cache_arguments(p: argparse.ArgumentParser):
-    """``--cache DIR`` and ``--cache-max-gb N``; returns their argument group (for a command's own cache flags)."""
+def add_cache_arguments(p: argparse.ArgumentParser, default_max_gb: float | None = None):
+    """``--cache DIR`` and ``--cache-max-gb N`` (``default_max_gb``: the bound when ``--cache`` comes alone;
+    None: unbounded); returns their argument group (for a command's own cache flags)."""
     g = p.add_argument_group("chunk cache (a chunk's vector depends only on its tokens, the model and options)")
     g.add_argument("--cache", metavar="DIR", default=None,
-                   help="persistent chunk cache folder (created if missing; shareable by processes): chunks "
-                   "found there are not encoded again, new ones are added")
-    g.add_argument("--cache-max-gb", type=float, default=None, metavar="N",
-                   help="bound the cache to N GB; least recently used chunks are evicted (default: unbounded)")
+                   help="persistent chunk cache folder (created if missing, 0700, its files 0600: they hold the "
+                   "encoded text's token ids; shareable by processes): chunks found there are not encoded "
+                   "again, new ones are added")
+    default = "unbounded" if default_max_gb is None else f"{default_max_gb:g}"
+    g.add_argument("--cache-max-gb", type=_max_gb, default=None, metavar="N",
+                   help="bound the cache to N GB ('unbounded': no bound); least recently used chunks are evicted "
+                   f"(default: {default})")
+    p.set_defaults(cache_default_max_gb=default_max_gb)
     return g
+
+
+def _max_gb(text: str) -> float:
+    """``--cache-max-gb``'s value: a number of GB > 0, or inf for 'unbounded'."""
+    if text.strip().lower() == "unbounded":
+        return float("inf")
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0 or 'unbounded', got {text!r}")
+    return value
 
 
 def make_encoder(args):
@@ -86,7 +101,16 @@ def make_encoder(args):
     `add_cache_arguments` where the command has them)."""
     from .engine import DiceEncoder
 
-    cache = {"cache": args.cache, "cache_max_gb": args.cache_max_gb} if getattr(args, "cache", None) else {}
-    if getattr(args, "cache_max_gb", None) is not None and not cache:
-        raise ValueError("--cache-max-gb needs --cache DIR")
-    return DiceEncoder.from_pretrained(args.model, **cache, **encoder_options(args))
+    return DiceEncoder.from_pretrained(args.model, **cache_options(args), **encoder_options(args))
+
+
+def cache_options(args) -> dict:
+    """``cache`` and ``cache_max_gb`` for `DiceEncoder` from `add_cache_arguments`' flags ({} without ``--cache``;
+    the command's default bound when ``--cache-max-gb`` is not given)."""
+    explicit = getattr(args, "cache_max_gb", None)
+    if not getattr(args, "cache", None):
+        if explicit is not None:
+            raise ValueError("--cache-max-gb needs --cache DIR")
+        return {}
+    max_gb = explicit if explicit is not None else getattr(args, "cache_default_max_gb", None)
+    return {"cache": args.cache, "cache_max_gb": None if max_gb == float("inf") else max_gb}

@@ -57,3 +57,20 @@ class CountingLock:
 
     def __exit__(self, *exc):
         self._lock.release()
+
+
+def kill_at_gate(argv: list[str], gate, env: dict, what: str, timeout: float = 100.0) -> str:
+    """Start ``argv``, wait until it creates file ``gate`` (failing if it exits first or after ``timeout``
+    seconds, naming ``what`` it never reached), SIGKILL it there; returns its stdout."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    t0 = time.monotonic()
+    while not gate.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() - t0 < timeout, f"the process never reached {what}"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    return proc.communicate(timeout=60)[0]

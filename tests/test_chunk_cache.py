@@ -17,7 +17,7 @@ import torch
 import dice_fast.reuse.persistent as cc
 from dice_fast import DiceEncoder
 from dice_fast.reuse.persistent import CACHE_FILE, CacheError, ChunkCache
-from helpers import assert_close
+from helpers import assert_close, kill_at_gate
 from oracle import ATOL, K, corpus, text_of
 from tiny_models import tiny
 
@@ -236,21 +236,22 @@ def test_two_processes_write_one_cache_at_once(tmp_path):
 
 
 _KILLED_WRITER = r"""
-import sys, threading
+import sqlite3, sys, threading
 from pathlib import Path
-import dice_fast.reuse.persistent as cc
 gate, out = Path(sys.argv[1]), Path(sys.argv[2])
-real = cc.ChunkCache._commit
+real_connect = sqlite3.connect
 
-def commit(self, rows):  # once a shard is committed: start a write, leave it half done, and wait to be killed
-    if rows and (out / "manifest.json").exists() and '"file"' in (out / "manifest.json").read_text():
-        self._con.execute("BEGIN IMMEDIATE")
-        self._con.executemany("INSERT OR REPLACE INTO chunks VALUES(?, ?, ?, ?, 0, 0)", rows[: len(rows) // 2 + 1])
-        gate.write_text("writing")
+def hook(sql):  # once a shard is committed: the next cache write is killed at its real COMMIT statement
+    if sql == "COMMIT" and (out / "manifest.json").exists() and '"file"' in (out / "manifest.json").read_text():
+        gate.write_text("committing")
         threading.Event().wait()
-    return real(self, rows)
 
-cc.ChunkCache._commit = commit
+def connect(*args, **kwargs):
+    con = real_connect(*args, **kwargs)
+    con.set_trace_callback(hook)
+    return con
+
+sqlite3.connect = connect
 from dice_fast.cli import main
 sys.exit(main(sys.argv[3:]))
 """
@@ -258,8 +259,6 @@ sys.exit(main(sys.argv[3:]))
 
 def test_a_job_killed_mid_write_resumes_and_reruns_from_the_cache(tmp_path):
     import json
-    import signal
-    import time
 
     from dice_fast.cli import main
     from dice_fast.corpus import load_embeddings
@@ -279,19 +278,12 @@ def test_a_job_killed_mid_write_resumes_and_reruns_from_the_cache(tmp_path):
     script.write_text(_KILLED_WRITER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     gate = tmp_path / "gate"
-    proc = subprocess.Popen([sys.executable, str(script), str(gate), str(out), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    t0 = time.monotonic()
-    while not gate.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() - t0 < 100, "the job never reached a cache write"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    with sqlite3.connect(cache / CACHE_FILE) as con:  # the half-written transaction is gone, the rest intact
+    kill_at_gate([sys.executable, str(script), str(gate), str(out), *args], gate, env, "a cache write")
+    with sqlite3.connect(cache / CACHE_FILE) as con:  # the killed transaction is gone, the rest intact
         assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        assert con.execute("SELECT count(*) FROM chunks WHERE chk=0").fetchone()[0] == 0
         assert con.execute("SELECT count(*) FROM chunks").fetchone()[0] > 0
+        stored = int(con.execute("SELECT value FROM meta WHERE name='bytes'").fetchone()[0])
+        assert stored == con.execute(f"SELECT sum({cc._ROW_BYTES} + length(ident) + length(vec)) FROM chunks").fetchone()[0]
     want = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=K).encode_documents(docs)
     assert main([*args, "--resume"]) == 0
     assert_close(load_embeddings(out)[1], want, ATOL, what="resumed")

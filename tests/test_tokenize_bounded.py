@@ -1,5 +1,6 @@
-"""Tokenization in bounded pieces (`dice_fast.chunking.tokenize_bounded`): the same ids as tokenizing whole
-texts, the lock held per piece only (another thread's call gets in between), and refusal midway."""
+"""Tokenization in bounded pieces (`dice_fast.pieces.tokenize_bounded`): the same ids as tokenizing whole
+texts (gapless ones too, where the module says so), calls of bounded size, the lock held per piece only
+(another thread's call gets in between), and refusal midway."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dice_fast.chunking import TextError, cut_point, cuts_are_exact, tokenize, tokenize_bounded, word_gap
+from dice_fast.chunking import TextError, tokenize
+from dice_fast.pieces import PIECE_CHARS, cut_point, cuts_are_exact, pieces, tokenize_bounded, word_gap
 from helpers import CountingLock
-from tiny_models import CLS, SEP, WORDS, make_tokenizer
+from tiny_models import CLS, SEP, WORDS, _subword_tokenizer, make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +35,24 @@ def test_pieces_give_the_ids_of_whole_texts(bert_tokenizer, texts, piece_chars):
     whole = tokenize(bert_tokenizer, texts)
     lock = CountingLock()
     got = tokenize_bounded(bert_tokenizer, texts, lock, piece_chars=piece_chars)
-    np.testing.assert_array_equal(got.offsets, whole.offsets)
-    np.testing.assert_array_equal(got.ids, whole.ids)
-    np.testing.assert_array_equal(got.char_start, whole.char_start)  # spans in the text, not the piece
-    np.testing.assert_array_equal(got.char_end, whole.char_end)
-    assert lock.acquired <= 1 + sum(len(t) for t in texts) // piece_chars + len(texts)
+    cuts = [c for t in texts for c in pieces(bert_tokenizer, t, CountingLock(), piece_chars)]
+    assert all(0 < end - start <= piece_chars for start, end, _ in cuts[:-1])
+    if all(exact for *_, exact in cuts):  # only a character-bound cut may differ (the module says when)
+        np.testing.assert_array_equal(got.offsets, whole.offsets)
+        np.testing.assert_array_equal(got.ids, whole.ids)
+        np.testing.assert_array_equal(got.char_start, whole.char_start)  # spans in the text, not the piece
+        np.testing.assert_array_equal(got.char_end, whole.char_end)
+    assert lock.acquired <= 2 * len(cuts)  # a call per piece at most, and one per checked forced cut
 
 
 def test_cut_points_fall_before_a_space_between_words():
     text = "one two  three four\tfive six"
     assert [j for j in range(len(text)) if word_gap(text, j)] == [3, 14, 24]
     assert cut_point(text, 0, 10) == 3  # the last gap within 10 characters
-    assert cut_point(text, 3, 10) == 14  # none within: the first one beyond
+    assert cut_point(text, 3, 11) == 14
+    assert cut_point(text, 3, 10) is None  # none within: a forced cut
     assert cut_point(text, 14, 100) == len(text)
-    assert cut_point("nospacesatall" * 10, 0, 5) == 130
+    assert cut_point("nospacesatall" * 10, 0, 5) is None
 
 
 def test_cuts_are_exact_where_they_are(bert_tokenizer):
@@ -62,22 +68,26 @@ def test_cuts_are_exact_where_they_are(bert_tokenizer):
     assert not cuts_are_exact(PreTrainedTokenizerFast(tokenizer_object=base, unk_token="[UNK]"))
 
 
+def _short_call_beside(long_call, tokenizer, lock: CountingLock, timeout: float) -> dict:
+    """{"long": long_call(), "short": a short text tokenized with ``lock`` while ``long_call`` runs in
+    another thread, held at the lock's ``hold_at``-th acquisition (a deadlock if the lock stayed held)}."""
+    out = {}
+    t = threading.Thread(target=lambda: out.update(long=long_call()))
+    t.start()
+    assert lock.holding.wait(timeout)
+    out["short"] = tokenize_bounded(tokenizer, ["a short text"], lock)
+    lock.release_hold.set()
+    t.join(timeout)
+    assert not t.is_alive()
+    return out
+
+
 def test_the_lock_is_released_between_pieces(bert_tokenizer):
     """While one thread tokenizes a long text, another thread's whole call gets in between its pieces."""
     long_text = " ".join(WORDS * 500)  # ~25k characters: many pieces of 1,000
     lock = CountingLock(hold_at=3)  # the long text's third piece waits until the short call is done
-    out = {}
-
-    def long_call():
-        out["long"] = tokenize_bounded(bert_tokenizer, [long_text], lock, piece_chars=1000)
-
-    t = threading.Thread(target=long_call)
-    t.start()
-    assert lock.holding.wait(60)
-    out["short"] = tokenize_bounded(bert_tokenizer, ["a short text"], lock)  # would deadlock under a held lock
-    lock.release_hold.set()
-    t.join(60)
-    assert not t.is_alive()
+    out = _short_call_beside(lambda: tokenize_bounded(bert_tokenizer, [long_text], lock, piece_chars=1000),
+                             bert_tokenizer, lock, 60)
     np.testing.assert_array_equal(out["long"].ids, tokenize(bert_tokenizer, [long_text]).ids)
     np.testing.assert_array_equal(out["short"].ids, tokenize(bert_tokenizer, ["a short text"]).ids)
     assert lock.acquired > 20
@@ -111,3 +121,79 @@ def test_a_text_that_is_not_unicode_is_named(bert_tokenizer):
     with pytest.raises(TextError, match=r"input\[2\] is not valid Unicode") as e:
         tokenize_bounded(bert_tokenizer, texts, CountingLock(), piece_chars=8, what="input")
     assert e.value.index == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Text without word gaps: forced cuts, checked where they fall
+def _gapless(kind: str, n: int, seed: int = 0) -> str:
+    """About ``n`` characters of one family of text with no space between words."""
+    rng = __import__("random").Random(seed)
+    pick = {
+        "prose": lambda: rng.choice(WORDS) + " ",
+        "dotted": lambda: "a.",
+        "cjk": lambda: rng.choice("中文字符日本語漢字。，、"),
+        "emoji": lambda: rng.choice(["🙂", "👍🏽", "👨\u200d👩\u200d👧", "🇫🇷", "1\ufe0f\u20e3", ",", ".", "e\u0301"]),
+        "url": lambda: f"https://example.com/p{rng.randrange(10**6)}?q={rng.randrange(99)}&x=y#f",
+        "lines": lambda: rng.choice(WORDS) + "\n",
+    }[kind]
+    out, size = [], 0
+    while size < n:
+        out.append(pick())
+        size += len(out[-1])
+    return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(bert_tokenizer):
+    return {"wordpiece": bert_tokenizer, "byte-level bpe": _subword_tokenizer("bpe", ("<s>",), ())}
+
+
+@pytest.mark.parametrize("kind", ["prose", "dotted", "cjk", "emoji", "url", "lines"])
+def test_gapless_text_is_cut_where_the_ids_stay_those_of_the_whole(tokenizers, kind):
+    text = _gapless(kind, 12_000, seed=len(kind))
+    for name, tok in tokenizers.items():
+        cuts = list(pieces(tok, text, CountingLock(), 1000))
+        assert len(cuts) >= 12 and all(end - start <= 1000 for start, end, _ in cuts), name
+        assert all(exact for *_, exact in cuts), (name, kind)
+        whole, got = tokenize(tok, [text]), tokenize_bounded(tok, [text], CountingLock(), piece_chars=1000)
+        for field in ("ids", "char_start", "char_end"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(whole, field), err_msg=f"{name} {kind} {field}")
+
+
+def test_no_cut_splits_a_grapheme(bert_tokenizer):
+    text = "👨\u200d👩\u200d👧" * 400 + "e\u0301" * 400 + "🇫🇷👍🏽" * 300  # joiners, combining marks, flags, tones
+    for start, end, _ in pieces(bert_tokenizer, text, CountingLock(), 100):
+        assert end == len(text) or not (text[end] in "\u200d\u0301\U0001f3fd" or text[end - 1] == "\u200d"), end
+
+
+def test_a_run_with_no_agreeing_cut_is_cut_at_the_bound_and_reported(bert_tokenizer):
+    """The documented difference: WordPiece makes one [UNK] of a word over 100 characters; cut, one per piece."""
+    text = "abc" * 1000
+    cuts = list(pieces(bert_tokenizer, text, CountingLock(), 1000))
+    assert [(s, e) for s, e, _ in cuts] == [(0, 1000), (1000, 2000), (2000, 3000)]
+    assert [x for *_, x in cuts] == [False, False, True]
+    assert len(tokenize(bert_tokenizer, [text]).ids) == 1
+    assert len(tokenize_bounded(bert_tokenizer, [text], CountingLock(), piece_chars=1000).ids) == 3
+
+
+class _Recording:
+    """A tokenizer that records the characters of every call."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def __call__(self, batch, **kwargs):
+        self.calls.append(sum(map(len, batch)))
+        return self.tokenizer(batch, **kwargs)
+
+
+def test_two_megabytes_of_gapless_text_go_in_bounded_calls_with_the_lock_released(bert_tokenizer):
+    text = "a." * 1_000_000
+    tok = _Recording(bert_tokenizer)
+    lock = CountingLock(hold_at=5)  # the long text's fifth call waits until another thread's call is done
+    out = _short_call_beside(lambda: tokenize_bounded(tok, [text], lock), bert_tokenizer, lock, 300)
+    assert max(tok.calls) <= PIECE_CHARS and len(tok.calls) >= 2 * len(text) // PIECE_CHARS
+    np.testing.assert_array_equal(out["short"].ids, tokenize(bert_tokenizer, ["a short text"]).ids)
+    whole = tokenize(bert_tokenizer, [text])
+    np.testing.assert_array_equal(out["long"].ids, whole.ids)
+    np.testing.assert_array_equal(out["long"].char_end, whole.char_end)

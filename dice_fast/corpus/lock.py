@@ -14,6 +14,9 @@ lock file left behind is just reused. Its content (one JSON line: pid, host, sta
 only names the holder for the refusal message. Taking and releasing locks happens under a second,
 short flock on the folder itself, which makes "look at the other jobs' locks, then take mine" one
 step and lets a job delete its lock file on the way out without racing a newcomer that opened it.
+Lock files are opened without following symbolic links (a link, a FIFO or anything but a regular file
+in a lock file's place is refused, naming it), and one owned by another user (left by a dead job) is
+locked as it is, never truncated or rewritten.
 
 Needs a file system with working ``flock`` (local disks; on NFS, flock is emulated and may refuse).
 """
@@ -29,6 +32,7 @@ import os
 import re
 import shlex
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -90,17 +94,19 @@ class OutputLock:
                     raise OutputLocked(self._refusal(rival, holder))
                 with contextlib.suppress(OSError):
                     rival.unlink()  # left by a dead job; nobody can be taking it while we hold the guard
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = _open_lock(self.path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
+                holder = _read_holder(fd)
                 os.close(fd)
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise ValueError(f"cannot lock {self.path}: {exc.strerror} (the output needs a file system "
                                      "with flock)") from None
-                raise OutputLocked(self._refusal(self.path, _read_holder(self.path))) from None
-            os.ftruncate(fd, 0)
-            os.write(fd, (json.dumps(_me()) + "\n").encode("utf-8"))
+                raise OutputLocked(self._refusal(self.path, holder)) from None
+            if os.fstat(fd).st_uid == os.getuid():  # another user's file (left by a dead job) is locked, not rewritten
+                os.ftruncate(fd, 0)
+                os.write(fd, (json.dumps(_me()) + "\n").encode("utf-8"))
             self.fd = fd
         return self
 
@@ -141,9 +147,27 @@ def _me() -> dict:
             "command": command if len(command) <= 300 else command[:297] + "..."}
 
 
-def _read_holder(path: Path) -> dict:
+def _open_lock(path: Path, flags: int) -> int:
+    """A descriptor of lock file ``path``, opened without following a symbolic link (nor blocking on a
+    FIFO); ValueError naming the path if it is a link or not a regular file (created 0644 if missing)."""
     try:
-        holder = json.loads(path.read_text(encoding="utf-8"))
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a symbolic link, not a dice-fast lock file; remove it") from None
+        if exc.errno in (errno.EACCES, errno.EPERM) and flags & os.O_RDWR and os.path.lexists(path):  # another user's: flock needs no write
+            return _open_lock(path, os.O_RDONLY)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file, not a dice-fast lock file; remove it")
+    return fd
+
+
+def _read_holder(fd: int) -> dict:
+    """The holder recorded in the lock file open as ``fd`` ({} if none can be read)."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
     except (OSError, ValueError):
         return {}
     return holder if isinstance(holder, dict) else {}
@@ -152,7 +176,7 @@ def _read_holder(path: Path) -> dict:
 def _holder_if_live(path: Path) -> dict | None:
     """The holder of lock file ``path`` if a live process holds it, else None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = _open_lock(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
@@ -160,7 +184,7 @@ def _holder_if_live(path: Path) -> dict | None:
     except OSError as exc:
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
             raise
-        return _read_holder(path)
+        return _read_holder(fd)
     finally:
         os.close(fd)
     return None

@@ -6,6 +6,16 @@
     emb = embedder(None, {}, base_url="http://127.0.0.1:8080", api_key="s3cret")
     emb.documents(texts); emb.queries(texts); await emb.adocuments(texts); await emb.aqueries(texts)
 
+A query longer than the model window is refused alike in-process and through a server: `QueryTooLong`
+naming its position in the call (through a server, as `ServerQueryTooLong`, which is also a
+`DiceServerError` with status 413: what ``dice-fast serve`` answers by default). A server started with
+``--auto-truncate`` cuts such a query to the window instead, as the engine's own ``encode_queries``
+does; the client then warns naming the queries cut, as the engine does.
+
+The server client retries what waiting can fix (429 queue full, 503, connection failures; `RetryPolicy`:
+bounded tries and time, ``Retry-After`` honoured, jitter) and raises `DiceServerError` for everything
+else, transport errors included (``status`` None: no response).
+
 Imports nothing optional at module level; the HTTP client (httpx, a dependency of both langchain-core
 and llama-index-core) is imported when a server is first called.
 """
@@ -15,11 +25,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import time
+import warnings
 
 import numpy as np
 
+from ..chunking import tokenize
 from ._common import as_encoder, require
+from ._retry import RetryPolicy
 
 _KINDS = {"documents": "document", "queries": "query"}
 
@@ -56,7 +70,17 @@ class LocalEmbedder:
         return self.encoder.encode_documents(texts)
 
     def queries(self, texts: list[str]) -> np.ndarray:
-        return self.encoder.encode_queries(texts)
+        """(n, dim) float32; `QueryTooLong` for a query longer than the model window (as a server refuses it)."""
+        enc = self.encoder
+        texts = list(texts)
+        used = enc.max_tokens_used("queries")
+        with enc._tokenizer_lock:  # the engine's own lock: a fast tokenizer is not safe from two threads
+            lengths = tokenize(enc.tokenizer, texts, what="queries", spans=False).lengths
+        if (over := np.flatnonzero(lengths > used)).size:
+            i = int(over[0])
+            raise QueryTooLong(f"query {i} of this call has {int(lengths[i])} tokens, more than the model window "
+                               f"holds ({used} besides special tokens and prefix); shorten it", i)
+        return enc.encode_queries(texts)
 
     async def adocuments(self, texts: list[str]) -> np.ndarray:
         return await asyncio.to_thread(self.documents, texts)
@@ -65,12 +89,31 @@ class LocalEmbedder:
         return await asyncio.to_thread(self.queries, texts)
 
 
-class DiceServerError(RuntimeError):
-    """A running ``dice-fast serve`` refused or failed a request; ``status`` is its HTTP status."""
+class QueryTooLong(ValueError):
+    """A query longer than the model window, refused in-process and through a server alike; ``index``:
+    its position among the texts of the call."""
 
-    def __init__(self, message: str, status: int):
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+class DiceServerError(RuntimeError):
+    """A running ``dice-fast serve`` refused or failed a request, or could not be reached; ``status`` is
+    its HTTP status (None: no response came, e.g. a refused connection or a timeout)."""
+
+    def __init__(self, message: str, status: int | None):
         super().__init__(message)
         self.status = status
+
+
+class ServerQueryTooLong(DiceServerError, QueryTooLong):
+    """The server refused a query longer than its model window (413): both a `DiceServerError` and a
+    `QueryTooLong`, as the same query is in-process."""
+
+    def __init__(self, message: str, status: int, index: int):
+        DiceServerError.__init__(self, message, status)
+        self.index = index
 
 
 class ServerEmbedder:
@@ -79,13 +122,15 @@ class ServerEmbedder:
     base_url: ``http://host:port`` (a trailing ``/v1`` is accepted); api_key: sent as
     ``Authorization: Bearer <key>`` when given; batch_size: inputs per request (the server packs
     requests together, so this bounds request size, not speed); timeout: seconds per request;
-    max_retries: times a request answered 429 (queue full) is retried after the server's
-    ``Retry-After``. Responses are requested in base64 (exact float32). Errors raise `DiceServerError`
-    with the server's message and the call's positions of the inputs of the failed request.
+    max_retries / max_retry_seconds: a request answered 429 or 503, or that met a connection error, is
+    tried again up to ``max_retries`` times, none starting after ``max_retry_seconds`` from its first
+    try, waiting the server's ``Retry-After`` (else 0.5 s doubling), with jitter (`RetryPolicy`).
+    Responses are requested in base64 (exact float32). Errors raise `DiceServerError` with the server's
+    message (or the transport error) and the call's positions of the inputs of the failed request.
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, *, batch_size: int = 64, timeout: float = 300.0,
-                 max_retries: int = 3, extra: str = "serve"):
+                 max_retries: int = 3, max_retry_seconds: float = 60.0, extra: str = "serve"):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http:// or https:// URL, got {base_url!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -95,7 +140,8 @@ class ServerEmbedder:
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
-        self.batch_size, self.timeout, self.max_retries, self._extra = batch_size, timeout, max_retries, extra
+        self.batch_size, self.timeout, self._extra = batch_size, timeout, extra
+        self.retry = RetryPolicy(max_retries, max_retry_seconds)
 
     @property
     def name(self) -> str:
@@ -126,13 +172,18 @@ class ServerEmbedder:
         rows = []
         with httpx.Client(timeout=self.timeout) as client:
             for lo, n, body in self._batches(texts, kind):
-                for attempt in range(self.max_retries + 1):
-                    response = client.post(self.url, content=body, headers=self.headers)
-                    wait = self._retry_after(response, attempt)
+                attempts = self.retry.start()
+                while True:
+                    response, error = None, None
+                    try:
+                        response = client.post(self.url, content=body, headers=self.headers)
+                    except httpx.TransportError as exc:
+                        error = exc
+                    wait = self._wait(httpx, attempts, response, error)
                     if wait is None:
                         break
                     time.sleep(wait)
-                rows.append(self._vectors(response, lo, n))
+                rows.append(self._vectors(response, lo, n, error, attempts, kind))
         return _stack(rows)
 
     async def _arun(self, texts, kind: str) -> np.ndarray:
@@ -140,27 +191,37 @@ class ServerEmbedder:
         rows = []
         async with httpx.AsyncClient(timeout=self.timeout) as client:
             for lo, n, body in self._batches(texts, kind):
-                for attempt in range(self.max_retries + 1):
-                    response = await client.post(self.url, content=body, headers=self.headers)
-                    wait = self._retry_after(response, attempt)
+                attempts = self.retry.start()
+                while True:
+                    response, error = None, None
+                    try:
+                        response = await client.post(self.url, content=body, headers=self.headers)
+                    except httpx.TransportError as exc:
+                        error = exc
+                    wait = self._wait(httpx, attempts, response, error)
                     if wait is None:
                         break
                     await asyncio.sleep(wait)
-                rows.append(self._vectors(response, lo, n))
+                rows.append(self._vectors(response, lo, n, error, attempts, kind))
         return _stack(rows)
 
-    def _retry_after(self, response, attempt: int) -> float | None:
-        """Seconds to wait before retrying a 429 (at most 30), or None: use this response."""
-        if response.status_code != 429 or attempt >= self.max_retries:
-            return None
-        try:
-            return min(max(float(response.headers.get("Retry-After", 1)), 0.0), 30.0)
-        except ValueError:
-            return 1.0
+    @staticmethod
+    def _wait(httpx, attempts, response, error) -> float | None:
+        """Seconds before the next try, or None: this response (or error) is the answer."""
+        if error is not None:  # a timeout while reading the answer is not retried: the work may still be running
+            retryable = isinstance(error, (httpx.NetworkError, httpx.ConnectTimeout, httpx.PoolTimeout,
+                                           httpx.RemoteProtocolError))
+            return attempts.wait_after(None) if retryable else None
+        return attempts.wait_after(response.status_code, response.headers.get("Retry-After"))
 
-    def _vectors(self, response, lo: int, n: int) -> np.ndarray:
-        """(n, dim) float32 from a response to the inputs ``lo .. lo + n - 1`` of the call."""
+    def _vectors(self, response, lo: int, n: int, failure=None, attempts=None, kind: str = "documents") -> np.ndarray:
+        """(n, dim) float32 from a response to the inputs ``lo .. lo + n - 1`` of the call (``failure``:
+        the transport error instead, after ``attempts``)."""
         where = f"inputs {lo}..{lo + n - 1} of this call" if n > 1 else f"input {lo} of this call"
+        tries = "" if attempts is None else f" (after {attempts.made} tries in {attempts.elapsed:.1f} s)"
+        if failure is not None:
+            raise DiceServerError(f"no response from {self.url} for {where}{tries}: "
+                                  f"{type(failure).__name__}: {str(failure)[:200]}", None) from failure
         try:
             body = response.json()
         except ValueError:
@@ -168,8 +229,18 @@ class ServerEmbedder:
         if response.status_code != 200:
             error = body.get("error") if isinstance(body, dict) else None
             message = error.get("message") if isinstance(error, dict) else response.text[:300]
-            raise DiceServerError(f"{self.url} answered {response.status_code} for {where}: {message}",
-                                  response.status_code)
+            retried = tries if response.status_code in (429, 503) else ""
+            text = f"{self.url} answered {response.status_code} for {where}{retried}: {message}"
+            param = error.get("param") if isinstance(error, dict) else None
+            at = re.fullmatch(r"input\[(\d+)\]", param) if isinstance(param, str) else None
+            if response.status_code == 413 and kind == "queries" and at and "model window" in str(message):
+                raise ServerQueryTooLong(text, 413, lo + int(at.group(1)))
+            raise DiceServerError(text, response.status_code)
+        cut = body.get("usage", {}).get("truncated_inputs") if isinstance(body, dict) else None
+        if cut:
+            warnings.warn(f"{len(cut)} queries longer than the model window were cut to it by the server "
+                          f"(--auto-truncate): {', '.join(f'query {lo + int(i)}' for i in cut[:3])} of this call",
+                          UserWarning, stacklevel=4)
         try:
             data = sorted(body["data"], key=lambda d: d["index"])
             rows = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in data])

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._common import require
-from ._embedder import DiceServerError, embedder
+from ._embedder import DiceServerError, QueryTooLong, embedder
 
 require("langchain_core", "langchain")
 from langchain_core.callbacks import CallbackManagerForRetrieverRun  # noqa: E402
@@ -33,7 +33,7 @@ from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from pydantic import Field  # noqa: E402
 
-__all__ = ["DiceEmbeddings", "DiceRetriever", "DiceServerError"]
+__all__ = ["DiceEmbeddings", "DiceRetriever", "DiceServerError", "QueryTooLong"]
 
 
 class DiceEmbeddings(Embeddings):
@@ -42,7 +42,7 @@ class DiceEmbeddings(Embeddings):
     encoder: a `DiceEncoder`, a local model folder, or None (the bundled all-MiniLM-L6-v2); a folder or
         None is loaded with ``options`` (`DiceConfig` fields: chunk_size, aggregation, device, dtype ...).
     base_url: instead, a running ``dice-fast serve`` (``http://host:port``); api_key is sent as
-        ``Authorization: Bearer``; ``client_options``: batch_size, timeout, max_retries (see
+        ``Authorization: Bearer``; ``client_options``: batch_size, timeout, max_retries, max_retry_seconds (see
         `dice_fast.integrations._embedder.ServerEmbedder`). Server errors raise `DiceServerError`.
     The async methods run in a worker thread (in-process) or over an async HTTP client.
     """

@@ -32,13 +32,13 @@ from __future__ import annotations
 from typing import Any
 
 from ._common import require
-from ._embedder import DiceServerError, embedder
+from ._embedder import DiceServerError, QueryTooLong, embedder
 
 require("llama_index.core", "llama-index")
 from llama_index.core.base.embeddings.base import BaseEmbedding  # noqa: E402
 from pydantic import PrivateAttr  # noqa: E402
 
-__all__ = ["DiceEmbedding", "DiceServerError"]
+__all__ = ["DiceEmbedding", "DiceServerError", "QueryTooLong"]
 
 
 class DiceEmbedding(BaseEmbedding):

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .cache_files import CacheError, check_meta, is_cache, private_database, private_folder, tighten, unusable
+
 FORMAT = 1  # bump when what a stored vector means changes
 CACHE_FILE = "chunks.sqlite"
 _MAGIC = "dice_fast chunk cache"
@@ -35,6 +37,7 @@ _BUSY_MS = 60_000  # a writer waits this long for another process's transaction
 _EVICT_TO = 0.9  # eviction brings the stored bytes down to this fraction of the bound
 _EVICT_BATCH = 4096  # rows looked at per eviction step
 _ROW_BYTES = 48  # per-row bytes besides identity and vector (key, namespace, checksum, recency, headers)
+SERVE_MAX_GB = 10.0  # `dice-fast serve --cache`'s default bound (a server's cache grows with what clients send)
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,10 +76,6 @@ def _folder_signature(path) -> str:
     return json.dumps(items)
 
 
-class CacheError(ValueError):
-    """A cache folder or file that cannot be used (not a dice_fast chunk cache, unreadable)."""
-
-
 class ChunkCache:
     """The persistent chunk cache in ``folder/chunks.sqlite`` (created when missing).
 
@@ -84,18 +83,21 @@ class ChunkCache:
     over it, the least recently used rows are deleted in batches down to 90 % of it and freed pages
     are returned to the file system.
     Any number of processes and threads may share one folder. Open with ``ChunkCache(folder)``; a file
-    that is not a dice_fast chunk cache raises `CacheError`. If the database turns out damaged while in
-    use, a warning is issued and this process continues without it (vectors are computed, never wrong).
+    that is not a dice_fast chunk cache raises `CacheError` before anything is written to it. The folder
+    is 0700 and its files 0600 whatever the umask (`dice_fast.reuse.cache_files`: they hold every chunk's token
+    ids, i.e. the text). If the database turns out damaged while in use, a warning is issued and this
+    process continues without it (vectors are computed, never wrong).
     """
 
     def __init__(self, folder, max_gb: float | None = None):
         if max_gb is not None and (isinstance(max_gb, bool) or not max_gb > 0):
             raise ValueError(f"max_gb must be a number > 0, got {max_gb!r}")
         folder = Path(folder).expanduser()
-        if folder.exists() and not folder.is_dir():
-            raise CacheError(f"--cache {folder} is a file; give a folder (the cache is {CACHE_FILE} inside it)")
-        folder.mkdir(parents=True, exist_ok=True)
+        private_folder(folder, CACHE_FILE)
         self.folder, self.path = folder, folder / CACHE_FILE
+        if private_database(self.path):
+            is_cache(self.path, _MAGIC, FORMAT)  # read-only: a foreign file is refused untouched
+        tighten(self.path)
         self.max_bytes = None if max_gb is None else int(max_gb * 1e9)
         self._lock = threading.Lock()
         self.broken: str | None = None
@@ -105,8 +107,7 @@ class ChunkCache:
                                         check_same_thread=False)
             self._open()
         except sqlite3.DatabaseError as exc:
-            raise CacheError(f"{self.path} is not a usable dice_fast chunk cache ({exc}); delete it or "
-                             "choose another --cache folder") from None
+            raise unusable(self.path, exc) from None
 
     def _open(self) -> None:
         con = self._con
@@ -134,12 +135,7 @@ class ChunkCache:
                             "ident BLOB NOT NULL, vec BLOB NOT NULL, chk INTEGER NOT NULL, used INTEGER NOT NULL)")
                 con.execute("CREATE INDEX IF NOT EXISTS chunks_used ON chunks(used)")
         meta = dict(con.execute("SELECT name, value FROM meta").fetchall()) if not tables or "meta" in tables else {}
-        if meta.get("magic") != _MAGIC:
-            raise CacheError(f"{self.path} is an SQLite file but not a dice_fast chunk cache; delete it or "
-                             "choose another --cache folder")
-        if meta.get("format") != str(FORMAT):
-            raise CacheError(f"{self.path} is a chunk cache of format {meta.get('format')}, this dice_fast "
-                             f"reads format {FORMAT}; delete it or choose another --cache folder")
+        check_meta(self.path, meta, _MAGIC, FORMAT)  # another process may have made the file since is_cache
 
     @contextlib.contextmanager
     def _write(self):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..reuse.persistent import SERVE_MAX_GB
 from ..cliargs import add_cache_arguments, add_encoder_arguments, make_encoder
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, HTTP_LIMITS, LIMITS
 
@@ -81,7 +82,7 @@ def register_cli(subparsers) -> None:
     g.add_argument("--testing-inject-oom", type=float, default=0.0, help=argparse.SUPPRESS)
     add_limit_arguments(p)
     add_encoder_arguments(p)
-    add_cache_arguments(p).add_argument(
+    add_cache_arguments(p, default_max_gb=SERVE_MAX_GB).add_argument(
         "--cache-memory-mb", type=int, default=DEFAULT_CACHE_MEMORY_MB, metavar="N",
         help=f"chunk vectors kept in memory across requests, in front of --cache (default {DEFAULT_CACHE_MEMORY_MB}; "
         "0: none)")

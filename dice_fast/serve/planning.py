@@ -1,6 +1,6 @@
 """A request's texts to an `EncodingPlan`, refused as early as a limit shows it is too big: the
 character limit before any tokenizing, then tokenization in bounded pieces
-(`dice_fast.chunking.tokenize_bounded`) that stops as soon as the tokens found pass a token limit, and
+(`dice_fast.pieces.tokenize_bounded`) that stops as soon as the tokens found pass a token limit, and
 over-long queries refused or cut (``auto_truncate``). Used by `AsyncDiceEncoder`; no HTTP here."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..chunking import PIECE_CHARS, EncodingPlan, TextError, TokenizedDocuments, cuts_are_exact, tokenize_bounded
+from ..chunking import EncodingPlan, TextError, TokenizedDocuments
+from ..pieces import PIECE_CHARS, cuts_are_exact, tokenize_bounded
 from .errors import InvalidRequest, RequestTooLarge
 
 

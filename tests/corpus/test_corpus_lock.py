@@ -105,3 +105,41 @@ def test_which_jobs_share_a_folder(tmp_path, first, second, conflict):
     with OutputLock.for_folder(tmp_path, *second):
         pass
     assert [p.name for p in tmp_path.iterdir()] == ([] if conflict else [folder_lock_name(*first)])
+
+
+def test_a_symbolic_link_or_fifo_in_a_lock_files_place_is_refused_untouched(tmp_path):
+    """A lock file is opened without following links: a link planted where the lock goes (pointing at a
+    file the job must not truncate) is refused by name and its target is left as it was."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / folder_lock_name(0, 1)).symlink_to(victim)
+    with pytest.raises(ValueError, match=r"\.dice-fast\.lock is a symbolic link"):
+        OutputLock.for_folder(out).acquire()
+    assert victim.read_text() == "precious\n"
+    (out / folder_lock_name(0, 1)).unlink()
+    (out / folder_lock_name(0, 2)).symlink_to(victim)  # a rival's place: read for its holder, not followed
+    with pytest.raises(ValueError, match=r"\.dice-fast-0of2\.lock is a symbolic link"):
+        OutputLock.for_folder(out).acquire()
+    (out / folder_lock_name(0, 2)).unlink()
+    single = tmp_path / "vecs.npy"
+    os.mkfifo(tmp_path / file_lock_name(single))  # would block an open that waits for a writer
+    with pytest.raises(ValueError, match="not a regular file"):
+        OutputLock.for_file(single).acquire()
+    assert victim.read_text() == "precious\n"
+
+
+def test_another_users_lock_file_is_locked_but_not_rewritten(tmp_path, monkeypatch):
+    """A lock file left by another user's dead job is locked as it is (its content stays)."""
+    left = tmp_path / folder_lock_name(0, 1)
+    left.write_text('{"pid": 1, "host": "elsewhere"}\n')
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(left).st_uid + 1)  # the file is now someone else's
+    with OutputLock.for_folder(tmp_path) as lock:
+        assert is_held(left) and left.read_text() == '{"pid": 1, "host": "elsewhere"}\n'
+        monkeypatch.undo()
+        with pytest.raises(OutputLocked, match="pid 1 on host elsewhere"):
+            OutputLock.for_folder(tmp_path).acquire()
+    assert lock.fd is None
+    with OutputLock.for_folder(tmp_path):  # this user's own: rewritten with this job's name
+        assert f'"pid": {os.getpid()}' in left.read_text()

@@ -149,17 +149,3 @@ def test_llama_index_embedding_against_the_server(server, want):
     np.testing.assert_array_equal(np.asarray(embed.get_text_embedding_batch(DOCS), np.float32), want[0])
     np.testing.assert_array_equal(np.asarray(asyncio.run(embed.aget_query_embedding(QUERY)), np.float32), want[1])
     assert "authorization" not in server.recorder.requests[-1][0]  # no key, no header
-
-
-def test_a_full_queue_is_retried_after_the_servers_retry_after():
-    import httpx
-
-    from dice_fast.integrations._embedder import ServerEmbedder
-
-    client = ServerEmbedder("http://127.0.0.1:1", max_retries=2)
-    busy = httpx.Response(429, headers={"Retry-After": "2"})
-    assert client._retry_after(busy, 0) == 2.0 and client._retry_after(busy, 1) == 2.0
-    assert client._retry_after(busy, 2) is None  # retries spent: the 429 is raised
-    assert client._retry_after(httpx.Response(429, headers={"Retry-After": "3600"}), 0) == 30.0
-    assert client._retry_after(httpx.Response(429, headers={"Retry-After": "soon"}), 0) == 1.0
-    assert client._retry_after(httpx.Response(503), 0) is None and client._retry_after(httpx.Response(200), 0) is None
