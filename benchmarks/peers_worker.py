@@ -58,8 +58,9 @@ def _ov_static_int8(folder: Path, calibration: list[str]) -> None:
     ds = datasets.Dataset.from_dict({k: list(v) for k, v in enc.items()})
     tmp = folder / "ov_int8_tmp"
     quantizer.quantize(ds, save_directory=str(tmp), ov_config=OVConfig(quantization_config=qc))
+    saved = tmp / "openvino" if (tmp / "openvino" / "openvino_model.xml").exists() else tmp  # optimum-intel 1.27: openvino/
     for ext in (".xml", ".bin"):
-        shutil.move(str(tmp / f"openvino_model{ext}"), str(folder / "openvino" / f"openvino_model_qint8_quantized{ext}"))
+        shutil.move(str(saved / f"openvino_model{ext}"), str(folder / "openvino" / f"openvino_model_qint8_quantized{ext}"))
     shutil.rmtree(tmp, ignore_errors=True)
 
 
