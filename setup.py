@@ -26,12 +26,16 @@ class build_py(_build_py):
 
 
 # optional extras: none of them is imported by `import dice_fast`
-SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "httpx>=0.27"]
+# orjson: float JSON ~16x json.dumps; prometheus_client: /metrics with the process' own metrics
+SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "httpx>=0.27", "orjson>=3.9", "prometheus_client>=0.17"]
 RAY = ["ray[data]>=2.9"]
 MTEB = ["mteb>=2.0"]
 INDEX = ["faiss-cpu>=1.7"]  # approximate DiceIndex search only
 # dtype="int8": static int8 on the CPU (dice_fast.quant: OpenVINO runtime + NNCF calibration)
 INT8 = ["openvino>=2024.4", "nncf>=2.13"]
+# vector databases for dice_fast.index stores: Qdrant (local mode or a server) and LanceDB (embedded)
+QDRANT = ["qdrant-client>=1.16"]  # collection metadata (the store's record) came in 1.16
+LANCEDB = ["lancedb>=0.25"]
 # retrieval stacks: LangChain / LlamaIndex adapters (httpx, for a remote server, comes with both)
 STACKS = {"langchain": ["langchain-core>=0.3"], "llama-index": ["llama-index-core>=0.12"]}
 STACK_TESTS = [*STACKS["langchain"], *STACKS["llama-index"], "openai>=1.40"]  # + the official client vs the server
@@ -61,9 +65,9 @@ setup(
         # cannot take tensor loop bounds with numpy 2 (compiled 3.6 is fine: every kernel was built
         # for sm_90 with it); the tests pass under 3.9, and the bound keeps CI off untried releases
         "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja",
-                 # per-test timeouts (pytest.ini), property-based tests, the metrics-format test
-                 "pytest-timeout>=2.1", "hypothesis>=6.80", "prometheus_client>=0.17",
-                 *SERVE, *RAY, *MTEB, *INDEX, *STACK_TESTS, *INT8],
+                 # per-test timeouts (pytest.ini), property-based tests, the server's schema-driven fuzz test
+                 "pytest-timeout>=2.1", "hypothesis>=6.80", "schemathesis>=4.0",
+                 *SERVE, *RAY, *MTEB, *INDEX, *QDRANT, *LANCEDB, *STACK_TESTS, *INT8],
         "gpu": ["triton>=3.0"],
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
         "native": ["ninja"],
@@ -71,6 +75,8 @@ setup(
         "ray": RAY,
         "mteb": MTEB,
         "index": INDEX,
+        "qdrant": QDRANT,
+        "lancedb": LANCEDB,
         "int8": INT8,
         **STACKS,
     },

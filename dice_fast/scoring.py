@@ -21,6 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 SCORINGS = ("dice", "maxsim", "hybrid")
+# measured (benchmarks/RESULTS.md §5.1): MaxSim beats every single-vector scoring at every length (needle
+# 16k-32k: document vectors at chance, MaxSim 46-58 %); the default of every store, retriever and `search`
+DEFAULT_SCORING = "maxsim"
 # measured (benchmarks/RESULTS.md §5.4, dev split): mean Hit@1 over passkey/needle x chunk sizes
 DEFAULT_ALPHA = 0.0  # 69.5 at 0, 68.7 at 0.25, 68.5 at 0.5, 65.7 at 0.75, 44.2 at 1 (all-MiniLM-L6-v2)
 

@@ -151,7 +151,7 @@ def test_server_answers_a_request_wholly_from_memory():
         assert_close(out.vectors, want[:n], ATOL, what="served")
     assert stats["computed"] == computed and stats["memory_hits"] > 0
     assert f'dice_fast_chunks_total{{source="memory"}} {float(stats["memory_hits"])}' in text
-    assert 'dice_fast_chunk_cache_lookups_total{tier="disk",result="hit"} 0.0' in text
+    assert 'dice_fast_chunk_cache_lookups_total{result="hit",tier="disk"} 0.0' in text  # labels sorted by name
 
 
 def test_memory_cache_is_bounded_and_least_recently_used_goes_first():

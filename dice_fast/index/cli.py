@@ -1,4 +1,5 @@
-"""``dice-fast index INPUT -o INDEX`` builds a `DiceIndex`; ``dice-fast search INDEX "query"`` asks it.
+"""``dice-fast index INPUT -o INDEX`` builds a `DiceIndex`; ``dice-fast index push OUT --to URL`` writes a
+corpus job's output into Qdrant or LanceDB; ``dice-fast search INDEX|URL "query"`` asks either.
 
 Registering the subcommands imports neither torch nor transformers.
 """
@@ -10,6 +11,7 @@ import sys
 
 from ..cliargs import add_encoder_arguments
 from ..scoring import SCORINGS
+from .common import DEFAULT_SCORING
 
 EPILOG = """\
 input (one document per line or record):
@@ -17,6 +19,12 @@ input (one document per line or record):
   .jsonl    one JSON object per line; text in --field, id in --id-field (default: the line number)
   .parquet / DIR   the output of `dice-fast encode ... --chunks` (vectors already made, no model run;
             it holds no texts, so search prints character spans; the model options come from it)
+
+push (write a corpus job's output into a vector database, shard by shard):
+  dice-fast index push OUT --to qdrant://HOST:PORT/COLLECTION | qdrant+path://DIR/COLLECTION
+                              | lancedb://DIR/TABLE  [--resume]
+  OUT is an `encode --chunks` output; writes replace documents by id; into a store that already
+  holds documents only with --resume, which skips shards already written (a killed push resumes).
 
 The index is a folder (documents.npy, chunks.npy, spans, ids.json, texts.json, index.json). Texts
 are stored by default so `dice-fast search` can print the evidence passage; --no-store-text keeps
@@ -31,25 +39,35 @@ def register_cli(subparsers) -> None:
         description="Encode every document of INPUT with its chunk vectors and character spans into an index "
         "folder that `dice-fast search` ranks by document and reads by chunk.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    build.add_argument("input", help="a .txt (one document per line) or .jsonl file, or an encode --chunks output")
-    build.add_argument("--output", "-o", required=True, help="the index folder to write")
+    build.add_argument("input", nargs="+", metavar="INPUT",
+                       help="a .txt (one document per line) or .jsonl file, or an encode --chunks output; "
+                       "or: push OUT (with --to)")
+    build.add_argument("--output", "-o", help="the index folder to write (required unless push)")
     build.add_argument("--field", default="text", help='JSON field holding the text (default "text")')
     build.add_argument("--id-field", default=None, help="JSON field holding the id (default: the line number)")
     build.add_argument("--store-text", action=argparse.BooleanOptionalAction, default=True,
                        help="keep the texts in the index so search prints the passage (default: yes)")
     build.add_argument("--chunk-dtype", choices=("float32", "float16"), default="float32",
                        help="storage of chunk vectors (float16 halves them; scores within about 1e-3)")
+    pushing = build.add_argument_group("push OUT --to URL")
+    pushing.add_argument("--to", metavar="URL", help="the store: qdrant://HOST:PORT/COLLECTION, "
+                         "qdrant+path://DIR/COLLECTION or lancedb://DIR/TABLE")
+    pushing.add_argument("--resume", action="store_true", help="continue a push: skip shards already stored")
+    pushing.add_argument("--batch-size", type=int, default=None, help="documents per write (default 256)")
+    pushing.add_argument("--quiet", action="store_true", help="no progress bar")
     add_encoder_arguments(build)
     build.set_defaults(func=_build)
 
     search = subparsers.add_parser(
         "search", help="rank an index's documents for a query and print each hit's evidence passage",
         description="Print, per hit: rank, id, score and the evidence passage (the chunk that matched best).")
-    search.add_argument("index", help="an index folder written by `dice-fast index`")
+    search.add_argument("index", help="an index folder written by `dice-fast index`, or a store URL "
+                        "(qdrant://..., qdrant+path://..., lancedb://...)")
     search.add_argument("query", nargs="+", help="one or more queries")
     search.add_argument("-k", type=int, default=5, help="hits per query (default 5)")
-    search.add_argument("--scoring", choices=SCORINGS, default="dice",
-                        help="dice: document vector; maxsim: best chunk; hybrid: a blend (default dice)")
+    search.add_argument("--scoring", choices=SCORINGS, default=DEFAULT_SCORING,
+                        help=f"maxsim: best chunk; dice: document vector; hybrid: a blend (default {DEFAULT_SCORING}, "
+                        "the measured best: docs/retrieval.md)")
     search.add_argument("--alpha", type=float, default=None, help="hybrid weight of the dice score")
     search.add_argument("--device", default=None, help="where the query encoder runs (default: cuda if available)")
     search.add_argument("--json", action="store_true", help="one JSON object per hit instead of text")
@@ -57,11 +75,18 @@ def register_cli(subparsers) -> None:
 
 
 def _build(args) -> int:
+    from pathlib import Path
+
     from ..cliargs import make_encoder
     from . import DiceIndex
 
-    from pathlib import Path
-
+    if args.input[0] == "push":
+        return _push(args)
+    if len(args.input) != 1 or args.to is not None or args.resume:
+        raise ValueError("give one INPUT with -o, or: dice-fast index push OUT --to URL [--resume]")
+    if args.output is None:
+        raise ValueError("-o/--output (the index folder to write) is required")
+    args.input = args.input[0]
     if Path(args.input).is_dir() or args.input.endswith(".parquet"):
         index = DiceIndex.from_corpus(args.input, chunk_dtype=args.chunk_dtype)
     else:
@@ -76,18 +101,34 @@ def _build(args) -> int:
     return 0
 
 
+def _push(args) -> int:
+    from .push import push, store_for_output
+
+    if len(args.input) != 2 or args.to is None or args.output is not None:
+        raise ValueError("usage: dice-fast index push OUT --to URL [--resume] (OUT: an encode --chunks output)")
+    out = args.input[1]
+    store = store_for_output(args.to, out, args.batch_size)
+    done = push(out, store, resume=args.resume, progress=not args.quiet)
+    print(f"{args.to}: wrote {done['documents']} documents, skipped {done['skipped']} already stored "
+          f"({done['shards']} shards); it holds {len(store)}", file=sys.stderr)
+    return 0
+
+
 def _search(args) -> int:
     import json
 
-    from ..engine import DiceEncoder
     from ..scoring import DEFAULT_ALPHA
     from . import DiceIndex
 
     if args.k < 1:
         raise ValueError(f"-k must be at least 1, got {args.k}")
-    index = DiceIndex.load(args.index)
-    options = dict(index.encoder_options, device=args.device)
-    index.encoder = DiceEncoder.from_pretrained(index.model, **options)
+    from .stores import SCHEMES, open_store
+
+    if args.index.startswith(SCHEMES):  # the recorded model and options encode the queries
+        index = open_store(args.index)
+        index.attach_encoder(None, device=args.device, where=index._where)
+    else:
+        index = DiceIndex.load(args.index, device=args.device)
     alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
     for query, hits in zip(args.query, index.search(args.query, args.k, args.scoring, alpha=alpha)):
         if not args.json:

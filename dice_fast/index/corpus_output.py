@@ -40,26 +40,31 @@ def corpus_files(path) -> list[Path]:
 def read_corpus_output(path):
     """Yield, per Parquet file: (ids list, documents (n, dim) float32, chunks (n_chunks, dim) float32,
     chunk_document (n_chunks,) int64, start_char, end_char, tokens (n_chunks,) int64)."""
+    for file in corpus_files(path):
+        yield read_corpus_file(file)
+
+
+def read_corpus_file(file: Path):
+    """The arrays of one Parquet file of an encode output (as `read_corpus_output` yields them)."""
     import pyarrow.parquet as pq
 
-    for file in corpus_files(path):
-        try:
-            table = pq.read_table(file)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{file}: unreadable Parquet ({exc})") from None
-        missing = [c for c in NEEDED if c not in table.column_names]
-        if missing:
-            raise ValueError(f"{file}: no {', '.join(missing)} column(s); encode with --chunks to index the output")
-        n = table.num_rows
-        documents = _matrix(table.column("embedding").combine_chunks(), n)
-        lists = table.column("chunk_embeddings").combine_chunks()
-        offsets = np.asarray(lists.offsets, np.int64)
-        chunks = _matrix(lists.flatten(), int(offsets[-1] - offsets[0]))
-        chunk_document = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
-        spans = [np.asarray(table.column(c).combine_chunks().flatten(), np.int64) for c in NEEDED[3:]]
-        if any(len(s) != len(chunks) for s in spans):
-            raise ValueError(f"{file}: chunk spans and chunk vectors differ in count")
-        yield (table.column("id").to_pylist(), documents, chunks, chunk_document, *spans)
+    try:
+        table = pq.read_table(file)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{file}: unreadable Parquet ({exc})") from None
+    missing = [c for c in NEEDED if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{file}: no {', '.join(missing)} column(s); encode with --chunks to index the output")
+    n = table.num_rows
+    documents = _matrix(table.column("embedding").combine_chunks(), n)
+    lists = table.column("chunk_embeddings").combine_chunks()
+    offsets = np.asarray(lists.offsets, np.int64)
+    chunks = _matrix(lists.flatten(), int(offsets[-1] - offsets[0]))
+    chunk_document = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
+    spans = [np.asarray(table.column(c).combine_chunks().flatten(), np.int64) for c in NEEDED[3:]]
+    if any(len(s) != len(chunks) for s in spans):
+        raise ValueError(f"{file}: chunk spans and chunk vectors differ in count")
+    return (table.column("id").to_pylist(), documents, chunks, chunk_document, *spans)
 
 
 def _matrix(fixed_lists, rows: int) -> np.ndarray:
@@ -68,8 +73,10 @@ def _matrix(fixed_lists, rows: int) -> np.ndarray:
 
 
 def corpus_encoder(path) -> tuple[str | None, dict]:
-    """(model folder or None for the bundled one, DICE options) the encode job recorded in its
+    """(model folder, or `BUNDLED` for the bundled one; DICE options) the encode job recorded in its
     Parquet metadata, for a query encoder that matches its vectors."""
+    from .encoder_match import BUNDLED
+
     import pyarrow.parquet as pq
 
     file = corpus_files(path)[0]
@@ -80,4 +87,4 @@ def corpus_encoder(path) -> tuple[str | None, dict]:
         raise ValueError(f"{file}: no dice_fast options in its metadata ({exc})") from None
     model = options.pop("model", None)
     options.pop("chunks", None)
-    return (None if model is None or model.startswith("(bundled") else model), options
+    return (BUNDLED if model is None or model.startswith("(bundled") else model), options

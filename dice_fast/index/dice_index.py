@@ -20,36 +20,21 @@ a hit's score is exact, but a document the graph does not propose is missed (rec
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from .. import scoring as sc
+from .ann import build as build_graph_over, extend as extend_graph, read as read_graph
+from .common import DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_k, evidence_hit
+from .texts import TextColumn
 
-# encoder options a loaded index does not pin (the machine's business, not the vectors')
-_MACHINE_OPTIONS = ("device", "dtype", "max_batch_tokens", "pooling_impl", "attention_backend")
 _BLOCK_SCORES = 1 << 22  # query x chunk scores per exact-search block (16 MiB of float32)
 CHUNK_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
-@dataclass(frozen=True)
-class Hit:
-    """One search result: document ``id`` with its ``score`` under the scoring asked for, and its
-    evidence: ``chunk`` (index within the document), its span ``text[start_char:end_char]``, its
-    ``chunk_score`` (query . unit chunk vector), and ``text``, the passage itself when the index stores
-    texts (else None)."""
-
-    id: str
-    score: float
-    chunk: int
-    start_char: int
-    end_char: int
-    chunk_score: float
-    text: str | None = None
-
-
-class DiceIndex:
+class DiceIndex(EncoderSlot):
     """Document and chunk vectors of a corpus with their spans (see the module docstring).
 
     Build with `from_texts` (and `add`) or `from_arrays`; `search` ranks documents for queries;
@@ -61,16 +46,9 @@ class DiceIndex:
                  model: str | None = None, encoder_options: dict | None = None):
         if chunk_dtype not in CHUNK_DTYPES:
             raise ValueError(f"chunk_dtype must be one of {', '.join(CHUNK_DTYPES)}, got {chunk_dtype!r}")
-        if encoder is not None and encoder.dim != dim:
-            raise ValueError(f"the encoder gives {encoder.dim}-wide vectors, the index holds {dim}")
-        self.dim, self.encoder, self.store_text, self.chunk_dtype = int(dim), encoder, bool(store_text), chunk_dtype
-        # the model and options the vectors were made with, so a query encoder can be rebuilt to match
-        self.model = model if model is not None else (encoder.spec.name if encoder is not None else None)
-        if encoder_options is None and encoder is not None:
-            encoder_options = {k: v for k, v in asdict(encoder.config).items() if k not in _MACHINE_OPTIONS}
-        self.encoder_options = dict(encoder_options or {})
+        self.dim, self.store_text, self.chunk_dtype = int(dim), bool(store_text), chunk_dtype
         self.ids: list[str] = []
-        self.texts: list[str] | None = [] if store_text else None
+        self.texts: TextColumn | None = TextColumn.from_texts([]) if store_text else None
         self.documents = np.zeros((0, self.dim), np.float32)
         self.chunks = np.zeros((0, self.dim), CHUNK_DTYPES[chunk_dtype])
         self.cu_doc_chunks = np.zeros(1, np.int64)
@@ -78,7 +56,10 @@ class DiceIndex:
         self.chunk_end_char = np.zeros(0, np.int64)
         self.chunk_tokens = np.zeros(0, np.int64)
         self._id_set: set[str] = set()
-        self._faiss: dict = {}
+        self._graphs: dict = {}  # over -> faiss graph built or read here
+        self._graph_files: dict = {}  # over -> a saved graph not read yet
+        self._read_only: set = set()  # graphs read (memory-mapped) from a file: not extended in place
+        self._init_encoder(encoder, model, encoder_options, "this index")
 
     # ---------------------------------------------------------------------------------------------
     @classmethod
@@ -97,7 +78,6 @@ class DiceIndex:
         from .corpus_output import corpus_encoder, read_corpus_output
 
         model, options = corpus_encoder(path)
-        options = {k: v for k, v in options.items() if k not in _MACHINE_OPTIONS}
         parts = list(read_corpus_output(path))  # (ids, documents, chunks, chunk_document, start, end, tokens)
         if not parts:
             raise ValueError(f"{path}: the output holds no shards")
@@ -116,11 +96,9 @@ class DiceIndex:
         """Encode and append ``texts`` (n strings) under ``ids`` (n, default their position in the
         index as strings). A duplicate id (within ``ids`` or already indexed) is refused by name
         before anything is encoded."""
-        if self.encoder is None:
-            raise ValueError("this index has no encoder; pass one to DiceIndex.load(path, encoder) to add texts")
         texts = list(texts)
         ids = self._new_ids(ids, len(texts))
-        out = self.encoder.encode_documents(texts, return_chunks=True)
+        texts, out = self._encode_texts(texts)
         self.add_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
                         out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
 
@@ -133,30 +111,59 @@ class DiceIndex:
         Chunk vectors are stored L2-normalised, so ``maxsim`` is a cosine whatever the encoder's
         ``normalize_chunks`` (raw pooled norms carry no relevance: RESULTS.md §5.3); a zero row stays zero."""
         ids = self._new_ids(ids, len(documents))
-        documents, chunks = np.asarray(documents, np.float32), np.asarray(chunks)
-        chunk_document = np.asarray(chunk_document, np.int64)
-        if documents.ndim != 2 or documents.shape[1] != self.dim or chunks.ndim != 2 or chunks.shape[1] != self.dim:
-            raise ValueError(f"expected (n, {self.dim}) vectors, got documents {documents.shape}, chunks {chunks.shape}")
-        if len(chunk_document) and (np.any(np.diff(chunk_document) < 0) or chunk_document[0] < 0
-                                    or chunk_document[-1] >= len(documents)):
-            raise ValueError("chunk_document must be sorted document indices in 0..n-1")
-        spans = [np.asarray(a, np.int64) for a in (chunk_start_char, chunk_end_char, chunk_tokens)]
-        if any(len(a) != len(chunks) for a in [chunk_document, *spans]):
-            raise ValueError("chunk_document, spans and token counts need one entry per chunk")
+        b = check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
+                        chunk_tokens, texts, self.store_text)
+        chunks = b.chunks.astype(CHUNK_DTYPES[self.chunk_dtype])
         if self.store_text:
-            if texts is None or len(texts) != len(documents):
-                raise ValueError("this index stores texts: pass one text per document")
-            self.texts.extend(texts)
-        cu = sc.cu_from_chunk_document(chunk_document, len(documents)) + self.cu_doc_chunks[-1]
-        self.ids.extend(ids)
-        self._id_set.update(ids)
-        self.documents = np.concatenate([self.documents, documents])
-        self.chunks = np.concatenate([self.chunks, sc.unit_rows(chunks).astype(CHUNK_DTYPES[self.chunk_dtype])])
-        self.cu_doc_chunks = np.concatenate([self.cu_doc_chunks, cu[1:]])
-        self.chunk_start_char = np.concatenate([self.chunk_start_char, spans[0]])
-        self.chunk_end_char = np.concatenate([self.chunk_end_char, spans[1]])
-        self.chunk_tokens = np.concatenate([self.chunk_tokens, spans[2]])
-        self._faiss.clear()
+            self.texts.extend(b.texts)
+        self.ids.extend(b.ids)
+        self._id_set.update(b.ids)
+        self.documents = np.concatenate([self.documents, b.documents])
+        self.chunks = np.concatenate([self.chunks, chunks])
+        self.cu_doc_chunks = np.concatenate([self.cu_doc_chunks, b.cu[1:] + self.cu_doc_chunks[-1]])
+        self.chunk_start_char = np.concatenate([self.chunk_start_char, b.start])
+        self.chunk_end_char = np.concatenate([self.chunk_end_char, b.end])
+        self.chunk_tokens = np.concatenate([self.chunk_tokens, b.tokens])
+        self._graph_files.clear()  # saved graphs are read-only: rebuilt when next needed
+        for over in self._read_only:
+            self._graphs.pop(over, None)
+        self._read_only.clear()
+        for over, graph in self._graphs.items():
+            extend_graph(graph, b.documents if over == "documents" else chunks)
+
+    def upsert_arrays(self, ids: Sequence, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
+                      chunk_tokens, texts: Sequence[str] | None = None) -> None:
+        """`add_arrays`, a document whose id is already indexed replacing it (the stores' write)."""
+        self.delete([str(i) for i in ids])
+        self.add_arrays(ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char, chunk_tokens, texts)
+
+    def delete(self, ids: Sequence) -> int:
+        """Remove the documents ``ids`` (ids not indexed are ignored); returns how many were removed."""
+        gone = {str(i) for i in ids} & self._id_set
+        if not gone:
+            return 0
+        keep = np.array([i not in gone for i in self.ids])
+        counts = np.diff(self.cu_doc_chunks)
+        keep_chunk = np.repeat(keep, counts)
+        self.ids = [i for i, k in zip(self.ids, keep) if k]
+        self._id_set -= gone
+        if self.store_text:
+            self.texts = self.texts.take(np.flatnonzero(keep))
+        self.documents = np.asarray(self.documents)[keep]
+        for name in ("chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens"):
+            setattr(self, name, np.asarray(getattr(self, name))[keep_chunk])
+        self.cu_doc_chunks = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
+        self._graphs, self._graph_files, self._read_only = {}, {}, set()  # rebuilt when next needed
+        return len(gone)
+
+    def restore(self, ids: list[str], arrays: dict, texts: tuple | None, graph_files: dict) -> None:
+        """Install contents read by `dice_fast.index.folder.load` (checked there): ids, the arrays by
+        attribute name, (text blob, offsets) or None, and {over: saved graph file}."""
+        for name, array in arrays.items():
+            setattr(self, name, array)
+        self.ids, self._id_set = ids, set(ids)
+        self.texts = TextColumn(*texts) if texts is not None else None
+        self._graphs, self._graph_files, self._read_only = {}, dict(graph_files), set()
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -177,19 +184,18 @@ class DiceIndex:
                 f"chunk_dtype={self.chunk_dtype}, texts={'stored' if self.store_text else 'not stored'})")
 
     # ---------------------------------------------------------------------------------------------
-    def search(self, queries, k: int = 10, scoring: str = "dice", *, alpha: float = sc.DEFAULT_ALPHA,
+    def search(self, queries, k: int = 10, scoring: str = DEFAULT_SCORING, *, alpha: float = sc.DEFAULT_ALPHA,
                approximate: bool = False, candidates: int = 100) -> list[list[Hit]]:
         """Rank documents for ``queries``: n query strings (encoded with the index's encoder) or an
         (n, dim) array of query vectors. Returns n lists of at most ``k`` `Hit`s, best first.
 
-        scoring: "dice" (document vector; evidence = the hit's best chunk), "maxsim" (best chunk) or
-        "hybrid" (``alpha * dice + (1 - alpha) * maxsim``), see `dice_fast.scoring`. Exact unless
+        scoring: "maxsim" (best chunk; the default, measured best: RESULTS.md §5), "dice" (document
+        vector; evidence = the hit's best chunk) or "hybrid" (``alpha * dice + (1 - alpha) * maxsim``), see `dice_fast.scoring`. Exact unless
         ``approximate`` (faiss proposes ``candidates`` documents per query, scored exactly).
         """
         sc.check_scoring(scoring)
         alpha = sc.check_alpha(alpha)
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"k must be a positive integer, got {k!r}")
+        k = check_k(k)
         q = self._query_vectors(queries)
         if len(q) == 0 or len(self) == 0:
             return [[] for _ in range(len(q))]
@@ -198,21 +204,6 @@ class DiceIndex:
         else:
             top = self._exact_top(q, int(k), scoring, alpha)
         return [[self._hit(qv, d, s, scoring) for d, s in row] for qv, row in zip(q, top)]
-
-    def _query_vectors(self, queries) -> np.ndarray:
-        if isinstance(queries, np.ndarray):
-            if queries.ndim != 2 or queries.shape[1] != self.dim:
-                raise ValueError(f"query vectors must be (n, {self.dim}), got {queries.shape}")
-            return queries.astype(np.float32, copy=False)
-        if isinstance(queries, str):
-            raise TypeError("queries must be a list of strings (or an (n, dim) array), not a single string")
-        queries = list(queries)
-        if not queries:
-            return np.zeros((0, self.dim), np.float32)
-        if self.encoder is None:
-            raise ValueError("this index has no encoder to encode query strings; pass one to "
-                             "DiceIndex.load(path, encoder) or search with query vectors")
-        return self.encoder.encode_queries(queries)
 
     def _score_range(self, q, d0: int, d1: int, scoring: str, alpha: float) -> np.ndarray:
         """(n_q, d1 - d0) scores of documents d0..d1-1 (no evidence: it is found for hits only)."""
@@ -265,27 +256,30 @@ class DiceIndex:
         return out
 
     def _faiss_graph(self, over: str):
-        if over not in self._faiss:
-            try:
-                import faiss
-            except ImportError:
-                raise ImportError("approximate search needs faiss: pip install 'dice_fast[index]' (faiss-cpu)") from None
-            vectors = np.ascontiguousarray(self.documents if over == "documents" else self.chunks, np.float32)
-            graph = faiss.IndexHNSWFlat(self.dim, 32, faiss.METRIC_INNER_PRODUCT)
-            graph.hnsw.efSearch = 128
-            graph.add(vectors)
-            self._faiss[over] = graph
-        return self._faiss[over]
+        if over not in self._graphs:
+            n = len(self.documents) if over == "documents" else len(self.chunks)
+            file = self._graph_files.pop(over, None)
+            if file is not None and Path(file).is_file():
+                self._graphs[over] = read_graph(file, n)
+                self._read_only.add(over)
+            else:
+                self._graphs[over] = build_graph_over(self.documents if over == "documents" else self.chunks)
+        return self._graphs[over]
+
+    def build_graph(self, scoring: str = "maxsim"):
+        """Build (or read) now the HNSW graph that ``approximate=True`` uses for ``scoring`` (over
+        document vectors for "dice", chunk vectors otherwise), so that `save` writes it too."""
+        return self._faiss_graph("documents" if sc.check_scoring(scoring) == "dice" else "chunks")
+
+    def graphs(self) -> dict:
+        """{"documents" | "chunks": a faiss graph built or read so far, or the Path of a saved graph
+        not read yet (still current: it is dropped when documents are added)}."""
+        return {**{over: Path(f) for over, f in self._graph_files.items() if Path(f).is_file()}, **self._graphs}
 
     def _hit(self, qv: np.ndarray, d: int, score: float, scoring: str) -> Hit:
         c0, c1 = int(self.cu_doc_chunks[d]), int(self.cu_doc_chunks[d + 1])
-        if c1 == c0:
-            return Hit(self.ids[d], float(score), -1, 0, 0, float("-inf"), "" if self.store_text else None)
-        per_chunk = sc.chunk_scores(qv[None, :], self.chunks[c0:c1])[0]
-        j = int(np.argmax(per_chunk))
-        start, end = int(self.chunk_start_char[c0 + j]), int(self.chunk_end_char[c0 + j])
-        text = self.texts[d][start:end] if self.store_text else None
-        return Hit(self.ids[d], float(score), j, start, end, float(per_chunk[j]), text)
+        return evidence_hit(self.ids[d], score, qv, self.chunks[c0:c1], self.chunk_start_char[c0:c1],
+                            self.chunk_end_char[c0:c1], self.texts[d] if self.store_text else None)
 
     # ---------------------------------------------------------------------------------------------
     def _new_ids(self, ids, n: int) -> list[str]:
@@ -295,27 +289,27 @@ class DiceIndex:
             ids = [str(i) for i in ids]
             if len(ids) != n:
                 raise ValueError(f"got {len(ids)} ids for {n} documents")
-        seen: dict[str, int] = {}
         for i, name in enumerate(ids):
             if name in self._id_set:
-                raise ValueError(f"duplicate id {name!r}: ids[{i}] is already in the index")
-            if name in seen:
-                raise ValueError(f"duplicate id {name!r}: ids[{seen[name]}] and ids[{i}]")
-            seen[name] = i
-        return ids
+                raise ValueError(f"duplicate id {name!r}: ids[{i}] is already in the index (upsert_arrays replaces)")
+        return ids  # duplicates within ids: refused by check_batch
 
     def save(self, path) -> None:
-        """Write the index to the folder ``path`` (see `dice_fast.index.store`)."""
-        from .store import save
+        """Write the index to the folder ``path``, atomically (see `dice_fast.index.folder`); graphs
+        built by `build_graph` or an approximate search are saved with it."""
+        from .folder import save
 
         save(self, path)
 
     @classmethod
-    def load(cls, path, encoder=None) -> DiceIndex:
-        """Read an index written by `save`; ``encoder`` lets it add texts and encode query strings."""
-        from .store import load
+    def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = None) -> DiceIndex:
+        """Read an index written by `save`. ``encoder``: a `DiceEncoder` matching the recorded model
+        and options (ValueError naming each difference); None: the recorded one is loaded when texts
+        or query strings first need it (on ``device``). ``mmap``: map the vector and text files
+        instead of reading them into memory (search pages them in; `add` copies into memory)."""
+        from .folder import load
 
-        return load(cls, path, encoder)
+        return load(cls, path, encoder, mmap=mmap, device=device)
 
 
 def _sorted(docs: np.ndarray, scores: np.ndarray) -> list[tuple[int, float]]:

@@ -80,3 +80,13 @@ def model_prompts(encoder) -> tuple[dict, str | None]:
     prompts = {str(k): str(v) for k, v in prompts.items()}
     default = cfg.get("default_prompt_name")
     return prompts, default if isinstance(default, str) and default in prompts else None
+
+
+def hit_metadata(hit, scoring: str) -> dict:
+    """A store's `Hit` as the retrievers hand it on: {"text" (the passage), "id", "score", "scoring",
+    "chunk", "start_char", "end_char", "chunk_score"}; ValueError when the store keeps no texts."""
+    if hit.text is None:
+        raise ValueError("the retriever returns passages, but this store does not store its texts; build it with "
+                         "DiceIndex.from_texts(encoder, texts, ids) or a store's add(texts, ids) (store_text=True)")
+    return {"text": hit.text, "id": hit.id, "score": float(hit.score), "scoring": scoring, "chunk": int(hit.chunk),
+            "start_char": int(hit.start_char), "end_char": int(hit.end_char), "chunk_score": float(hit.chunk_score)}

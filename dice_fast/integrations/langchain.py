@@ -9,6 +9,7 @@ the evidence passage of each retrieved document (``pip install dice-fast[langcha
 
     retriever = DiceRetriever(index=DiceIndex.from_texts(encoder, long_texts, ids), k=4)
     retriever.invoke("what is the pass key?")                # Documents holding the matching passages
+    retriever = DiceRetriever(index=open_store("qdrant://localhost:6333/docs"))  # or any dice_fast store
 
 ``embed_documents`` encodes documents (chunked, each chunk encoded alone, chunk vectors aggregated),
 ``embed_query`` a query (one model window): the engine's ``encode_documents`` / ``encode_queries``,
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import require
+from ..scoring import DEFAULT_SCORING
+from ._common import hit_metadata, require
 from ._embedder import DiceServerError, QueryTooLong, embedder
 
 require("langchain_core", "langchain")
@@ -76,14 +78,15 @@ class DiceEmbeddings(Embeddings):
 
 
 class DiceRetriever(BaseRetriever):
-    """Retrieve by document, hand over the passage: a langchain-core retriever over a `DiceIndex`.
+    """Retrieve by document, hand over the passage: a langchain-core retriever over any dice_fast store.
 
-    index: a `dice_fast.DiceIndex` that stores its texts (the default of ``DiceIndex.from_texts``); any
-        object with its ``search(queries, k=, scoring=, **search_kwargs)`` whose hits carry ``id``,
-        ``score``, ``chunk``, ``start_char``, ``end_char``, ``chunk_score`` and ``text`` will do.
-    k: documents per query; scoring: "dice" (the document vector ranks), "maxsim" (a document's best
-        chunk) or "hybrid" (see ``DiceIndex.search``); search_kwargs: more arguments of ``search``
-        (``alpha``, ``approximate`` ...).
+    index: a `dice_fast.DiceIndex`, a `QdrantStore` or a `LanceStore` (`dice_fast.index.open_store`) that
+        keeps its texts (the default of ``DiceIndex.from_texts`` and of the stores' ``add``); any object
+        with their ``search(queries, k=, scoring=, **search_kwargs)`` whose hits carry ``id``, ``score``,
+        ``chunk``, ``start_char``, ``end_char``, ``chunk_score`` and ``text`` will do.
+    k: documents per query; scoring: "maxsim" (a document's best chunk; the default, measured best,
+        docs/retrieval.md), "dice" (the document vector ranks) or "hybrid"; search_kwargs: more
+        arguments of ``search`` (``alpha``, ``approximate``, ``candidates`` ...).
 
     Each hit becomes a ``Document`` whose ``page_content`` is the evidence passage (the chunk of the
     document that best matches the query, ``text[start_char:end_char]``), ``id`` the document's id, and
@@ -92,7 +95,7 @@ class DiceRetriever(BaseRetriever):
 
     index: Any
     k: int = 4
-    scoring: str = "dice"
+    scoring: str = DEFAULT_SCORING
     search_kwargs: dict = Field(default_factory=dict)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
@@ -101,13 +104,8 @@ class DiceRetriever(BaseRetriever):
 
 
 def _document(hit, scoring: str) -> Document:
-    if hit.text is None:
-        raise ValueError("DiceRetriever returns passages, but this index does not store its texts; build it with "
-                         "DiceIndex.from_texts(encoder, texts, ids) (store_text=True, the default)")
-    metadata = {"id": hit.id, "score": float(hit.score), "scoring": scoring, "chunk": int(hit.chunk),
-                "start_char": int(hit.start_char), "end_char": int(hit.end_char),
-                "chunk_score": float(hit.chunk_score)}
-    return Document(page_content=hit.text, id=str(hit.id), metadata=metadata)
+    metadata = hit_metadata(hit, scoring)
+    return Document(page_content=metadata.pop("text"), id=str(hit.id), metadata=metadata)
 
 
 def _texts(texts) -> list[str]:

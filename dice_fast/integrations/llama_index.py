@@ -23,6 +23,12 @@ defaults"). Keep whole documents as nodes in one of these ways:
 * ``from_documents(docs, embed_model=embed, transformations=[SentenceSplitter(chunk_size=10**9,
   chunk_overlap=0)])``, or that splitter in an ingestion pipeline: a splitter that never splits.
 
+``DiceRetriever`` retrieves from any dice_fast store (a ``DiceIndex``, a Qdrant or LanceDB store) and
+returns each document's evidence passage as a node::
+
+    from dice_fast.integrations.llama_index import DiceRetriever
+    DiceRetriever(DiceIndex.from_texts(encoder, long_texts, ids), k=3).retrieve("what is the pass key?")
+
 LlamaIndex embeds a node's metadata with its text (``file_path: ...``); set the documents'
 ``excluded_embed_metadata_keys`` if the vectors should see the text alone.
 """
@@ -31,14 +37,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import require
+from ..scoring import DEFAULT_SCORING, check_scoring
+from ._common import hit_metadata, require
 from ._embedder import DiceServerError, QueryTooLong, embedder
 
 require("llama_index.core", "llama-index")
 from llama_index.core.base.embeddings.base import BaseEmbedding  # noqa: E402
+from llama_index.core.retrievers import BaseRetriever  # noqa: E402
+from llama_index.core.schema import NodeRelationship, NodeWithScore, RelatedNodeInfo, TextNode  # noqa: E402
 from pydantic import PrivateAttr  # noqa: E402
 
-__all__ = ["DiceEmbedding", "DiceServerError", "QueryTooLong"]
+__all__ = ["DiceEmbedding", "DiceRetriever", "DiceServerError", "QueryTooLong"]
 
 
 class DiceEmbedding(BaseEmbedding):
@@ -86,3 +95,35 @@ class DiceEmbedding(BaseEmbedding):
 
     async def _aget_text_embeddings(self, texts: list[str]) -> list[list[float]]:
         return (await self._embedder.adocuments(list(texts))).tolist()
+
+
+class DiceRetriever(BaseRetriever):
+    """Retrieve by document, hand over the passage: a llama-index-core retriever over any dice_fast store.
+
+    index: a `dice_fast.DiceIndex`, `QdrantStore` or `LanceStore` keeping its texts (or any object with
+        their ``search`` and hits); k: documents per query; scoring: "maxsim" (the default, measured
+        best), "dice" or "hybrid"; search_kwargs: more arguments of ``search`` (``alpha`` ...).
+
+    Each hit becomes a ``NodeWithScore``: a ``TextNode`` holding the evidence passage
+    (``text[start_char:end_char]``), id ``"{document id}#{chunk}"``, its source document the document id,
+    metadata ``{"id", "score", "scoring", "chunk", "start_char", "end_char", "chunk_score"}`` (kept out of
+    what an embedding or an LLM sees), and the hit's score.
+    """
+
+    def __init__(self, index, k: int = 4, scoring: str = DEFAULT_SCORING, search_kwargs: dict | None = None,
+                 **kwargs):
+        self.index, self.k, self.scoring = index, k, check_scoring(scoring)
+        self.search_kwargs = dict(search_kwargs or {})
+        super().__init__(**kwargs)
+
+    def _retrieve(self, query_bundle) -> list[NodeWithScore]:
+        hits = self.index.search([query_bundle.query_str], k=self.k, scoring=self.scoring, **self.search_kwargs)[0]
+        out = []
+        for hit in hits:
+            metadata = hit_metadata(hit, self.scoring)
+            keys = list(metadata)
+            node = TextNode(text=metadata.pop("text"), id_=f"{hit.id}#{hit.chunk}", metadata=metadata,
+                            excluded_embed_metadata_keys=keys, excluded_llm_metadata_keys=keys,
+                            relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id=str(hit.id))})
+            out.append(NodeWithScore(node=node, score=float(hit.score)))
+        return out

@@ -32,56 +32,23 @@ import asyncio
 import logging
 import math
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import numpy as np
 
-from ..chunking import check_texts
-from ..output import DiceOutput
 from ..reuse import MemoryCache
 from ..chunk_queue import ChunkQueue, Job
-from .errors import DeadlineExceeded, Overloaded, RequestTooLarge, ShuttingDown, Unhealthy
+from .admission import Embeddings, Lease, Part, RequestSide, _Request
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
-from .planning import check_chars, piece_chars, plan_request
+from .planning import piece_chars
 from .worker import BUSY_TRIM_S, IDLE_TRIM_S, BatchStats, WorkerLoop
 
 
 log = logging.getLogger("dice_fast.serve")
-__all__ = ["AsyncDiceEncoder", "BatchStats", "Embeddings"]
+__all__ = ["AsyncDiceEncoder", "BatchStats", "Embeddings", "Lease"]
 
 
-@dataclass(frozen=True)
-class Embeddings:
-    """The result of one request. vectors: (n, dim) float32, row i is input i; tokens: (n,) int64
-    tokens the model ran for input i (all its chunks, special tokens and prefix included); truncated:
-    the indices of queries cut to the window (``auto_truncate``); chunks: with ``return_chunks``, the
-    `DiceOutput` (chunk vectors and spans) equal to ``encoder.encode_documents(texts, return_chunks=True)``,
-    else None."""
-
-    vectors: np.ndarray
-    tokens: np.ndarray
-    truncated: tuple[int, ...] = ()
-    chunks: object = None
-
-
-@dataclass(eq=False)
-class _Request:
-    plan: object
-    aggregation: str | None
-    tokens: int
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-    job: Job | None = None
-    keys: object = None  # the plan's chunk keys, computed off the event loop
-    cancelled: bool = False
-    keep_chunks: bool = False
-    submitted: float = field(default_factory=time.perf_counter)
-
-
-class AsyncDiceEncoder(WorkerLoop):
+class AsyncDiceEncoder(RequestSide, WorkerLoop):
     """Awaitable DICE encoding with batches formed across concurrent requests.
 
     encoder: a `DiceEncoder` (or any object with its ``tokenizer`` / ``plan_tokens`` / ``max_tokens_used`` /
@@ -100,6 +67,11 @@ class AsyncDiceEncoder(WorkerLoop):
       max_concurrent_requests  calls in progress at once; one more raises `Overloaded`.
       request_timeout          seconds a call may take; past it, it raises `DeadlineExceeded` and its
                                chunks that have not run are dropped. 0 = no deadline.
+      max_response_floats      floats of one call's result, width x (inputs + chunks returned with
+                               ``return_chunks``); more raises `RequestTooLarge` naming the sizes, before
+                               the forward (before tokenizing when the inputs alone pass it).
+    A call holds a share (`Lease`, see `dice_fast.serve.admission`) from its start until it returns,
+    or, with ``lease=`` given, until that lease is released (the HTTP app: when the response is sent).
     max_batch_tokens: token budget of one forward (default: the encoder's).
     auto_truncate: a query longer than the window is cut to it (its index in ``Embeddings.truncated``);
     False (the default) raises `RequestTooLarge` naming it.
@@ -120,6 +92,7 @@ class AsyncDiceEncoder(WorkerLoop):
                  max_queue_tokens: int | None = DEFAULT_LIMITS["max_queue_tokens"],
                  max_concurrent_requests: int = DEFAULT_LIMITS["max_concurrent_requests"],
                  request_timeout: float = DEFAULT_LIMITS["request_timeout"],
+                 max_response_floats: int = DEFAULT_LIMITS["max_response_floats"],
                  max_batch_tokens: int | None = None, cross_request_batching: bool = True,
                  auto_truncate: bool = False, cache_memory_mb: int = DEFAULT_CACHE_MEMORY_MB):
         for name, value, low in (("max_inputs_per_request", max_inputs_per_request, 1),
@@ -127,6 +100,7 @@ class AsyncDiceEncoder(WorkerLoop):
                                  ("max_tokens_per_document", max_tokens_per_document, 0),
                                  ("max_queue_tokens", max_queue_tokens, 1),
                                  ("max_concurrent_requests", max_concurrent_requests, 1),
+                                 ("max_response_floats", max_response_floats, 1),
                                  ("max_batch_tokens", max_batch_tokens, 1),
                                  ("cache_memory_mb", cache_memory_mb, 0)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
@@ -147,6 +121,7 @@ class AsyncDiceEncoder(WorkerLoop):
         self.max_queue_tokens = max_queue_tokens or QUEUE_BATCHES * self._queue.max_batch_tokens
         self.max_concurrent_requests = max_concurrent_requests
         self.request_timeout = float(request_timeout)
+        self.max_response_floats = max_response_floats
         self.max_input_chars = max_input_chars or default_max_input_chars(max_tokens_per_document,
                                                                           self.max_queue_tokens)
         self.auto_truncate = bool(auto_truncate)
@@ -157,6 +132,7 @@ class AsyncDiceEncoder(WorkerLoop):
         self._pending_tokens = 0
         self._current: Job | None = None  # the running job when cross_request_batching is off
         self._in_flight = 0
+        self._held_tokens = 0  # tokens of finished calls whose lease is not released (responses being sent)
         self._closing = False
         self._draining = False
         self._ran = False  # a forward (the warm-up or a request's) has completed
@@ -193,8 +169,14 @@ class AsyncDiceEncoder(WorkerLoop):
         return self._queue.tokens_waiting + self._pending_tokens
 
     @property
+    def tokens_held(self) -> int:
+        """What ``max_queue_tokens`` bounds: `tokens_waiting` plus the tokens of finished calls whose
+        lease is held (their responses are being built or sent)."""
+        return self.tokens_waiting + self._held_tokens
+
+    @property
     def requests_in_flight(self) -> int:
-        """Calls in progress: being tokenized, queued or running."""
+        """Calls in progress (leases held): being tokenized, queued, run, or their responses sent."""
         return self._in_flight
 
     @property
@@ -227,18 +209,34 @@ class AsyncDiceEncoder(WorkerLoop):
         `close` stops the core afterwards."""
         self._draining = True
 
-    async def embed_documents(self, texts: Iterable[str], return_chunks: bool = False) -> Embeddings:
+    async def embed_documents(self, texts: Iterable[str], return_chunks: bool = False, *, lease: Lease | None = None,
+                              width: int | None = None) -> Embeddings:
         """Encode n documents (chunked and aggregated) -> `Embeddings` with vectors (n, dim) float32,
         equal to ``encoder.encode_documents(texts)`` whatever else is in flight (and, with
-        ``return_chunks``, its ``chunks`` equal to ``encode_documents(texts, return_chunks=True)``)."""
-        return await self._embed(texts, "documents", None, return_chunks)
+        ``return_chunks``, its ``chunks`` equal to ``encode_documents(texts, return_chunks=True)``).
+        lease: a `lease` to hold the call's share in (kept until released); width: the floats per vector
+        the caller will return (``dimensions``; default ``dim``), for ``max_response_floats``."""
+        (out,) = await self._embed([Part(texts, "documents", None, return_chunks)], lease, width)
+        return out
 
-    async def embed_queries(self, texts: Iterable[str]) -> Embeddings:
+    async def embed_queries(self, texts: Iterable[str], *, lease: Lease | None = None,
+                            width: int | None = None) -> Embeddings:
         """Encode n queries (one window each, never chunked) -> `Embeddings` with vectors (n, dim)
         float32, equal to ``encoder.encode_queries(texts)``. A query longer than the window raises
         `RequestTooLarge` naming it, or with ``auto_truncate`` is cut to it (as offline) and listed in
-        ``truncated``."""
-        return await self._embed(texts, "queries", "mean")
+        ``truncated``. lease, width: as `embed_documents`."""
+        (out,) = await self._embed([Part(texts, "queries", "mean")], lease, width)
+        return out
+
+    async def embed_query_and_documents(self, queries: Iterable[str], documents: Iterable[str],
+                                        return_chunks: bool = False, *, lease: Lease | None = None,
+                                        fields: tuple[str, str] = ("query", "documents")) -> tuple[Embeddings, Embeddings]:
+        """(`embed_queries` of ``queries``, `embed_documents` of ``documents``) as one call: one share,
+        queries tokenized first (refused: the documents are never tokenized), one check of the
+        limits and the queue bound for both, and the first to fail cancels the other's unrun chunks.
+        fields: the names of the two parts in error messages."""
+        return tuple(await self._embed([Part(queries, "queries", "mean", False, fields[0]),
+                                        Part(documents, "documents", None, return_chunks, fields[1])], lease, None))
 
     def add_batch_listener(self, listener: Callable[[BatchStats], None]) -> None:
         """Call ``listener(stats)`` from the worker thread after every forward (e.g. for metrics)."""
@@ -273,113 +271,7 @@ class AsyncDiceEncoder(WorkerLoop):
         return (f"AsyncDiceEncoder({self.encoder!r}, max_inputs_per_request={self.max_inputs_per_request}, "
                 f"max_input_chars={self.max_input_chars}, max_tokens_per_document={self.max_tokens_per_document}, "
                 f"max_queue_tokens={self.max_queue_tokens}, max_concurrent_requests={self.max_concurrent_requests}, "
-                f"request_timeout={self.request_timeout:g}, max_batch_tokens={self.max_batch_tokens}, "
+                f"request_timeout={self.request_timeout:g}, max_response_floats={self.max_response_floats}, "
+                f"max_batch_tokens={self.max_batch_tokens}, "
                 f"auto_truncate={self.auto_truncate}, "
                 f"cross_request_batching={self.cross_request_batching}, cache_memory_mb={self.cache_memory_mb})")
-
-    # ------------------------------------------------------------------------- request side
-    async def _embed(self, texts, kind: str, aggregation: str | None, return_chunks: bool = False) -> Embeddings:
-        self._check_accepting()
-        deadline = asyncio.get_running_loop().time() + self.request_timeout if self.request_timeout else None
-        texts = check_texts(texts, "input")
-        if len(texts) > self.max_inputs_per_request:
-            raise RequestTooLarge(f"{len(texts)} inputs in one request; the limit is {self.max_inputs_per_request} "
-                                  "(max_inputs_per_request)", param="input")
-        with self._cond:
-            if self._in_flight >= self.max_concurrent_requests:
-                raise Overloaded(f"{self._in_flight} requests are in progress, the limit "
-                                 f"(max_concurrent_requests); retry later", self.retry_after())
-            self._in_flight += 1
-        try:
-            if not texts:
-                return Embeddings(np.zeros((0, self.dim), np.float32), np.zeros(0, np.int64))
-            if self.tokens_waiting >= self.max_queue_tokens:  # full already: do not spend time tokenizing
-                raise self._queue_full(0)
-            check_chars(texts, self.max_input_chars)
-            loop = asyncio.get_running_loop()
-            abandoned = threading.Event()
-            def plan_and_key():  # in one worker thread: tokenize, check the exact sizes, key the chunks
-                plan, truncated = plan_request(self.encoder, texts, kind, piece_chars=self._piece_chars,
-                                               auto_truncate=self.auto_truncate, check_sizes=self._check_sizes,
-                                               abandoned=abandoned)
-                self._check_sizes(plan.document_tokens)
-                return plan, truncated, self._queue.keys_for(plan)
-
-            try:
-                plan, truncated, keys = await self._until(deadline, loop.run_in_executor(None, plan_and_key))
-            except (asyncio.CancelledError, DeadlineExceeded):
-                abandoned.set()  # stop tokenizing at the next piece
-                raise
-            tokens = plan.document_tokens
-            request = _Request(plan, aggregation, int(tokens.sum()), loop, loop.create_future(),
-                               keep_chunks=return_chunks)
-            request.keys = keys
-            self._submit(request)
-            try:
-                vectors = await self._until(deadline, request.future)
-            except (asyncio.CancelledError, DeadlineExceeded):
-                self._cancel(request)
-                raise
-            if return_chunks:
-                return Embeddings(vectors[0], tokens, truncated, DiceOutput.of_plan(plan, *vectors))
-            return Embeddings(vectors, tokens, truncated)
-        finally:
-            with self._cond:
-                self._in_flight -= 1
-
-    def _check_accepting(self) -> None:
-        if self.health[0] == "unhealthy":
-            raise Unhealthy(f"the encoder cannot serve: {self._broken}")
-        if self._closing:
-            raise ShuttingDown("the encoder is shutting down and takes no new requests")
-
-    async def _until(self, deadline: float | None, awaitable):
-        """Await ``awaitable`` until ``deadline`` (event-loop time; None: no deadline), else raise
-        `DeadlineExceeded` (a future is cancelled)."""
-        if deadline is None:
-            return await awaitable
-        try:
-            return await asyncio.wait_for(awaitable, max(0.0, deadline - asyncio.get_running_loop().time()))
-        except TimeoutError:
-            raise DeadlineExceeded(f"the request did not finish within {self.request_timeout:g} s "
-                                   "(request_timeout); its chunks that had not run were dropped") from None
-
-    def _check_sizes(self, tokens: np.ndarray, at_least: bool = False) -> None:
-        """Refuse a request of ``tokens`` (n,) per input (``at_least``: lower bounds found so far)."""
-        limit = self.max_tokens_per_document
-        if limit:
-            over = np.flatnonzero(tokens > limit)
-            if len(over):
-                i = int(over[0])
-                n = f"more than {limit}" if at_least else int(tokens[i])
-                raise RequestTooLarge(f"input[{i}] has {n} tokens; the limit is {limit} tokens per input, special "
-                                      "tokens included (max_tokens_per_document)", param=f"input[{i}]")
-        total = int(tokens.sum())
-        if total > self.max_queue_tokens:
-            n = f"more than {self.max_queue_tokens}" if at_least else total
-            raise RequestTooLarge(f"the request has {n} tokens, more than the {self.max_queue_tokens} tokens the queue "
-                                  "holds (max_queue_tokens); split it into smaller requests", param="input")
-
-    def _queue_full(self, tokens: int) -> Overloaded:
-        return Overloaded(f"the queue holds {self.tokens_waiting} tokens; {tokens} more would pass its limit of "
-                          f"{self.max_queue_tokens} (max_queue_tokens); retry later", self.retry_after())
-
-    def _submit(self, request: _Request) -> None:
-        with self._cond:
-            self._check_accepting()
-            waiting = self.tokens_waiting
-            if waiting and waiting + request.tokens > self.max_queue_tokens:
-                raise self._queue_full(request.tokens)
-            self._pending.append(request)
-            self._pending_tokens += request.tokens
-            self._start_worker(warm_up=False)
-            self._cond.notify()
-
-    def _cancel(self, request: _Request) -> None:
-        with self._cond:
-            request.cancelled = True
-            if request.job is not None:
-                self._queue.cancel(request.job)  # its chunks not handed out are dropped
-            elif request in self._pending:
-                self._pending.remove(request)
-                self._pending_tokens -= request.tokens

@@ -9,8 +9,11 @@ import os
 from ..reuse.persistent import SERVE_MAX_GB
 from ..cliargs import add_cache_arguments, add_encoder_arguments, make_encoder
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, HTTP_LIMITS, LIMITS
+from .server import SERVER_LIMITS
 
-API_KEY_ENV = "DICE_FAST_API_KEY"
+ENV_PREFIX = "DICE_FAST_"
+API_KEY_ENV = ENV_PREFIX + "API_KEY"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +30,46 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="run one request at a time, alone in its batches (a baseline for benchmarks)")
 
 
+def add_server_arguments(g) -> None:
+    """The connection bounds (`dice_fast.serve.server.SERVER_LIMITS`) and the Host allow-list."""
+    for name, (default, meaning) in SERVER_LIMITS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                       help=f"{meaning} (default {default:g})")
+    g.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                   help="comma-separated Host names answered besides the bound address (and loopback's names when "
+                        "bound to loopback, every IP address when bound to 0.0.0.0); '*': any Host. Others get 400, "
+                        "so a web page cannot reach the server through DNS rebinding")
+
+
+def environment_defaults(p: argparse.ArgumentParser, environ=os.environ) -> None:
+    """Let every long flag of ``p`` be set from ``$DICE_FAST_<FLAG>`` (``--max-queue-tokens``:
+    ``DICE_FAST_MAX_QUEUE_TOKENS``; a switch takes 1/true/yes/on or 0/false/no/off), as TEI does; the
+    flag wins over the variable. Each flag's help names its variable. A bad value is an error when the
+    command parses its arguments (``p.set_defaults(environment_errors=...)``)."""
+    errors = []
+    for action in p._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if not longs or action.help == argparse.SUPPRESS or action.dest == "help":
+            continue
+        env = ENV_PREFIX + longs[0][2:].replace("-", "_").upper()
+        action.help = f"{action.help or ''} [env: {env}]".strip()
+        if action.dest == "api_key" or env not in environ:  # the key: see api_key(), which reads it last
+            continue
+        value = environ[env]
+        if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+            if value.strip().lower() not in _TRUE + _FALSE:
+                errors.append(f"${env}={value[:40]!r}: expected one of {', '.join(_TRUE)} or {', '.join(_FALSE[:-1])}")
+                continue
+            on = value.strip().lower() in _TRUE
+            action.default = on if isinstance(action, argparse.BooleanOptionalAction) else (
+                action.const if on else not action.const)
+        elif action.choices is not None and value not in action.choices:
+            errors.append(f"${env}={value[:40]!r}: expected one of {', '.join(map(str, action.choices))}")
+        else:
+            action.default = value  # argparse converts a string default with the flag's type
+    p.set_defaults(environment_errors=errors)
+
+
 def limits(args) -> dict:
     """The `AsyncDiceEncoder` keyword arguments named by `add_limit_arguments`."""
     out = {name: getattr(args, name) for name in DEFAULT_LIMITS}
@@ -38,7 +81,7 @@ def limits(args) -> dict:
 def api_key(args, environ=os.environ) -> str | None:
     """The API key from ``--api-key``, ``--api-key-file`` (its first line) or ``$DICE_FAST_API_KEY``, in that
     order; None when none is given. A source that is given but empty is an error, never an open server."""
-    from .app import check_api_key
+    from .guards import check_api_key
 
     if args.api_key is not None and args.api_key_file is not None:
         raise ValueError("give --api-key or --api-key-file, not both")
@@ -61,9 +104,11 @@ def register_cli(subparsers) -> None:
     """Add the ``serve`` and ``bench-serve`` subcommands to ``subparsers``."""
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible embeddings server with cross-request batching",
-        description="Serve POST /v1/embeddings (OpenAI-shaped; input_type document|query), GET /health, "
-        "GET /v1/models and GET /metrics on uvicorn. Requests share packed batches under the token budget. "
-        "SIGTERM or Ctrl-C stops accepting, finishes the requests in flight, then exits.",
+        description="Serve POST /v1/embeddings (OpenAI-shaped; input_type document|query), POST /v1/evidence, "
+        "GET /health, GET /v1/models and GET /metrics on uvicorn. Requests share packed batches under the token "
+        "budget. SIGTERM or Ctrl-C stops accepting, finishes the requests in flight, then exits. Every flag can "
+        f"also be set from the environment ({ENV_PREFIX}<FLAG>, named in each flag's help); the flag wins. "
+        "See docs/serving.md.",
     )
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -74,7 +119,8 @@ def register_cli(subparsers) -> None:
                    help="seconds to finish requests in flight after SIGTERM before cancelling them (default 30)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
-    a = p.add_argument_group("authentication (every route but /health; see README 'Security and limits')")
+    add_server_arguments(p.add_argument_group("connections (what is left for a reverse proxy: docs/serving.md)"))
+    a = p.add_argument_group("authentication (every route but /health; see docs/serving.md)")
     a.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (visible in ps: prefer ${API_KEY_ENV} or --api-key-file)")
     a.add_argument("--api-key-file", default=None, help="read the key from this file's first line")
@@ -86,6 +132,7 @@ def register_cli(subparsers) -> None:
         "--cache-memory-mb", type=int, default=DEFAULT_CACHE_MEMORY_MB, metavar="N",
         help=f"chunk vectors kept in memory across requests, in front of --cache (default {DEFAULT_CACHE_MEMORY_MB}; "
         "0: none)")
+    environment_defaults(p)
     p.set_defaults(func=cmd_serve)
 
     b = subparsers.add_parser(
@@ -115,13 +162,15 @@ def register_cli(subparsers) -> None:
 def cmd_serve(args) -> int:
     import warnings
 
-    import uvicorn
-
     from .app import create_app
+    from .guards import allowed_hosts
+    from .server import SERVER_DEFAULTS, draining_server, server_config
 
     # a query over the window is cut to it, as offline; one warning per such request would flood the log
     warnings.filterwarnings("ignore", message=r".*longer than the model window", category=UserWarning)
 
+    if getattr(args, "environment_errors", None):
+        raise ValueError("; ".join(args.environment_errors))
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.cache_memory_mb < 0:
@@ -132,8 +181,10 @@ def cmd_serve(args) -> int:
         from .fault_injection import inject_oom
 
         inject_oom(encoder.model, args.testing_inject_oom)
+    hosts = allowed_hosts(args.host, args.allowed_hosts.split(","))
     app = create_app(encoder, model_name=args.served_model_name, api_key=key, max_body_bytes=args.max_body_bytes,
-                     cache_memory_mb=args.cache_memory_mb, **limits(args))
+                     allowed_hosts=hosts, read_timeout=args.read_timeout, cache_memory_mb=args.cache_memory_mb,
+                     **limits(args))
     if encoder.cache is not None:
         print(f"dice-fast serve: chunk cache {encoder.cache.cache!r}", flush=True)
     print(f"dice-fast serve: {encoder!r}", flush=True)
@@ -141,23 +192,12 @@ def cmd_serve(args) -> int:
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"dice-fast serve: WARNING: listening on {args.host} without an API key; anyone who can reach it "
               f"can use the model (set ${API_KEY_ENV} or --api-key-file)", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=not args.no_access_log, timeout_graceful_shutdown=args.graceful_timeout,
-                            lifespan="on")
-    draining_server(uvicorn, app.state.core)(config).run()
+    print(f"dice-fast serve: answering Host {', '.join(hosts)}", flush=True)
+    config = server_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                           access_log=not args.no_access_log, timeout_graceful_shutdown=args.graceful_timeout,
+                           lifespan="on", **{name: getattr(args, name) for name in SERVER_DEFAULTS})
+    draining_server(app.state.core)(config).run()
     return 0
-
-
-def draining_server(uvicorn, core):
-    """A ``uvicorn.Server`` class whose SIGTERM / Ctrl-C first marks ``core`` draining (``/health`` 503
-    "draining") while uvicorn finishes the requests in flight."""
-
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            core.drain()
-            super().handle_exit(sig, frame)
-
-    return DrainingServer
 
 
 def cmd_bench_serve(args) -> int:

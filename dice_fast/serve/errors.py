@@ -8,6 +8,13 @@ web framework.
 
 from __future__ import annotations
 
+QUOTE_CHARS = 40  # the most an error message quotes of anything a client sent
+
+
+def quote(text: str, most: int = QUOTE_CHARS) -> str:
+    """``text`` cut to ``most`` characters (ending in "..." when cut): what an error may echo of it."""
+    return text if len(text) <= most else text[: most - 3] + "..."
+
 
 class ServeError(Exception):
     """Base of the errors a client can cause. message: for the client; param: the offending field."""

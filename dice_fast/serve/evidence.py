@@ -1,18 +1,19 @@
 """``POST /v1/evidence``: given a query and documents (retrieved elsewhere), each document's score
 and the passage that matched (localisation here, retrieval elsewhere).
 
-The query and the documents are encoded by the shared core (the documents keeping their chunk vectors),
-so the route obeys the same limits as ``/v1/embeddings``; scoring is `dice_fast.scoring`.
+The query and the documents are encoded by the shared core as one call
+(`AsyncDiceEncoder.embed_query_and_documents`: one share, one admission, the query tokenized first, the
+first error cancelling the rest; the documents keep their chunk vectors), so the route obeys the same
+limits as ``/v1/embeddings``; scoring is `dice_fast.scoring`.
 """
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import Request
 
 from .. import scoring as sc
-from .schemas import EVIDENCE_SCHEMA, evidence_response, parse_evidence_request
+from .schemas import evidence_response, parse_evidence_request
+from .transport import unless_disconnected
 
 
 def evidence_rows(req, query_vector, out) -> list[dict]:
@@ -34,25 +35,28 @@ def evidence_rows(req, query_vector, out) -> list[dict]:
     return rows
 
 
-def add_evidence_route(app, core, model_name: str, read_request, answer, unless_disconnected) -> None:
+def add_evidence_route(app, core, model_name: str, read_request, answer, serialise, schema: dict,
+                       responses: dict) -> None:
     """Register ``POST /v1/evidence`` on ``app`` over the `AsyncDiceEncoder` ``core``; ``read_request``
-    (content type, body limit, parsing), ``answer`` (errors, disconnects, metrics) and
-    ``unless_disconnected`` are the app's own, shared with ``/v1/embeddings``."""
+    (content type, body limit, parsing), ``answer`` (the lease, errors, disconnects, metrics) and
+    ``serialise`` are the app's own, shared with ``/v1/embeddings``; ``schema`` the body's JSON schema and
+    ``responses`` the route's answers, for the OpenAPI document."""
 
     @app.post("/v1/evidence", summary="Score documents for a query and return each one's evidence passage",
+              responses=responses,
               openapi_extra={"requestBody": {"required": True,
-                                             "content": {"application/json": {"schema": EVIDENCE_SCHEMA}}}})
+                                             "content": {"application/json": {"schema": schema}}}})
     async def evidence(request: Request):
-        async def handle(_labels):
+        async def handle(_labels, lease):
             req = await read_request(request, parse_evidence_request)
-            work = asyncio.gather(core.embed_queries([req.query]),
-                                  core.embed_documents(req.documents, return_chunks=True))
+            work = core.embed_query_and_documents([req.query], req.documents, return_chunks=True, lease=lease)
             done = await unless_disconnected(request, work)
             if done is None:
                 return None
             query, docs = done
             rows = evidence_rows(req, query.vectors, docs.chunks)
             tokens = int(query.tokens.sum() + docs.tokens.sum())
-            return evidence_response(rows, req.scoring, tokens, model_name), len(req.documents), tokens
+            content = await serialise(evidence_response, len(rows) * 8, rows, req.scoring, tokens, model_name)
+            return content, len(req.documents), tokens
 
-        return await answer("evidence", handle)
+        return await answer(request, "evidence", handle)

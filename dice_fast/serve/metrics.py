@@ -1,15 +1,16 @@
-"""Prometheus metrics of the server, in the text exposition format (version 0.0.4), with no dependency.
+"""Prometheus metrics of the server, through `prometheus_client` (the ``serve`` extra), in a registry
+of the app's own; `ServerMetrics` is the set the app exposes at ``GET /metrics``:
 
-`Registry` holds counters, callback gauges and histograms and renders them; `ServerMetrics` is the set
-the app exposes at ``GET /metrics``:
-
-    dice_fast_requests_total{input_type, status}        embedding requests by outcome (499: client gone)
+    dice_fast_requests_total{input_type, status}        requests by outcome (499: client gone)
     dice_fast_unauthorized_total{reason}                401s: API key missing or invalid
+    dice_fast_wrong_host_total                          400s: a Host header the server does not answer to
     dice_fast_inputs_total{input_type}                  inputs embedded
     dice_fast_prompt_tokens_total{input_type}           tokens of the inputs embedded (usage.prompt_tokens)
     dice_fast_request_duration_seconds{input_type}      latency of successful requests (histogram)
-    dice_fast_queue_tokens                              tokens waiting to run (what --max-queue-tokens bounds)
-    dice_fast_requests_in_flight                        requests being tokenized, queued or run
+    dice_fast_queue_tokens                              tokens waiting to run
+    dice_fast_held_tokens                               what --max-queue-tokens bounds: waiting, plus those
+                                                        of requests whose responses are being sent
+    dice_fast_requests_in_flight                        requests being read, tokenized, queued, run or sent
     dice_fast_batch_tokens_total                        tokens the model ran
     dice_fast_batch_fill_ratio                          tokens per forward / token budget (histogram)
     dice_fast_batch_requests                            requests sharing a forward (histogram)
@@ -17,15 +18,16 @@ the app exposes at ``GET /metrics``:
     dice_fast_chunks_total{source}                      chunk vectors by source: computed, deduplicated
                                                         (shared an identical queued chunk's forward), memory, disk
     dice_fast_chunk_cache_lookups_total{tier, result}   chunk lookups in the memory and disk caches: hit, miss
+    process_resident_memory_bytes, process_open_fds,    the process (prometheus_client's ProcessCollector;
+    process_cpu_seconds_total, ...                      Linux)
 
 All updates are thread-safe (the worker thread observes batches, the event loop requests).
 """
 
 from __future__ import annotations
 
-import math
-import threading
-from typing import Callable, Sequence
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -34,189 +36,70 @@ FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 SHARE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class _ReadCounters:
+    """A collector of counters kept elsewhere: ``fn()`` returns {label values: count} when scraped."""
 
+    def __init__(self, name: str, help: str, labelnames: tuple[str, ...], fn):
+        self.name, self.help, self.labelnames, self.fn = name, help, labelnames, fn
 
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _number(v: float) -> str:
-    """Prometheus' spelling of a float (as its Python client writes it: 1.0, 0.25, +Inf)."""
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
-        self.name, self.help, self.labelnames = name, help, tuple(labelnames)
-        self._lock = threading.Lock()
-
-    def _key(self, labels: dict) -> tuple:
-        if set(labels) != set(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {tuple(labels)}")
-        return tuple(str(labels[n]) for n in self.labelnames)
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    """A monotonically increasing count per label set."""
-
-    kind = "counter"
-
-    def __init__(self, name, help, labelnames=()):
-        super().__init__(name, help, labelnames)
-        self._values: dict[tuple, float] = {}
-
-    def inc(self, amount: float = 1, **labels) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0) + amount
-
-    def value(self, **labels) -> float:
-        return self._values.get(self._key(labels), 0)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        if not items and not self.labelnames:
-            items = [((), 0)]
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_number(v)}" for k, v in items]
-
-
-class Gauge(_Metric):
-    """A value read from ``fn()`` when scraped."""
-
-    kind = "gauge"
-
-    def __init__(self, name, help, fn: Callable[[], float]):
-        super().__init__(name, help)
-        self.fn = fn
-
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name} {_number(self.fn())}"]
-
-
-class ReadCounter(_Metric):
-    """A counter kept elsewhere: ``fn()`` returns {label values tuple: count} when scraped."""
-
-    kind = "counter"
-
-    def __init__(self, name, help, labelnames, fn: Callable[[], dict]):
-        super().__init__(name, help, labelnames)
-        self.fn = fn
-
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_number(v)}"
-                                for k, v in sorted(self.fn().items())]
-
-
-class Histogram(_Metric):
-    """Observations counted into cumulative ``le`` buckets per label set, with their sum and count."""
-
-    kind = "histogram"
-
-    def __init__(self, name, help, buckets: Sequence[float], labelnames=()):
-        super().__init__(name, help, labelnames)
-        self.buckets = tuple(sorted(buckets)) + (math.inf,)
-        self._data: dict[tuple, list] = {}  # key -> [counts per bucket..., sum]
-
-    def observe(self, value: float, **labels) -> None:
-        key = self._key(labels)
-        with self._lock:
-            data = self._data.setdefault(key, [0] * len(self.buckets) + [0.0])
-            for i, bound in enumerate(self.buckets):
-                if value <= bound:
-                    data[i] += 1
-                    break
-            data[-1] += value
-
-    def count(self, **labels) -> int:
-        """Observations made with ``labels``."""
-        with self._lock:
-            return int(sum(self._data.get(self._key(labels), [0, 0.0])[:-1]))
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted((k, list(v)) for k, v in self._data.items())
-        if not items and not self.labelnames:
-            items = [((), [0] * len(self.buckets) + [0.0])]
-        lines = self.header()
-        for key, data in items:
-            running = 0
-            for bound, n in zip(self.buckets, data):
-                running += n
-                le = 'le="' + _number(bound) + '"'
-                lines.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {running}")
-            lines.append(f"{self.name}_sum{_labels(self.labelnames, key)} {_number(data[-1])}")
-            lines.append(f"{self.name}_count{_labels(self.labelnames, key)} {running}")
-        return lines
-
-
-class Registry:
-    """An ordered set of metrics rendered together."""
-
-    def __init__(self):
-        self._metrics: list[_Metric] = []
-
-    def add(self, metric: _Metric) -> _Metric:
-        self._metrics.append(metric)
-        return metric
-
-    def render(self) -> str:
-        return "\n".join(line for m in self._metrics for line in m.render()) + "\n"
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.help, labels=self.labelnames)
+        for labels, value in sorted(self.fn().items()):
+            family.add_metric(labels, value)
+        yield family
 
 
 class ServerMetrics:
     """The metrics of one app over one `AsyncDiceEncoder` (see the module docstring)."""
 
     def __init__(self, core):
-        r = self.registry = Registry()
-        self.requests = r.add(Counter("dice_fast_requests_total", "Embedding requests by input type and HTTP status.",
-                                      ("input_type", "status")))
-        self.unauthorized = r.add(Counter("dice_fast_unauthorized_total",
-                                          "Requests refused with 401: no API key, or a wrong one.", ("reason",)))
-        self.inputs = r.add(Counter("dice_fast_inputs_total", "Inputs embedded.", ("input_type",)))
-        self.tokens = r.add(Counter("dice_fast_prompt_tokens_total", "Tokens of the inputs embedded.", ("input_type",)))
-        self.latency = r.add(Histogram("dice_fast_request_duration_seconds", "Latency of successful requests.",
-                                       LATENCY_BUCKETS, ("input_type",)))
-        r.add(Gauge("dice_fast_queue_tokens", "Tokens waiting to run.", lambda: core.tokens_waiting))
-        r.add(Gauge("dice_fast_requests_in_flight", "Requests being tokenized, queued or run.",
-                    lambda: core.requests_in_flight))
-        self.batch_tokens = r.add(Counter("dice_fast_batch_tokens_total", "Tokens run by the model."))
-        self.batch_fill = r.add(Histogram("dice_fast_batch_fill_ratio", "Tokens per forward over the token budget.",
-                                          FILL_BUCKETS))
-        self.batch_requests = r.add(Histogram("dice_fast_batch_requests", "Requests sharing one forward.",
-                                              SHARE_BUCKETS))
-        self.batch_seconds = r.add(Histogram("dice_fast_batch_duration_seconds", "Time per forward.", LATENCY_BUCKETS))
-        r.add(ReadCounter("dice_fast_chunks_total", "Chunk vectors by source.", ("source",),
-                          lambda: _chunk_sources(core.chunk_stats.snapshot())))
-        r.add(ReadCounter("dice_fast_chunk_cache_lookups_total", "Chunk lookups in the memory and disk caches.",
-                          ("tier", "result"), lambda: _cache_lookups(core.chunk_stats.snapshot())))
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("dice_fast_requests", "Requests by input type and HTTP status.",
+                                ("input_type", "status"), registry=r)
+        self.unauthorized = Counter("dice_fast_unauthorized", "Requests refused with 401: no API key, or a wrong one.",
+                                    ("reason",), registry=r)
+        self.wrong_host = Counter("dice_fast_wrong_host", "Requests refused with 400: a Host the server does not "
+                                  "answer to.", registry=r)
+        self.inputs = Counter("dice_fast_inputs", "Inputs embedded.", ("input_type",), registry=r)
+        self.tokens = Counter("dice_fast_prompt_tokens", "Tokens of the inputs embedded.", ("input_type",), registry=r)
+        self.latency = Histogram("dice_fast_request_duration_seconds", "Latency of successful requests.",
+                                 ("input_type",), buckets=LATENCY_BUCKETS, registry=r)
+        Gauge("dice_fast_queue_tokens", "Tokens waiting to run.", registry=r).set_function(lambda: core.tokens_waiting)
+        Gauge("dice_fast_held_tokens", "Tokens waiting to run plus those of requests whose responses are being sent "
+              "(what max_queue_tokens bounds).", registry=r).set_function(lambda: core.tokens_held)
+        Gauge("dice_fast_requests_in_flight", "Requests being read, tokenized, queued, run or sent.",
+              registry=r).set_function(lambda: core.requests_in_flight)
+        self.batch_tokens = Counter("dice_fast_batch_tokens", "Tokens run by the model.", registry=r)
+        self.batch_fill = Histogram("dice_fast_batch_fill_ratio", "Tokens per forward over the token budget.",
+                                    buckets=FILL_BUCKETS, registry=r)
+        self.batch_requests = Histogram("dice_fast_batch_requests", "Requests sharing one forward.",
+                                        buckets=SHARE_BUCKETS, registry=r)
+        self.batch_seconds = Histogram("dice_fast_batch_duration_seconds", "Time per forward.",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_ReadCounters("dice_fast_chunks", "Chunk vectors by source.", ("source",),
+                                 lambda: _chunk_sources(core.chunk_stats.snapshot())))
+        r.register(_ReadCounters("dice_fast_chunk_cache_lookups", "Chunk lookups in the memory and disk caches.",
+                                 ("tier", "result"), lambda: _cache_lookups(core.chunk_stats.snapshot())))
+        ProcessCollector(registry=r)
         core.add_batch_listener(self.observe_batch)
 
     def observe_request(self, input_type: str, status: int, seconds: float | None = None, inputs: int = 0,
                         tokens: int = 0) -> None:
         """Count one request; a successful one also adds its inputs, tokens and latency."""
-        self.requests.inc(input_type=input_type, status=str(status))
+        self.requests.labels(input_type=input_type, status=str(status)).inc()
         if status == 200:
-            self.inputs.inc(inputs, input_type=input_type)
-            self.tokens.inc(tokens, input_type=input_type)
+            self.inputs.labels(input_type=input_type).inc(inputs)
+            self.tokens.labels(input_type=input_type).inc(tokens)
             if seconds is not None:
-                self.latency.observe(seconds, input_type=input_type)
+                self.latency.labels(input_type=input_type).observe(seconds)
 
     def observe_unauthorized(self, reason: str) -> None:
         """Count one 401 (``reason``: "missing" or "invalid"); these never reach the request counter."""
-        self.unauthorized.inc(reason=reason)
+        self.unauthorized.labels(reason=reason).inc()
+
+    def observe_wrong_host(self) -> None:
+        """Count one 400 for a Host the server does not answer to."""
+        self.wrong_host.inc()
 
     def observe_batch(self, stats) -> None:
         """A `BatchStats` from the worker."""
@@ -226,7 +109,8 @@ class ServerMetrics:
         self.batch_seconds.observe(stats.seconds)
 
     def render(self) -> str:
-        return self.registry.render()
+        """The text exposition format (version 0.0.4) of every metric."""
+        return generate_latest(self.registry).decode("utf-8")
 
 
 def _chunk_sources(stats: dict) -> dict:

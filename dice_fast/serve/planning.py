@@ -26,23 +26,24 @@ def piece_chars(encoder) -> int | None:
         return PIECE_CHARS if cuts_are_exact(encoder.tokenizer) else None
 
 
-def check_chars(texts: list[str], limit: int) -> None:
-    """`RequestTooLarge` naming the first text of more than ``limit`` characters."""
+def check_chars(texts: list[str], limit: int, field: str = "input") -> None:
+    """`RequestTooLarge` naming the first text (``field[i]``) of more than ``limit`` characters."""
     for i, text in enumerate(texts):
         if len(text) > limit:
-            raise RequestTooLarge(f"input[{i}] has {len(text)} characters; the limit is {limit} per input "
-                                  "(max_input_chars)", param=f"input[{i}]")
+            raise RequestTooLarge(f"{field}[{i}] has {len(text)} characters; the limit is {limit} per input "
+                                  "(max_input_chars)", param=f"{field}[{i}]")
 
 
 def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | None, auto_truncate: bool,
-                 check_sizes: Callable[..., None], abandoned: threading.Event) -> tuple[EncodingPlan, tuple[int, ...]]:
+                 check_sizes: Callable[..., None], abandoned: threading.Event,
+                 field: str = "input") -> tuple[EncodingPlan, tuple[int, ...]]:
     """(plan, indices of queries cut to the window) of ``texts`` as ``kind`` ("documents" / "queries").
 
     Between tokenizer calls, ``check_sizes(tokens, at_least=True)`` gets (n,) lower bounds of the tokens
     per text the model will run and refuses by raising; a query over the window raises
     `RequestTooLarge` naming it unless ``auto_truncate``; ``abandoned`` set stops the work (`Abandoned`).
     A text that is not valid Unicode raises `InvalidRequest`, a ``positions="global"`` document needing
-    more positions than the model has `RequestTooLarge`, each naming ``input[i]``. Runs in any thread.
+    more positions than the model has `RequestTooLarge`, each naming ``field[i]``. Runs in any thread.
     """
     used = encoder.max_tokens_used(kind)  # None, or what a longer text is cut to
     refuse_long = kind == "queries" and not auto_truncate
@@ -50,9 +51,9 @@ def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | Non
     def refuse_long_queries(counts: np.ndarray) -> None:
         if refuse_long and (over := np.flatnonzero(counts > used)).size:
             i = int(over[0])
-            raise RequestTooLarge(f"input[{i}] is a query of more than {used} tokens, more than the model window "
+            raise RequestTooLarge(f"{field}[{i}] is a query of more than {used} tokens, more than the model window "
                                   f"({encoder.window} tokens with special tokens) holds; shorten it, or let the "
-                                  "server cut it (auto_truncate, dice-fast serve --auto-truncate)", param=f"input[{i}]")
+                                  "server cut it (auto_truncate, dice-fast serve --auto-truncate)", param=f"{field}[{i}]")
 
     def check(counts: np.ndarray) -> None:
         if abandoned.is_set():
@@ -62,9 +63,9 @@ def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | Non
 
     try:
         tokens = tokenize_bounded(encoder.tokenizer, texts, encoder._tokenizer_lock, piece_chars=piece_chars,
-                                  check=check, enough=used if kind == "queries" else None, what="input")
+                                  check=check, enough=used if kind == "queries" else None, what=field)
     except TextError as exc:  # not valid Unicode
-        raise InvalidRequest(str(exc), param=f"input[{exc.index}]") from None
+        raise InvalidRequest(str(exc), param=f"{field}[{exc.index}]") from None
     refuse_long_queries(tokens.lengths)
     truncated = ()
     if kind == "queries" and (over := np.flatnonzero(tokens.lengths > used)).size:
@@ -73,7 +74,7 @@ def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | Non
     try:
         return encoder.plan_tokens(tokens, kind), truncated
     except TextError as exc:  # positions="global": more positions than the model has
-        raise RequestTooLarge(f"input[{exc.index}]: {exc}", param=f"input[{exc.index}]") from None
+        raise RequestTooLarge(f"{field}[{exc.index}]: {exc}", param=f"{field}[{exc.index}]") from None
 
 
 def keep_first(tokens: TokenizedDocuments, n: int) -> TokenizedDocuments:

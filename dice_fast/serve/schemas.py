@@ -36,39 +36,13 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 
 from ..scoring import SCORINGS
-from .errors import InvalidRequest
+from .errors import QUOTE_CHARS, InvalidRequest, quote
 
 ENCODING_FORMATS = ("float", "base64")
 INPUT_TYPES = {"document": "document", "query": "query", "search_document": "document", "search_query": "query"}
-
-# the request body's JSON schema, for the OpenAPI page (parsing does not use it)
-REQUEST_SCHEMA = {
-    "type": "object",
-    "required": ["input"],
-    "properties": {
-        "input": {"oneOf": [{"type": "string", "minLength": 1},
-                            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}]},
-        "model": {"type": "string"},
-        "encoding_format": {"type": "string", "enum": list(ENCODING_FORMATS), "default": "float"},
-        "input_type": {"type": "string", "enum": list(INPUT_TYPES), "default": "document"},
-        "dimensions": {"type": "integer", "minimum": 1},
-        "return_chunks": {"type": "boolean", "default": False},
-        "user": {"type": "string"},
-    },
-}
-EVIDENCE_SCHEMA = {
-    "type": "object",
-    "required": ["query", "documents"],
-    "properties": {
-        "query": {"type": "string", "minLength": 1},
-        "documents": REQUEST_SCHEMA["properties"]["input"],
-        "scoring": {"type": "string", "enum": list(SCORINGS), "default": "maxsim"},
-        "alpha": {"type": "number", "minimum": 0, "maximum": 1},
-    },
-}
-
 
 @dataclass(frozen=True)
 class EmbeddingRequest:
@@ -116,15 +90,17 @@ def parse_embedding_request(body: bytes, dim: int) -> EmbeddingRequest:
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest(f"'model' must be a string, got {_json_type(model)}", param="model")
-    encoding_format = obj.get("encoding_format") or "float"
+    encoding_format = _or_default(obj, "encoding_format", "float")
     if encoding_format not in ENCODING_FORMATS:
         raise InvalidRequest(f"'encoding_format' must be one of {', '.join(map(repr, ENCODING_FORMATS))}, got "
                              f"{_short(encoding_format)}", param="encoding_format")
-    input_type = obj.get("input_type") or "document"
+    input_type = _or_default(obj, "input_type", "document")
     if not isinstance(input_type, str) or input_type not in INPUT_TYPES:
         raise InvalidRequest(f"'input_type' must be one of {', '.join(map(repr, INPUT_TYPES))}, got "
                              f"{_short(input_type)}", param="input_type")
     dimensions = obj.get("dimensions")
+    if isinstance(dimensions, float) and dimensions.is_integer():  # 8.0 is an integer in JSON Schema's sense
+        dimensions = int(dimensions)
     if dimensions is not None and (not _is_int(dimensions) or not 1 <= dimensions <= dim):
         raise InvalidRequest(f"'dimensions' must be an integer from 1 to {dim} (the served width), got "
                              f"{_short(dimensions)}", param="dimensions")
@@ -150,14 +126,20 @@ def parse_evidence_request(body: bytes) -> EvidenceRequest:
     if "documents" not in obj:
         raise InvalidRequest("'documents' is required: a string or a list of strings", param="documents")
     documents = _parse_input(obj["documents"], "documents")  # the same checks as 'input'
-    scoring = obj.get("scoring") or "maxsim"
+    scoring = _or_default(obj, "scoring", "maxsim")
     if scoring not in SCORINGS:
-        raise InvalidRequest(f"'scoring' must be one of {', '.join(map(repr, SCORINGS))}, got {scoring!r}",
+        raise InvalidRequest(f"'scoring' must be one of {', '.join(map(repr, SCORINGS))}, got {_short(scoring)}",
                              param="scoring")
     alpha = obj.get("alpha")
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
-        raise InvalidRequest(f"'alpha' must be a number from 0 to 1, got {alpha!r}", param="alpha")
+        raise InvalidRequest(f"'alpha' must be a number from 0 to 1, got {_short(alpha)}", param="alpha")
     return EvidenceRequest(query, documents, scoring, None if alpha is None else float(alpha))
+
+
+def _or_default(obj: dict, key: str, default):
+    """``obj[key]``, or ``default`` when it is absent or null."""
+    value = obj.get(key)
+    return default if value is None else value
 
 
 def _json_object(body: bytes, needs: str) -> dict:
@@ -218,7 +200,7 @@ def _load_json(body: bytes, needs: str):
         raise InvalidRequest("the request body is nested too deeply; an embeddings request is an object of "
                              "strings and lists of strings") from None
     except ValueError as exc:  # e.g. an integer of more digits than Python converts
-        raise InvalidRequest(f"the request body has a value that cannot be read: {_short(str(exc), 200)}") from None
+        raise InvalidRequest(f"the request body has a value that cannot be read: {_short(str(exc), 120)}") from None
 
 
 def _no_constant(name: str):
@@ -230,14 +212,13 @@ def _unique_keys(pairs: list) -> dict:
     if len(obj) < len(pairs):
         seen = set()
         key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise InvalidRequest(f"the key {_short(key)} appears twice in one object; send it once", param=key[:100])
+        raise InvalidRequest(f"the key {_short(key)} appears twice in one object; send it once", param=key[:QUOTE_CHARS])
     return obj
 
 
-def _short(value, most: int = 60) -> str:
-    """``repr(value)``, cut to ``most`` characters (an error never echoes a whole huge field)."""
-    text = repr(value)
-    return text if len(text) <= most else text[: most - 3] + "..."
+def _short(value, most: int = QUOTE_CHARS) -> str:
+    """``repr(value)`` cut to ``most`` characters: an error never echoes a whole huge field."""
+    return quote(repr(value), most)
 
 
 _TOKEN_IDS = (
@@ -269,19 +250,27 @@ def embedding_response(vectors: np.ndarray, tokens: np.ndarray, model: str, enco
     body = {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": total, "total_tokens": total}}
     if truncated:
         body["usage"]["truncated_inputs"] = list(truncated)
-    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+    return dumps(body)
 
 
 def evidence_response(rows: list[dict], scoring: str, tokens: int, model: str) -> bytes:
     """The ``/v1/evidence`` response body: rows (one per document, in input order) as given."""
     body = {"object": "list", "data": rows, "scoring": scoring, "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+    return dumps(body)
+
+
+def dumps(body) -> bytes:
+    """Compact JSON of ``body`` (numpy arrays as lists) by orjson: ~16x json.dumps on 256 x 384 floats."""
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _encode_vectors(vectors: np.ndarray, encoding_format: str) -> list:
-    """Rows of (n, dim) ``vectors`` as lists of floats, or base64 of little-endian float32 bytes."""
+    """Rows of (n, dim) ``vectors`` as float arrays (written as JSON lists), or base64 of little-endian
+    float32 bytes. Floats are widened to float64 before writing, so each number is the shortest text of
+    the float32 value as a double: what ``json.dumps(vectors.tolist())`` wrote (to the exponent's
+    spelling, 1e-5 for 1e-05), and exactly that float32 when read back."""
     if encoding_format == "base64":
         little = np.ascontiguousarray(vectors, dtype="<f4")
         return [base64.b64encode(row.tobytes()).decode("ascii") for row in little]
-    return vectors.astype(np.float32, copy=False).tolist()
+    return list(np.ascontiguousarray(vectors, dtype=np.float32).astype(np.float64))

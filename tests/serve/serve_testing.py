@@ -16,18 +16,23 @@ from tiny_models import WORDS
 
 class ServerThread:
     """``with ServerThread(app) as s: httpx.get(s.url + "/health")``: uvicorn serving ``app`` on
-    127.0.0.1 at a free port, in a daemon thread; leaving the block shuts it down gracefully."""
+    127.0.0.1 at a free port, in a daemon thread, as ``dice-fast serve`` runs it (``bounds``: the
+    `dice_fast.serve.server.SERVER_LIMITS` to change); leaving the block shuts it down gracefully."""
 
-    def __init__(self, app, graceful_timeout: float = 20.0):
+    def __init__(self, app, graceful_timeout: float = 20.0, **bounds):
         import uvicorn
+
+        from dice_fast.serve.server import SERVER_DEFAULTS, bounded_protocol, server_config
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
-                                timeout_graceful_shutdown=graceful_timeout)
+        bounds = {**SERVER_DEFAULTS, **bounds}
+        self.protocol = bounded_protocol(bounds["read_timeout"], bounds["write_timeout"])  # .bytes_received
+        config = server_config(app, host="127.0.0.1", port=self.port, protocol=self.protocol, log_level="warning",
+                               lifespan="on", access_log=False, timeout_graceful_shutdown=graceful_timeout, **bounds)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -120,14 +120,17 @@ def test_worker_hands_memory_back_under_steady_load(tiny_encoder, monkeypatch):
 def test_admission_does_not_hold_the_lock_the_event_loop_needs(tiny_encoder):
     """`ChunkQueue.submit` (chunk-cache lookups on disk) runs with the core's lock released: while one
     admission is held inside it, another thread takes the lock at once; the request is still answered
-    exactly, and a request cancelled during its admission has its job cancelled."""
+    exactly, and a request cancelled during its admission never runs: no forward after it holds any of
+    its tokens (counted forwards: only the other requests' tokens ran)."""
     import threading
 
     texts = word_texts(3, 20, 60, seed=40)
+    after = word_texts(2, 10, 20, seed=42)
     entered, release, took = threading.Event(), threading.Event(), []
+    proxy = ProxyEncoder(tiny_encoder)
 
     async def main():
-        async with AsyncDiceEncoder(tiny_encoder) as core:
+        async with AsyncDiceEncoder(proxy, cache_memory_mb=0) as core:
             real = core._queue.submit
 
             def held_submit(*args, **kwargs):
@@ -142,6 +145,7 @@ def test_admission_does_not_hold_the_lock_the_event_loop_needs(tiny_encoder):
             core._cond.release()
             release.set()
             out = await task
+            ran_before = sum(proxy.batches)
             entered.clear(), release.clear()
             doomed = asyncio.ensure_future(core.embed_documents(word_texts(2, 200, 300, seed=41)))
             await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
@@ -149,15 +153,16 @@ def test_admission_does_not_hold_the_lock_the_event_loop_needs(tiny_encoder):
             with pytest.raises(asyncio.CancelledError):
                 await doomed  # its cancellation reached the core while submit is still held
             release.set()
-            for _ in range(500):  # the worker cancels the job once its submit returns
-                if core.tokens_waiting == 0 and core._queue.tokens_waiting == 0:
-                    break
-                await asyncio.sleep(0.01)
-            return out, core._queue.tokens_waiting, core.tokens_waiting
+            core._queue.submit = real
+            last = await core.embed_documents(after)  # queued behind the doomed job: the worker passed it
+            return out, ran_before, last, core._queue.tokens_waiting, core.tokens_waiting
 
-    out, *waiting = run(main())
+    out, ran_before, last, *waiting = run(main())
     assert took == [True] and waiting == [0, 0]
+    assert ran_before == int(out.tokens.sum())
+    assert sum(proxy.batches) == ran_before + int(last.tokens.sum()), "the request cancelled during admission ran"
     assert_close(out.vectors, tiny_encoder.encode_documents(texts), atol=1e-5)
+    assert_close(last.vectors, tiny_encoder.encode_documents(after), atol=1e-5)
 
 
 def test_without_cross_request_batching_each_batch_holds_one_request(tiny_encoder):

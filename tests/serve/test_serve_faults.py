@@ -201,7 +201,7 @@ def test_the_warm_up_runs_a_forward_even_with_a_warm_cache(tiny_encoder, tmp_pat
 def test_health_is_starting_until_the_warm_up_and_draining_on_sigterm(tiny_encoder):
     import uvicorn
 
-    from dice_fast.serve.cli import draining_server
+    from dice_fast.serve.server import draining_server
 
     proxy = ProxyEncoder(tiny_encoder)
     proxy.gate.clear()  # hold the warm-up forward
@@ -212,7 +212,7 @@ def test_health_is_starting_until_the_warm_up_and_draining_on_sigterm(tiny_encod
         proxy.gate.set()
         wait_until(lambda: httpx.get(server.url + "/health").status_code == 200, what="ready after the warm-up")
         ok = httpx.get(server.url + "/health").json()
-        draining_server(uvicorn, core)(uvicorn.Config(server.server.config.app)).handle_exit(signal.SIGTERM, None)
+        draining_server(core)(uvicorn.Config(server.server.config.app)).handle_exit(signal.SIGTERM, None)
         draining = httpx.get(server.url + "/health")
         served = httpx.post(server.url + "/v1/embeddings", json={"input": ["the cat"]}, timeout=60)  # in flight
     assert starting.status_code == 503 and starting.json()["status"] == "starting"

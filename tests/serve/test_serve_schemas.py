@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from dice_fast.serve.errors import InvalidRequest
-from dice_fast.serve.metrics import Counter, Histogram, Registry
 from dice_fast.serve.schemas import embedding_response, parse_embedding_request
 
 BAD_BODIES = [
@@ -40,7 +39,7 @@ BAD_BODIES = [
     (b'{"input": [[1, 2], [3]]}', "input[0]", "check_embedding_ctx_length=False"),
     (b'{"input": "x", "dimensions": 9}', "dimensions", "from 1 to 8"),
     (b'{"input": "x", "dimensions": 0}', "dimensions", "from 1 to 8"),
-    (b'{"input": "x", "dimensions": 4.0}', "dimensions", "from 1 to 8"),
+    (b'{"input": "x", "dimensions": 4.5}', "dimensions", "from 1 to 8"),
     (b'{"input": "x", "dimensions": true}', "dimensions", "from 1 to 8"),
     (b'{"input": "x", "user": 5}', "user", "'user' must be a string"),
 ]
@@ -63,6 +62,7 @@ def test_valid_bodies():
                                             "unknown": 1}).encode(), dim=8)
     assert (r.input, r.input_type, r.encoding_format, r.dimensions) == (["a", "b"], "query", "base64", 8)
     assert parse_embedding_request(b'{"input": "x", "dimensions": 1}', dim=8).dimensions == 1
+    assert parse_embedding_request(b'{"input": "x", "dimensions": 4.0}', dim=8).dimensions == 4  # JSON Schema's integer
     assert parse_embedding_request(b'{"input": "x"}', dim=8).dimensions is None
     r = parse_embedding_request('{"input": ["héllo ✓"], "encoding_format": null}'.encode(), dim=8)
     assert r.input == ["héllo ✓"] and r.encoding_format == "float"
@@ -84,25 +84,49 @@ def test_response_float_and_base64_are_exact():
         np.testing.assert_array_equal(got, vectors)  # bit-exact: JSON floats round-trip float32
 
 
-def test_metrics_text_format_parses():
-    from prometheus_client import parser  # in the test extra: this test must run, never skip
-    reg = Registry()
-    c = reg.add(Counter("x_requests_total", "Requests.", ("kind", "status")))
-    h = reg.add(Histogram("x_seconds", "Latency.", (0.1, 1.0), ("kind",)))
-    c.inc(kind='a"b\\c', status="200")
-    c.inc(2, kind="q", status="429")
-    for v in (0.05, 0.5, 5.0):
-        h.observe(v, kind="q")
-    families = {f.name: f for f in parser.text_string_to_metric_families(reg.render())}
+def test_float_json_is_what_json_dumps_wrote_and_exact_float32():
+    """orjson writes each float32 widened to a double, as ``json.dumps(vectors.tolist())`` did: the same
+    numbers (only an exponent's spelling differs: 1e-5 for 1e-05), each exactly the float32 read back."""
+    rng = np.random.default_rng(1)
+    vectors = rng.standard_normal((64, 384)).astype(np.float32)
+    vectors[0, :6] = [1e-5, 1.0, 0.0, -0.0, 3e-8, np.finfo(np.float32).max]
+    vectors[1, :3] = [np.finfo(np.float32).tiny, 2.0 ** -149, -123456.789]  # a subnormal too
+    tokens = np.ones(64, np.int64)
+    old = json.dumps({"object": "list", "data": [{"object": "embedding", "index": i, "embedding": row}
+                                                  for i, row in enumerate(vectors.tolist())],
+                      "model": "m", "usage": {"prompt_tokens": 64, "total_tokens": 64}}, separators=(",", ":"))
+    new = embedding_response(vectors, tokens, "m", "float")
+    assert json.loads(new) == json.loads(old)  # every double equal, not just close
+    got = np.asarray([d["embedding"] for d in json.loads(new)["data"]], dtype=np.float32)
+    assert got.tobytes() == vectors.tobytes()
+
+
+def test_metrics_render_in_the_text_format_with_process_metrics(tiny_encoder):
+    from prometheus_client import parser  # in the serve extra: this test must run, never skip
+
+    from dice_fast.serve import AsyncDiceEncoder
+    from dice_fast.serve.metrics import ServerMetrics
+    from dice_fast.serve.worker import BatchStats
+
+    m = ServerMetrics(AsyncDiceEncoder(tiny_encoder))
+    m.observe_request('a"b\\c', 200, 0.05, inputs=3, tokens=30)
+    m.observe_request("query", 429)
+    m.observe_unauthorized("missing")
+    m.observe_wrong_host()
+    m.observe_batch(BatchStats(tokens=64, chunks=4, requests=2, budget=128, seconds=0.5))
+    families = {f.name: f for f in parser.text_string_to_metric_families(m.render())}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
-    assert samples[("x_requests_total", (("kind", 'a"b\\c'), ("status", "200")))] == 1
-    assert samples[("x_requests_total", (("kind", "q"), ("status", "429")))] == 2
-    assert samples[("x_seconds_bucket", (("kind", "q"), ("le", "0.1")))] == 1
-    assert samples[("x_seconds_bucket", (("kind", "q"), ("le", "1.0")))] == 2
-    assert samples[("x_seconds_bucket", (("kind", "q"), ("le", "+Inf")))] == 3
-    assert samples[("x_seconds_count", (("kind", "q"),))] == 3
-    assert samples[("x_seconds_sum", (("kind", "q"),))] == pytest.approx(5.55)
-    assert h.count(kind="q") == 3 and c.value(kind="q", status="429") == 2
+    assert samples[("dice_fast_requests_total", (("input_type", 'a"b\\c'), ("status", "200")))] == 1
+    assert samples[("dice_fast_requests_total", (("input_type", "query"), ("status", "429")))] == 1
+    assert samples[("dice_fast_inputs_total", (("input_type", 'a"b\\c'),))] == 3
+    assert samples[("dice_fast_request_duration_seconds_bucket", (("input_type", 'a"b\\c'), ("le", "0.05")))] == 1
+    assert samples[("dice_fast_unauthorized_total", (("reason", "missing"),))] == 1
+    assert samples[("dice_fast_wrong_host_total", ())] == 1
+    assert samples[("dice_fast_batch_fill_ratio_bucket", (("le", "0.5"),))] == 1
+    assert samples[("dice_fast_batch_tokens_total", ())] == 64
+    assert samples[("dice_fast_chunks_total", (("source", "computed"),))] == 0
+    assert samples[("dice_fast_queue_tokens", ())] == 0 and samples[("dice_fast_requests_in_flight", ())] == 0
+    assert samples[("process_resident_memory_bytes", ())] > 10 << 20 and samples[("process_open_fds", ())] > 2
 
 
 def test_importing_the_package_and_registering_the_cli_loads_no_web_stack():
@@ -111,7 +135,7 @@ def test_importing_the_package_and_registering_the_cli_loads_no_web_stack():
         "import dice_fast, dice_fast.serve, dice_fast.serve.cli\n"
         "p = argparse.ArgumentParser(); dice_fast.serve.cli.register_cli(p.add_subparsers())\n"
         "dice_fast.serve.__all__\n"
-        "web = ('fastapi', 'starlette', 'uvicorn', 'httpx', 'prometheus_client')\n"
+        "web = ('fastapi', 'starlette', 'uvicorn', 'httpx', 'prometheus_client', 'orjson')\n"
         "print(sorted(m for m in web if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

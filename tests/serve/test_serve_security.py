@@ -146,6 +146,9 @@ def test_body_limit_is_enforced_while_the_body_streams_in(tiny_encoder):
             assert r.status_code == 200
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 def test_huge_inputs_are_refused_before_costing_their_tokenization(tiny_encoder):
     """12 MB of text: refused by the character limit without a tokenizer call; with that limit lifted,
     after a few pieces, as soon as the tokens found pass the queue (tiny: 8,192 tokens)."""
@@ -160,11 +163,11 @@ def test_huge_inputs_are_refused_before_costing_their_tokenization(tiny_encoder)
         return ServerThread(app)
 
     with serve() as server:
-        r = httpx.post(server.url + "/v1/embeddings", content=body, timeout=60)
+        r = httpx.post(server.url + "/v1/embeddings", content=body, timeout=60, headers=JSON)
         assert r.status_code == 413 and r.json()["error"]["param"] == "input[1]"
         assert "max_input_chars" in r.json()["error"]["message"] and proxy._tokenizer_lock.acquired == 0
     with serve(max_input_chars=10**8) as server:
-        r = httpx.post(server.url + "/v1/embeddings", content=body, timeout=60)
+        r = httpx.post(server.url + "/v1/embeddings", content=body, timeout=60, headers=JSON)
         assert r.status_code == 413 and "max_queue_tokens" in r.json()["error"]["message"]
         calls = proxy._tokenizer_lock.acquired
         assert calls <= 4, f"{calls} tokenizer calls for a request refused after the first pieces"

@@ -1,0 +1,157 @@
+"""What every store shares: the hit, the default scoring, the check of a batch of vectors to write,
+the evidence of a hit, and the encoder slot (the recorded model and options, a matching encoder).
+
+Every store (`DiceIndex`, `QdrantStore`, `LanceStore`) takes the same batch: ids (n,), documents
+(n, dim), chunks (n_chunks, dim) with chunk_document (n_chunks,) sorted document index in 0..n-1,
+the chunks' character spans and token counts (n_chunks,) each, and texts (n,) or None; and answers
+``search(queries, k, scoring)`` with lists of `Hit`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from .. import scoring as sc
+from ..scoring import DEFAULT_SCORING
+from .encoder_match import check_encoder, model_id, recorded_options, restore_encoder, vector_options
+
+__all__ = ["DEFAULT_SCORING", "Hit", "Batch", "check_batch", "check_k", "evidence_hit", "EncoderSlot"]
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One search result: document ``id`` with its ``score`` under the scoring asked for, and its
+    evidence: ``chunk`` (index within the document), its span ``text[start_char:end_char]``, its
+    ``chunk_score`` (query . unit chunk vector), and ``text``, the passage itself when the store keeps
+    texts (else None). A document without chunks has chunk -1 and chunk_score -inf."""
+
+    id: str
+    score: float
+    chunk: int
+    start_char: int
+    end_char: int
+    chunk_score: float
+    text: str | None = None
+
+
+class Batch(NamedTuple):
+    """A checked batch: ids (n,) distinct strings, documents (n, dim) float32, chunks (n_chunks, dim)
+    float32 L2-normalised, cu (n + 1,) int64 chunk offsets, start, end, tokens (n_chunks,) int64,
+    texts (n,) or None."""
+
+    ids: list
+    documents: np.ndarray
+    chunks: np.ndarray
+    cu: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    tokens: np.ndarray
+    texts: list | None
+
+
+def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
+                chunk_tokens, texts: Sequence[str] | None, store_text: bool) -> Batch:
+    """Validate and normalise a batch (see the module docstring); errors name the culprit. Chunk
+    vectors come back L2-normalised so ``maxsim`` is a cosine whatever the encoder's
+    ``normalize_chunks`` (raw pooled norms carry no relevance: RESULTS.md §5.3); a zero row stays zero."""
+    documents, chunks = np.asarray(documents, np.float32), np.asarray(chunks)
+    ids = [str(i) for i in ids]
+    if len(ids) != len(documents):
+        raise ValueError(f"got {len(ids)} ids for {len(documents)} documents")
+    seen: dict[str, int] = {}
+    for i, name in enumerate(ids):
+        if name in seen:
+            raise ValueError(f"duplicate id {name!r}: ids[{seen[name]}] and ids[{i}]")
+        seen[name] = i
+    chunk_document = np.asarray(chunk_document, np.int64)
+    if documents.ndim != 2 or documents.shape[1] != dim or chunks.ndim != 2 or chunks.shape[1] != dim:
+        raise ValueError(f"expected (n, {dim}) vectors, got documents {documents.shape}, chunks {chunks.shape}")
+    if len(chunk_document) and (np.any(np.diff(chunk_document) < 0) or chunk_document[0] < 0
+                                or chunk_document[-1] >= len(documents)):
+        raise ValueError("chunk_document must be sorted document indices in 0..n-1")
+    spans = [np.asarray(a, np.int64) for a in (chunk_start_char, chunk_end_char, chunk_tokens)]
+    if any(len(a) != len(chunks) for a in [chunk_document, *spans]):
+        raise ValueError("chunk_document, spans and token counts need one entry per chunk")
+    if store_text:
+        if texts is None or len(texts) != len(documents):
+            raise ValueError("this store keeps texts: pass one text per document")
+        texts = list(texts)
+        bad = next((j for j, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise TypeError(f"texts[{bad}] is a {type(texts[bad]).__name__}, not a string")
+    else:
+        texts = None
+    cu = sc.cu_from_chunk_document(chunk_document, len(documents))
+    return Batch(ids, documents, sc.unit_rows(chunks), cu, *spans, texts)
+
+
+def check_k(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    return int(k)
+
+
+def evidence_hit(doc_id: str, score: float, query: np.ndarray, chunks: np.ndarray, start, end,
+                 text: str | None) -> Hit:
+    """The `Hit` of a document scoring ``score``: its best chunk for ``query`` (dim,) among ``chunks``
+    (m, dim, unit rows) with spans ``start`` / ``end`` (m,), and that passage of ``text``."""
+    if len(chunks) == 0:
+        return Hit(doc_id, float(score), -1, 0, 0, float("-inf"), None if text is None else "")
+    per_chunk = sc.chunk_scores(query[None, :], chunks)[0]
+    j = int(np.argmax(per_chunk))
+    s, e = int(start[j]), int(end[j])
+    return Hit(doc_id, float(score), j, s, e, float(per_chunk[j]), None if text is None else text[s:e])
+
+
+class EncoderSlot:
+    """The model and options a store's vectors were made with (``model``, ``encoder_options``) and the
+    encoder that adds texts and encodes query strings: a passed one must match them; without one,
+    the recorded one is rebuilt when first needed. Subclasses set ``dim`` first."""
+
+    def _init_encoder(self, encoder, model: str | None, encoder_options: dict | None, where: str) -> None:
+        self.model = model if model is not None else (model_id(encoder) if encoder is not None else None)
+        if encoder_options is None and encoder is not None:
+            encoder_options = vector_options(encoder)
+        self.encoder_options = recorded_options(encoder_options)
+        self.attach_encoder(encoder, where=where)
+
+    def attach_encoder(self, encoder, *, device: str | None = None, where: str = "this index") -> None:
+        """Use ``encoder`` to add texts and encode query strings. It must give ``dim``-wide vectors
+        and, when the store records its model and options, match them (ValueError naming each
+        difference). None: rebuild the recorded encoder when first needed (on ``device``)."""
+        if encoder is not None:
+            if encoder.dim != self.dim:
+                raise ValueError(f"the encoder gives {encoder.dim}-wide vectors, {where} holds {self.dim}")
+            if self.model is not None or self.encoder_options:
+                check_encoder(encoder, self.model, self.encoder_options, where)
+        self.encoder, self._restore_device, self._where = encoder, device, where
+
+    def _need_encoder(self, purpose: str):
+        if self.encoder is None:
+            if self.model is None:
+                raise ValueError(f"{self._where} has no encoder to {purpose}; pass one (DiceIndex.load(path, "
+                                 "encoder), encoder=...) or search with query vectors")
+            self.encoder = restore_encoder(self.model, self.encoder_options, self._where, self._restore_device)
+        return self.encoder
+
+    def _query_vectors(self, queries) -> np.ndarray:
+        """(n, dim) float32 query vectors: an array as given, or strings encoded by the encoder."""
+        if isinstance(queries, np.ndarray):
+            if queries.ndim != 2 or queries.shape[1] != self.dim:
+                raise ValueError(f"query vectors must be (n, {self.dim}), got {queries.shape}")
+            return queries.astype(np.float32, copy=False)
+        if isinstance(queries, str):
+            raise TypeError("queries must be a list of strings (or an (n, dim) array), not a single string")
+        queries = list(queries)
+        if not queries:
+            return np.zeros((0, self.dim), np.float32)
+        return self._need_encoder("encode query strings").encode_queries(queries)
+
+    def _encode_texts(self, texts) -> tuple[list, object]:
+        texts = list(texts)
+        if any(not isinstance(t, str) for t in texts):
+            raise TypeError("texts must be strings")
+        return texts, self._need_encoder("add texts").encode_documents(texts, return_chunks=True)

@@ -1,0 +1,188 @@
+"""A `DiceIndex` on disk: a folder of generation-named files and ``index.json`` naming the generation.
+
+    index.json                   {"format": "dice_fast.index/2", "generation": G, "dim", "n_documents",
+                                  "n_chunks", "chunk_dtype", "store_text", "model", "encoder_options",
+                                  "files": {name: {"file", "shape", "dtype"}}, "graphs": {over: file}}
+    documents.G.npy              (n_documents, dim) float32
+    chunks.G.npy                 (n_chunks, dim) float32 or float16
+    cu_doc_chunks.G.npy          (n_documents + 1,) int64: document d owns chunks cu[d]:cu[d+1]
+    chunk_start_char.G.npy, chunk_end_char.G.npy, chunk_tokens.G.npy   (n_chunks,) int64
+    ids.G.json                   the document ids, in order
+    text_blob.G.npy, text_offsets.G.npy   (only with store_text) the texts as UTF-8 bytes (uint8) and
+                                 (n_documents + 1,) int64 byte offsets: one hit reads one text
+    graph_documents.G.faiss, graph_chunks.G.faiss   the faiss HNSW graphs built before saving (if any)
+
+**Atomic saves.** A save writes every file of a new generation ``G`` (a random id) beside the old
+ones, fsyncs them, then replaces ``index.json`` in one rename: a reader sees the old index or the
+new one, never a mix, whenever the writer dies. Files of other generations are removed after the
+switch (one writer per folder at a time). `load` opens only the files ``index.json`` names, checks
+each one's shape and dtype and the offsets' consistency, and refuses a damaged or foreign folder
+naming the file. ``mmap=True`` maps the vector files instead of reading them (pages come in as
+search touches them). Folders of format ``dice_fast.index/1`` (plain names) still load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "dice_fast.index/2"
+LEGACY = "dice_fast.index/1"
+_ARRAYS = ("documents", "chunks", "cu_doc_chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens")
+_TEXT_ARRAYS = ("text_blob", "text_offsets")
+_OURS = re.compile(r"^(?:(?:documents|chunks|cu_doc_chunks|chunk_start_char|chunk_end_char|chunk_tokens|text_blob"
+                   r"|text_offsets|ids|graph_documents|graph_chunks)\.([0-9a-f]{12})\.(?:npy|json|faiss)"
+                   r"|\.index\.json\.tmp|(?:documents|chunks|cu_doc_chunks|chunk_start_char|chunk_end_char"
+                   r"|chunk_tokens)\.npy|ids\.json|texts\.json)$")
+
+
+def save(index, path) -> None:
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} exists and is not a folder")
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / "index.json").exists():
+        raise ValueError(f"{folder} is a non-empty folder that holds no dice_fast index; refusing to write into it")
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = uuid.uuid4().hex[:12]
+    arrays = {name: getattr(index, name) for name in _ARRAYS}
+    if index.store_text:
+        arrays["text_blob"], arrays["text_offsets"] = index.texts.arrays()
+    files = {}
+    for name, array in arrays.items():
+        file = f"{name}.{gen}.npy"
+        _write(folder / file, lambda f, a=array: np.save(f, np.asarray(a), allow_pickle=False))
+        files[name] = {"file": file, "shape": list(array.shape), "dtype": str(array.dtype)}
+    files["ids"] = {"file": f"ids.{gen}.json"}
+    _write(folder / files["ids"]["file"], _json_writer(list(index.ids)))
+    graphs = {}
+    for over, graph in index.graphs().items():
+        graphs[over] = f"graph_{over}.{gen}.faiss"
+        _write(folder / graphs[over], lambda f, g=graph: f.write(_graph_bytes(g)))
+    meta = {"format": FORMAT, "generation": gen, "dim": index.dim, "n_documents": len(index),
+            "n_chunks": index.n_chunks, "chunk_dtype": index.chunk_dtype, "store_text": index.store_text,
+            "model": index.model, "encoder_options": index.encoder_options, "files": files, "graphs": graphs}
+    tmp = folder / ".index.json.tmp"
+    _write(tmp, _json_writer(meta))
+    os.replace(tmp, folder / "index.json")  # the switch: before it the old index, after it the new one
+    _fsync_folder(folder)
+    for stale in folder.iterdir():
+        m = _OURS.match(stale.name)
+        if m and stale.name != "index.json" and m.group(1) != gen:
+            stale.unlink(missing_ok=True)
+
+
+def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = None):
+    folder = Path(path)
+    meta_path = folder / "index.json"
+    if not meta_path.is_file():
+        raise ValueError(f"{folder} is not a dice_fast index (no index.json)")
+    meta = _read_json(meta_path)
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, LEGACY):
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{meta_path}: format {found!r} is not {FORMAT!r}")
+    try:
+        dim, n_docs, n_chunks = int(meta["dim"]), int(meta["n_documents"]), int(meta["n_chunks"])
+        store_text = bool(meta["store_text"])
+        files = _file_names(meta, store_text)
+        index = cls(dim, None, store_text=store_text, chunk_dtype=meta["chunk_dtype"], model=meta.get("model"),
+                    encoder_options=meta.get("encoder_options"))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{meta_path}: damaged description ({exc})") from None
+    want = {"documents": ((n_docs, dim), "float32"), "chunks": ((n_chunks, dim), meta["chunk_dtype"]),
+            "cu_doc_chunks": ((n_docs + 1,), "int64"), "text_offsets": ((n_docs + 1,), "int64")}
+    for name in _ARRAYS[3:]:
+        want[name] = ((n_chunks,), "int64")
+    loaded = {}
+    for name in (*_ARRAYS, *(_TEXT_ARRAYS if store_text else ())):
+        file = folder / files[name]
+        try:
+            array = np.load(file, allow_pickle=False, mmap_mode="r" if mmap else None)
+        except (OSError, ValueError, EOFError) as exc:
+            raise ValueError(f"{file}: unreadable ({exc})") from None
+        shape, dtype = want.get(name, ((None,), "uint8"))
+        if (shape != (None,) and array.shape != shape) or array.ndim != len(shape) or str(array.dtype) != dtype:
+            raise ValueError(f"{file}: shape {array.shape} {array.dtype}, expected {shape} {dtype} as index.json says")
+        loaded[name] = array
+    cu = np.asarray(loaded["cu_doc_chunks"])
+    if cu[0] != 0 or cu[-1] != n_chunks or np.any(np.diff(cu) < 0):
+        raise ValueError(f"{folder / files['cu_doc_chunks']}: chunk offsets are not 0..{n_chunks} in order")
+    ids = _read_json(folder / files["ids"])
+    if not isinstance(ids, list) or len(ids) != n_docs or not all(isinstance(i, str) for i in ids) or len(set(ids)) != n_docs:
+        raise ValueError(f"{folder / files['ids']}: expected {n_docs} distinct string ids")
+    texts = None
+    if store_text:
+        if "texts" in files:  # legacy: one JSON list
+            listed = _read_json(folder / files["texts"])
+            if not isinstance(listed, list) or len(listed) != n_docs or not all(isinstance(t, str) for t in listed):
+                raise ValueError(f"{folder / files['texts']}: expected {n_docs} texts")
+            loaded["text_blob"], loaded["text_offsets"] = _texts_arrays(listed)
+        texts = (loaded.pop("text_blob"), loaded.pop("text_offsets"))
+    graphs = {over: folder / name for over, name in (meta.get("graphs") or {}).items()}
+    index.restore(ids, loaded, texts, graphs)
+    index.attach_encoder(encoder, device=device, where=str(folder))
+    return index
+
+
+def _graph_bytes(graph) -> bytes:
+    """A faiss graph serialized, or the bytes of a saved one not read (no faiss needed to copy it)."""
+    if isinstance(graph, Path):
+        return graph.read_bytes()
+    import faiss
+
+    return faiss.serialize_index(graph).tobytes()
+
+
+def _file_names(meta: dict, store_text: bool) -> dict:
+    if meta["format"] == LEGACY:
+        names = {name: f"{name}.npy" for name in _ARRAYS}
+        names["ids"] = "ids.json"
+        if store_text:
+            names["texts"] = "texts.json"
+        return names
+    gen = meta["generation"]
+    names = {name: entry["file"] for name, entry in meta["files"].items()}
+    needed = [*_ARRAYS, "ids", *(_TEXT_ARRAYS if store_text else ())]
+    for name in needed:
+        if not re.fullmatch(rf"{name}\.{gen}\.(npy|json)", names.get(name, "")):
+            raise ValueError(f"file of {name!r} is {names.get(name)!r}, not one of generation {gen}")
+    return names
+
+
+def _texts_arrays(texts):
+    from .texts import TextColumn
+
+    return TextColumn.from_texts(texts).arrays()
+
+
+def _write(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _json_writer(value):
+    return lambda f: f.write(json.dumps(value, ensure_ascii=False).encode("utf-8"))
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: unreadable ({exc})") from None

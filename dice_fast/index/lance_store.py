@@ -1,0 +1,146 @@
+"""`LanceStore`: DICE vectors in a LanceDB table (``pip install dice-fast[lancedb]``).
+
+One row per document: ``id`` (string), ``doc`` (``fixed_size_list<float32, dim>``, searched by dot
+product), ``chunks`` (``list<fixed_size_list<float32, dim>>`` of unit chunk vectors, searched by
+MaxSim with the cosine metric, which on unit vectors is the dot product), ``start`` / ``end`` /
+``tokens`` (``list<int64>``) and ``text`` (nullable string). Writes are ``merge_insert`` on ``id``
+(re-adding a document replaces it). The schema's metadata holds the store's record (dim, model,
+options), checked when the table is opened again.
+
+Embedded, on local disk or object storage (the URI LanceDB takes); searches are exact (flat) until
+`build_index` puts an IVF-PQ index over ``chunks`` or ``doc``; then ``search_options`` (``nprobes``,
+``refine_factor``) trade recall for time (docs/retrieval.md has recall@10 against exact).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+from .remote import DEFAULT_BATCH, Candidate, RemoteStore, require
+
+
+class LanceStore(RemoteStore):
+    """Documents of one LanceDB table (see the module docstring).
+
+    uri: a LanceDB database (a folder, or an object-store URI) or a connection; table: its name,
+    created when missing (then ``dim`` or ``encoder`` is needed); encoder / model / encoder_options /
+    store_text / batch_size as `QdrantStore`; search_options: ``nprobes`` and ``refine_factor`` for
+    an indexed column.
+    """
+
+    kind = "lancedb"
+
+    def __init__(self, uri, table: str, *, dim: int | None = None, encoder=None, model: str | None = None,
+                 encoder_options: dict | None = None, store_text: bool | None = None,
+                 batch_size: int = DEFAULT_BATCH, search_options: dict | None = None):
+        lancedb = require("lancedb", "lancedb")
+        self._pa = require("pyarrow", "lancedb")
+        self.db = lancedb.connect(str(uri)) if isinstance(uri, (str, bytes)) or hasattr(uri, "__fspath__") else uri
+        self.name = str(table)
+        where = f"LanceDB table {self.name!r}"
+        try:
+            self.table = self.db.open_table(self.name)
+        except ValueError:
+            self.table = None
+        record = None
+        if self.table is not None:
+            raw = (self.table.schema.metadata or {}).get(b"dice_fast")
+            record = json.loads(raw) if raw else {}
+        if dim is None:
+            dim = encoder.dim if encoder is not None else (record or {}).get("dim")
+        if dim is None:
+            raise ValueError(f"{where} does not exist: give dim= or encoder= to create it")
+        self.search_options = dict(search_options or {})
+        self._setup(dim, encoder, model, encoder_options, store_text, record, batch_size, where)
+        if self.table is None:
+            self.table = self.db.create_table(self.name, schema=self._schema())
+
+    def _schema(self):
+        pa = self._pa
+        vector = pa.list_(pa.float32(), self.dim)
+        return pa.schema([pa.field("id", pa.string(), nullable=False), pa.field("doc", vector),
+                          pa.field("chunks", pa.list_(vector)), pa.field("start", pa.list_(pa.int64())),
+                          pa.field("end", pa.list_(pa.int64())), pa.field("tokens", pa.list_(pa.int64())),
+                          pa.field("text", pa.string())],
+                         metadata={b"dice_fast": json.dumps(self.record()).encode()})
+
+    def _write(self, b) -> None:
+        pa = self._pa
+        vector = pa.list_(pa.float32(), self.dim)
+        offsets = pa.array(b.cu.astype(np.int32))
+        flat_chunks = pa.FixedSizeListArray.from_arrays(pa.array(b.chunks.reshape(-1)), self.dim)
+        columns = {
+            "id": pa.array(b.ids, pa.string()),
+            "doc": pa.FixedSizeListArray.from_arrays(pa.array(b.documents.reshape(-1)), self.dim),
+            "chunks": pa.ListArray.from_arrays(offsets, flat_chunks, type=pa.list_(vector)),
+            "start": pa.ListArray.from_arrays(offsets, pa.array(b.start)),
+            "end": pa.ListArray.from_arrays(offsets, pa.array(b.end)),
+            "tokens": pa.ListArray.from_arrays(offsets, pa.array(b.tokens)),
+            "text": pa.array(b.texts if b.texts is not None else [None] * len(b.ids), pa.string()),
+        }
+        data = pa.table(columns, schema=self.table.schema)
+        self.table.merge_insert("id").when_matched_update_all().when_not_matched_insert_all().execute(data)
+
+    def _nearest(self, queries: np.ndarray, scoring: str, limit: int) -> list[list[Candidate]]:
+        out = []
+        for q in queries:
+            if scoring == "dice":
+                query = self.table.search(q, vector_column_name="doc").metric("dot")
+            else:
+                query = self.table.search(q[None, :], vector_column_name="chunks").metric("cosine")
+            if "nprobes" in self.search_options:
+                query = query.nprobes(int(self.search_options["nprobes"]))
+            if "refine_factor" in self.search_options:
+                query = query.refine_factor(int(self.search_options["refine_factor"]))
+            rows = query.limit(limit).to_arrow()
+            out.append(self._candidates(rows))
+        return out
+
+    def _candidates(self, rows) -> list[Candidate]:
+        ids, texts = rows["id"].to_pylist(), rows["text"].to_pylist()
+        docs = np.asarray(rows["doc"].combine_chunks().flatten(), np.float32).reshape(-1, self.dim)
+        chunks = rows["chunks"].combine_chunks()
+        offsets = np.asarray(chunks.offsets, np.int64)
+        flat = np.asarray(chunks.flatten().flatten(), np.float32).reshape(-1, self.dim)
+        starts, ends = rows["start"].to_pylist(), rows["end"].to_pylist()
+        return [Candidate(ids[i], docs[i], flat[offsets[i] - offsets[0] : offsets[i + 1] - offsets[0]], starts[i],
+                          ends[i], texts[i]) for i in range(len(ids))]
+
+    def build_index(self, column: str = "chunks", *, num_partitions: int | None = None,
+                    num_sub_vectors: int | None = None) -> None:
+        """Put an IVF-PQ index over ``column`` ("chunks": MaxSim, cosine; "doc": dot product); searches
+        of that column become approximate (``search_options`` tune them)."""
+        if column not in ("chunks", "doc"):
+            raise ValueError(f"column must be 'chunks' or 'doc', got {column!r}")
+        options = {k: v for k, v in (("num_partitions", num_partitions), ("num_sub_vectors", num_sub_vectors))
+                   if v is not None}
+        self.table.create_index(metric="cosine" if column == "chunks" else "dot", vector_column_name=column,
+                                index_type="IVF_PQ", replace=True, **options)
+
+    def delete(self, ids: Sequence) -> None:
+        """Remove the documents ``ids`` (ids not stored are ignored)."""
+        ids = [str(i) for i in ids]
+        for i in range(0, len(ids), 512):
+            self.table.delete(_in_list(ids[i : i + 512]))
+
+    def contains(self, ids: Sequence) -> list[bool]:
+        """For each id in ``ids``: whether the table holds it."""
+        ids = [str(i) for i in ids]
+        found = set()
+        for i in range(0, len(ids), 512):
+            part = ids[i : i + 512]
+            rows = self.table.search().where(_in_list(part)).select(["id"]).limit(len(part)).to_arrow()
+            found.update(rows["id"].to_pylist())
+        return [i in found for i in ids]
+
+    def __len__(self) -> int:
+        return int(self.table.count_rows())
+
+
+def _in_list(ids: Sequence) -> str:
+    """An SQL ``id IN (...)`` filter with every id quoted ('' for a quote)."""
+    quoted = ", ".join("'" + str(i).replace("'", "''") + "'" for i in ids)
+    return f"id IN ({quoted})"

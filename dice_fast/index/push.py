@@ -1,0 +1,62 @@
+"""From a corpus job to a store: the output of ``dice-fast encode ... --chunks`` written into a
+`QdrantStore` or `LanceStore` one Parquet shard at a time (never the whole corpus in memory).
+
+Every write replaces documents by id, so a push can be repeated. A push into a store that already
+holds documents must say ``resume=True``: then every shard whose ids are all stored already is
+skipped, and the others are written again whole (a shard cut off by a crash included), so a push
+killed anywhere and resumed leaves every document exactly once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def push(output, store, *, resume: bool = False, progress: bool = True) -> dict:
+    """Write the encode output ``output`` (a .parquet file or a shard folder) into ``store``.
+
+    Returns {"documents": written, "skipped": documents in shards skipped by ``resume``, "shards": n}.
+    ValueError when the store holds documents and ``resume`` is False, or when its recorded model
+    and options differ from the job's (checked when the store was opened with them).
+    """
+    import pyarrow.parquet as pq
+    from tqdm.auto import tqdm
+
+    from .corpus_output import corpus_files, read_corpus_file
+
+    files = corpus_files(output)
+    if len(store) and not resume:
+        raise ValueError(f"{store._where} already holds {len(store)} documents: pass --resume (resume=True) to "
+                         "continue a push into it, or choose another collection")
+    total = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    bar = tqdm(total=total, unit="doc", desc=f"push to {store._where}", disable=not progress, dynamic_ncols=True)
+    written = skipped = 0
+    try:
+        for file in files:
+            if resume:
+                ids = [str(i) for i in pq.read_table(file, columns=["id"]).column("id").to_pylist()]
+                if all(store.contains(ids)):
+                    skipped += len(ids)
+                    bar.update(len(ids))
+                    continue
+            ids, documents, chunks, chunk_document, start, end, tokens = read_corpus_file(Path(file))
+            store.upsert_arrays(ids, documents, chunks, chunk_document, start, end, tokens)
+            written += len(ids)
+            bar.update(len(ids))
+    finally:
+        bar.close()
+    return {"documents": written, "skipped": skipped, "shards": len(files)}
+
+
+def store_for_output(url: str, output, batch_size: int | None = None):
+    """Open the store at ``url`` for the vectors of ``output``: the job's width, model and options
+    (a store holding another model's vectors is refused), no texts (an encode output holds none)."""
+    import pyarrow.parquet as pq
+
+    from .corpus_output import corpus_encoder, corpus_files
+    from .stores import open_store
+
+    model, options = corpus_encoder(output)
+    embedding = pq.read_schema(corpus_files(output)[0]).field("embedding").type
+    extra = {} if batch_size is None else {"batch_size": batch_size}
+    return open_store(url, dim=embedding.list_size, model=model, encoder_options=options, store_text=False, **extra)

@@ -1,0 +1,116 @@
+"""`QdrantStore`: DICE vectors in a Qdrant collection (``pip install dice-fast[qdrant]``).
+
+One point per document: id ``uuid5(NAMESPACE, document id)`` (Qdrant ids are integers or UUIDs; a
+fixed mapping makes every write idempotent), two named vectors, ``doc`` (dense, dot product) and
+``chunks`` (a multivector of unit chunk vectors compared by ``MAX_SIM``, HNSW off, ``m=0``, as Qdrant
+recommends for multivectors), and the payload ``{"id", "start", "end", "tokens", "text"?}``. A
+document without chunks has no ``chunks`` vector (``maxsim`` never returns it). The collection's
+metadata holds the store's record (dim, model, options), checked when it is opened again.
+
+The same client API runs in process (``QdrantClient(path=DIR)`` or ``":memory:"``: exact, MaxSim in a
+Python loop, for parity and prototypes; it warns above 20,000 points) and against a server or cluster
+(``QdrantClient(url=...)``: the ``doc`` vector by HNSW, MaxSim exact over the multivectors).
+Qdrant does not say which chunk won MaxSim: hits take the argmax over the returned chunk vectors.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Sequence
+
+import numpy as np
+
+from .remote import DEFAULT_BATCH, Candidate, RemoteStore, require
+
+NAMESPACE = uuid.UUID("6f1e3c2a-5d4b-4e8f-9a7c-0d1e2f3a4b5c")  # document id -> point id
+
+
+def point_id(doc_id: str) -> str:
+    return str(uuid.uuid5(NAMESPACE, str(doc_id)))
+
+
+class QdrantStore(RemoteStore):
+    """Documents of one Qdrant collection (see the module docstring).
+
+    client: a ``qdrant_client.QdrantClient`` (local path, ":memory:" or a server URL); collection: its
+    name, created when missing (then ``dim`` or ``encoder`` is needed). encoder / model /
+    encoder_options: the encoder that made the vectors (recorded; a reopened collection refuses
+    other ones); store_text: keep texts in the payload (default: as recorded, else True); batch_size:
+    points per upsert.
+    """
+
+    kind = "qdrant"
+
+    def __init__(self, client, collection: str, *, dim: int | None = None, encoder=None, model: str | None = None,
+                 encoder_options: dict | None = None, store_text: bool | None = None, batch_size: int = DEFAULT_BATCH):
+        self._models = require("qdrant_client.models", "qdrant")
+        self.client, self.collection = client, str(collection)
+        where = f"Qdrant collection {self.collection!r}"
+        exists = client.collection_exists(self.collection)
+        record = (client.get_collection(self.collection).config.metadata or {}).get("dice_fast") if exists else None
+        if dim is None:
+            dim = encoder.dim if encoder is not None else (record or {}).get("dim")
+        if dim is None:
+            raise ValueError(f"{where} does not exist: give dim= or encoder= to create it")
+        self._setup(dim, encoder, model, encoder_options, store_text, record, batch_size, where)
+        if not exists:
+            self._create()
+
+    def _create(self) -> None:
+        m = self._models
+        vectors = {
+            "doc": m.VectorParams(size=self.dim, distance=m.Distance.DOT),
+            "chunks": m.VectorParams(size=self.dim, distance=m.Distance.DOT,
+                                     multivector_config=m.MultiVectorConfig(comparator=m.MultiVectorComparator.MAX_SIM),
+                                     hnsw_config=m.HnswConfigDiff(m=0)),
+        }
+        self.client.create_collection(self.collection, vectors_config=vectors, metadata={"dice_fast": self.record()})
+
+    def _write(self, b) -> None:
+        points = []
+        for d, doc_id in enumerate(b.ids):
+            c0, c1 = int(b.cu[d]), int(b.cu[d + 1])
+            vector = {"doc": b.documents[d].tolist()}
+            if c1 > c0:
+                vector["chunks"] = b.chunks[c0:c1].tolist()
+            payload = {"id": doc_id, "start": b.start[c0:c1].tolist(), "end": b.end[c0:c1].tolist(),
+                       "tokens": b.tokens[c0:c1].tolist()}
+            if b.texts is not None:
+                payload["text"] = b.texts[d]
+            points.append(self._models.PointStruct(id=point_id(doc_id), vector=vector, payload=payload))
+        self.client.upsert(self.collection, points=points, wait=True)
+
+    def _nearest(self, queries: np.ndarray, scoring: str, limit: int) -> list[list[Candidate]]:
+        request = self._models.QueryRequest
+        using = "doc" if scoring == "dice" else "chunks"
+        requests = [request(query=q.tolist() if scoring == "dice" else [q.tolist()], using=using, limit=limit,
+                            with_payload=True, with_vector=True) for q in queries]
+        out = []
+        for response in self.client.query_batch_points(self.collection, requests=requests):
+            out.append([self._candidate(p) for p in response.points])
+        return out
+
+    def _candidate(self, point) -> Candidate:
+        vectors, payload = point.vector or {}, point.payload or {}
+        chunks = np.asarray(vectors.get("chunks") or np.zeros((0, self.dim)), np.float32).reshape(-1, self.dim)
+        return Candidate(payload["id"], np.asarray(vectors["doc"], np.float32), chunks, payload["start"],
+                         payload["end"], payload.get("text"))
+
+    def delete(self, ids: Sequence) -> None:
+        """Remove the documents ``ids`` (ids not stored are ignored)."""
+        ids = [point_id(i) for i in ids]
+        if ids:
+            self.client.delete(self.collection, points_selector=self._models.PointIdsList(points=ids), wait=True)
+
+    def contains(self, ids: Sequence) -> list[bool]:
+        """For each id in ``ids``: whether the collection holds it."""
+        ids = [str(i) for i in ids]
+        found = set()
+        for i in range(0, len(ids), 1024):
+            records = self.client.retrieve(self.collection, ids=[point_id(x) for x in ids[i : i + 1024]],
+                                           with_payload=["id"], with_vectors=False)
+            found.update(r.payload["id"] for r in records)
+        return [i in found for i in ids]
+
+    def __len__(self) -> int:
+        return int(self.client.count(self.collection, exact=True).count)

@@ -1,0 +1,165 @@
+"""`RemoteStore`: what the Qdrant and LanceDB stores share above their client calls.
+
+A store keeps one record per document: its id, its document vector, its chunk vectors (unit rows)
+with their spans and token counts, and its text when ``store_text``. A subclass provides four calls:
+``_write(batch)`` (replace-or-insert the records of a checked `Batch` slice), ``_nearest(queries,
+scoring, limit)`` (per query the records the database ranks first by ``dice`` or ``maxsim``, as
+`Candidate`s), ``delete(ids)`` and ``contains(ids)``, and ``__len__``.
+
+Search scores the candidates again here in float32 from their returned vectors, exactly as
+`DiceIndex` does (so scores, order and evidence agree with `DiceIndex` on the same vectors whenever
+the database's own ranking is exact). ``hybrid`` with ``0 < alpha < 1`` takes the union of the top
+``candidates`` by ``dice`` and by ``maxsim`` and ranks it by the blend: every returned score is
+exact, and a document is missed only when it is outside both lists (docs/retrieval.md measures it).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from .. import scoring as sc
+from .common import DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, check_k, evidence_hit
+from .encoder_match import model_id, vector_options
+
+DEFAULT_BATCH = 256  # documents per write
+
+
+class Candidate(NamedTuple):
+    """A record as returned by a search: id, document (dim,), chunks (m, dim), start, end (m,), text."""
+
+    id: str
+    document: np.ndarray
+    chunks: np.ndarray
+    start: Sequence[int]
+    end: Sequence[int]
+    text: str | None
+
+
+class RemoteStore(EncoderSlot):
+    """Base of `QdrantStore` and `LanceStore` (see the module docstring)."""
+
+    kind = "store"
+
+    def _setup(self, dim: int, encoder, model, encoder_options, store_text: bool | None, record: dict | None,
+               batch_size: int, where: str) -> None:
+        """Common construction: ``record`` is what an existing collection / table holds (None: new);
+        ``store_text`` None means as recorded, else True."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if store_text is None:
+            store_text = bool(record.get("store_text", True)) if isinstance(record, dict) else True
+        self.dim, self.store_text, self.batch_size = int(dim), bool(store_text), batch_size
+        explicit = model is not None or bool(encoder_options)
+        self._init_encoder(None, model, encoder_options, where)
+        if record is not None:
+            self._check_record(record, where, explicit)
+        elif encoder is not None and not explicit:
+            self.model, self.encoder_options = model_id(encoder), vector_options(encoder)
+        self.attach_encoder(encoder, where=where)
+
+    def record(self) -> dict:
+        """What the store records about its vectors (kept in the database beside them)."""
+        return {"format": f"dice_fast.{self.kind}/1", "dim": self.dim, "model": self.model,
+                "encoder_options": self.encoder_options, "store_text": self.store_text}
+
+    def _check_record(self, found: dict, where: str, explicit: bool) -> None:
+        """Refuse a collection / table whose record differs from this store's width and texts, and
+        (``explicit``: opened with a model and options) its model and options; adopt the recorded
+        model and options otherwise (a passed encoder is then checked against them)."""
+        if not isinstance(found, dict) or found.get("format") != f"dice_fast.{self.kind}/1":
+            raise ValueError(f"{where} exists but was not written by dice_fast (no dice_fast record); "
+                             "choose another name")
+        mine = self.record()
+        keys = ("dim", "store_text", "model") if explicit else ("dim", "store_text")
+        for key in keys:
+            if found.get(key) != mine[key]:
+                raise ValueError(f"{where} holds vectors with {key} {_short(found.get(key))}, not "
+                                 f"{_short(mine[key])}; choose another name or delete it")
+        theirs = dict(found.get("encoder_options") or {})
+        if explicit and theirs != mine["encoder_options"]:
+            names = sorted(k for k in set(theirs) | set(mine["encoder_options"])
+                           if theirs.get(k) != mine["encoder_options"].get(k))
+            raise ValueError(f"{where} holds vectors made with other options ({', '.join(names)}: "
+                             f"{_short({k: theirs.get(k) for k in names})}); choose another name or delete it")
+        self.model, self.encoder_options = found.get("model"), theirs
+
+    # ---------------------------------------------------------------------------------------------
+    def add(self, texts, ids: Sequence) -> None:
+        """Encode ``texts`` (n strings) and write them under ``ids`` (n), replacing documents with
+        the same ids."""
+        ids = list(ids)
+        texts, out = self._encode_texts(texts)
+        self.upsert_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
+                           out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
+
+    def upsert_arrays(self, ids: Sequence, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
+                      chunk_tokens, texts: Sequence[str] | None = None) -> None:
+        """Write encoded documents (shapes as `DiceIndex.add_arrays`) in batches of ``batch_size``
+        documents; a document whose id is already stored is replaced, so a write can be repeated."""
+        b = check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
+                        chunk_tokens, texts, self.store_text)
+        for d0 in range(0, len(b.ids), self.batch_size):
+            self._write(_slice(b, d0, min(d0 + self.batch_size, len(b.ids))))
+
+    add_arrays = upsert_arrays
+
+    # ---------------------------------------------------------------------------------------------
+    def search(self, queries, k: int = 10, scoring: str = DEFAULT_SCORING, *, alpha: float = sc.DEFAULT_ALPHA,
+               candidates: int | None = None) -> list[list[Hit]]:
+        """Rank documents for ``queries`` (n strings or an (n, dim) array): n lists of at most ``k``
+        `Hit`s, best first, as `DiceIndex.search`. ``candidates``: documents fetched per scoring and
+        re-scored here from their vectors (default ``k``, and ``max(4 k, 40)`` for the hybrid blend);
+        more than ``k`` raises the recall of an approximate (indexed) search."""
+        sc.check_scoring(scoring)
+        alpha = sc.check_alpha(alpha)
+        k = check_k(k)
+        q = self._query_vectors(queries)
+        if len(q) == 0:
+            return []
+        if scoring == "hybrid" and alpha in (0.0, 1.0):
+            lists = self._nearest(q, "maxsim" if alpha == 0.0 else "dice", max(k, check_k(candidates or k)))
+        elif scoring == "hybrid":
+            limit = check_k(candidates) if candidates is not None else max(4 * k, 40)
+            by_dice, by_maxsim = self._nearest(q, "dice", limit), self._nearest(q, "maxsim", limit)
+            lists = [list({c.id: c for c in a + b}.values()) for a, b in zip(by_dice, by_maxsim)]
+        else:
+            lists = self._nearest(q, scoring, max(k, check_k(candidates or k)))
+        return [self._rank(qv, found, k, scoring, alpha) for qv, found in zip(q, lists)]
+
+    def _rank(self, qv: np.ndarray, found: list[Candidate], k: int, scoring: str, alpha: float) -> list[Hit]:
+        scored = []
+        for position, c in enumerate(found):
+            dice = float(sc.dice(qv[None, :], c.document[None, :])[0][0, 0])
+            best = float(sc.chunk_scores(qv[None, :], c.chunks)[0].max()) if len(c.chunks) else float("-inf")
+            s = {"dice": dice, "maxsim": best}.get(scoring)
+            if s is None:
+                s = float(np.float32(alpha) * np.float32(dice) + np.float32(1 - alpha) * np.float32(best))
+            scored.append((-s, position, c))
+        scored.sort(key=lambda t: (t[0], t[1]))
+        return [evidence_hit(c.id, -s, qv, c.chunks, c.start, c.end, c.text) for s, _, c in scored[:k]]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._where}, {len(self)} documents, dim={self.dim})"
+
+
+def require(module: str, extra: str):
+    """Import ``module`` or raise ImportError saying ``pip install dice-fast[extra]``."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"this dice_fast store needs {module!r}: pip install dice-fast[{extra}]") from exc
+
+
+def _slice(b: Batch, d0: int, d1: int) -> Batch:
+    c0, c1 = int(b.cu[d0]), int(b.cu[d1])
+    return Batch(b.ids[d0:d1], b.documents[d0:d1], b.chunks[c0:c1], b.cu[d0 : d1 + 1] - c0, b.start[c0:c1],
+                 b.end[c0:c1], b.tokens[c0:c1], None if b.texts is None else b.texts[d0:d1])
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

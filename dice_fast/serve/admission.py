@@ -1,0 +1,279 @@
+"""The request side of `AsyncDiceEncoder`: a request's share of the core (`Lease`), its admission
+(limits, tokenizing, one queue-bound check) and its wait for the worker.
+
+A *lease* is one request's share: one of ``max_concurrent_requests`` slots from the moment it is
+taken, and, once its vectors are ready, its tokens counted against ``max_queue_tokens`` until the
+lease is released. The HTTP app releases it only when the last byte of the response has been
+written, so a request that is being serialised or sent still costs its share; a caller of
+``embed_documents`` without a lease gets one that ends with the call.
+
+One call may hold several parts (``/v1/evidence``: its query and its documents): they are tokenized
+one after another in one pass (a part refused stops the pass: the parts after it are never
+tokenized), checked together against the token limits, the response budget and the queue bound,
+queued together, and the first part to fail cancels the others' chunks that have not run.
+Nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..chunking import check_texts
+from ..output import DiceOutput
+from ..chunk_queue import Job
+from .errors import DeadlineExceeded, Overloaded, RequestTooLarge, ShuttingDown, Unhealthy
+from .planning import check_chars, plan_request
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """The result of one request. vectors: (n, dim) float32, row i is input i; tokens: (n,) int64
+    tokens the model ran for input i (all its chunks, special tokens and prefix included); truncated:
+    the indices of queries cut to the window (``auto_truncate``); chunks: with ``return_chunks``, the
+    `DiceOutput` (chunk vectors and spans) equal to ``encoder.encode_documents(texts, return_chunks=True)``,
+    else None."""
+
+    vectors: np.ndarray
+    tokens: np.ndarray
+    truncated: tuple[int, ...] = ()
+    chunks: object = None
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a call: ``texts`` as ``kind`` ("documents" / "queries") with ``aggregation`` (None:
+    the encoder's), keeping chunk vectors when ``return_chunks``; ``field`` names it in errors."""
+
+    texts: object
+    kind: str
+    aggregation: str | None = None
+    return_chunks: bool = False
+    field: str = "input"
+
+
+@dataclass(eq=False)
+class _Request:
+    plan: object
+    aggregation: str | None
+    tokens: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    job: Job | None = None
+    keys: object = None  # the plan's chunk keys, computed off the event loop
+    cancelled: bool = False
+    keep_chunks: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class Lease:
+    """One request's share of an `AsyncDiceEncoder` (``core.lease()``): a ``max_concurrent_requests``
+    slot, and the request's tokens against ``max_queue_tokens`` once its vectors are ready, until
+    `release` (idempotent; also ``with core.lease() as lease: ...``)."""
+
+    def __init__(self, core):
+        self._core, self.tokens, self.released = core, 0, False
+
+    def hold(self, tokens: int) -> None:
+        """Count ``tokens`` more against the queue bound until release."""
+        with self._core._cond:
+            if not self.released:
+                self.tokens += tokens
+                self._core._held_tokens += tokens
+
+    def release(self) -> None:
+        """Give the slot and the held tokens back."""
+        with self._core._cond:
+            if not self.released:
+                self.released = True
+                self._core._held_tokens -= self.tokens
+                self._core._in_flight -= 1
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class RequestSide:
+    """The request side of `AsyncDiceEncoder` (a base class: it shares the core's ``_cond``, ``_queue``,
+    ``_pending``, limits and counters)."""
+
+    def lease(self) -> Lease:
+        """Take one request's share now: `Overloaded` when ``max_concurrent_requests`` calls are in
+        progress, `ShuttingDown` / `Unhealthy` when the core takes no requests. Pass it to the
+        ``embed_*`` methods (``lease=``) to keep the share past the call; release it when done."""
+        self._check_accepting()
+        with self._cond:
+            if self._in_flight >= self.max_concurrent_requests:
+                raise Overloaded(f"{self._in_flight} requests are in progress, the limit "
+                                 f"(max_concurrent_requests); retry later", self.retry_after())
+            self._in_flight += 1
+        return Lease(self)
+
+    async def _embed(self, parts: list[Part], lease: Lease | None, width: int | None):
+        """The `Embeddings` of each part of one call (see the module docstring)."""
+        own = lease is None
+        if own:
+            lease = self.lease()
+        elif lease.released or lease._core is not self:
+            raise ValueError("the lease is released or belongs to another AsyncDiceEncoder")
+        try:
+            return await self._embed_parts(parts, lease, width or self.dim)
+        finally:
+            if own:
+                lease.release()
+
+    async def _embed_parts(self, parts: list[Part], lease: Lease, width: int):
+        self._check_accepting()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout if self.request_timeout else None
+        texts = [check_texts(p.texts, p.field) for p in parts]
+        for p, t in zip(parts, texts):
+            if len(t) > self.max_inputs_per_request:
+                raise RequestTooLarge(f"{len(t)} inputs in one request; the limit is {self.max_inputs_per_request} "
+                                      "(max_inputs_per_request)", param=p.field)
+        self._check_response(width, sum(len(t) for t in texts), 0)
+        if not any(texts):
+            return [Embeddings(np.zeros((0, self.dim), np.float32), np.zeros(0, np.int64)) for _ in parts]
+        if self.tokens_held >= self.max_queue_tokens:  # full already: do not spend time tokenizing
+            raise self._queue_full(0)
+        for p, t in zip(parts, texts):
+            check_chars(t, self.max_input_chars, p.field)
+        abandoned = threading.Event()
+
+        def plan_all():  # in one worker thread: tokenize part after part, check sizes, key the chunks
+            done, before = [], 0
+            for p, t in zip(parts, texts):
+                if not t:
+                    done.append((None, (), None))
+                    continue
+                check = self._size_check(p.field, before)
+                plan, truncated = plan_request(self.encoder, t, p.kind, piece_chars=self._piece_chars,
+                                               auto_truncate=self.auto_truncate, check_sizes=check,
+                                               abandoned=abandoned, field=p.field)
+                check(plan.document_tokens)
+                before += int(plan.document_tokens.sum())
+                done.append((plan, truncated, self._queue.keys_for(plan)))
+            chunks = sum(plan.n_chunks for (plan, _, _), p in zip(done, parts) if plan is not None and p.return_chunks)
+            self._check_response(width, sum(len(t) for t in texts), chunks)
+            return done
+
+        try:
+            planned = await self._until(deadline, loop.run_in_executor(None, plan_all))
+        except (asyncio.CancelledError, DeadlineExceeded):
+            abandoned.set()  # stop tokenizing at the next piece
+            raise
+        requests = [None if plan is None else
+                    _Request(plan, p.aggregation, int(plan.document_tokens.sum()), loop, loop.create_future(),
+                             keys=keys, keep_chunks=p.return_chunks)
+                    for p, (plan, _, keys) in zip(parts, planned)]
+        queued = [r for r in requests if r is not None]
+        self._submit(queued)
+        try:
+            await self._until(deadline, _all_or_first_error([r.future for r in queued]))
+        except BaseException:
+            for r in queued:  # the first error (or the client gone, or the deadline) ends the rest
+                self._cancel(r)
+            raise
+        lease.hold(sum(r.tokens for r in queued))
+        out = []
+        for p, r, (plan, truncated, _) in zip(parts, requests, planned):
+            if r is None:
+                out.append(Embeddings(np.zeros((0, self.dim), np.float32), np.zeros(0, np.int64)))
+                continue
+            vectors, tokens = r.future.result(), plan.document_tokens
+            if p.return_chunks:
+                out.append(Embeddings(vectors[0], tokens, truncated, DiceOutput.of_plan(plan, *vectors)))
+            else:
+                out.append(Embeddings(vectors, tokens, truncated))
+        return out
+
+    def _check_accepting(self) -> None:
+        if self.health[0] == "unhealthy":
+            raise Unhealthy(f"the encoder cannot serve: {self._broken}")
+        if self._closing:
+            raise ShuttingDown("the encoder is shutting down and takes no new requests")
+
+    async def _until(self, deadline: float | None, awaitable):
+        """Await ``awaitable`` until ``deadline`` (event-loop time; None: no deadline), else raise
+        `DeadlineExceeded` (a future is cancelled)."""
+        if deadline is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, max(0.0, deadline - asyncio.get_running_loop().time()))
+        except TimeoutError:
+            raise DeadlineExceeded(f"the request did not finish within {self.request_timeout:g} s "
+                                   "(request_timeout); its chunks that had not run were dropped") from None
+
+    def _check_response(self, width: int, inputs: int, chunks: int) -> None:
+        """`RequestTooLarge` when a response of ``inputs`` vectors and ``chunks`` chunk vectors of
+        ``width`` floats passes ``max_response_floats``."""
+        floats = width * (inputs + chunks)
+        if floats > self.max_response_floats:
+            sizes = f"{inputs} inputs" + (f" + {chunks} chunks" if chunks else "")
+            raise RequestTooLarge(f"the response would hold ({sizes}) x {width} floats = {floats} floats; the "
+                                  f"limit is {self.max_response_floats} (max_response_floats); send fewer inputs"
+                                  + (" or no return_chunks" if chunks else ""), param="input")
+
+    def _size_check(self, name: str, before: int):
+        """``check(tokens, at_least=False)`` refusing a part named ``name`` of ``tokens`` (n,) per input
+        (``at_least``: lower bounds found so far) after ``before`` tokens of earlier parts."""
+
+        def check(tokens: np.ndarray, at_least: bool = False) -> None:
+            limit = self.max_tokens_per_document
+            if limit and (over := np.flatnonzero(tokens > limit)).size:
+                i = int(over[0])
+                n = f"more than {limit}" if at_least else int(tokens[i])
+                raise RequestTooLarge(f"{name}[{i}] has {n} tokens; the limit is {limit} tokens per input, special "
+                                      "tokens included (max_tokens_per_document)", param=f"{name}[{i}]")
+            total = before + int(tokens.sum())
+            if total > self.max_queue_tokens:
+                n = f"more than {self.max_queue_tokens}" if at_least else total
+                raise RequestTooLarge(f"the request has {n} tokens, more than the {self.max_queue_tokens} tokens the "
+                                      "queue holds (max_queue_tokens); split it into smaller requests", param=name)
+
+        return check
+
+    def _queue_full(self, tokens: int) -> Overloaded:
+        return Overloaded(f"the queue holds {self.tokens_held} tokens; {tokens} more would pass its limit of "
+                          f"{self.max_queue_tokens} (max_queue_tokens); retry later", self.retry_after())
+
+    def _submit(self, requests: list[_Request]) -> None:
+        """Queue ``requests`` (the parts of one call) together, or none of them."""
+        tokens = sum(r.tokens for r in requests)
+        with self._cond:
+            self._check_accepting()
+            held = self.tokens_held
+            if held and held + tokens > self.max_queue_tokens:
+                raise self._queue_full(tokens)
+            self._pending.extend(requests)
+            self._pending_tokens += tokens
+            self._start_worker(warm_up=False)
+            self._cond.notify()
+
+    def _cancel(self, request: _Request) -> None:
+        with self._cond:
+            if request.future.done() and not request.future.cancelled():
+                return  # finished: nothing left to drop
+            request.cancelled = True
+            if request.job is not None:
+                self._queue.cancel(request.job)  # its chunks not handed out are dropped
+            elif request in self._pending:
+                self._pending.remove(request)
+                self._pending_tokens -= request.tokens
+
+
+async def _all_or_first_error(futures: list[asyncio.Future]) -> None:
+    """Return when every future has a result; raise the first exception as soon as one fails."""
+    pending = set(futures)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()

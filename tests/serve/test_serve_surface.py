@@ -1,0 +1,132 @@
+"""What a client can put in front of the server, against a real uvicorn on 127.0.0.1: no error quotes
+more than a few dozen characters of any field it was sent, a Host the server is not bound to is
+refused (no browser open proxy), and every ``dice-fast serve`` flag can come from the environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import httpx
+import pytest
+
+from dice_fast.serve import create_app
+from dice_fast.serve.guards import allowed_hosts, host_name
+from serve_testing import ServerThread, wait_until
+
+HUGE = "x" * (1 << 20)  # 1 MB of one letter: no message may carry 50 of them
+JSON = {"Content-Type": "application/json"}
+EMBEDDING_FIELDS = ["model", "encoding_format", "input_type", "dimensions", "user", "return_chunks"]
+EVIDENCE_FIELDS = ["query", "documents", "scoring", "alpha"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_encoder):
+    app = create_app(tiny_encoder, allowed_hosts=allowed_hosts("127.0.0.1", ["embed.example.com"]),
+                     max_body_bytes=8 << 20, max_input_chars=16)
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as http:
+        wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
+        yield http
+
+
+def check_short(r: httpx.Response, what: str, ok: bool = False) -> dict | None:
+    """The answer quotes none of a huge value; a 4xx error, or with ``ok`` maybe a 200 (a field taken
+    as sent but never echoed: model, user)."""
+    assert "x" * 50 not in r.text, f"{what}: the answer echoes the value sent: {r.text[:300]}"
+    if ok and r.status_code == 200:
+        return None
+    assert 400 <= r.status_code < 500, (what, r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert len(error["message"]) < 400 and (error["param"] is None or len(error["param"]) <= 50), what
+    return error
+
+
+@pytest.mark.parametrize("value", [HUGE, [HUGE], {HUGE: HUGE}, [[HUGE]]], ids=["string", "list", "object", "nested"])
+def test_no_error_quotes_more_than_a_few_dozen_characters_of_any_field(server, value):
+    for field in EMBEDDING_FIELDS:
+        check_short(server.post("/v1/embeddings", json={"input": "word", field: value}), f"embeddings {field}",
+                    ok=field in ("model", "user"))
+    check_short(server.post("/v1/embeddings", json={"input": value}), "embeddings input")
+    for field in EVIDENCE_FIELDS:
+        body = {"query": "word", "documents": ["word"], field: value}
+        check_short(server.post("/v1/evidence", json=body), f"evidence {field}")
+
+
+def test_no_error_quotes_a_huge_key_header_path_or_text(server):
+    dup = ('{"input": "a", "%s": 1, "%s": 2}' % (HUGE, HUGE)).encode()
+    check_short(server.post("/v1/embeddings", content=dup, headers=JSON), "a key twice")
+    check_short(server.post("/v1/embeddings", json={"input": ["word", "y" + HUGE[:5000]]}), "input over the chars")
+    check_short(server.post("/v1/embeddings", content=b'{"input": "a"}', headers={"Content-Type": "text/" + HUGE[:8000]}),
+                "content type")
+    check_short(server.get("/v1/" + HUGE[:8000]), "path")
+    check_short(server.post("/v1/embeddings", content=b'{"input": "a", "n": ' + b"1" * 5000 + b"}", headers=JSON),
+                "an integer too long to read")
+
+
+def test_a_host_the_server_is_not_bound_to_is_refused(server):
+    for host in ("evil.example", "evil.example:8080", "127.0.0.1.evil.example", "localhost.evil.example", HUGE[:4000]):
+        r = server.post("/v1/embeddings", json={"input": "word"}, headers={"Host": host})
+        error = check_short(r, f"Host {host[:20]}")
+        assert r.status_code == 400 and error["code"] == "host_not_allowed" and r.headers["connection"] == "close"
+        assert server.get("/health", headers={"Host": host}).status_code == 400
+    for host in ("127.0.0.1", "localhost:1234", "[::1]:80", "EMBED.example.com:443"):
+        r = server.post("/v1/embeddings", json={"input": "word"}, headers={"Host": host})
+        assert r.status_code == 200, (host, r.text)
+    assert "dice_fast_wrong_host_total 10.0" in server.get("/metrics").text
+
+
+def test_allowed_hosts_for_a_bound_address():
+    assert allowed_hosts("127.0.0.1") == ["127.0.0.1", "::1", "localhost"]
+    assert allowed_hosts("0.0.0.0", ["a.example"]) == ["<ip>", "a.example", "localhost"]
+    assert allowed_hosts("10.1.2.3") == ["10.1.2.3"] and allowed_hosts("10.1.2.3", ["*"]) == ["*", "10.1.2.3"]
+    assert [host_name(h) for h in ("A.example:80", "[::1]:8080", "::1", "10.0.0.1")] == ["a.example", "::1", "::1",
+                                                                                           "10.0.0.1"]
+
+
+def serve_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    from dice_fast.serve.cli import register_cli
+
+    top = argparse.ArgumentParser()
+    sub = top.add_subparsers()
+    register_cli(sub)
+    return top, sub.choices["serve"]
+
+
+def test_every_serve_flag_can_come_from_the_environment(monkeypatch):
+    _, serve = serve_parser()
+    flags = [a for a in serve._actions if a.help != argparse.SUPPRESS and a.dest != "help"]
+    text = serve.format_help()
+    for action in flags:
+        env = "DICE_FAST_" + next(o for o in action.option_strings if o.startswith("--"))[2:].replace("-", "_").upper()
+        assert env in text, f"--help does not name {env}"
+    assert len(flags) > 30
+    for name, value in {"MAX_QUEUE_TOKENS": "1234", "WRITE_TIMEOUT": "2.5", "NO_ACCESS_LOG": "yes",
+                        "AUTO_TRUNCATE": "1", "NO_CROSS_REQUEST_BATCHING": "true", "HOST": "0.0.0.0",
+                        "POSITIONS": "global", "NORMALIZE_CHUNKS": "off", "ALLOWED_HOSTS": "a.example"}.items():
+        monkeypatch.setenv("DICE_FAST_" + name, value)
+    top, _ = serve_parser()
+    args = top.parse_args(["serve"])
+    assert (args.max_queue_tokens, args.write_timeout, args.no_access_log, args.auto_truncate) == (1234, 2.5, True, True)
+    assert (args.cross_request_batching, args.host, args.positions, args.normalize_chunks) == (False, "0.0.0.0",
+                                                                                               "global", False)
+    assert args.allowed_hosts == "a.example" and args.environment_errors == []
+    args = top.parse_args(["serve", "--max-queue-tokens", "99", "--host", "127.0.0.1"])  # the flag wins
+    assert (args.max_queue_tokens, args.host) == (99, "127.0.0.1")
+    monkeypatch.setenv("DICE_FAST_POSITIONS", "sideways")
+    monkeypatch.setenv("DICE_FAST_AUTO_TRUNCATE", "maybe")
+    args = serve_parser()[0].parse_args(["serve"])
+    assert any("DICE_FAST_POSITIONS" in e for e in args.environment_errors)
+    assert any("DICE_FAST_AUTO_TRUNCATE" in e for e in args.environment_errors)
+    from dice_fast.serve.cli import cmd_serve
+
+    with pytest.raises(ValueError, match="DICE_FAST_POSITIONS='sideways'"):
+        cmd_serve(args)  # refused before any model is loaded
+    monkeypatch.setenv("DICE_FAST_PORT", "not-a-port")
+    with pytest.raises(SystemExit):
+        serve_parser()[0].parse_args(["serve"])
+
+
+def test_bodies_must_be_declared_json(server):
+    for headers in ({}, {"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}):
+        r = server.post("/v1/embeddings", content=json.dumps({"input": "word"}).encode(), headers=headers)
+        assert r.status_code == 415 and r.headers["connection"] == "close", (headers, r.text)

@@ -1,0 +1,227 @@
+"""DiceIndex on disk: saves are atomic (a save that dies at any file leaves the old index loading
+whole), loads map the files, graphs and texts come back, and the encoder is the recorded one:
+restored from the recorded model and options, or a passed one refused when it differs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from dice_fast import DiceEncoder, DiceIndex
+from dice_fast.index import folder
+from test_index import _random_index, assert_hits_equal, brute_force
+from tiny_models import tiny
+
+TEXTS = ["the cat sat on a mat and the dog ran", "big red house with tree under blue sky", "",
+         "green old river water fire road city", "naïve café – ünïcödé text survives"]
+
+
+def _contents(index):
+    return (list(index.ids), np.asarray(index.documents).tolist(), np.asarray(index.chunks).tolist(),
+            np.asarray(index.cu_doc_chunks).tolist(), np.asarray(index.chunk_start_char).tolist())
+
+
+def _two_indexes():
+    old, _ = _random_index(seed=0, n_docs=30)
+    new, _ = _random_index(seed=1, n_docs=30)  # same shapes would be easy to mix: same n_docs
+    return old, new
+
+
+def _count_writes(tmp_path):
+    old, new = _two_indexes()
+    calls = []
+    real = folder._write
+    folder._write = lambda path, write: (calls.append(path), real(path, write))[1]
+    try:
+        new.save(tmp_path / "count")
+    finally:
+        folder._write = real
+    return len(calls)
+
+
+def test_a_save_that_fails_at_any_file_leaves_the_old_index(tmp_path, monkeypatch):
+    old, new = _two_indexes()
+    n_writes = _count_writes(tmp_path)
+    assert n_writes >= 8  # every array, the ids and index.json go through _write
+    target = tmp_path / "ix"
+    old.save(target)
+    real = folder._write
+    for fail_at in range(n_writes):
+        calls = []
+
+        def failing(path, write):
+            calls.append(path)
+            if len(calls) > fail_at:
+                raise OSError("disk full (injected)")
+            real(path, write)
+
+        monkeypatch.setattr(folder, "_write", failing)
+        with pytest.raises(OSError, match="injected"):
+            new.save(target)
+        monkeypatch.setattr(folder, "_write", real)
+        assert _contents(DiceIndex.load(target)) == _contents(old), f"failure at write {fail_at}"
+    new.save(target)  # a later good save switches and clears every leftover generation
+    assert _contents(DiceIndex.load(target)) == _contents(new)
+    names = sorted(p.name for p in target.iterdir())
+    gen = json.loads((target / "index.json").read_text())["generation"]
+    assert all(n == "index.json" or f".{gen}." in n for n in names), names
+
+
+def test_a_save_killed_midway_leaves_the_old_index(tmp_path):
+    """The writer process dies (SIGKILL, no cleanup) after the new generation's chunk vectors."""
+    old, new = _two_indexes()
+    old.save(tmp_path / "ix")
+    new.save(tmp_path / "new")
+    script = textwrap.dedent(f"""
+        import os, signal
+        from dice_fast import DiceIndex
+        from dice_fast.index import folder
+        new = DiceIndex.load({str(tmp_path / "new")!r}, mmap=False)
+        real = folder._write
+        def dying(path, write):
+            real(path, write)
+            if path.name.startswith("chunks."):
+                os.kill(os.getpid(), signal.SIGKILL)
+        folder._write = dying
+        new.save({str(tmp_path / "ix")!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=120)
+    assert proc.returncode == -9
+    assert any(p.name.startswith("chunks.") for p in (tmp_path / "ix").iterdir()
+               if json.loads((tmp_path / "ix" / "index.json").read_text())["generation"] not in p.name)
+    assert _contents(DiceIndex.load(tmp_path / "ix")) == _contents(old)
+
+
+def test_load_maps_files_and_a_file_of_another_generation_is_refused(tmp_path):
+    index, queries = _random_index()
+    index.save(tmp_path / "ix")
+    mapped, read = DiceIndex.load(tmp_path / "ix"), DiceIndex.load(tmp_path / "ix", mmap=False)
+    assert isinstance(mapped.chunks, np.memmap) and not isinstance(read.chunks, np.memmap)
+    for scoring in ("dice", "maxsim", "hybrid"):
+        assert mapped.search(queries, 7, scoring) == read.search(queries, 7, scoring) == index.search(queries, 7, scoring)
+    meta = json.loads((tmp_path / "ix" / "index.json").read_text())
+    meta["files"]["chunks"]["file"] = "chunks.0123456789ab.npy"
+    (tmp_path / "ix" / "index.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="not one of generation"):
+        DiceIndex.load(tmp_path / "ix")
+
+
+def test_adding_to_a_mapped_index_then_saving_over_it(tmp_path):
+    index, queries = _random_index(n_docs=20)
+    extra, _ = _random_index(seed=5, n_docs=20)
+    index.save(tmp_path / "ix")
+    back = DiceIndex.load(tmp_path / "ix")
+    doc_of = np.repeat(np.arange(len(extra)), np.diff(extra.cu_doc_chunks))
+    ids = [f"more-{i}" for i in range(len(extra))]
+    for target in (index, back):
+        target.add_arrays(ids, extra.documents, extra.chunks, doc_of, extra.chunk_start_char,
+                          extra.chunk_end_char, extra.chunk_tokens)
+    back.save(tmp_path / "ix")  # over the files it maps
+    again = DiceIndex.load(tmp_path / "ix")
+    assert_hits_equal(again.search(queries, k=10, scoring="maxsim"), brute_force(index, queries, 10, "maxsim"))
+
+
+def test_graphs_are_saved_and_read_back(tmp_path):
+    pytest.importorskip("faiss")
+    index, queries = _random_index()
+    index.build_graph("maxsim")
+    index.build_graph("dice")
+    index.save(tmp_path / "ix")
+    assert {p.name.split(".")[0] for p in (tmp_path / "ix").glob("graph_*")} == {"graph_documents", "graph_chunks"}
+    DiceIndex.load(tmp_path / "ix").save(tmp_path / "copy")  # saved graphs copied without being read
+    assert {p.name.split(".")[0] for p in (tmp_path / "copy").glob("graph_*")} == {"graph_documents", "graph_chunks"}
+    back = DiceIndex.load(tmp_path / "copy")
+    for scoring in ("dice", "maxsim"):
+        want = index.search(queries, 5, scoring, approximate=True, candidates=20)
+        assert back.search(queries, 5, scoring, approximate=True, candidates=20) == want
+    assert set(back._read_only) == {"documents", "chunks"}  # read from the files, not rebuilt
+    extra, _ = _random_index(seed=3, n_docs=5)
+    doc_of = np.repeat(np.arange(len(extra)), np.diff(extra.cu_doc_chunks))
+    for target in (index, back):  # built graphs grow in place; read-only ones are rebuilt
+        target.add_arrays([f"x{i}" for i in range(5)], extra.documents, extra.chunks, doc_of,
+                          extra.chunk_start_char, extra.chunk_end_char, extra.chunk_tokens)
+    n, exact = len(index), index.search(queries, 5, "maxsim")
+    want = [[(h.id, h.score, h.chunk, h.chunk_score) for h in row] for row in exact]
+    for target in (index, back):  # all candidates: the grown graph and the rebuilt one hold every chunk
+        assert_hits_equal(target.search(queries, 5, "maxsim", approximate=True, candidates=n * 5), want)
+    assert back._read_only == set()
+
+
+@pytest.fixture
+def model_folder(tmp_path):
+    model, tok, *_ = tiny("bert")
+    path = tmp_path / "model"
+    copy.deepcopy(model).save_pretrained(path)  # saving sets config.architectures: not on the shared model
+    tok.save_pretrained(path)
+    return path
+
+
+def test_load_restores_the_recorded_encoder_and_refuses_another(tmp_path, model_folder):
+    enc = DiceEncoder.from_pretrained(model_folder, device="cpu", chunk_size=4, query_prefix="query: ")
+    index = DiceIndex.from_texts(enc, TEXTS, ids=list("abcde"))
+    index.save(tmp_path / "ix")
+    back = DiceIndex.load(tmp_path / "ix")
+    assert back.encoder is None  # nothing loaded until a string needs it
+    queries = ["tree under blue sky", "river water", "café"]
+    assert back.search(queries, 3, "maxsim") == index.search(queries, 3, "maxsim")
+    assert back.encoder.config.query_prefix == "query: " and back.encoder.config.chunk_size == 4
+    assert [h.text for h in back.search(["café"], 1, "maxsim")[0]] == [index.search(["café"], 1, "maxsim")[0][0].text]
+    back.add(["one more text about a river"], ids=["f"])  # with the restored encoder
+    assert back.search(["river"], 6)[0] and len(back) == 6
+
+    no_prefix = DiceEncoder.from_pretrained(model_folder, device="cpu", chunk_size=4)
+    with pytest.raises(ValueError, match=r"query_prefix: the index has 'query: ', the encoder ''"):
+        DiceIndex.load(tmp_path / "ix", no_prefix)
+    other_size = DiceEncoder.from_pretrained(model_folder, device="cpu", chunk_size=8, query_prefix="query: ")
+    with pytest.raises(ValueError, match="chunk_size: the index has 4, the encoder 8"):
+        DiceIndex.load(tmp_path / "ix", other_size)
+    model, tok, *_ = tiny("bert")
+    other_model = DiceEncoder(model, tok, chunk_size=4, query_prefix="query: ")
+    with pytest.raises(ValueError, match="model: the index was made with"):
+        DiceIndex.load(tmp_path / "ix", other_model)
+    same = DiceEncoder.from_pretrained(model_folder, device="cpu", chunk_size=4, query_prefix="query: ",
+                                       max_batch_tokens=64)  # machine options are free
+    assert DiceIndex.load(tmp_path / "ix", same).search(queries, 3) == index.search(queries, 3)
+
+
+def test_a_missing_model_is_named_and_vectors_still_search(tmp_path, model_folder):
+    enc = DiceEncoder.from_pretrained(model_folder, device="cpu", chunk_size=4)
+    index = DiceIndex.from_texts(enc, TEXTS)
+    index.save(tmp_path / "ix")
+    for f in model_folder.iterdir():
+        f.unlink()
+    model_folder.rmdir()
+    back = DiceIndex.load(tmp_path / "ix")
+    vectors = enc.encode_queries(["river"])
+    assert back.search(vectors, 2) == index.search(vectors, 2)
+    with pytest.raises(ValueError, match=r"made with the model '.*model', which is not a folder here"):
+        back.search(["river"], 2)
+    bare, queries = _random_index()
+    with pytest.raises(ValueError, match="no encoder to encode query strings"):
+        bare.search(["a query"])
+
+
+def test_legacy_format_1_folders_still_load(tmp_path):
+    index, queries = _random_index()
+    legacy = tmp_path / "old"
+    legacy.mkdir()
+    files = {}
+    for name in folder._ARRAYS:
+        array = getattr(index, name)
+        np.save(legacy / f"{name}.npy", array)
+        files[f"{name}.npy"] = [list(array.shape), str(array.dtype)]
+    (legacy / "ids.json").write_text(json.dumps(index.ids))
+    meta = {"format": "dice_fast.index/1", "dim": index.dim, "n_documents": len(index), "n_chunks": index.n_chunks,
+            "chunk_dtype": "float32", "store_text": False, "model": None, "encoder_options": {}, "files": files}
+    (legacy / "index.json").write_text(json.dumps(meta))
+    assert DiceIndex.load(legacy).search(queries, 5, "maxsim") == index.search(queries, 5, "maxsim")
+    DiceIndex.load(legacy).save(legacy)  # rewritten in format 2, the plain names removed
+    assert not (legacy / "chunks.npy").exists()
+    assert DiceIndex.load(legacy).search(queries, 5, "maxsim") == index.search(queries, 5, "maxsim")

@@ -1,0 +1,120 @@
+"""``dice-fast index push OUT --to URL``: a corpus job's output (encode --chunks, a tiny model, several
+shards) written into Qdrant (local path) and LanceDB equals `DiceIndex.from_corpus`; a push killed
+midway (SIGKILL) and resumed holds every document once; a non-empty store needs --resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from dice_fast import DiceIndex
+from dice_fast.cli import main
+from dice_fast.index import open_store
+from test_index_folder import model_folder  # noqa: F401 (a fixture)
+
+pytest.importorskip("qdrant_client")
+pytest.importorskip("lancedb")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+N_DOCS, SHARD_ROWS, BATCH = 240, 40, 16
+
+
+@pytest.fixture
+def corpus_output(tmp_path, model_folder):  # noqa: F811
+    rng = np.random.default_rng(0)
+    words = ["river", "stone", "cloud", "field", "light", "house", "tree", "song", "blue", "red", "old"]
+    src = tmp_path / "in.jsonl"
+    with open(src, "w", encoding="utf-8") as f:
+        for i in range(N_DOCS):
+            text = " ".join(rng.choice(words, int(rng.integers(3, 40))))
+            f.write(json.dumps({"id": f"d{i:03d}", "text": text}) + "\n")
+    out = tmp_path / "out"
+    assert main(["encode", str(src), "-o", f"{out}/", "--chunks", "--chunk-size", "8", "--model", str(model_folder),
+                 "--device", "cpu", "--shard-rows", str(SHARD_ROWS), "--id-field", "id", "--quiet"]) == 0
+    return out
+
+
+def _urls(tmp_path):
+    return [f"qdrant+path://{tmp_path}/qdrant/docs", f"lancedb://{tmp_path}/lance/docs"]
+
+
+def _stored_ids(url):
+    store = open_store(url)
+    ids = sorted(f"d{i:03d}" for i in range(N_DOCS))
+    return len(store), store.contains(ids)
+
+
+def _key(hits):
+    return [[(h.id, h.chunk, h.start_char, h.end_char) for h in row] for row in hits]
+
+
+def test_push_equals_the_index_of_the_same_output(tmp_path, corpus_output, capsys):
+    index = DiceIndex.from_corpus(corpus_output)
+    queries = np.asarray(index.documents[:12]) + 0.05
+    for url in _urls(tmp_path):
+        assert main(["index", "push", str(corpus_output), "--to", url, "--batch-size", str(BATCH), "--quiet"]) == 0
+        assert f"wrote {N_DOCS} documents" in capsys.readouterr().err
+        store = open_store(url)
+        assert len(store) == N_DOCS and store.model == index.model and store.encoder_options == index.encoder_options
+        for scoring in ("dice", "maxsim"):
+            assert _key(store.search(queries, 5, scoring)) == _key(index.search(queries, 5, scoring))
+        del store
+        assert main(["search", url, "river stone cloud", "-k", "3", "--json", "--device", "cpu"]) == 0
+        printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        hits = DiceIndex.from_corpus(corpus_output).search(["river stone cloud"], 3)[0]  # the recorded encoder
+        assert [(p["id"], p["chunk"], p["start_char"]) for p in printed] == [(h.id, h.chunk, h.start_char) for h in hits]
+        assert main(["index", "push", str(corpus_output), "--to", url]) == 2
+        assert "already holds 240 documents: pass --resume" in capsys.readouterr().err
+        assert main(["index", "push", str(corpus_output), "--to", url, "--resume", "--quiet"]) == 0
+        assert "wrote 0 documents, skipped 240" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["qdrant", "lancedb"])
+def test_a_push_killed_midway_resumes_to_every_document_once(tmp_path, corpus_output, capsys, which):
+    url = _urls(tmp_path)[which]
+    module, cls = [("dice_fast.index.qdrant_store", "QdrantStore"), ("dice_fast.index.lance_store", "LanceStore")][which]
+    script = textwrap.dedent(f"""
+        import os, signal
+        from {module} import {cls} as Store
+        from dice_fast.cli import main
+        real, calls = Store._write, []
+        def dying(self, batch):
+            calls.append(1)
+            if len(calls) == 7:  # inside the third shard (40 rows = 3 writes of at most 16)
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(self, batch)
+        Store._write = dying
+        main(["index", "push", {str(corpus_output)!r}, "--to", {url!r}, "--batch-size", "{BATCH}", "--quiet"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.getcwd()},
+                          timeout=300, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    count, present = _stored_ids(url)
+    assert 0 < count < N_DOCS and count == sum(present)  # cut off inside the third shard
+    assert main(["index", "push", str(corpus_output), "--to", url, "--resume", "--batch-size", str(BATCH),
+                 "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 80 already stored" in err and f"wrote {N_DOCS - 80} documents" in err
+    count, present = _stored_ids(url)
+    assert count == N_DOCS and all(present)
+    index = DiceIndex.from_corpus(corpus_output)
+    queries = np.asarray(index.documents[:8])
+    assert _key(open_store(url).search(queries, 5, "maxsim")) == _key(index.search(queries, 5, "maxsim"))
+
+
+def test_push_usage_and_a_store_of_another_model_are_refused(tmp_path, corpus_output, capsys):
+    url = _urls(tmp_path)[1]
+    assert main(["index", "push", str(corpus_output)]) == 2
+    assert "usage: dice-fast index push OUT --to URL" in capsys.readouterr().err
+    assert main(["index", "push", str(corpus_output), "--to", "milvus://x/y"]) == 2
+    assert "is not one of qdrant://" in capsys.readouterr().err
+    assert main(["index", str(corpus_output), "--to", url]) == 2
+    assert "give one INPUT with -o" in capsys.readouterr().err
+    open_store(url, dim=32, model="/elsewhere/model", encoder_options={"chunk_size": 8})
+    assert main(["index", "push", str(corpus_output), "--to", url, "--quiet"]) == 2
+    assert "holds vectors with" in capsys.readouterr().err
