@@ -31,6 +31,8 @@ SERVE = ["fastapi>=0.110", "uvicorn>=0.30", "httpx>=0.27", "orjson>=3.9", "prome
 RAY = ["ray[data]>=2.9"]
 MTEB = ["mteb>=2.0"]
 INDEX = ["faiss-cpu>=1.7"]  # approximate DiceIndex search only
+# dtype="int8": static int8 on the CPU (dice_fast.quant: OpenVINO runtime + NNCF calibration)
+INT8 = ["openvino>=2024.4", "nncf>=2.13"]
 # vector databases for dice_fast.index stores: Qdrant (local mode or a server) and LanceDB (embedded)
 QDRANT = ["qdrant-client>=1.16"]  # collection metadata (the store's record) came in 1.16
 LANCEDB = ["lancedb>=0.25"]
@@ -65,7 +67,7 @@ setup(
         "test": ["pytest>=7", "triton>=3.9,<3.10", "sentence-transformers>=3.0", "matplotlib>=3.7", "ninja",
                  # per-test timeouts (pytest.ini), property-based tests, the server's schema-driven fuzz test
                  "pytest-timeout>=2.1", "hypothesis>=6.80", "schemathesis>=4.0",
-                 *SERVE, *RAY, *MTEB, *INDEX, *QDRANT, *LANCEDB, *STACK_TESTS],
+                 *SERVE, *RAY, *MTEB, *INDEX, *QDRANT, *LANCEDB, *STACK_TESTS, *INT8],
         "gpu": ["triton>=3.0"],
         "eval": ["matplotlib>=3.7", "sentence-transformers>=3.0"],
         "native": ["ninja"],
@@ -75,6 +77,7 @@ setup(
         "index": INDEX,
         "qdrant": QDRANT,
         "lancedb": LANCEDB,
+        "int8": INT8,
         **STACKS,
     },
     cmdclass={"build_py": build_py},

@@ -24,12 +24,13 @@ _LAZY = {
     "ChunkCache": "dice_fast.reuse.persistent",
     "Settings": "dice_fast.settings",
     **{name: "dice_fast.errors" for name in ("DiceError", "OptionError", "ArgumentTypeError", "TextError", "InputError",
-                                              "MissingDependency", "ModelError", "CacheError", "InputOutOfMemory")},
+                                              "MissingDependency", "ModelError", "CacheError", "InputOutOfMemory",
+                                              "Int8Unsupported")},
 }
 
 __all__ = ["DiceEncoder", "DiceOutput", "DiceConfig", "EncodingPlan", "DiceIndex", "ChunkCache", "Settings",
            "DiceError", "OptionError", "ArgumentTypeError", "TextError", "ModelError", "CacheError",
-           "InputOutOfMemory", "InputError", "MissingDependency", "__version__"]
+           "InputOutOfMemory", "InputError", "Int8Unsupported", "MissingDependency", "__version__"]
 
 
 def __getattr__(name: str):

@@ -18,7 +18,8 @@ STRATEGIES = ("dice", "single")
 POSITIONS = ("local", "global")
 ATTENTION_MODES = ("model default", "causal", "bidirectional")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_groups", "padded")
-DTYPES = ("float32", "bfloat16", "float16", "auto")
+# int8: static int8 on the CPU (dice_fast.quant), the float32 model kept for its facts and export
+DTYPES = ("float32", "bfloat16", "float16", "auto", "int8")
 DEFAULT_CHUNK_SIZE = 256
 COMPILE_MODES = ("off", "on", "auto")
 
@@ -108,7 +109,11 @@ class DiceConfig:
         default_help="bfloat16 on CUDA, float32 on CPU",
         detail='`"auto"` measures float32, bfloat16 (only where the CPU has avx512_bf16 or AMX) and, with '
         '`compile`, compiled forwards, once per machine and model; `print(encoder)` shows the choice. '
-        'See [cpu.md](cpu.md).')
+        'See [cpu.md](cpu.md). `"int8"`: static int8 on a CPU with VNNI or AMX (OpenVINO + NNCF, the `int8` '
+        'extra), calibrated on text; not exact: its agreement with float32 is stated in [int8.md](int8.md).')
+    calibration: str | None = option(
+        None, "dtype int8 only: a UTF-8 text file (a sample of your corpus) to calibrate the int8 model on",
+        default_help="the first half of the bundled prose", metavar="FILE")
     pooling_impl: str = option(
         "auto", "segment pooling implementation (dice_fast.ops)", choices=IMPLS,
         detail='`"triton"` (CUDA), `"native"` (the C++ extension), `"torch"` (vectorised PyTorch, the CPU '
@@ -162,6 +167,9 @@ class DiceConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise OptionError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _choice("compile", self.compile, COMPILE_MODES)
+        if self.calibration is not None and (self.dtype != "int8" or not isinstance(self.calibration, str)):
+            raise OptionError(f"calibration (a text file path) applies to dtype='int8' only; got "
+                             f"calibration={self.calibration!r} with dtype={self.dtype!r}")
         _choice("pooling_impl", self.pooling_impl, IMPLS)
 
     def replace(self, **changes) -> DiceConfig:

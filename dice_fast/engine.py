@@ -39,7 +39,7 @@ from .reuse import ChunkStats, MemoryCache
 from .reuse.manager import ChunkReuse
 from .reuse.persistent import settings_namespace
 from .runner import ModelRunner
-from .settings import TORCH_DTYPES, Settings, placement, pretrained_placement, resolve
+from .settings import TORCH_DTYPES, WEIGHT_DTYPES, Settings, placement, pretrained_placement, resolve
 from .streaming import Prefetch, as_iterator, windows
 
 _WINDOW_BATCHES = 16  # a streaming window holds about 16 batches' worth of text
@@ -96,13 +96,19 @@ class DiceEncoder:
         self.settings: Settings = resolve(cfg, inspect_model(model, tokenizer, model_path), tokenizer, device, dtype)
         s = self.settings
         self.chunk_stats = ChunkStats()
-        self.cache = None if cache is None else settings_namespace(s, model, cache, cache_max_gb, model_path)
-        self.runner = ModelRunner(model, s.spec, s.backend, s.causal, s.pooling, s.pooling_impl, s.max_batch_tokens,
-                                  tokenizer.pad_token_id, compile=cfg.compile == "on")
+        if cfg.dtype == "int8":
+            from .quant import int8_runner
+
+            self.runner = int8_runner(self, model, tokenizer.pad_token_id)
+        else:
+            self.runner = ModelRunner(model, s.spec, s.backend, s.causal, s.pooling, s.pooling_impl,
+                                      s.max_batch_tokens, tokenizer.pad_token_id, compile=cfg.compile == "on")
         if cfg.cuda_graphs:
             from .graphs import use_cuda_graphs
 
             use_cuda_graphs(self, capture=True)
+        self.cache = (None if cache is None else
+                      settings_namespace(s, model, cache, cache_max_gb, model_path, precision=self.precision))
 
     @classmethod
     def from_pretrained(cls, path=None, *, trust_remote_code: bool = False, cache=None,
@@ -116,7 +122,7 @@ class DiceEncoder:
         _check_option_names(options)
         device, dtype = pretrained_placement(options.get("device"), options.get("dtype"))
         DiceConfig(**{**options, "device": str(device), "dtype": dtype})  # fail on bad options before loading
-        model, tokenizer = load_model(path, device, TORCH_DTYPES.get(dtype, torch.float32), trust_remote_code)
+        model, tokenizer = load_model(path, device, WEIGHT_DTYPES[dtype], trust_remote_code)
         from .models import default_model_path
 
         model_path = str(path) if path is not None else default_model_path()
@@ -148,6 +154,12 @@ class DiceEncoder:
         return self.runner.backend
 
     @property
+    def precision(self) -> str:
+        """What chunk vectors are computed in: "float32", "bfloat16", "float16", or the int8 path's
+        identity (backend, versions, model and calibration hashes); part of the chunk cache's key."""
+        return getattr(self.runner, "identity", None) or str(self.dtype).replace("torch.", "")
+
+    @property
     def chunk_overhead(self) -> int:
         """Tokens every chunk carries besides its text (special tokens and document prefix)."""
         return self.settings.chunk_overhead
@@ -160,7 +172,7 @@ class DiceEncoder:
         elif self.runner.packed_limit is not None:
             backend += f" (padded for chunks over the {self.runner.packed_limit}-token sliding window)"
         return (
-            f"DiceEncoder(model={self.spec.name!r}, device={self.device}, dtype={str(self.dtype).replace('torch.', '')}, "
+            f"DiceEncoder(model={self.spec.name!r}, device={self.device}, dtype={self.precision}, "
             f"attention={backend}{'' if self.causal is None else ('/causal' if self.causal else '/bidirectional')}, "
             f"pooling_impl={self.pooling_impl}, strategy={c.strategy}, chunk_size={c.chunk_size}, overlap={c.overlap}, "
             f"positions={c.positions}, pooling={self.pooling}, aggregation={c.aggregation}, window={self.window}, "

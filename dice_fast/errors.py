@@ -62,6 +62,10 @@ class CacheError(DiceError, ValueError):
     """A cache folder or file that cannot be used (not a dice_fast chunk cache, unreadable)."""
 
 
+class Int8Unsupported(DiceError, RuntimeError):
+    """dtype="int8" was asked for on a CPU without int8 dot-product instructions (VNNI or AMX)."""
+
+
 class InputOutOfMemory(DiceError, RuntimeError):
     """One chunk of an input ran out of memory even alone in its batch.
 
@@ -119,5 +123,5 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-__all__ = ["ArgumentTypeError", "CacheError", "DiceError", "InputError", "InputOutOfMemory", "MissingDependency",
+__all__ = ["ArgumentTypeError", "CacheError", "DiceError", "InputError", "InputOutOfMemory", "Int8Unsupported", "MissingDependency",
            "ModelError", "OptionError", "TextError", "describe", "is_out_of_memory", "one_line"]

@@ -166,17 +166,24 @@ class ModelRunner:
             ids[rows, cols] = batch.input_ids[t_lo:t_hi]
             mask = np.zeros((n, width), dtype=np.int64)
             mask[rows, cols] = 1
-            kwargs = {"use_cache": False} if self.takes_cache else {}
+            pos = None
             if self._takes_positions:
                 pos = np.full((n, width), self.spec.first_position, dtype=np.int64)
                 pos[rows, cols] = batch.position_ids[t_lo:t_hi]
-                kwargs["position_ids"] = to_device(pos, self.device)
-            mask_t = to_device(mask, self.device)
-            hidden = self.model(input_ids=to_device(ids, self.device), attention_mask=mask_t, **kwargs).last_hidden_state
+            hidden = self._dense_hidden(ids, mask, pos)
             if out is None:
                 out = hidden.new_empty((int(cu[-1]), hidden.shape[-1]))
-            out[t_lo:t_hi] = hidden[mask_t.bool()]
+            out[t_lo:t_hi] = hidden[to_device(mask, hidden.device).bool()]
         return out
+
+    def _dense_hidden(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray | None) -> torch.Tensor:
+        """(B, L, H) hidden states of one dense padded batch: ids, mask, positions (B, L) int64 (positions
+        None where the model takes none)."""
+        kwargs = {"use_cache": False} if self.takes_cache else {}
+        if positions is not None:
+            kwargs["position_ids"] = to_device(positions, self.device)
+        return self.model(input_ids=to_device(ids, self.device), attention_mask=to_device(mask, self.device),
+                          **kwargs).last_hidden_state
 
     # ----------------------------------------------------------------------------------------
     def _probe(self, backend: str) -> str | None:

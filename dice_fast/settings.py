@@ -27,6 +27,9 @@ from .models import ModelSpec
 from .ops import resolve_impl
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the torch dtype of the model's weights per dtype option: "int8" keeps the float32 model (dice_fast.quant
+# exports and quantizes it), "auto" loads float32 before dice_fast.cpu_paths chooses
+WEIGHT_DTYPES = {**TORCH_DTYPES, "int8": torch.float32, "auto": torch.float32}
 # token budget of one packed forward when max_batch_tokens is None (why 4096 on a CPU: benchmarks/RESULTS.md,
 # "Figures moved out of docstrings (issue 23)")
 DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
@@ -145,7 +148,7 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
 def placement(config: DiceConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
     """Where a model now on ``device`` in ``dtype`` runs under ``config`` (``None`` options: where it is)."""
     return (torch.device(config.device) if config.device is not None else device,
-            TORCH_DTYPES[config.dtype] if config.dtype is not None else dtype)
+            WEIGHT_DTYPES[config.dtype] if config.dtype is not None else dtype)
 
 
 def pretrained_placement(device=None, dtype=None) -> tuple[torch.device, str]:
@@ -153,8 +156,8 @@ def pretrained_placement(device=None, dtype=None) -> tuple[torch.device, str]:
     a given ``device`` / ``dtype`` (a name or a ``torch.dtype``) is kept."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = str(dtype or ("bfloat16" if device.type == "cuda" else "float32")).replace("torch.", "")
-    if dtype not in (*TORCH_DTYPES, "auto"):  # "auto" loads float32 weights (dice_fast.cpu_paths chooses)
-        raise OptionError(f"dtype must be one of {', '.join(TORCH_DTYPES)} or auto, got {dtype!r}")
+    if dtype not in WEIGHT_DTYPES:
+        raise OptionError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
     return device, dtype
 
 
@@ -168,4 +171,4 @@ def _overhead(wrap) -> int:
     return len(wrap[0]) + len(wrap[1])
 
 
-__all__ = ["Chunking", "TORCH_DTYPES", "DEFAULT_BATCH_TOKENS", "Settings", "placement", "pretrained_placement", "resolve"]
+__all__ = ["Chunking", "TORCH_DTYPES", "WEIGHT_DTYPES", "DEFAULT_BATCH_TOKENS", "Settings", "placement", "pretrained_placement", "resolve"]

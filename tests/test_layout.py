@@ -120,12 +120,12 @@ def test_modules_stay_small():
 
 def test_lean_import_loads_no_extra():
     code = (
-        "import sys, dice_fast, dice_fast.ops, dice_fast.serve, dice_fast.integrations, dice_fast.cli\n"
+        "import sys, dice_fast, dice_fast.ops, dice_fast.quant, dice_fast.serve, dice_fast.integrations, dice_fast.cli\n"
         "dice_fast.cli.build_parser()\n"
         "import torch\n"
         "heavy = [m for m in ('transformers', 'triton', 'flash_attn', 'flash_attn_interface', 'fastapi', 'uvicorn',"
         " 'httpx', 'ray', 'mteb', 'pyarrow', 'sentence_transformers', 'matplotlib', 'langchain_core', 'llama_index',"
-        " 'openai', 'dice_fast.ops.native',"
+        " 'openai', 'openvino', 'nncf', 'dice_fast.ops.native',"
         " 'dice_fast.ops.triton_pool') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
         "assert not torch.cuda.is_initialized()\n"

@@ -319,7 +319,7 @@ class EncodeJob:
             f"encoded {rows:,} {self.kind} ({tokens:,} tokens incl. special tokens) in {seconds:.2f} s: "
             f"{rows / seconds:,.1f} docs/s, {tokens / seconds:,.0f} tokens/s -> {where} "
             f"({skipped + rows} x {enc.dim} float32){extra} [{model_label(enc.spec.name)}, {enc.device}, "
-            f"{str(enc.dtype).replace('torch.', '')}, attention={enc.backend}, strategy={c.strategy}, "
+            f"{enc.precision}, attention={enc.backend}, strategy={c.strategy}, "
             f"chunk_size={c.chunk_size}, aggregation={c.aggregation}]"
         )
 

@@ -168,7 +168,7 @@ def _run_info(encoder, task, seed) -> dict:
         "model": model_label(encoder.spec.name),
         "device": str(encoder.device),
         "device_name": device_name(encoder.device),
-        "dtype": str(encoder.dtype).replace("torch.", ""),
+        "dtype": encoder.precision,
         **versions(),
         "top_k": encoder.config.top_k,
         "temperature": encoder.config.temperature,

@@ -371,7 +371,7 @@ def open_cache(cache, max_gb: float | None = None) -> ChunkCache:
     return ChunkCache(cache, max_gb)
 
 
-def settings_namespace(settings, model, cache, max_gb=None, model_path=None) -> CacheNamespace:
+def settings_namespace(settings, model, cache, max_gb=None, model_path=None, precision=None) -> CacheNamespace:
     """The `CacheNamespace`, in ``cache`` (a folder or a `ChunkCache`), of an encoder's resolved
     `dice_fast.settings.Settings` for ``model``: everything a chunk's vector depends on besides its ids
     (the wrapped ids and positions are in each identity)."""
@@ -383,7 +383,7 @@ def settings_namespace(settings, model, cache, max_gb=None, model_path=None) -> 
     description = {
         "format": FORMAT,
         "model": store.fingerprint(model, model_path),
-        "dtype": str(settings.dtype).replace("torch.", ""),
+        "dtype": precision or str(settings.dtype).replace("torch.", ""),
         "device": settings.device.type,
         "pooling": settings.pooling,
         "causal": settings.is_causal,

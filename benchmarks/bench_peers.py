@@ -1,0 +1,209 @@
+"""dice_fast against the CPU peers a user would pick instead, on the same chunks of held-out prose.
+
+    bash benchmarks/peers_env.sh                      # once: the peers' own venv (their pins conflict)
+    python benchmarks/bench_peers.py                  # ~6-7 min on 2 quiet cores once exports are cached
+    python benchmarks/bench_peers.py --chunks 1000 --repeats 3 --csv benchmarks/peers.csv
+
+Rows: sentence-transformers with PyTorch fp32, ONNX Runtime fp32, ONNX Runtime dynamic int8
+(avx512_vnni), OpenVINO (default precision) and OpenVINO static int8 (NNCF, calibrated on the first
+half of the bundled prose); dice_fast float32, bfloat16, compiled (where the ``compile`` option
+exists) and int8. Every path encodes the same ``--chunks`` texts of 254 tokens (256 with [CLS] and
+[SEP]: one full window, one chunk each) cut from the held-out second half of the bundled prose. Runs
+are interleaved (each repeat runs every path once, order rotated per repeat), seconds are medians
+of ``--repeats``, after one warm-up call per path (64 texts). Agreement: cosine of every text's vector against
+sentence-transformers' PyTorch fp32 one (min, mean).
+
+The peers need transformers < 5 (optimum-onnx / optimum-intel pins) while dice_fast needs >= 5, so
+they run in their own process and venv (benchmarks/peers_worker.py), which idles while dice_fast
+runs and hands its vectors back as .npy files. Exports are made offline from the bundled model
+folder and cached in --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+TEXT_TOKENS = 254  # + [CLS], [SEP] = the model's 256-token window
+CALIBRATION_CHUNKS = 300
+WARMUP_TEXTS = 64
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--chunks", type=int, default=500, help="texts of 254 tokens encoded by every path")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per path (median), interleaved")
+    ap.add_argument("--venv", default=os.environ.get("DICE_PEERS_VENV", "/work/peers-venv"),
+                    help="the peers' venv made by benchmarks/peers_env.sh ($DICE_PEERS_VENV)")
+    ap.add_argument("--work", type=Path, default=None, help="exports and vectors (default: a temp folder per calibration)")
+    ap.add_argument("--csv", type=Path, default=HERE / "peers.csv")
+    ap.add_argument("--skip", nargs="*", default=[], help="path names not to run")
+    ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
+    return ap.parse_args(argv)
+
+
+class Peers:
+    """The peers' worker process (see benchmarks/peers_worker.py)."""
+
+    def __init__(self, python: str, model_dir: str, work: Path, texts_file: Path, batch_size: int):
+        self.work = work
+        self.proc = subprocess.Popen(
+            [python, str(HERE / "peers_worker.py"), "--model", model_dir, "--work", str(work), "--texts",
+             str(texts_file), "--batch-size", str(batch_size)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(work / "worker.log", "a"), text=True)
+        self.ready = self._reply("ready")
+
+    def _reply(self, event: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                msg = json.loads(line[3:])
+                if msg["event"] == event:
+                    return msg
+                if msg["event"] == "error":
+                    raise RuntimeError(f"peer worker: {msg}")
+                print(f"  peers: {msg}", flush=True)
+        raise RuntimeError(f"the peer worker exited (see {self.work / 'worker.log'})")
+
+    def run(self, name: str, count: int | None = None) -> tuple[float, np.ndarray]:
+        self.proc.stdin.write(name + ("" if count is None else f" {count}") + "\n")
+        self.proc.stdin.flush()
+        msg = self._reply("ran")
+        return msg["seconds"], np.load(self.work / f"{name}.npy")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+
+
+def dice_paths(skip) -> tuple[dict, dict]:
+    """(name -> DiceEncoder, name -> why skipped) for dice_fast's CPU paths."""
+    from dice_fast import DiceConfig, DiceEncoder
+    from dice_fast.cpu_attention import cpu_flags
+
+    flags = cpu_flags()
+    wanted = {"dice_fp32": {"dtype": "float32"}, "dice_bf16": {"dtype": "bfloat16"},
+              "dice_compiled": {"dtype": "float32", "compile": True}, "dice_int8": {"dtype": "int8"}}
+    encoders, skipped = {}, {}
+    for name, opts in wanted.items():
+        if name in skip:
+            continue
+        if name == "dice_bf16" and not flags & {"avx512_bf16", "amx_bf16"}:
+            skipped[name] = "no avx512_bf16 / AMX: bf16 matmul is emulated (~50x slower) here"
+            continue
+        if "compile" in opts and "compile" not in DiceConfig.field_names():
+            skipped[name] = "this dice_fast has no compile option"
+            continue
+        try:
+            t0 = time.perf_counter()
+            encoders[name] = DiceEncoder.from_pretrained(device="cpu", **opts)
+            print(f"  {name}: built in {time.perf_counter() - t0:.1f} s: {encoders[name]!r}", flush=True)
+        except Exception as exc:  # e.g. int8 without its extra or on a CPU without VNNI: say why
+            skipped[name] = f"{type(exc).__name__}: {exc}"[:300]
+    return encoders, skipped
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from dice_fast.data import prose_halves, token_windows
+    from dice_fast.models import default_model_path
+    from dice_fast.quant import held_out_texts
+    from dice_fast.runinfo import append_csv, cpu_model, versions
+    from dice_fast.cpu_attention import cpu_flags
+
+    model_dir = default_model_path()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = held_out_texts(tok, args.chunks, TEXT_TOKENS)
+    calibration = token_windows(tok, "\n\n".join(prose_halves()[0]), CALIBRATION_CHUNKS, TEXT_TOKENS)
+    tokens = sum(len(ids) for ids in tok(texts)["input_ids"])  # with [CLS] / [SEP]: what the model runs
+    digest = hashlib.sha256(json.dumps([model_dir, calibration]).encode()).hexdigest()[:12]
+    work = args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"dice_peers_{digest}"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "texts.json").write_text(json.dumps({"texts": texts, "calibration": calibration}), encoding="utf-8")
+    load0 = os.getloadavg()
+    print(f"{len(texts)} texts, {tokens:,} tokens; load average {load0[0]:.1f}; work folder {work}", flush=True)
+
+    python = str(Path(args.venv) / "bin" / "python")
+    peers, peer_skipped, peer_versions = None, {}, {}
+    if not Path(python).exists():
+        peer_skipped["peers"] = f"no peers venv at {args.venv}: run benchmarks/peers_env.sh"
+    else:
+        peers = Peers(python, model_dir, work, work / "texts.json", args.batch_size)
+        peer_skipped, peer_versions = peers.ready["skipped"], peers.ready["versions"]
+    encoders, dice_skipped = dice_paths(args.skip)
+
+    runs = {}
+    for name in (peers.ready["peers"] if peers else []):
+        if name not in args.skip:
+            runs[name] = lambda count=None, name=name: peers.run(name, count)
+    for name, enc in encoders.items():
+        def dice_run(count=None, enc=enc):
+            t0 = time.perf_counter()
+            vecs = enc.encode_documents(texts[:count])
+            return time.perf_counter() - t0, vecs
+        runs[name] = dice_run
+    if "st_torch_fp32" not in runs:
+        raise SystemExit(f"the reference (sentence-transformers PyTorch fp32) did not run: {peer_skipped}")
+
+    seconds = {n: [] for n in runs}
+    vectors = {}
+    order = list(runs)
+    for name in order:  # warm-up: first-call costs (OpenVINO compile, thread pools, tuning) paid here
+        runs[name](WARMUP_TEXTS)
+    for r in range(args.repeats):
+        for name in order[r % len(order):] + order[: r % len(order)]:
+            s, v = runs[name]()
+            seconds[name].append(s)
+            vectors[name] = v
+            print(f"  repeat {r + 1}/{args.repeats} {name}: {s:.2f} s ({tokens / s:,.0f} tokens/s)", flush=True)
+    peers and peers.close()
+    load1 = os.getloadavg()
+
+    ref = vectors["st_torch_fp32"]
+    base = tokens / float(np.median(seconds["st_torch_fp32"]))
+    flags = ",".join(sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni",
+                                                              "avx_vnni", "amx_bf16", "amx_int8")))
+    when = datetime.datetime.now().isoformat(timespec="seconds")
+    ours = versions()
+    rows = []
+    print(f"\n| path | tokens/s | x ST fp32 | cos min | cos mean |\n|---|---:|---:|---:|---:|")
+    for name in order:
+        tps = tokens / float(np.median(seconds[name]))
+        cos = cosines(vectors[name], ref)
+        print(f"| {name} | {tps:,.0f} | {tps / base:.2f} | {cos.min():.5f} | {cos.mean():.6f} |")
+        rows.append({"date": when, "machine": f"{cpu_model()} ({os.cpu_count()} cores)", "isa": flags,
+                     "path": name, "chunks": len(texts), "tokens": tokens, "repeats": args.repeats,
+                     "seconds_median": float(np.median(seconds[name])), "tokens_per_s": tps,
+                     "x_st_fp32": tps / base, "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
+                     "load_start": round(load0[0], 2), "load_end": round(load1[0], 2),
+                     "versions": json.dumps(peer_versions if name.startswith("st_") else ours, sort_keys=True)})
+    for name, why in {**peer_skipped, **dice_skipped}.items():
+        print(f"| {name} | skipped: {why} |")
+    print(f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end; peers {peer_versions}; dice_fast {ours}")
+    append_csv(rows, args.csv)
+    print(f"{len(rows)} rows appended to {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Does this CPU have int8 dot-product instructions? The int8 path runs only where it has.
+
+int8 GEMMs are fast only with a dot-product instruction that multiplies int8 pairs and accumulates
+in int32 in one step: AVX-512 VNNI (Cascade Lake+, Zen 4+), AVX-VNNI (Alder Lake+, Zen 5) or AMX
+(Sapphire Rapids+). Without one (an AVX2-only Zen 3, say) int8 runs through multi-instruction
+emulation; that machine kind was not available to measure on, so it is refused rather than assumed
+to win (set ``DICE_FAST_INT8_ANY_CPU=1`` to run it anyway, with a warning).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from ..cpu_attention import cpu_flags
+
+from ..errors import Int8Unsupported
+
+INT8_DOT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
+ENV_ANY_CPU = "DICE_FAST_INT8_ANY_CPU"
+
+
+def int8_dot_instructions(flags: set[str] | None = None) -> tuple[str, ...]:
+    """The int8 dot-product instruction sets among ``flags`` (None: this CPU's), best first."""
+    flags = cpu_flags() if flags is None else flags
+    return tuple(f for f in INT8_DOT_FLAGS if f in flags)
+
+
+def check_int8_cpu(flags: set[str] | None = None) -> tuple[str, ...]:
+    """The int8 instructions the path will use; raises `Int8Unsupported` where there are none
+    (unless ``$DICE_FAST_INT8_ANY_CPU`` is 1, which warns instead)."""
+    found = int8_dot_instructions(flags)
+    if found:
+        return found
+    msg = (f"dtype='int8' needs a CPU with int8 dot-product instructions ({', '.join(INT8_DOT_FLAGS)}); "
+           "this CPU has none, so int8 would run emulated and is not known to beat float32 here. "
+           "Use dtype='bfloat16' (avx512_bf16 / AMX) or 'float32'")
+    if os.environ.get(ENV_ANY_CPU) == "1":
+        warnings.warn(msg + f" ({ENV_ANY_CPU}=1: running int8 anyway)", stacklevel=3)
+        return ()
+    raise Int8Unsupported(msg + f", or set {ENV_ANY_CPU}=1 to run it anyway")

@@ -1,0 +1,128 @@
+"""dtype="int8": refused without int8 dot-product instructions, its quantized model cached under the
+right key (another model or calibration never hits), and its agreement with float32 on held-out real
+text above the bound docs/int8.md states."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from dice_fast import DiceConfig, DiceEncoder
+from dice_fast.quant import Int8Unsupported, agreement, check_int8_cpu, int8_dot_instructions
+from dice_fast.quant import openvino as ovq
+
+from tiny_models import tiny
+
+needs_int8 = pytest.mark.skipif(not int8_dot_instructions(), reason="this CPU has no VNNI / AMX int8 instructions")
+
+
+def _need_backend():
+    pytest.importorskip("openvino")
+    pytest.importorskip("nncf")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ovq, "_MEMO", {})  # every test sees only its own disk cache
+    return tmp_path
+
+
+def test_refused_without_int8_instructions(monkeypatch):
+    assert int8_dot_instructions({"avx2", "avx512_vnni", "amx_int8"}) == ("amx_int8", "avx512_vnni")
+    monkeypatch.delenv("DICE_FAST_INT8_ANY_CPU", raising=False)
+    with pytest.raises(Int8Unsupported, match="avx512_vnni"):
+        check_int8_cpu({"avx2", "fma"})
+    monkeypatch.setattr("dice_fast.quant.cpu.cpu_flags", lambda: {"avx2"})
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(Int8Unsupported, match="bfloat16"):
+        DiceEncoder(model, tok, dtype="int8", chunk_size=16)
+    monkeypatch.setenv("DICE_FAST_INT8_ANY_CPU", "1")
+    with pytest.warns(UserWarning, match="anyway"):
+        assert check_int8_cpu({"avx2"}) == ()
+
+
+def test_calibration_option_belongs_to_int8():
+    with pytest.raises(ValueError, match="dtype='int8' only"):
+        DiceConfig(calibration="corpus.txt")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        DiceConfig(dtype="int4")
+    assert DiceConfig(dtype="int8", calibration="corpus.txt").calibration == "corpus.txt"
+
+
+def test_cache_key_names_model_calibration_and_versions():
+    calib = [(np.array([[1, 5, 2]]), np.array([[0, 1, 2]]))]
+    other = [(np.array([[1, 6, 2]]), np.array([[0, 1, 2]]))]
+    v = {"openvino": "1", "nncf": "2"}
+    digest = ovq.calibration_hash(calib)
+    assert digest != ovq.calibration_hash(other)
+    keys = {ovq.cache_key("m", digest, v), ovq.cache_key("m2", digest, v),
+            ovq.cache_key("m", ovq.calibration_hash(other), v), ovq.cache_key("m", digest, {**v, "openvino": "3"})}
+    assert len(keys) == 4
+    assert ovq.cache_key("m", digest, v) == ovq.cache_key("m", digest, dict(v))
+
+
+@needs_int8
+def test_quantized_model_cached_per_model_and_calibration(cache_dir, tmp_path, monkeypatch):
+    _need_backend()
+    model, tok, *_ = tiny("bert")
+    texts = ["the cat sat on a mat and the dog ran to a big red house " * 3, "hello world"]
+    sample, other = tmp_path / "corpus.txt", tmp_path / "other.txt"
+    sample.write_text("the cat sat on a mat and the dog ran to a big red house " * 4, encoding="utf-8")
+    other.write_text("the old man ran to the river under a blue sky " * 4, encoding="utf-8")
+    int8 = {"dtype": "int8", "chunk_size": 16, "calibration": str(sample)}
+    enc = DiceEncoder(model, tok, **int8)
+    assert enc.precision.startswith("int8 (openvino") and "dtype=int8 (openvino" in repr(enc)
+    first = enc.encode_documents(texts)
+    assert len(ovq.cached_models(cache_dir)) == 1
+    # a new process (empty memo) reads the model from disk: no export, same vectors
+    monkeypatch.setattr(ovq, "_MEMO", {})
+    real_export = ovq._export_and_quantize
+    monkeypatch.setattr(ovq, "_export_and_quantize", lambda *a: pytest.fail("the disk cache was not used"))
+    again = DiceEncoder(model, tok, **int8).encode_documents(texts)
+    np.testing.assert_array_equal(first, again)
+    monkeypatch.setattr(ovq, "_export_and_quantize", real_export)
+    # another model (one weight changed) and another calibration each get a model of their own
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.embeddings.word_embeddings.weight[7, 0] += 1.0
+    DiceEncoder(changed, tok, **int8)
+    DiceEncoder(model, tok, **{**int8, "calibration": str(other)})
+    assert len(ovq.cached_models(cache_dir)) == 3
+    # int8 vectors never share the float32 chunk cache's namespace
+    assert DiceEncoder(model, tok, chunk_size=16).precision == "float32"
+
+
+@needs_int8
+@pytest.mark.timeout(300)
+def test_int8_agrees_with_float32_on_held_out_prose(cache_dir, tmp_path):
+    """The bundled all-MiniLM-L6-v2 at 128-token chunks, calibrated on a slice of the first half of the
+    bundled prose, against float32 on 48 chunks of the held-out second half."""
+    _need_backend()
+    from dice_fast.data import prose_halves
+
+    sample = tmp_path / "calibration.txt"
+    sample.write_text("\n\n".join(prose_halves()[0][:40]), encoding="utf-8")
+    fp32 = DiceEncoder.from_pretrained(device="cpu", chunk_size=126)
+    int8 = DiceEncoder(fp32.model, fp32.tokenizer, dtype="int8", chunk_size=126, calibration=str(sample))
+    a = agreement(int8, fp32, n_chunks=48)
+    assert a.n_chunks == 48 and a.tokens == 48 * 126
+    assert a.cos_min >= 0.98 and a.cos_mean >= 0.995, a
+    # retrieval: passkey Hit@1 and evidence@1 of the DICE vector and MaxSim within 2 of 10 queries of float32
+    from dice_fast.eval.run import build_task, run_eval
+
+    task = build_task("passkey", fp32.tokenizer, [256, 1024], docs_per_length=5, queries_per_length=5)
+    res = [run_eval(task, enc, chunk_sizes=(126,), aggregations=("mean",), scorings=("maxsim",), check_docs=0,
+                    show_progress=False, log=None).metrics for enc in (fp32, int8)]
+    for method in ("k126-mean", "k126-maxsim"):
+        for metric in ("hit@1", "evidence@1"):
+            want, got = (np.mean(list(r[method][metric].values())) for r in res)
+            assert abs(got - want) <= 0.2 + 1e-9, (method, metric, want, got)
+    # static scales: a chunk's vector does not depend on its batch neighbours or the padding
+    texts = ["A short sentence about attributes.", "A longer paragraph " * 20]
+    alone = np.concatenate([int8.encode_documents([t]) for t in texts])
+    together = int8.encode_documents(texts)
+    np.testing.assert_allclose((alone * together).sum(1), 1.0, atol=1e-4)
