@@ -74,3 +74,17 @@ def kill_at_gate(argv: list[str], gate, env: dict, what: str, timeout: float = 1
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     return proc.communicate(timeout=60)[0]
+
+
+class CountingTokenizer:
+    """A tokenizer that counts its calls; everything else is the wrapped one's."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

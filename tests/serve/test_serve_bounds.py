@@ -15,7 +15,7 @@ import pytest
 
 from dice_fast.serve import AsyncDiceEncoder, create_app
 from dice_fast.serve.errors import DeadlineExceeded
-from helpers import CountingLock, assert_close
+from helpers import CountingTokenizer, assert_close
 from serve_testing import ProxyEncoder, ServerThread, embeddings_of, wait_until, word_texts
 
 JSON = {"Content-Type": "application/json"}
@@ -73,18 +73,19 @@ def test_a_request_holds_its_share_until_its_response_is_sent(tiny_encoder):
         assert core.requests_in_flight == 0
 
 
-def test_the_response_budget_refuses_before_any_work(tiny_encoder):
+def test_the_response_budget_refuses_before_any_work(tiny_encoder, monkeypatch):
     proxy = ProxyEncoder(tiny_encoder)  # 32 floats per vector
     long_doc = word_texts(1, 800, 800, seed=50)[0]  # 50 chunks
     with ServerThread(create_app(proxy, max_response_floats=1000)) as server, \
             httpx.Client(base_url=server.url, timeout=60) as http:
         wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
-        ran, proxy._tokenizer_lock = len(proxy.batches), CountingLock()
+        ran, counting = len(proxy.batches), CountingTokenizer(tiny_encoder.tokenizer)
+        monkeypatch.setattr(tiny_encoder, "tokenizer", counting)  # the engine tokenizes through it
         r = http.post("/v1/embeddings", json={"input": ["word"] * 40})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         msg = r.json()["error"]["message"]
         assert "(40 inputs) x 32 floats = 1280 floats" in msg and "1000 (max_response_floats)" in msg
-        assert proxy._tokenizer_lock.acquired == 0
+        assert counting.calls == 0
         r = http.post("/v1/embeddings", json={"input": [long_doc], "return_chunks": True})
         assert r.status_code == 413 and "(1 inputs + 50 chunks) x 32 floats" in r.json()["error"]["message"]
         assert len(proxy.batches) == ran, "a refused response ran a forward"
@@ -92,7 +93,7 @@ def test_the_response_budget_refuses_before_any_work(tiny_encoder):
         assert r.status_code == 200 and embeddings_of(r.json()).shape == (40, 16)
 
 
-def test_one_evidence_request_is_one_request(tiny_encoder):
+def test_one_evidence_request_is_one_request(tiny_encoder, monkeypatch):
     """With one request at a time allowed, /v1/evidence is served; a query refused (over the window)
     is refused before its documents are tokenized or run."""
     proxy = ProxyEncoder(tiny_encoder)
@@ -103,12 +104,13 @@ def test_one_evidence_request_is_one_request(tiny_encoder):
         r = http.post("/v1/evidence", json={"query": "word another", "documents": docs})
         assert r.status_code == 200, r.text
         assert [row["index"] for row in r.json()["data"]] == [0, 1, 2]
-        ran, proxy._tokenizer_lock = len(proxy.batches), CountingLock()
+        ran, counting = len(proxy.batches), CountingTokenizer(tiny_encoder.tokenizer)
+        monkeypatch.setattr(tiny_encoder, "tokenizer", counting)  # the engine tokenizes through it
         long_query = word_texts(1, 300, 300, seed=52)[0]
         r = http.post("/v1/evidence", json={"query": long_query, "documents": docs})
         assert r.status_code == 413 and r.json()["error"]["param"] == "query[0]"
         assert len(proxy.batches) == ran, "the refused request's documents ran"
-        assert proxy._tokenizer_lock.acquired == 1, "the documents of a refused query were tokenized"
+        assert counting.calls == 1, "the documents of a refused query were tokenized"
         assert app.state.core.requests_in_flight == 0 and app.state.core.tokens_held == 0
 
 

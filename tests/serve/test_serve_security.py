@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import socket
 import warnings
@@ -17,7 +18,7 @@ from dice_fast import DiceEncoder
 from dice_fast.serve import AsyncDiceEncoder, create_app
 from dice_fast.serve.cli import api_key
 from dice_fast.serve.errors import InvalidRequest
-from helpers import assert_close
+from helpers import CountingTokenizer, assert_close
 from serve_testing import ProxyEncoder, ServerThread, embeddings_of, wait_until, word_texts
 from tiny_models import WORDS, tiny
 
@@ -160,10 +161,12 @@ def test_huge_inputs_are_refused_before_costing_their_tokenization(tiny_encoder,
     counting = CountingTokenizer(tiny_encoder.tokenizer)
     monkeypatch.setattr(tiny_encoder, "tokenizer", counting)  # the engine tokenizes through its public attribute
 
+    @contextlib.contextmanager
     def serve(**limits):
-        app = create_app(proxy, max_body_bytes=64 << 20, **limits)
-        counting.calls = 0  # counts the calls of requests only
-        return ServerThread(app)
+        with ServerThread(create_app(proxy, max_body_bytes=64 << 20, **limits)) as server:
+            wait_until(lambda: httpx.get(server.url + "/health").status_code == 200, what="the warm-up")
+            counting.calls = 0  # counts the calls of requests only (not the warm-up's)
+            yield server
 
     with serve() as server:
         r = httpx.post(server.url + "/v1/embeddings", content=body, timeout=60, headers=JSON)
@@ -180,20 +183,6 @@ def test_huge_inputs_are_refused_before_costing_their_tokenization(tiny_encoder,
         assert "more than 500 tokens" in r.json()["error"]["message"] and counting.calls <= 3
         r = httpx.post(server.url + "/v1/embeddings", json={"input": ["short", "a bit longer"]}, timeout=60)
         assert r.status_code == 200
-
-
-class CountingTokenizer:
-    """A tokenizer that counts its calls; everything else is the wrapped one's."""
-
-    def __init__(self, inner):
-        self.inner, self.calls = inner, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.inner(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 @pytest.mark.filterwarnings("ignore:.*longer than the model window")
