@@ -78,9 +78,9 @@ def test_a_host_the_server_is_not_bound_to_is_refused(server):
 def test_allowed_hosts_for_a_bound_address():
     assert allowed_hosts("127.0.0.1") == ["127.0.0.1", "::1", "localhost"]
     assert allowed_hosts("0.0.0.0", ["a.example"]) == ["<ip>", "a.example", "localhost"]
-    assert allowed_hosts("10.1.2.3") == ["10.1.2.3"] and allowed_hosts("10.1.2.3", ["*"]) == ["*", "10.1.2.3"]
-    assert [host_name(h) for h in ("A.example:80", "[::1]:8080", "::1", "10.0.0.1")] == ["a.example", "::1", "::1",
-                                                                                           "10.0.0.1"]
+    assert allowed_hosts("192.0.2.10") == ["192.0.2.10"] and allowed_hosts("192.0.2.10", ["*"]) == ["*", "192.0.2.10"]
+    assert [host_name(h) for h in ("A.example:80", "[::1]:8080", "::1", "192.0.2.20")] == ["a.example", "::1", "::1",
+                                                                                           "192.0.2.20"]
 
 
 def serve_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -101,13 +101,13 @@ def test_every_serve_flag_can_come_from_the_environment(monkeypatch):
         assert env in text, f"--help does not name {env}"
     assert len(flags) > 30
     for name, value in {"MAX_QUEUE_TOKENS": "1234", "WRITE_TIMEOUT": "2.5", "NO_ACCESS_LOG": "yes",
-                        "AUTO_TRUNCATE": "1", "NO_CROSS_REQUEST_BATCHING": "true", "HOST": "0.0.0.0",
+                        "AUTO_TRUNCATE": "1", "NO_CROSS_REQUEST_BATCHING": "true", "HOST": "127.0.0.2",
                         "POSITIONS": "global", "NORMALIZE_CHUNKS": "off", "ALLOWED_HOSTS": "a.example"}.items():
         monkeypatch.setenv("DICE_FAST_" + name, value)
     top, _ = serve_parser()
     args = top.parse_args(["serve"])
     assert (args.max_queue_tokens, args.write_timeout, args.no_access_log, args.auto_truncate) == (1234, 2.5, True, True)
-    assert (args.cross_request_batching, args.host, args.positions, args.normalize_chunks) == (False, "0.0.0.0",
+    assert (args.cross_request_batching, args.host, args.positions, args.normalize_chunks) == (False, "127.0.0.2",
                                                                                                "global", False)
     assert args.allowed_hosts == "a.example" and args.environment_errors == []
     args = top.parse_args(["serve", "--max-queue-tokens", "99", "--host", "127.0.0.1"])  # the flag wins
