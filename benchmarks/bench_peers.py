@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     when = datetime.datetime.now().isoformat(timespec="seconds")
     ours = versions()
     rows = []
-    print(f"\n| path | tokens/s | x ST fp32 | cos min | cos mean |\n|---|---:|---:|---:|---:|")
+    print("\n| path | tokens/s | x ST fp32 | cos min | cos mean |\n|---|---:|---:|---:|---:|")
     for name in order:
         tps = tokens / float(np.median(seconds[name]))
         cos = cosines(vectors[name], ref)

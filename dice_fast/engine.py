@@ -39,7 +39,7 @@ from .reuse import ChunkStats, MemoryCache
 from .reuse.manager import ChunkReuse
 from .reuse.persistent import settings_namespace
 from .runner import ModelRunner
-from .settings import TORCH_DTYPES, WEIGHT_DTYPES, Settings, placement, pretrained_placement, resolve
+from .settings import WEIGHT_DTYPES, Settings, placement, pretrained_placement, resolve
 from .streaming import Prefetch, as_iterator, windows
 
 _WINDOW_BATCHES = 16  # a streaming window holds about 16 batches' worth of text
