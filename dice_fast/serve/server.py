@@ -13,6 +13,13 @@
 * **write timeout**: once the connection's send buffer is full (the client has stopped reading), the
   client must read some of it within ``write_timeout`` seconds, else the connection is aborted and the
   buffered response dropped; the request's share is then released (`LeasedResponse`).
+* **lingering close**: a response that closes the connection (an early 413 before the body is read,
+  a 401, a 400) is followed by a half-close: the server stops writing (FIN after the response), then
+  reads and drops what the client still sends, for at most `LINGER_SECONDS` and `LINGER_BYTES`, and
+  closes when the client has finished. Closing at once, with the client's body still arriving, resets
+  the connection, and the client's kernel drops the response it was about to read (seen as transport
+  errors on half the early 413s of a soak). Dropped bytes are counted in ``bytes_discarded``, apart
+  from ``bytes_received``.
 
 The rest is uvicorn's: ``limit_concurrency`` (connections and requests at once; more: a plain-text 503),
 ``timeout_keep_alive`` (an idle connection between requests), ``h11_max_incomplete_event_size`` (the
@@ -33,6 +40,25 @@ SERVER_LIMITS = {
                             "full; past it the connection is aborted and the response dropped"),
 }
 SERVER_DEFAULTS = {name: default for name, (default, _) in SERVER_LIMITS.items()}
+LINGER_SECONDS = 2.0  # after a closing response: how long what a client still sends is read and dropped
+LINGER_BYTES = 16 << 20  # ... and how much of it, at most, before the connection is closed regardless
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: ``close()`` starts the protocol's lingering close;
+    everything else is the transport's own."""
+
+    def __init__(self, transport, protocol):
+        self._transport, self._protocol = transport, protocol
+
+    def close(self) -> None:
+        self._protocol._linger()
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering or self._transport.is_closing()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
 
 
 def bounded_protocol(read_timeout: float, write_timeout: float, base=None):
@@ -44,14 +70,23 @@ def bounded_protocol(read_timeout: float, write_timeout: float, base=None):
 
     class BoundedProtocol(base):
         bytes_received = 0
+        bytes_discarded = 0
 
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            self._real = transport
+            self._lingering, self._linger_timer, self._linger_left = False, None, LINGER_BYTES
+            super().connection_made(_LingeringTransport(transport, self))
             self._head_timer = self._write_timer = None
             self._cycle_seen = None
             self._arm_head()
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:  # the response is sent and the write side shut: drop what still comes
+                type(self).bytes_discarded += len(data)
+                self._linger_left -= len(data)
+                if self._linger_left < 0:
+                    self._real.close()
+                return
             type(self).bytes_received += len(data)
             super().data_received(data)
             if self.cycle is not None and self.cycle is not self._cycle_seen:  # a request's headers are in
@@ -75,6 +110,7 @@ def bounded_protocol(read_timeout: float, write_timeout: float, base=None):
         def connection_lost(self, exc) -> None:
             self._disarm("_head_timer")
             self._disarm("_write_timer")
+            self._disarm("_linger_timer")
             super().connection_lost(exc)
 
         def _arm_head(self) -> None:
@@ -89,12 +125,30 @@ def bounded_protocol(read_timeout: float, write_timeout: float, base=None):
 
         def _close_idle(self) -> None:
             self._head_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
+            self._real.close()  # nothing of a request is in flight: no linger
+
+        def _linger(self) -> None:
+            """Instead of closing: FIN once the response is flushed, keep reading (and dropping) until
+            the client closes too, or `LINGER_SECONDS` / `LINGER_BYTES` have passed."""
+            real = self._real
+            if self._lingering or real.is_closing() or not real.can_write_eof():
+                real.close()
+                return
+            self._lingering = True
+            self._disarm("_head_timer")
+            real.write_eof()
+            real.resume_reading()  # uvicorn may have paused it while the app did not read the body
+            self._linger_timer = self.loop.call_later(LINGER_SECONDS, real.close)
+
+        def eof_received(self):
+            if self._lingering:
+                self._real.close()
+                return None
+            return super().eof_received()
 
         def _abort(self) -> None:
             self._write_timer = None
-            self.transport.abort()  # drops what is buffered: the client never read it
+            self._real.abort()  # drops what is buffered: the client never read it
 
     return BoundedProtocol
 

@@ -197,3 +197,46 @@ def test_the_connection_limit_refuses_more(tiny_encoder):
             s.close()
         wait_until(lambda: httpx.get(server.url + "/health", timeout=10).status_code == 200, timeout=10,
                    what="connections to free up")
+
+
+def test_a_client_still_sending_an_oversize_body_reads_its_413(tiny_encoder):
+    """The 413 comes before the body is read; closing at once would reset a client still writing it
+    (its kernel drops the unread 413). The server lingers: it half-closes, drops what still comes, and
+    closes when the client has finished or the linger bound has passed."""
+    limit = 1 << 20
+    body = b'{"input": "' + b"a" * limit + b'"}'
+
+    async def main(url):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            async def one():
+                try:
+                    return (await http.post("/v1/embeddings", content=body, headers=JSON)).status_code
+                except httpx.TransportError as exc:  # before the linger: ReadError on about half
+                    return type(exc).__name__
+
+            return [status for _ in range(4) for status in await asyncio.gather(*(one() for _ in range(8)))]
+
+    with ServerThread(create_app(tiny_encoder, max_body_bytes=limit)) as server:
+        statuses = asyncio.run(main(server.url))
+    assert statuses == [413] * 32, statuses
+
+
+def test_the_linger_after_an_early_413_is_bounded(tiny_encoder):
+    from dice_fast.serve.server import LINGER_BYTES, LINGER_SECONDS
+
+    limit = 100_000
+    with ServerThread(create_app(tiny_encoder, max_body_bytes=limit)) as server:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 900000000\r\n\r\n")
+        start, sent, piece = time.monotonic(), 0, b" " * (1 << 16)
+        try:  # a client that never stops sending is cut off by the linger's bounds
+            while time.monotonic() - start < LINGER_SECONDS + 10:
+                sock.sendall(piece)
+                sent += len(piece)
+        except OSError:
+            pass
+        took = time.monotonic() - start
+        sock.close()
+    assert took < LINGER_SECONDS + 5, f"the server kept reading for {took:.1f} s"
+    assert server.protocol.bytes_discarded <= LINGER_BYTES + (1 << 18), server.protocol.bytes_discarded
