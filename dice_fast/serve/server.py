@@ -52,10 +52,10 @@ class _LingeringTransport:
         self._transport, self._protocol = transport, protocol
 
     def close(self) -> None:
-        self._protocol._linger()
+        self._protocol.start_linger()
 
     def is_closing(self) -> bool:
-        return self._protocol._lingering or self._transport.is_closing()
+        return self._protocol.lingering or self._transport.is_closing()
 
     def __getattr__(self, name):
         return getattr(self._transport, name)
@@ -74,14 +74,14 @@ def bounded_protocol(read_timeout: float, write_timeout: float, base=None):
 
         def connection_made(self, transport) -> None:
             self._real = transport
-            self._lingering, self._linger_timer, self._linger_left = False, None, LINGER_BYTES
+            self.lingering, self._linger_timer, self._linger_left = False, None, LINGER_BYTES
             super().connection_made(_LingeringTransport(transport, self))
             self._head_timer = self._write_timer = None
             self._cycle_seen = None
             self._arm_head()
 
         def data_received(self, data: bytes) -> None:
-            if self._lingering:  # the response is sent and the write side shut: drop what still comes
+            if self.lingering:  # the response is sent and the write side shut: drop what still comes
                 type(self).bytes_discarded += len(data)
                 self._linger_left -= len(data)
                 if self._linger_left < 0:
@@ -127,21 +127,21 @@ def bounded_protocol(read_timeout: float, write_timeout: float, base=None):
             self._head_timer = None
             self._real.close()  # nothing of a request is in flight: no linger
 
-        def _linger(self) -> None:
+        def start_linger(self) -> None:
             """Instead of closing: FIN once the response is flushed, keep reading (and dropping) until
             the client closes too, or `LINGER_SECONDS` / `LINGER_BYTES` have passed."""
             real = self._real
-            if self._lingering or real.is_closing() or not real.can_write_eof():
+            if self.lingering or real.is_closing() or not real.can_write_eof():
                 real.close()
                 return
-            self._lingering = True
+            self.lingering = True
             self._disarm("_head_timer")
             real.write_eof()
             real.resume_reading()  # uvicorn may have paused it while the app did not read the body
             self._linger_timer = self.loop.call_later(LINGER_SECONDS, real.close)
 
         def eof_received(self):
-            if self._lingering:
+            if self.lingering:
                 self._real.close()
                 return None
             return super().eof_received()
