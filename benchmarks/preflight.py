@@ -332,7 +332,7 @@ def _varlen_meta_runs(label: str, problems: list, details: dict) -> None:
                     k = torch.empty(total, hkv, d, device="meta", dtype=torch.bfloat16)
                     what = f"{label}: causal={causal} hkv={hkv} scale={scale} band={band}"
                     try:
-                        out = attn._torch_varlen(q, k, k.clone(), cu, max(lengths), causal, scale, band)
+                        out = attn.torch_varlen(q, k, k.clone(), cu, max(lengths), causal, scale, band)
                         if out.shape != q.shape or out.dtype != q.dtype:
                             problems.append(f"{what}: got {tuple(out.shape)} {out.dtype}")
                     except Exception as e:
