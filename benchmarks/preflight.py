@@ -787,7 +787,8 @@ def check_sizing(plan: dict) -> dict:
     modes = shlex.split(plan["MODES_ARGS"])
     compiled = "compiled" in modes and bench_modes.feature_missing("compiled") is None
     details["modes: compiled forward on this tree"] = compiled
-    planned["modes"] = START_S + MODES_SETUP_S + lim["modes"] // 3 + (COMPILE_S if compiled else 0.0)
+    planned["modes"] = (START_S + MODES_SETUP_S + lim["modes"] // int(plan.get("MODES_TIMED_SHARE", 3))
+                        + (COMPILE_S if compiled else 0.0))
     for name, t in planned.items():
         details.setdefault(f"{name} planned/limit", f"{t:.0f} s / {lim.get(name, 0)} s")
         if name not in lim:
