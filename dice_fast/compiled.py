@@ -34,6 +34,17 @@ CUDA_MODE = "default"  # torch.compile mode on CUDA: unmeasured (see the module 
 BACKEND = "inductor"  # the compiler (tests trace with "aot_eager": the same graph, no code generation)
 
 
+def compile_options(device_type: str) -> dict:
+    """torch.compile's ``options`` / ``mode`` for `BACKEND` on ``device_type``: inductor freezes the
+    weights; on CUDA a `CUDA_MODE` other than "default" is passed alone (torch.compile takes a mode or
+    options, not both), so it runs without freezing."""
+    if BACKEND != "inductor":
+        return {}
+    if device_type == "cuda" and CUDA_MODE != "default":
+        return {"mode": CUDA_MODE}
+    return {"options": {"freezing": True}}
+
+
 class CompiledForward:
     """A compiled packed forward of one model (see the module docstring). backend: the attention
     ("sdpa_groups", or on CUDA "flash_attn" / "torch_varlen")."""
@@ -49,10 +60,8 @@ class CompiledForward:
         self._kwargs = {"use_cache": False} if takes_cache else {}
         if backend != "sdpa_groups":
             self._kwargs["dice_backend"] = backend
-        cuda = next(model.parameters()).device.type == "cuda"
-        options = {"freezing": True} if BACKEND == "inductor" else None
-        self._fn = torch.compile(self._forward, dynamic=True, fullgraph=True, backend=BACKEND, options=options,
-                                 **({"mode": CUDA_MODE} if cuda and BACKEND == "inductor" else {}))
+        self._fn = torch.compile(self._forward, dynamic=True, fullgraph=True, backend=BACKEND,
+                                 **compile_options(next(model.parameters()).device.type))
         self._lock = threading.Lock()
         self.compile_seconds: float | None = None  # wall time of the first call (tracing + codegen + run)
 

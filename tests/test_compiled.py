@@ -102,3 +102,14 @@ def test_the_varlen_op_has_a_fake_and_cuda_backends_are_allowed():
     assert attention_op.max_len_tensor(258).tolist() == [258]
     assert set(COMPILED_BACKENDS["cuda"]) == {"sdpa_groups", "flash_attn", "torch_varlen"}
     assert COMPILED_BACKENDS["cpu"] == ("sdpa_groups",)
+
+
+def test_compile_options_never_pass_a_mode_with_options(monkeypatch):
+    import dice_fast.compiled as compiled
+
+    assert compiled.compile_options("cpu") == compiled.compile_options("cuda") == {"options": {"freezing": True}}
+    monkeypatch.setattr(compiled, "CUDA_MODE", "max-autotune-no-cudagraphs")
+    assert compiled.compile_options("cuda") == {"mode": "max-autotune-no-cudagraphs"}
+    assert compiled.compile_options("cpu") == {"options": {"freezing": True}}
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    assert compiled.compile_options("cuda") == {}
