@@ -178,11 +178,10 @@ class BatchPipeline:
 
     def run(self, batch, run_batch=None):
         """`ChunkQueue.run` of ``batch``; it completes only once the producer's selection is done."""
-        self._running = True
-        try:
-            return self.queue.run(batch, run_batch, before_complete=self._selected)
-        finally:
-            self._running = False
+        self._running = True  # stays set if the batch raises: `close` then gives nothing back
+        result = self.queue.run(batch, run_batch, before_complete=self._selected)
+        self._running = False
+        return result
 
     def close(self) -> None:
         """Stop the producer; a batch it prepared that was not taken goes back to the queue."""

@@ -240,3 +240,19 @@ def test_the_option_and_the_cuda_budget_rule():
     model, tok, *_ = tiny("bert")
     assert DiceEncoder(model, tok).spec.flops_per_token == 2 * sum(
         m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_a_chunk_failing_alone_raises_the_same_error_and_stops_the_producer(recording):
+    from dice_fast.faults import InputOutOfMemory
+    from fault_injection import has_poison, poisoned
+
+    texts = _texts()
+    texts[9] = poisoned(texts[9])
+    errors = []
+    for mode in ("off", "on"):
+        enc = _encoder(mode)
+        with failing_forward(enc.model, has_poison), pytest.raises(InputOutOfMemory) as info:
+            enc.encode_documents(texts)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1] and "documents[9]" in errors[0]
+    assert recording and not any(p._thread.is_alive() for p in recording)
