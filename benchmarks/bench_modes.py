@@ -9,8 +9,9 @@
   rehearsal of the script: the figure says nothing about graphs).
 * ``compiled``: the mixed document corpus through the compiled forward (the encoder option named in
   `FEATURE_OPTIONS`) against eager.
-* ``producer``: ``encode_documents`` end to end with the producer pipeline (option in `FEATURE_OPTIONS`)
-  against without.
+* ``producer``: ``encode_documents`` end to end with the producer pipeline (``pipeline="on"``, the
+  option in `FEATURE_OPTIONS`) against the serial loop (``pipeline="off"``: `BASELINE_OPTIONS`; the
+  other modes' eager baseline keeps the default, on for CUDA).
 
 A mode this tree lacks is reported ``SKIP <mode>: <why>`` and measured not at all; the exit status
 is 3 when every requested mode was skipped (gpu_check.sh records the step as SKIP with that reason),
@@ -41,10 +42,10 @@ from dice_fast.runinfo import append_csv, device_name, versions  # noqa: E402
 MODES = ("graphs", "compiled", "producer")
 # the encoder option that switches a mode on, for the modes built in other issues: a tree whose
 # DiceConfig has no such field SKIPs the mode ("compiled": the CPU issue's compiled forward)
-FEATURE_OPTIONS = {"compiled": ("compile", "on"), "producer": ("producer", True)}
-# compile="on" compiles the CPU's packed sdpa_groups forward and refuses the CUDA varlen backends: a
-# compiled CUDA forward (issue 26) has not landed, so the GPU's compiled row is skipped with this reason
-COMPILED_ON_CUDA = False
+FEATURE_OPTIONS = {"compiled": ("compile", "on"), "producer": ("pipeline", "on")}
+BASELINE_OPTIONS = {"producer": {"pipeline": "off"}}  # the eager variant of a mode, where not the default
+# compile="on" traces the CUDA varlen backends too (issue 26): the GPU's compiled row runs
+COMPILED_ON_CUDA = True
 SKIPPED = 3
 
 
@@ -78,7 +79,7 @@ def workloads(mode: str, tok, docs: int, longest: int) -> dict:
 
 def variant_encoders(mode: str, model, tok, options: dict) -> dict:
     """{"eager": encoder, mode: encoder} on the same model."""
-    eager = DiceEncoder(model, tok, **options)
+    eager = DiceEncoder(model, tok, **options, **BASELINE_OPTIONS.get(mode, {}))
     if mode == "graphs":
         from dice_fast.graphs import use_cuda_graphs
 

@@ -43,11 +43,10 @@ from dice_fast.runinfo import append_csv, device_name, versions  # noqa: E402
 
 # (tokens, hidden, kind); kinds: cNNN = every chunk NNN rows, mixed = 1..512 rows, long = 8192 rows
 GPU_CASES = [
-    (1 << 20, 384, "c258"),
-    (1 << 20, 768, "c258"),
+    (1 << 20, 384, "c258"),  # (BERT-base's 768 lies between this and the 1536 case: dropped to fit the
     (1 << 18, 4096, "mixed"),
     (1 << 18, 4096, "long"),
-    (1 << 19, 1536, "c512"),
+    (1 << 19, 1536, "c512"),  # compiled forward's A/B in gpu_check.sh's 8 minutes, issue 26)
 ]
 SMOKE_CASES = [(1 << 14, 384, "mixed"), (1 << 13, 384, "c258")]
 COMPOSITES = ("index_add", "segment_reduce", "scatter_reduce")

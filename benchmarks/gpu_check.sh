@@ -49,14 +49,15 @@ LIMIT_NATIVE_TESTS=70
 LIMIT_POOLING=60
 LIMIT_E2E_ENCODER=65
 LIMIT_E2E_DECODER=65
-LIMIT_MODES=50          # eager vs CUDA graphs / compiled / producer, A/B interleaved (absent modes SKIP)
+LIMIT_MODES=90          # eager vs CUDA graphs / producer / compiled (inductor's compile ~45 s), A/B interleaved
+MODES_TIMED_SHARE=10    # the modes step times 1/10 of its limit (the compile and start-up take the rest)
 AGREEMENT_ARGS="--random-model bert-base --init-std 0.05 --docs 48 --longest 4096"
 AGREEMENT_MINILM_ARGS="--docs 48 --longest 4096"
 POOLING_ARGS=""
-E2E_ENCODER_ARGS="--random-model bert-base --dtypes bfloat16 --docs 1000 --repeats 3 --require-packed"
-E2E_DECODER_ARGS="--random-model qwen2-1.5b --chunk-size 512 --dtypes bfloat16 --docs 80 --repeats 2 --require-packed"
+E2E_ENCODER_ARGS="--random-model bert-base --dtypes bfloat16 --docs 400 --repeats 2 --require-packed"
+E2E_DECODER_ARGS="--random-model qwen2-1.5b --chunk-size 512 --dtypes bfloat16 --docs 56 --repeats 2 --require-packed"
 MODES_ARGS="--modes graphs producer compiled --random-model bert-base --docs 200 --longest 8192 --repeats 5"
-GPU_TEST_FILES="tests/test_gpu.py tests/test_gpu_graphs.py tests/ops/test_triton_pool.py tests/ops/test_torch_pool.py"
+GPU_TEST_FILES="tests/test_gpu.py tests/test_gpu_graphs.py tests/test_gpu_pipeline.py tests/ops/test_triton_pool.py tests/ops/test_torch_pool.py"
 NATIVE_TEST_FILES="tests/ops/test_native.py"
 CARRY=".carry"          # the ignored folder named in the device tool's `carry`: *.whl, minilm-bf16/
 
@@ -216,7 +217,7 @@ else
   step e2e_decoder "$LIMIT_E2E_DECODER" "$PY" -m dice_fast.cli bench $E2E_DECODER_ARGS --no-sentence-transformers \
        --flops --budget-s $((LIMIT_E2E_DECODER / 2)) --csv "$OUT/e2e.csv" --raw-csv "$OUT/e2e_raw.csv"
   # ---- 2. the forward modes, each A/B against eager in one process (a mode this tree lacks: SKIP)
-  step modes "$LIMIT_MODES" "$PY" benchmarks/bench_modes.py $MODES_ARGS --budget-s $((LIMIT_MODES / 3)) \
+  step modes "$LIMIT_MODES" "$PY" benchmarks/bench_modes.py $MODES_ARGS --budget-s $((LIMIT_MODES / MODES_TIMED_SHARE)) \
        --csv "$OUT/modes.csv"
   # ---- 3. the C++/CUDA extension, in the background (its own step: a kill cannot leave a lock behind
   #         for a later step), while the GPU tests that do not need it run (after the timed steps:

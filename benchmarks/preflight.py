@@ -332,7 +332,7 @@ def _varlen_meta_runs(label: str, problems: list, details: dict) -> None:
                     k = torch.empty(total, hkv, d, device="meta", dtype=torch.bfloat16)
                     what = f"{label}: causal={causal} hkv={hkv} scale={scale} band={band}"
                     try:
-                        out = attn._torch_varlen(q, k, k.clone(), cu, max(lengths), causal, scale, band)
+                        out = attn.torch_varlen(q, k, k.clone(), cu, max(lengths), causal, scale, band)
                         if out.shape != q.shape or out.dtype != q.dtype:
                             problems.append(f"{what}: got {tuple(out.shape)} {out.dtype}")
                     except Exception as e:
@@ -787,7 +787,8 @@ def check_sizing(plan: dict) -> dict:
     modes = shlex.split(plan["MODES_ARGS"])
     compiled = "compiled" in modes and bench_modes.feature_missing("compiled") is None
     details["modes: compiled forward on this tree"] = compiled
-    planned["modes"] = START_S + MODES_SETUP_S + lim["modes"] // 3 + (COMPILE_S if compiled else 0.0)
+    planned["modes"] = (START_S + MODES_SETUP_S + lim["modes"] // int(plan.get("MODES_TIMED_SHARE", 3))
+                        + (COMPILE_S if compiled else 0.0))
     for name, t in planned.items():
         details.setdefault(f"{name} planned/limit", f"{t:.0f} s / {lim.get(name, 0)} s")
         if name not in lim:

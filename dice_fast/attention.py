@@ -266,9 +266,9 @@ def dice_varlen_attention(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     if run.backend == "flash_attn":
-        out = _flash(q, k, v, cu, max_len, causal, scale, band)
+        out = flash_varlen(q, k, v, cu, max_len, causal, scale, band)
     elif run.backend == "torch_varlen":
-        out = _torch_varlen(q, k, v, cu, max_len, causal, scale, band)
+        out = torch_varlen(q, k, v, cu, max_len, causal, scale, band)
     else:
         out = groups_attention(q, k, v, run.groups, causal, scale, band, run.band_masks)
     return out.unsqueeze(0), None
@@ -289,7 +289,8 @@ def layer_window(module, kwargs) -> int | None:
     return kwargs.get("sliding_window", getattr(module, "sliding_window", None))
 
 
-def _flash(q, k, v, cu, max_len, causal, scale, band=None):
+def flash_varlen(q, k, v, cu, max_len, causal, scale, band=None):
+    """flash-attn's varlen kernel. q: (T, Hq, D); k, v: (T, Hkv, D), unrepeated (it takes GQA heads)."""
     extra = {} if band is None else {"window_size": (band, band)}  # inclusive; causal drops the right side
     out = _flash_attn_func()(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=causal, **extra)
     return out[0] if isinstance(out, tuple) else out
@@ -300,8 +301,14 @@ def _torch_varlen_params() -> frozenset:
     return frozenset(inspect.signature(_torch_varlen_func()).parameters)
 
 
-def _torch_varlen(q, k, v, cu, max_len, causal, scale, band=None):
+def torch_varlen(q, k, v, cu, max_len, causal, scale, band=None):
+    """torch's ``varlen_attn``. q: (T, Hq, D); k, v: (T, Hkv, D), unrepeated with ``enable_gqa`` (torch
+    >= 2.12) or through its flash kernel (`direct_flash_gqa`), else repeated Hq / Hkv times."""
     params = _torch_varlen_params()
+    if k.shape[1] != q.shape[1] and "enable_gqa" not in params and _DIRECT_GQA[0] and q.device.type in ("cuda", "meta"):
+        out = direct_flash_gqa(q, k, v, cu, max_len, causal, scale, band)
+        if out is not None:
+            return out
     extra = {}
     if "is_causal" in params:  # torch 2.9 - 2.10 (no sliding window: refused before this call)
         extra["is_causal"] = causal
@@ -319,6 +326,25 @@ def _torch_varlen(q, k, v, cu, max_len, causal, scale, band=None):
     elif scale != q.shape[-1] ** -0.5:  # early releases have no scale argument: fold it into q
         q = q * (scale * q.shape[-1] ** 0.5)
     return _torch_varlen_func()(q, k, v, cu, cu, max_len, max_len, **extra)
+
+
+_DIRECT_GQA = [True]  # cleared for the process when the direct call fails once (it then repeats K/V)
+
+
+def direct_flash_gqa(q, k, v, cu, max_len, causal, scale, band=None):
+    """GQA, K/V unrepeated, where ``varlen_attn`` lacks ``enable_gqa`` (torch 2.11): its kernel
+    ``aten._flash_attention_forward`` takes Hkv < Hq. None when refused: the caller repeats the heads."""
+    left = -1 if band is None else band
+    right = (0 if causal else -1) if band is None else (0 if causal else band)
+    try:
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, causal, False, scale=scale,
+            window_size_left=left, window_size_right=right)[0]
+    except torch.OutOfMemoryError:
+        raise
+    except (TypeError, RuntimeError, NotImplementedError):
+        _DIRECT_GQA[0] = False
+        return None
 
 
 def _band_mask(memo: dict, length: int, band: int, causal: bool, device) -> torch.Tensor:

@@ -108,6 +108,11 @@ class Batch:
     ranges: list[tuple[int, int]]
     fan_out: list = field(default_factory=list)  # (job, chunk, from job, from chunk): copies in this batch
     serial: int = 0
+    # for `formed_as_now`: its budget, whether it took all that was queued, the queue's (submits, cancels)
+    budget, dry, marks = 0, False, (0, 0)
+    pending: list = field(default_factory=list)  # (job, chunk, slot): copies of originals in a batch still running
+    took_over: list = field(default_factory=list)  # (job, chunk, slot, its owner before): copies run in its place
+    picks: list = field(default_factory=list)  # (job, chunk ids) chosen, until packed
 
 
 class ChunkQueue:
@@ -127,6 +132,7 @@ class ChunkQueue:
         self._waiting = 0
         self._backoff = BudgetBackoff(self.max_batch_tokens)
         self._serial = 0
+        self._submits = self._cancels = 0  # jobs queued / cancelled so far (see `formed_as_now`)
         self._forming: Batch | None = None  # the batch `next_batch` formed last (or was forming when it raised)
 
     @property
@@ -166,6 +172,7 @@ class ChunkQueue:
             job.cum = np.cumsum(plan.chunk_lengths * (job.state == RUN))
             if job.left:
                 self._jobs.append(job)
+                self._submits += 1
                 self._waiting += job.tokens_waiting
                 return job
             idle = not self._jobs
@@ -180,6 +187,7 @@ class ChunkQueue:
         with self._lock:
             if not job.cancelled:
                 job.cancelled = True
+                self._cancels += 1
                 self._waiting -= job.tokens_waiting
                 self.reuse.release(job)
                 job.handed = job.plan.n_chunks
@@ -188,31 +196,40 @@ class ChunkQueue:
         """The next chunks, first in first out, up to ``max_batch_tokens`` wrapped tokens (a chunk
         longer than the budget comes alone); None when nothing is waiting. Chunks known already and
         copies of chunks in the batch cost nothing (a batch may then run no chunk at all)."""
+        batch = self.select_batch()
+        return None if batch is None else self.pack_batch(batch)
+
+    def select_batch(self) -> Batch | None:
+        """`next_batch`'s choice of chunks (the queue's bookkeeping, under its lock), not packed yet:
+        `pack_batch` packs it (in any thread). A producer may select the next batch while the one
+        before runs (`dice_fast.pipeline`), never while it completes."""
         with self._lock:
             budget = self.budget
             self._serial += 1
             batch = self._forming = Batch(None, None, [], [], serial=self._serial)
-            parts = []
+            batch.budget, batch.marks = budget, (self._submits, self._cancels)
+            dry = True
             for job in self._jobs:
                 if job.handed >= job.plan.n_chunks:
                     continue
                 base = job.cum[job.handed - 1] if job.handed else 0
                 hi = int(np.searchsorted(job.cum, base + budget, side="right"))
-                if hi == job.handed and not parts:
+                if hi == job.handed and not batch.picks:
                     hi = job.handed + 1  # a chunk over the budget runs alone
                 if hi == job.handed:
+                    dry = False
                     break
                 lo = job.handed
                 job.serial, job.range = batch.serial, (lo, hi)
                 extra, cut = 0, False
                 if (job.state[lo:hi] == FOLLOW).any():
-                    extra, end = self.reuse.hand_out(job, lo, hi, base, budget, batch, not parts)
+                    extra, end = self.reuse.hand_out(job, lo, hi, base, budget, batch, not batch.picks)
                     hi, cut = end, end < hi
                     job.range = (lo, hi)
                     if hi == lo:
+                        dry = False
                         break
-                ids = lo + np.flatnonzero(job.state[lo:hi] == RUN)
-                parts.append(self._pack(job, ids))
+                batch.picks.append((job, lo + np.flatnonzero(job.state[lo:hi] == RUN)))
                 batch.jobs.append(job)
                 batch.ranges.append((lo, hi))
                 counted = int(job.cum[hi - 1] - base) if hi > lo else 0
@@ -220,24 +237,50 @@ class ChunkQueue:
                 self._waiting -= counted
                 budget -= counted + extra
                 if budget <= 0 or cut:
+                    dry = False
                     break
-            if not batch.jobs:
-                return None
-        batch.packed, batch.part = merge(parts)
+            batch.dry = dry
+            return batch if batch.jobs else None
+
+    def pack_batch(self, batch: Batch) -> Batch:
+        """Pack the chunks `select_batch` chose for ``batch`` (its ``packed`` and ``part``); returns it."""
+        batch.packed, batch.part = merge([self._pack(job, ids) for job, ids in batch.picks])
+        batch.picks = []
         return batch
+
+    def formed_as_now(self, batch: Batch) -> bool:
+        """Whether `select_batch`, called now, would choose ``batch``'s chunks (``batch`` was selected
+        early, while the batch before it ran, which has completed since): the budget is the same,
+        nothing was cancelled, and no plan was queued since, should it have taken everything queued."""
+        submits, cancels = batch.marks
+        return batch.budget == self.budget and cancels == self._cancels and not (batch.dry and submits != self._submits)
+
+    def give_back(self, batch: Batch) -> None:
+        """Undo the selection of ``batch``, the last selected, every batch before it completed: its
+        chunks wait to be selected again (by the next `select_batch`, as if it had never been formed)."""
+        with self._lock:
+            self.reuse.withdraw(batch, take_overs=True)
+            for job, (lo, hi) in zip(batch.jobs, batch.ranges):
+                if not job.cancelled:
+                    self._waiting += int(job.cum[hi - 1] - (job.cum[lo - 1] if lo else 0)) if hi > lo else 0
+                    job.handed = lo
 
     def complete(self, batch: Batch, vectors: torch.Tensor, lost_rows: set = frozenset()) -> list[Job]:
         """Store ``vectors`` (n_chunks_in_batch, dim) float32, the pooled chunks of ``batch`` in packing
         order; return the jobs this finishes, in submission order. Batches must complete in the order
         `next_batch` handed them out. ``lost_rows``: rows that have no vector (their jobs failed, see
         `run`): never reused, stored or handed to copies."""
+        # rows grouped by job in one sort and two host-to-device copies per batch, not two per job
+        order = np.argsort(batch.part, kind="stable")
+        bounds = np.searchsorted(batch.part[order], np.arange(len(batch.jobs) + 1)).tolist()
+        if len(order):
+            dst = to_device(batch.packed.chunk_ids[order], vectors.device)
+            src = vectors if len(batch.jobs) == 1 else vectors[to_device(order, vectors.device)]
         for j, job in enumerate(batch.jobs):
-            rows = np.flatnonzero(batch.part == j)
-            if len(rows):
-                job.vectors_on(vectors.device)
-                dst = to_device(batch.packed.chunk_ids[rows], vectors.device)
-                job.vectors.index_copy_(0, dst, vectors[to_device(rows, vectors.device)])
-                job.left -= len(rows)
+            lo, hi = bounds[j], bounds[j + 1]
+            if hi > lo:
+                job.vectors_on(vectors.device).index_copy_(0, dst[lo:hi], src[lo:hi])
+                job.left -= hi - lo
             job.pooled = batch.ranges[j][1]
         self.reuse.fan_out(batch, vectors, lost_rows)
         finished = []
@@ -271,14 +314,15 @@ class ChunkQueue:
         out-of-memory batch (`dice_fast.faults.BudgetBackoff`)."""
         return self._backoff.budget
 
-    def run(self, batch: Batch, run_batch=None) -> tuple[list[Job], list[Job]]:
+    def run(self, batch: Batch, run_batch=None, before_complete=None) -> tuple[list[Job], list[Job]]:
         """Run ``batch`` with ``run_batch`` (PackedBatch -> (n, dim) float32; default: the runner's
         `ModelRunner.run`), splitting it on
         out-of-memory down to single chunks, and complete it. Returns (jobs finished, jobs failed): a
         job fails when one of its chunks ran out of memory alone (``job.error``, an `InputOutOfMemory`
         naming its document within the plan); every other chunk keeps its exact vector. Other errors
         of ``run_batch`` propagate (the caller fails the batch's jobs). The consumer of `next_batch`
-        calls this from one thread."""
+        calls this from one thread; ``before_complete()``, when given, is called before the batch
+        completes (the pipeline waits there for its producer's selection of the next batch)."""
         device = self.settings.device
         run_batch = run_batch or self.runner.run
         ooms = []
@@ -307,6 +351,8 @@ class ChunkQueue:
                 if (id(src), o) in lost:
                     fail(job, c, lost[id(src), o])
             batch.fan_out = [f for f in batch.fan_out if (id(f[2]), f[3]) not in lost]
+        if before_complete is not None:
+            before_complete()
         return self.complete(batch, vectors, lost_rows=set(failed)), failed_jobs
 
     def fail(self, job: Job, error: BaseException) -> None:

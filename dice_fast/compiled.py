@@ -7,9 +7,14 @@ dynamic shapes: the token count, the number of chunks and the number of equal-le
 symbolic, so batches of any size reuse one graph (plus, at most, one for a batch of a single token:
 the compiler specialises sizes 0 and 1). The caller's model is never modified.
 
-    forward = CompiledForward(model, takes_cache=False)
+    forward = CompiledForward(model, takes_cache=False)                      # backend="sdpa_groups"
     hidden = forward(input_ids, position_ids, cu_seqlens, groups, causal)   # (T, H)
     forward.compile_seconds                                                  # paid at the first call
+
+On CUDA (``backend`` "flash_attn" or "torch_varlen") the attention is `dice_fast.attention_op.varlen`
+and the fourth argument is the batch's ``max_len`` ((1,) int64 on the CPU) instead of the groups;
+inductor's GPU backend compiles in `CUDA_MODE`, which is not measured yet (benchmarks/gpu_check.sh,
+``modes`` step, measures eager vs compiled; "max-autotune-no-cudagraphs" is the other candidate).
 
 Compilation happens at the first call (the runner makes it at construction, on its probe batch),
 once per encoder and process; inductor's on-disk cache makes a later process's compile shorter.
@@ -25,30 +30,52 @@ import time
 
 import torch
 
-class CompiledForward:
-    """A compiled packed forward of one model (see the module docstring)."""
+CUDA_MODE = "default"  # torch.compile mode on CUDA: unmeasured (see the module docstring)
+BACKEND = "inductor"  # the compiler (tests trace with "aot_eager": the same graph, no code generation)
 
-    def __init__(self, model, takes_cache: bool):
+
+def compile_options(device_type: str) -> dict:
+    """torch.compile's ``options`` / ``mode`` for `BACKEND` on ``device_type``: inductor freezes the
+    weights; on CUDA a `CUDA_MODE` other than "default" is passed alone (torch.compile takes a mode or
+    options, not both), so it runs without freezing."""
+    if BACKEND != "inductor":
+        return {}
+    if device_type == "cuda" and CUDA_MODE != "default":
+        return {"mode": CUDA_MODE}
+    return {"options": {"freezing": True}}
+
+
+class CompiledForward:
+    """A compiled packed forward of one model (see the module docstring). backend: the attention
+    ("sdpa_groups", or on CUDA "flash_attn" / "torch_varlen")."""
+
+    def __init__(self, model, takes_cache: bool, backend: str = "sdpa_groups"):
         from . import attention_op
 
         attention_op.register()
         shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
         self.shadow = copy.deepcopy(model, memo=shared)  # new modules and config, the same tensors
         self.shadow.config._attn_implementation = attention_op.TRACED_NAME
+        self.backend = backend
         self._kwargs = {"use_cache": False} if takes_cache else {}
-        self._fn = torch.compile(self._forward, dynamic=True, fullgraph=True, options={"freezing": True})
+        if backend != "sdpa_groups":
+            self._kwargs["dice_backend"] = backend
+        self._fn = torch.compile(self._forward, dynamic=True, fullgraph=True, backend=BACKEND,
+                                 **compile_options(next(model.parameters()).device.type))
         self._lock = threading.Lock()
         self.compile_seconds: float | None = None  # wall time of the first call (tracing + codegen + run)
 
     def _forward(self, input_ids, position_ids, cu, groups, causal):
+        batch = {"dice_groups": groups} if self.backend == "sdpa_groups" else {"dice_max_len": groups}
         out = self.shadow(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-                          cu_seq_lens_q=cu, cu_seq_lens_k=cu, dice_groups=groups, dice_causal=causal, **self._kwargs)
+                          cu_seq_lens_q=cu, cu_seq_lens_k=cu, dice_causal=causal, **batch, **self._kwargs)
         return out.last_hidden_state[0]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                  groups: torch.Tensor, causal: bool | None) -> torch.Tensor:
         """input_ids, position_ids: (T,) int64; cu_seqlens: (n + 1,) int32; groups: (G, 3) int64 on the
-        CPU (`dice_fast.attention_op.group_table`). Returns the last hidden state (T, H)."""
+        CPU (`dice_fast.attention_op.group_table`), or for the CUDA kernels max_len (1,) int64 on the CPU
+        (`dice_fast.attention_op.max_len_tensor`). Returns the last hidden state (T, H)."""
         if self.compile_seconds is None:
             with self._lock:  # one thread compiles; the others wait for its graph
                 if self.compile_seconds is None:

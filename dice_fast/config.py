@@ -22,6 +22,7 @@ ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_groups", "padd
 DTYPES = ("float32", "bfloat16", "float16", "auto", "int8")
 DEFAULT_CHUNK_SIZE = 256
 COMPILE_MODES = ("off", "on", "auto")
+PIPELINE_MODES = ("auto", "on", "off")
 
 
 def option(default, help: str, *, default_help: str | None = None, detail: str = "", choices=None,
@@ -99,8 +100,12 @@ class DiceConfig:
         None, "model window in tokens, specials included (queries and strategy single)",
         default_help="sentence-transformers max_seq_length, else the tokenizer's model_max_length, else the "
         "position table")
-    max_batch_tokens: int | None = option(None, "token budget of one packed forward",
-                                          default_help="4096 on CPU, 65536 on CUDA")
+    max_batch_tokens: int | None = option(
+        None, "token budget of one packed forward",
+        default_help="4096 on CPU; on CUDA 65,536 to 524,288 by the model's FLOPs per token",
+        detail="On CUDA the default gives a batch about 16 TFLOP of work (a power of two of tokens, "
+        "see [gpu.md](gpu.md)): 524,288 tokens for MiniLM-L6, 131,072 for BERT-base, 65,536 from ~0.25 "
+        "GFLOP per token up.")
     device: str | None = option(None, "where the model runs: cpu, cuda, cuda:1 ...",
                                 default_help="cuda if available, else cpu")
     dtype: str | None = option(
@@ -129,6 +134,11 @@ class DiceConfig:
         detail='`"on"`: compiled (refused for a model on the padded fallback); `"auto"`: compiled and eager '
         'forwards are both candidates of `dtype="auto"` (with an explicit dtype: the faster of its two). '
         'See [cpu.md](cpu.md).')
+    pipeline: str = option(
+        "auto", "select, pack and copy the next batch to the device in a producer thread while the current "
+        "one runs", choices=PIPELINE_MODES, default_help="on for CUDA, off elsewhere",
+        detail="Two batches in flight, one host-to-device copy per batch from a persistent pinned buffer; "
+        "the batches and vectors are those of the serial loop, bit for bit. See [gpu.md](gpu.md).")
     cuda_graphs: bool = option(
         False, "replay small packed batches (serving, queries) as CUDA graphs, one per token-count bucket",
         detail="CUDA with `flash_attn` or `torch_varlen` only; batches up to 4,096 tokens are padded with dummy chunks "
@@ -167,6 +177,7 @@ class DiceConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise OptionError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _choice("compile", self.compile, COMPILE_MODES)
+        _choice("pipeline", self.pipeline, PIPELINE_MODES)
         if self.calibration is not None and (self.dtype != "int8" or not isinstance(self.calibration, str)):
             raise OptionError(f"calibration (a text file path) applies to dtype='int8' only; got "
                              f"calibration={self.calibration!r} with dtype={self.dtype!r}")
@@ -193,5 +204,5 @@ def _positive_int(name: str, value, optional: bool = False) -> None:
         raise OptionError(f"{name} must be an integer >= 1{' or None' if optional else ''}, got {value!r}")
 
 
-__all__ = ["DiceConfig", "option", "DTYPES", "COMPILE_MODES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES",
+__all__ = ["DiceConfig", "option", "DTYPES", "COMPILE_MODES", "PIPELINE_MODES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES",
            "ATTENTION_BACKENDS", "POOLINGS", "AGGREGATIONS"]

@@ -33,6 +33,7 @@ from .errors import ArgumentTypeError, OptionError, TextError
 from .models import inspect_model, load_model
 from .output import DiceOutput, concat_outputs  # noqa: F401 - DiceOutput is part of the engine's API
 from .packing import PackedBatch
+from .pipeline import BatchPipeline
 from .pieces import cuts_are_exact, tokenize_bounded
 from .progress import ProgressBar
 from .reuse import ChunkStats, MemoryCache
@@ -310,7 +311,9 @@ class DiceEncoder:
         queue = self.chunk_queue(memory=MemoryCache(_CALL_MEMORY_BYTES), stats=self.chunk_stats)
         jobs: deque = deque()
         submitted = [0]  # texts in the plans submitted so far: a job's tag is its first text's index
-        with Prefetch((plan, queue.keys_for(plan)) for plan in plans) as ahead:  # keyed in the worker too
+        with Prefetch((plan, queue.keys_for(plan)) for plan in plans) as ahead, contextlib.ExitStack() as stack:
+            # plans are keyed in the worker too; the producer pipeline prepares the next batch meanwhile
+            source = stack.enter_context(BatchPipeline(queue, self.device)) if self.settings.pipeline else queue
             def top_up():
                 while len(jobs) < 2:
                     item = ahead.next()
@@ -322,11 +325,11 @@ class DiceEncoder:
 
             top_up()
             while jobs:
-                batch = None if jobs[0].done else queue.next_batch()
+                batch = None if jobs[0].done else source.next_batch()
                 if batch is None and not jobs[0].done:  # pragma: no cover - a queue bug, never silent
                     raise RuntimeError("dice_fast: a queued plan has no chunks left to run but is not done")
                 if batch is not None:
-                    failed = queue.run(batch, self.run_batch)[1]
+                    failed = source.run(batch, self.run_batch)[1]
                     if failed:  # nothing of the call is returned: raise naming the text
                         err = failed[0].error
                         raise err.renamed(f"{what}[{failed[0].tag + err.index}]", failed[0].tag) from None

@@ -49,6 +49,7 @@ class ModelSpec:
     is_causal: bool
     hidden_size: int
     name: str
+    flops_per_token: float = 0.0  # of a forward, about: 2 x the weights of its linear layers (0: unknown)
 
 
 def default_model_path() -> str:
@@ -120,7 +121,17 @@ def inspect_model(model, tokenizer, path: str | None = None) -> ModelSpec:
         is_causal=bool(getattr(config, "is_decoder", False)) or _is_decoder_only(model),
         hidden_size=int(config.hidden_size),
         name=str(getattr(config, "_name_or_path", "") or config.model_type),
+        flops_per_token=linear_flops_per_token(model),
     )
+
+
+def linear_flops_per_token(model) -> float:
+    """2 x the weights of ``model``'s linear layers (``nn.Linear``; embeddings and norms aside): the
+    forward's FLOPs per token without attention, enough to size a batch (`dice_fast.settings`)."""
+    import torch
+
+    return 2.0 * sum(m.weight.numel() for m in model.modules()
+                     if isinstance(m, torch.nn.Linear) and getattr(m, "weight", None) is not None)
 
 
 def special_tokens_around_text(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:

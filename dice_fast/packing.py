@@ -16,7 +16,7 @@ All index arithmetic is vectorised numpy; the only Python loop is over batches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,6 +33,8 @@ class PackedBatch:
     max_seqlen: int
     chunk_ids: np.ndarray
     lengths: np.ndarray
+    # the int arrays already on the model's device (`dice_fast.pipeline.Staged`), or None
+    staged: object = field(default=None, repr=False, compare=False)
 
     @property
     def n_tokens(self) -> int:

@@ -35,6 +35,8 @@ from .chunking import ChunkPlan, TokenizedDocuments
 from .errors import OptionError
 
 PADDED = "padded"
+# the attention backends the compiled forward (dice_fast.compiled) traces, per device type
+COMPILED_BACKENDS = {"cpu": ("sdpa_groups",), "cuda": ("sdpa_groups", "flash_attn", "torch_varlen")}
 # relative error of the probe's packed hidden states against per-chunk forwards; chunks attending to
 # each other differ by > 0.1 on every model tried, rounding by < 1e-6 (fp32) / 1e-2 (bf16)
 _PROBE_TOLERANCE = {torch.float32: 1e-4}
@@ -96,7 +98,7 @@ class ModelRunner:
         """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32 in the batch's packing order."""
         if batch.n_tokens == 0:
             return torch.zeros((0, self.spec.hidden_size), dtype=torch.float32, device=self.device)
-        cu = to_device(batch.cu_seqlens, self.device)
+        cu = on_device(batch, "cu_seqlens", self.device)
         with torch.inference_mode():
             if self.uses_packed(batch.max_seqlen):
                 if not attn.installed(self.model):  # the caller switched the model's attention since
@@ -114,35 +116,38 @@ class ModelRunner:
     def _packed_hidden(self, batch: PackedBatch, cu: torch.Tensor, causal) -> tuple[torch.Tensor, object]:
         """(hidden states, the forward's `attention_context` record)."""
         kwargs = {"use_cache": False} if self.takes_cache else {}
-        ids = to_device(batch.input_ids, self.device).unsqueeze(0)
+        ids = on_device(batch, "input_ids", self.device).unsqueeze(0)
+        pos = on_device(batch, "position_ids", self.device)
         kwargs.update(sync_free_kwargs(ids, self.spec.is_causal))  # no host sync in transformers' mask code
         with attn.attention_context(self.backend, causal, batch.lengths, batch.cu_seqlens) as run:
             out = self.model(
                 input_ids=ids,
-                position_ids=to_device(batch.position_ids, self.device).unsqueeze(0),
+                position_ids=pos.unsqueeze(0),
                 cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen,
                 **kwargs,
             )
         return out.last_hidden_state[0], run
 
     def _compiled_hidden(self, batch: PackedBatch, cu: torch.Tensor) -> torch.Tensor:
-        from .attention_op import group_table
+        from .attention_op import group_table, max_len_tensor
 
-        groups = group_table(attn.length_runs(batch.lengths, batch.cu_seqlens))
-        return self.compiled(to_device(batch.input_ids, self.device), to_device(batch.position_ids, self.device), cu,
-                             groups, self.causal)
+        groups = (group_table(attn.length_runs(batch.lengths, batch.cu_seqlens)) if self.backend == "sdpa_groups"
+                  else max_len_tensor(batch.max_seqlen))
+        return self.compiled(on_device(batch, "input_ids", self.device), on_device(batch, "position_ids", self.device),
+                             cu, groups, self.causal)
 
     def _compile(self) -> None:
         """Compile the packed forward (`dice_fast.compiled`) on the probe batch, checked against eager."""
-        if self.backend != "sdpa_groups":
-            why = self.fallback_reason or f"attention_backend={self.backend}"
+        if self.backend not in COMPILED_BACKENDS.get(self.device.type, ("sdpa_groups",)):
+            why = self.fallback_reason or f"attention_backend={self.backend} on {self.device.type}"
             raise OptionError(
-                f"compile='on' compiles the packed sdpa_groups forward, but this model runs on {self.backend} ({why}); "
-                "use compile='off'" + ("" if self.backend == PADDED else " or attention_backend='sdpa_groups'")
+                f"compile='on' compiles the packed forward (sdpa_groups; on CUDA also flash_attn, torch_varlen), but "
+                f"this model runs on {self.backend} ({why}); use compile='off'"
+                + ("" if self.backend == PADDED else " or attention_backend='sdpa_groups'")
             )
         from .compiled import CompiledForward
 
-        self.compiled = CompiledForward(self.model, self.takes_cache)
+        self.compiled = CompiledForward(self.model, self.takes_cache, self.backend)
         batch = _probe_batch(self)
         cu = to_device(batch.cu_seqlens, self.device)
         with torch.inference_mode():
@@ -235,6 +240,14 @@ def _padded_groups(lengths: np.ndarray, budget: int):
         hi = min(n, lo + max(budget // width, 1))
         yield lo, hi
         lo = hi
+
+
+def on_device(batch: PackedBatch, name: str, device: torch.device) -> torch.Tensor:
+    """``batch``'s int array ``name`` ("input_ids", "position_ids", "cu_seqlens") on ``device``: the
+    pipeline's staged view when it staged the batch (one copy for all three, `dice_fast.pipeline`),
+    else a copy (`to_device`)."""
+    staged = batch.staged
+    return getattr(staged, name) if staged is not None else to_device(getattr(batch, name), device)
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -34,6 +34,12 @@ WEIGHT_DTYPES = {**TORCH_DTYPES, "int8": torch.float32, "auto": torch.float32}
 # "Figures moved out of docstrings (issue 23)")
 DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
 OTHER_DEVICE_BATCH_TOKENS = 16384
+# CUDA: a default batch carries about CUDA_BATCH_FLOP of work (~20 ms at the H200's 790 TFLOP/s bf16),
+# so its fixed costs (launches, host packing) are a small share: the next power of two of tokens, within
+# CUDA_BATCH_TOKENS. Projected, not measured (benchmarks/RESULTS.md §13): MiniLM-L6 (21 MFLOP/token) gets
+# 524,288 tokens, BERT-base (170 MFLOP) 131,072, anything from ~0.25 GFLOP per token 65,536.
+CUDA_BATCH_FLOP = 16e12
+CUDA_BATCH_TOKENS = (65536, 524288)
 _CAUSAL = {"model default": None, "causal": True, "bidirectional": False}
 
 
@@ -59,6 +65,7 @@ class Settings:
     chunk vectors are L2-normalised before aggregating. causal: None (the model's own), True or False.
     max_batch_tokens: token budget of one forward. backend: the attention backend asked of the runner.
     pooling_impl: the pooling/aggregation kernels ("torch", "triton", "native", "reference").
+    pipeline: batches are prepared in a producer thread (`dice_fast.pipeline`).
     """
 
     config: DiceConfig
@@ -74,6 +81,7 @@ class Settings:
     max_batch_tokens: int
     backend: str
     pooling_impl: str
+    pipeline: bool = False
 
     @property
     def dim(self) -> int:
@@ -140,9 +148,20 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
         query_wrap=query_wrap, pooling=cfg.pooling or spec.pooling,
         normalize_chunks=spec.normalizes if cfg.normalize_chunks is None else cfg.normalize_chunks,
         causal=_CAUSAL[cfg.attention],
-        max_batch_tokens=cfg.max_batch_tokens or DEFAULT_BATCH_TOKENS.get(device.type, OTHER_DEVICE_BATCH_TOKENS),
+        max_batch_tokens=cfg.max_batch_tokens or default_batch_tokens(device, spec.flops_per_token),
         backend=choose_backend(cfg.attention_backend, device, dtype), pooling_impl=pooling_impl,
+        pipeline=cfg.pipeline == "on" or (cfg.pipeline == "auto" and device.type == "cuda"),
     )
+
+
+def default_batch_tokens(device: torch.device, flops_per_token: float) -> int:
+    """The token budget of a batch when ``max_batch_tokens`` is None: `DEFAULT_BATCH_TOKENS` (4096 on a
+    CPU), on CUDA by the model's FLOPs per token (`CUDA_BATCH_FLOP`, within `CUDA_BATCH_TOKENS`)."""
+    if device.type != "cuda" or flops_per_token <= 0:
+        return DEFAULT_BATCH_TOKENS.get(device.type, OTHER_DEVICE_BATCH_TOKENS)
+    lo, hi = CUDA_BATCH_TOKENS
+    want = 1 << max(0, int(np.ceil(np.log2(CUDA_BATCH_FLOP / flops_per_token))))
+    return int(min(hi, max(lo, want)))
 
 
 def placement(config: DiceConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
@@ -171,4 +190,4 @@ def _overhead(wrap) -> int:
     return len(wrap[0]) + len(wrap[1])
 
 
-__all__ = ["Chunking", "TORCH_DTYPES", "WEIGHT_DTYPES", "DEFAULT_BATCH_TOKENS", "Settings", "placement", "pretrained_placement", "resolve"]
+__all__ = ["Chunking", "TORCH_DTYPES", "WEIGHT_DTYPES", "DEFAULT_BATCH_TOKENS", "default_batch_tokens", "Settings", "placement", "pretrained_placement", "resolve"]

@@ -80,7 +80,7 @@ def test_torch_varlen_adapter_matches_per_chunk_attention(monkeypatch, fake, cau
         q = torch.randn(sum(lengths), 4, 8)
         k, v = torch.randn(sum(lengths), hkv, 8), torch.randn(sum(lengths), hkv, 8)
         s = scale if scale is not None else 8**-0.5
-        got = attn._torch_varlen(q, k, v, cu, max(lengths), causal, s, band)
+        got = attn.torch_varlen(q, k, v, cu, max(lengths), causal, s, band)
         want = _per_chunk(q, k, v, cu, causal, s, _band_window(band, causal))
         assert_close(got, want, 1e-5, what="varlen adapter")
         if fake is fake_211:  # K/V heads repeated by the adapter: the same arithmetic as the reference, bit for bit
@@ -146,3 +146,21 @@ def test_attention_outside_a_packed_forward_is_the_models_own():
     got, _ = attn.dice_varlen_attention(torch.nn.Module(), q, k, v, mask, scaling=0.3)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3).transpose(1, 2)
     assert_close(got, want, 1e-6, what="deferred attention")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("band", [None, 127])
+def test_gqa_goes_unrepeated_to_the_flash_kernel_on_meta(causal, band, monkeypatch):
+    """On a varlen_attn without enable_gqa (torch 2.11: `fake_211`), GQA heads go unrepeated to
+    ``aten._flash_attention_forward`` (`direct_flash_gqa`); on meta tensors its shape function runs (the
+    values are compared with the repeated heads on CUDA: tests/test_gpu_pipeline.py)."""
+    attn._torch_varlen_params.cache_clear()
+    monkeypatch.setattr(attn, "_torch_varlen_func", lambda: fake_211)
+    try:
+        q = torch.empty(300, 12, 64, device="meta", dtype=torch.bfloat16)
+        k = torch.empty(300, 2, 64, device="meta", dtype=torch.bfloat16)
+        cu = torch.empty(4, dtype=torch.int32, device="meta")
+        out = attn.torch_varlen(q, k, k.clone(), cu, 200, causal, 0.125, band)
+        assert out.shape == q.shape and attn._DIRECT_GQA[0]
+    finally:
+        attn._torch_varlen_params.cache_clear()

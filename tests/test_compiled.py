@@ -47,3 +47,69 @@ def test_padded_fallback_is_refused():
         DiceEncoder(model, tok, chunk_size=8, compile="on")
     with pytest.raises(ValueError, match="compile"):
         DiceEncoder(model, tok, chunk_size=8, compile="yes")
+
+
+@pytest.mark.parametrize("arch", ["bert", "qwen2"])
+def test_the_cuda_varlen_forward_traces_whole_on_the_cpu(arch, monkeypatch):
+    """compile='on' with a CUDA varlen backend, run on the CPU: a fake of torch's varlen_attn (torch >=
+    2.12's signature: GQA heads unrepeated) stands in for the kernel, the forward is traced in one graph
+    around the dice_fast::varlen op and its fake ("aot_eager": the graph inductor gets, no code
+    generation), and its vectors are the eager varlen forward's and the sdpa_groups engine's."""
+    from torch._dynamo.utils import counters
+
+    import dice_fast.compiled as compiled
+    import dice_fast.runner as runner
+    from dice_fast import attention as attn
+    from test_attention import fake_new
+
+    attn._torch_varlen_params.cache_clear()
+    monkeypatch.setattr(attn, "_torch_varlen_func", lambda: fake_new)
+    monkeypatch.setattr(runner, "COMPILED_BACKENDS", {"cpu": ("sdpa_groups", "torch_varlen")})
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    model, tok, *_ = tiny(arch)
+    texts = corpus(seed=2, longest=60)
+    want = DiceEncoder(model, tok, chunk_size=8, max_batch_tokens=40, pooling_impl="torch")
+    got = {}
+    try:
+        for compile_ in (False, True):
+            enc = DiceEncoder(model, tok, chunk_size=8, max_batch_tokens=40, pooling_impl="torch")
+            s = enc.settings
+            enc.runner = runner.ModelRunner(model, s.spec, "torch_varlen", s.causal, s.pooling, s.pooling_impl,
+                                            s.max_batch_tokens, tok.pad_token_id, compile=compile_)
+            assert enc.backend == "torch_varlen" and (enc.runner.compiled is not None) == compile_
+            got[compile_] = enc.encode_documents(texts)
+    finally:
+        attn._torch_varlen_params.cache_clear()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    ref = want.encode_documents(texts)
+    assert abs(got[True] - got[False]).max() < 1e-5 and abs(got[True] - ref).max() < 1e-5
+
+
+def test_the_varlen_op_has_a_fake_and_cuda_backends_are_allowed():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dice_fast import attention_op
+    from dice_fast.runner import COMPILED_BACKENDS
+
+    with FakeTensorMode():
+        q, k = torch.empty(50, 8, 16, dtype=torch.bfloat16), torch.empty(50, 2, 16, dtype=torch.bfloat16)
+        out = torch.ops.dice_fast.varlen(q, k, k, torch.empty(4, dtype=torch.int32), torch.empty(1, dtype=torch.int64),
+                                         True, 0.25, 0, "torch_varlen")
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert attention_op.max_len_tensor(258).tolist() == [258]
+    assert set(COMPILED_BACKENDS["cuda"]) == {"sdpa_groups", "flash_attn", "torch_varlen"}
+    assert COMPILED_BACKENDS["cpu"] == ("sdpa_groups",)
+
+
+def test_compile_options_never_pass_a_mode_with_options(monkeypatch):
+    import dice_fast.compiled as compiled
+
+    assert compiled.compile_options("cpu") == compiled.compile_options("cuda") == {"options": {"freezing": True}}
+    monkeypatch.setattr(compiled, "CUDA_MODE", "max-autotune-no-cudagraphs")
+    assert compiled.compile_options("cuda") == {"mode": "max-autotune-no-cudagraphs"}
+    assert compiled.compile_options("cpu") == {"options": {"freezing": True}}
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    assert compiled.compile_options("cuda") == {}

@@ -169,6 +169,12 @@ class ChunkReuse:
                 batch.fan_out.append((job, c, slot.job, slot.chunk))
                 job.state[c] = DONE
                 self._waited(k, slot)
+            elif slot is not None and not slot.job.cancelled and slot.job.pooled <= slot.chunk < (
+                    slot.job.range[0] if slot.job.serial == batch.serial else slot.job.handed):
+                # its original runs in a batch still running (a producer selects this batch early,
+                # `dice_fast.pipeline`): the vector comes when this batch completes, after that one
+                batch.pending.append((job, c, slot))
+                job.state[c] = DONE
             elif slot is not None and not slot.job.cancelled and slot.chunk >= slot.job.handed:
                 # its original is queued for a later batch (this one ran out of budget inside the
                 # original's job, which comes earlier in the queue): wait for it, never run it twice
@@ -179,18 +185,20 @@ class ChunkReuse:
                     return extra, c
                 extra += int(lengths[c])
                 job.state[c] = RUN
+                batch.took_over.append((job, c, slot, None if slot is None else (slot.job, slot.chunk, slot.serial)))
                 if slot is not None:
                     slot.job, slot.chunk, slot.serial = job, c, batch.serial
                     slot.waiting -= 1
         return extra, hi
 
-    def withdraw(self, batch) -> None:
-        """``batch`` will not run (packing it failed): its copies wait for their originals again, or run
-        themselves when those are gone (lock held)."""
+    def withdraw(self, batch, take_overs: bool = False) -> None:
+        """``batch`` will not run (packing it failed, or it was selected early and is given back): its
+        copies wait for their originals again, or run themselves when those are gone (lock held).
+        ``take_overs``: copies chosen to run in place of a cancelled original wait again too."""
         with self._lock:
-            self._withdraw(batch)
+            self._withdraw(batch, take_overs)
 
-    def _withdraw(self, batch) -> None:
+    def _withdraw(self, batch, take_overs: bool) -> None:
         """`withdraw` with the registry's lock held."""
         if batch is None:
             return
@@ -200,6 +208,18 @@ class ChunkReuse:
             if slot is not None:
                 slot.waiting += 1
         batch.fan_out.clear()
+        for job, c, slot in batch.pending:  # still counted as waiting by their slot
+            if job.cancelled:  # `release` skipped it (it was DONE then)
+                self._waited(int(job.keys.keys[c]), slot)
+            else:
+                job.state[c] = FOLLOW
+        batch.pending.clear()
+        for job, c, slot, owner in reversed(batch.took_over if take_overs else []):
+            job.state[c] = FOLLOW
+            if slot is not None:
+                slot.job, slot.chunk, slot.serial = owner
+                slot.waiting += 1
+        batch.took_over.clear()
 
     def _waited(self, key: int, slot: Slot) -> None:
         """One copy fewer waits for ``slot``; forget it when nobody else will ask."""
@@ -237,6 +257,16 @@ class ChunkReuse:
             job.vectors_on(vectors.device)
             job.vectors[c] = src.vectors[o]
             job.left -= 1
+        with self._lock:
+            for job, c, slot in batch.pending:  # their originals' batch completed before this one
+                if slot.vector is None:  # pragma: no cover - a queue bug, never silent
+                    raise RuntimeError("dice_fast: a copy's original completed without a vector")
+                t, r = slot.vector
+                job.vectors_on(t.device)[c] = t[r]
+                job.left -= 1
+                self._waited(int(job.keys.keys[c]), slot)
+        self.stats.add(deduplicated=len(batch.pending))
+        batch.pending.clear()
         n = len(batch.packed.chunk_ids)
         self.stats.add(computed=n, deduplicated=len(batch.fan_out))
         if not self.enabled or n == 0:
