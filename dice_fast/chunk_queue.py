@@ -41,7 +41,7 @@ from .aggregation import aggregate
 from .chunking import EncodingPlan
 from .errors import InputOutOfMemory
 from .faults import BudgetBackoff, release_cached_memory, run_split
-from .packing import PackedBatch, merge, pack
+from .packing import PackedBatch, merge, pack, pack_windows
 from .reuse import ChunkKeys, ChunkStats
 from .reuse.manager import FOLLOW, RUN, ChunkReuse
 from .runner import ModelRunner, to_device
@@ -163,7 +163,7 @@ class ChunkQueue:
         found = self.reuse.look_up(job, keys) if self.reuse.enabled else {}
         with self._lock:
             self.reuse.register(job, found)
-            job.cum = np.cumsum(plan.chunk_lengths * (job.state == RUN))
+            job.cum = np.cumsum(plan.batch_costs(job.state == RUN))
             if job.left:
                 self._jobs.append(job)
                 self._waiting += job.tokens_waiting
@@ -200,6 +200,8 @@ class ChunkQueue:
                 hi = int(np.searchsorted(job.cum, base + budget, side="right"))
                 if hi == job.handed and not parts:
                     hi = job.handed + 1  # a chunk over the budget runs alone
+                    if job.plan.windows is not None:  # late chunking: with the rest of its window
+                        hi = int(np.searchsorted(job.cum, job.cum[job.handed], side="right"))
                 if hi == job.handed:
                     break
                 lo = job.handed
@@ -294,7 +296,7 @@ class ChunkQueue:
         def fail(job, chunk: int, cause: str) -> None:
             if job.error is None and not job.cancelled:
                 document = int(job.plan.chunks.document[chunk])
-                self.fail(job, InputOutOfMemory(document, int(job.plan.chunk_lengths[chunk]), cause))
+                self.fail(job, InputOutOfMemory(document, int(job.plan.run_lengths[chunk]), cause))
                 failed_jobs.append(job)
 
         lost = {}  # (job id, chunk) -> cause: the chunks without a vector
@@ -320,6 +322,8 @@ class ChunkQueue:
         """`pack` ``job``'s chunks ``ids``; an error raised names the job (for `fail_packing`)."""
         p = job.plan
         try:
+            if p.windows is not None:
+                return pack_windows(p, ids, self.settings.spec.first_position)
             return pack(p.tokens, p.chunks, ids, p.prefix, p.suffix, self.settings.spec.first_position,
                         p.global_positions)
         except Exception as exc:
