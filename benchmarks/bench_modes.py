@@ -12,6 +12,11 @@
 * ``producer``: ``encode_documents`` end to end with the producer pipeline (``pipeline="on"``, the
   option in `FEATURE_OPTIONS`) against the serial loop (``pipeline="off"``: `BASELINE_OPTIONS`; the
   other modes' eager baseline keeps the default, on for CUDA).
+* ``late``: the mixed document corpus planned once per strategy and run by DICE ("eager" here: each chunk
+  alone) against late chunking (``strategy="late"``, windows of ``--window-tokens``); tokens/s counts the
+  documents' text tokens for both, so the ratio is the wall-time ratio. Their vectors differ by design:
+  no cosine check (reported as nan). The quiet measurement: ``python benchmarks/bench_modes.py --modes late
+  --random-model bert-base --docs 200 --longest 8192 --repeats 5 --budget-s 120 --csv benchmarks/modes.csv``.
 
 A mode this tree lacks is reported ``SKIP <mode>: <why>`` and measured not at all; the exit status
 is 3 when every requested mode was skipped (gpu_check.sh records the step as SKIP with that reason),
@@ -39,10 +44,10 @@ from dice_fast.bench.run import encode_plan  # noqa: E402
 from dice_fast.config import DiceConfig  # noqa: E402
 from dice_fast.runinfo import append_csv, device_name, versions  # noqa: E402
 
-MODES = ("graphs", "compiled", "producer")
+MODES = ("graphs", "compiled", "producer", "late")
 # the encoder option that switches a mode on, for the modes built in other issues: a tree whose
 # DiceConfig has no such field SKIPs the mode ("compiled": the CPU issue's compiled forward)
-FEATURE_OPTIONS = {"compiled": ("compile", "on"), "producer": ("pipeline", "on")}
+FEATURE_OPTIONS = {"compiled": ("compile", "on"), "producer": ("pipeline", "on"), "late": ("strategy", "late")}
 BASELINE_OPTIONS = {"producer": {"pipeline": "off"}}  # the eager variant of a mode, where not the default
 # compile="on" traces the CUDA varlen backends too (issue 26): the GPU's compiled row runs
 COMPILED_ON_CUDA = True
@@ -77,7 +82,7 @@ def workloads(mode: str, tok, docs: int, longest: int) -> dict:
     return {"mixed documents": ("documents", make_corpus(tok, corpus_lengths("mixed", docs, 0, longest), 0))}
 
 
-def variant_encoders(mode: str, model, tok, options: dict) -> dict:
+def variant_encoders(mode: str, model, tok, options: dict, args=None) -> dict:
     """{"eager": encoder, mode: encoder} on the same model."""
     eager = DiceEncoder(model, tok, **options, **BASELINE_OPTIONS.get(mode, {}))
     if mode == "graphs":
@@ -87,12 +92,13 @@ def variant_encoders(mode: str, model, tok, options: dict) -> dict:
         use_cuda_graphs(other)
     else:
         name, value = FEATURE_OPTIONS[mode]
-        other = DiceEncoder(model, tok, **options, **{name: value})
+        extra = {"window_tokens": args.window_tokens} if mode == "late" and args.window_tokens else {}
+        other = DiceEncoder(model, tok, **options, **{name: value}, **extra)
     return {"eager": eager, mode: other}
 
 
 def measure_mode(mode: str, model, tok, options: dict, args, budget_s: float) -> list[dict]:
-    encoders = variant_encoders(mode, model, tok, options)
+    encoders = variant_encoders(mode, model, tok, options, args)
     rows = []
     loads = workloads(mode, tok, args.docs, args.longest)
     for workload, (kind, texts) in loads.items():
@@ -103,7 +109,7 @@ def measure_mode(mode: str, model, tok, options: dict, args, budget_s: float) ->
                 tokens = int(enc.plan(texts).tokens.lengths.sum())
             else:
                 plan = enc.plan(texts, kind)
-                tokens = int(plan.chunk_lengths.sum())
+                tokens = int(plan.tokens.lengths.sum() if mode == "late" else plan.chunk_lengths.sum())
                 fns[variant] = lambda enc=enc, plan=plan: encode_plan(enc, plan)
         res = run_paths(fns, args.repeats, encoders["eager"].device, budget_s=budget_s / len(loads))
         eager_med = float(np.median(res["eager"][0]))
@@ -114,7 +120,8 @@ def measure_mode(mode: str, model, tok, options: dict, args, budget_s: float) ->
                 **versions(), model=args.random_model, dtype=args.dtype, mode=mode, workload=workload, variant=variant,
                 rounds=len(times), seconds_median=med, seconds_p20=float(np.percentile(times, 20)),
                 seconds_p80=float(np.percentile(times, 80)), tokens_per_s=tokens / med, speedup_vs_eager=eager_med / med,
-                min_cosine_vs_eager=float(np.min(np.sum(vecs * res["eager"][2], axis=1))), peak_mem_mb=peak,
+                min_cosine_vs_eager=(float("nan") if mode == "late" else
+                                     float(np.min(np.sum(vecs * res["eager"][2], axis=1)))), peak_mem_mb=peak,
                 backend=encoders[variant].backend))
     return rows
 
@@ -133,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=40.0, help="timed seconds of all modes together, shared equally")
     ap.add_argument("--min-cosine", type=float, default=0.999)
+    ap.add_argument("--window-tokens", type=int, default=None, help="late: window of late chunking (default: the "
+                    "model's position table, at most 8192)")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

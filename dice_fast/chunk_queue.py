@@ -7,24 +7,22 @@ token budget, and each plan's document vectors handed back when its last chunk i
         for done in queue.complete(batch, runner.run(batch.packed)):
             done.documents                            # (n_docs, dim) float32, row i is the plan's text i
 
-The streaming engine submits windows of a corpus; the server submits requests, so documents of
-several requests share one forward and a long document's chunks may span batches. A job's vectors do
-not depend on what else was in its batches (attention is block-diagonal, pooling per chunk).
-`cancel` drops a job's chunks that have not been handed out. Packing work per batch is proportional
-to the batch, never to what is queued.
+The engine submits windows of a corpus, the server requests: documents of several requests share a
+forward, a long document's chunks may span batches, and a job's vectors never depend on what else
+ran beside them (block-diagonal attention, pooling per chunk). `cancel` drops a job's chunks not
+handed out. Packing costs what the batch holds, never what is queued.
 
 Faults stay small (`dice_fast.faults`): `run` runs a batch with out-of-memory split-and-retry and
 fails only the jobs of a chunk that ran out of memory alone (``job.error`` names its document), while
 the budget of the next batches backs off; `fail`, `fail_packing` and `fail_all` end jobs with an error.
 
-Reuse (a chunk's vector depends only on its wrapped ids, see `dice_fast.reuse`) is the queue's
-`dice_fast.reuse.manager.ChunkReuse`, called through its interface: at submit every chunk is looked up in the queue's memory store,
-then the persistent cache; a hit never enters a batch. A chunk identical to one queued and
-not yet run (same identity, compared exactly after a key match) runs once: the copy waits, costs no
-budget, and gets the vector when its original is pooled. Should the original never run (its job was
-cancelled), the first copy to be handed out runs instead. New vectors go to the memory store and,
-after each batch, to the persistent cache. A finished job's chunk vectors become its document vectors
-in the aggregation stage (`dice_fast.aggregation`).
+Reuse (a chunk's vector depends only on its identity, see `dice_fast.reuse`) is the queue's
+`dice_fast.reuse.manager.ChunkReuse`, called through its interface: at submit every chunk is looked
+up in the queue's memory store, then the persistent cache; a hit never enters a batch. A chunk
+identical to one queued and not yet run runs once: the copy waits, costs no budget, and gets the
+vector when its original is pooled (or runs itself, should its original's job be cancelled). New
+vectors go to the memory store and, after each batch, to the persistent cache. A finished job's
+chunk vectors become its document vectors in the aggregation stage (`dice_fast.aggregation`).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from .aggregation import aggregate
 from .chunking import EncodingPlan
 from .errors import InputOutOfMemory
 from .faults import BudgetBackoff, release_cached_memory, run_split
-from .packing import PackedBatch, merge, pack
+from .packing import PackedBatch, merge, pack, pack_windows
 from .reuse import ChunkKeys, ChunkStats
 from .reuse.manager import FOLLOW, RUN, ChunkReuse
 from .runner import ModelRunner, to_device
@@ -50,13 +48,12 @@ from .settings import Settings
 
 @dataclass(eq=False)
 class Job:
-    """One submitted plan. ``documents`` (n_docs, dim) and ``chunks`` (n_chunks, dim) float32 arrays are
-    set when it is done (``chunks`` only when asked for); ``tag`` is the submitter's.
+    """One submitted plan: ``documents`` (n_docs, dim), ``chunks`` (n_chunks, dim, if asked) float32 when done.
 
-    The fields after ``error`` are the queue's record of the plan, shared with its `ChunkReuse` and
-    read-only for anyone else: ``vectors`` (n_chunks, width) float32 on ``device`` as they arrive,
-    ``cum`` cumulative wrapped tokens of the chunks that run, ``handed`` / ``pooled`` chunks handed out /
-    pooled, ``state`` each chunk's RUN / FOLLOW / DONE, ``keys`` its `ChunkKeys` (None: no reuse),
+    The fields after ``error`` are the queue's record of the plan, shared with its `ChunkReuse`, read-only
+    for anyone else (``tag`` is the submitter's): ``vectors`` (n_chunks, width) float32 on ``device`` as
+    they arrive, ``cum`` cumulative tokens of the chunks that run, ``handed`` / ``pooled`` chunks handed
+    out / pooled, ``state`` each chunk's RUN / FOLLOW / DONE, ``keys`` its `ChunkKeys` (None: no reuse),
     ``left`` chunks still without a vector, ``serial`` / ``range`` the last batch that took chunks of it
     and their [lo, hi)."""
 
@@ -169,7 +166,7 @@ class ChunkQueue:
         found = self.reuse.look_up(job, keys) if self.reuse.enabled else {}
         with self._lock:
             self.reuse.register(job, found)
-            job.cum = np.cumsum(plan.chunk_lengths * (job.state == RUN))
+            job.cum = np.cumsum(plan.batch_costs(job.state == RUN))
             if job.left:
                 self._jobs.append(job)
                 self._submits += 1
@@ -216,6 +213,8 @@ class ChunkQueue:
                 hi = int(np.searchsorted(job.cum, base + budget, side="right"))
                 if hi == job.handed and not batch.picks:
                     hi = job.handed + 1  # a chunk over the budget runs alone
+                    if job.plan.windows is not None:  # late chunking: with the rest of its window
+                        hi = int(np.searchsorted(job.cum, job.cum[job.handed], side="right"))
                 if hi == job.handed:
                     dry = False
                     break
@@ -338,7 +337,7 @@ class ChunkQueue:
         def fail(job, chunk: int, cause: str) -> None:
             if job.error is None and not job.cancelled:
                 document = int(job.plan.chunks.document[chunk])
-                self.fail(job, InputOutOfMemory(document, int(job.plan.chunk_lengths[chunk]), cause))
+                self.fail(job, InputOutOfMemory(document, int(job.plan.run_lengths[chunk]), cause))
                 failed_jobs.append(job)
 
         lost = {}  # (job id, chunk) -> cause: the chunks without a vector
@@ -366,6 +365,8 @@ class ChunkQueue:
         """`pack` ``job``'s chunks ``ids``; an error raised names the job (for `fail_packing`)."""
         p = job.plan
         try:
+            if p.windows is not None:
+                return pack_windows(p, ids, self.settings.spec.first_position)
             return pack(p.tokens, p.chunks, ids, p.prefix, p.suffix, self.settings.spec.first_position,
                         p.global_positions)
         except Exception as exc:

@@ -175,6 +175,75 @@ def chunk_char_spans(tokens: TokenizedDocuments, chunks: ChunkPlan) -> tuple[np.
 
 
 @dataclass(frozen=True)
+class Windows:
+    """Late chunking's windows over a `ChunkPlan`: per window ``document``, ``start`` (first content
+    token in the document) and ``length`` (content tokens), (n_windows,) int64 each, ordered by document
+    then position; ``chunk_window`` (n_chunks,) int64: the one window each chunk is pooled in."""
+
+    document: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    chunk_window: np.ndarray
+
+    @property
+    def n_windows(self) -> int:
+        return len(self.document)
+
+    def as_chunks(self) -> ChunkPlan:
+        """The windows as a `ChunkPlan` (one "chunk" per window), which is how they are packed."""
+        return ChunkPlan(self.document, self.start, self.length, np.zeros(1, np.int64))
+
+
+def plan_windows(chunks: ChunkPlan, doc_lengths: np.ndarray, capacity: int, overlap: int) -> Windows:
+    """Windows of at most ``capacity`` content tokens over chunks that tile their documents (``overlap``
+    0 between chunks), built from whole chunks: every chunk is pooled in exactly one window, with at
+    least ``ceil(overlap / 2)`` tokens of context before it and ``overlap // 2`` after it wherever the
+    document has them, so consecutive windows of a document share ``overlap`` tokens and a boundary
+    between the chunks of two windows lies in the middle of what they share.
+
+    A document whose kept chunks (plus their right context) fit one window is one window from its first
+    token; longer ones are cut greedily (the most chunks per window). Needs ``chunk_size + overlap <=
+    capacity`` (`Settings.late_windows` checks it), so a window always holds its first chunk.
+    """
+    lengths = np.asarray(doc_lengths, dtype=np.int64)
+    left, right = overlap - overlap // 2, overlap // 2
+    cu = chunks.cu_doc_chunks
+    counts = np.diff(cu)
+    last = np.maximum(cu[1:] - 1, 0)
+    ends = chunks.start + chunks.length
+    span = np.minimum(lengths, np.where(counts > 0, ends[last] if chunks.n_chunks else 0, 0) + right)
+    long_docs = np.flatnonzero(span > capacity).tolist()
+    cuts = {}  # long document -> (window starts, window ends, window of each of its chunks)
+    for d in long_docs:  # Python only for documents longer than a window
+        lo, hi = int(cu[d]), int(cu[d + 1])
+        reach = np.minimum(lengths[d], ends[lo:hi] + right)  # where a window pooling up to chunk c ends
+        a_list, b_list, own = [], [], np.empty(hi - lo, np.int64)
+        c0 = 0
+        while c0 < hi - lo:
+            a = max(0, int(chunks.start[lo + c0]) - left)
+            c1 = max(c0, int(np.searchsorted(reach, a + capacity, side="right")) - 1)
+            own[c0:c1 + 1] = len(a_list)
+            a_list.append(a), b_list.append(int(reach[c1]))
+            c0 = c1 + 1
+        cuts[d] = (a_list, b_list, own)
+    n_win = np.ones(len(lengths), dtype=np.int64)
+    for d, (a_list, _, _) in cuts.items():
+        n_win[d] = len(a_list)
+    cu_w = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(n_win, out=cu_w[1:])
+    document = np.repeat(np.arange(len(lengths), dtype=np.int64), n_win)
+    start = np.zeros(int(cu_w[-1]), dtype=np.int64)
+    length = span[document].copy()  # single-window documents: [0, span)
+    chunk_window = np.repeat(cu_w[:-1], counts)
+    for d, (a_list, b_list, own) in cuts.items():
+        w0 = int(cu_w[d])
+        start[w0:w0 + len(a_list)] = a_list
+        length[w0:w0 + len(a_list)] = np.asarray(b_list) - np.asarray(a_list)
+        chunk_window[int(cu[d]):int(cu[d + 1])] = w0 + own
+    return Windows(document, start, length, chunk_window)
+
+
+@dataclass(frozen=True)
 class EncodingPlan:
     """Everything computed about a set of texts before the model runs: one definition, used by the
     engine, the baselines, the benchmark and the evaluation.
@@ -182,7 +251,10 @@ class EncodingPlan:
     tokens: the texts' token ids (no special tokens); chunks: the chunk plan over them;
     prefix / suffix: (n_prefix,) / (n_suffix,) int64 ids put around every chunk (special tokens and
     the tokenized document or query prefix); global_positions: positions continue from the chunk's
-    offset in its document (the paper's ablation) instead of restarting.
+    offset in its document (the paper's ablation) instead of restarting; windows: late chunking's
+    `Windows` (None: every chunk runs alone, DICE). Under late chunking the prefix and suffix wrap
+    every window, and a chunk is pooled over its own text tokens inside its window (a chunk without
+    any, the one chunk of an empty document, over its whole window).
     """
 
     tokens: TokenizedDocuments
@@ -190,6 +262,7 @@ class EncodingPlan:
     prefix: np.ndarray
     suffix: np.ndarray
     global_positions: bool = False
+    windows: Windows | None = None
 
     @property
     def n_docs(self) -> int:
@@ -201,21 +274,52 @@ class EncodingPlan:
 
     @property
     def chunk_lengths(self) -> np.ndarray:
-        """(n_chunks,) int64 tokens of every chunk once wrapped: the tokens its vector is pooled over."""
-        return self.chunks.length + (len(self.prefix) + len(self.suffix))
+        """(n_chunks,) int64 tokens every chunk's vector is pooled over: the chunk once wrapped (late
+        chunking: its text tokens, or its whole window for a chunk without text)."""
+        if self.windows is None:
+            return self.chunks.length + (len(self.prefix) + len(self.suffix))
+        return np.where(self.chunks.length > 0, self.chunks.length, self.run_lengths)
+
+    @property
+    def run_lengths(self) -> np.ndarray:
+        """(n_chunks,) int64 tokens the model runs to pool chunk ``c``: the wrapped chunk, or under late
+        chunking its wrapped window."""
+        if self.windows is None:
+            return self.chunk_lengths
+        return self.window_lengths[self.windows.chunk_window]
+
+    @property
+    def window_lengths(self) -> np.ndarray:
+        """(n_windows,) int64 wrapped tokens of every late-chunking window."""
+        return self.windows.length + (len(self.prefix) + len(self.suffix))
+
+    def batch_costs(self, runs: np.ndarray) -> np.ndarray:
+        """(n_chunks,) int64 tokens each chunk adds to a batch when the chunks where ``runs`` (bool) is
+        true run: its wrapped length; under late chunking its window's, counted on the window's first
+        running chunk (the others cost nothing: they are pooled from the same forward)."""
+        if self.windows is None:
+            return self.chunk_lengths * runs
+        cost = np.zeros(self.n_chunks, dtype=np.int64)
+        idx = np.flatnonzero(runs)
+        if len(idx):
+            w = self.windows.chunk_window[idx]
+            first = idx[np.concatenate([[True], w[1:] != w[:-1]])]
+            cost[first] = self.window_lengths[self.windows.chunk_window[first]]
+        return cost
 
     @property
     def chunk_weights(self) -> np.ndarray:
-        """(n_chunks,) float32 weight of every chunk for ``weighted_mean`` (its wrapped length)."""
+        """(n_chunks,) float32 weight of every chunk for ``weighted_mean`` (the tokens it is pooled over)."""
         return self.chunk_lengths.astype(np.float32)
 
     @property
     def document_tokens(self) -> np.ndarray:
         """(n_docs,) int64 wrapped tokens the model runs per document (0 for a document with none)."""
-        lengths = self.chunk_lengths
         out = np.zeros(self.n_docs, dtype=np.int64)
-        if self.n_chunks:
-            np.add.at(out, self.chunks.document, lengths)
+        if self.windows is not None:
+            np.add.at(out, self.windows.document, self.window_lengths)
+        elif self.n_chunks:
+            np.add.at(out, self.chunks.document, self.chunk_lengths)
         return out
 
     @property

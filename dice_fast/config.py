@@ -14,7 +14,7 @@ from .errors import ArgumentTypeError, OptionError
 from .ops import IMPLS
 from .ops.spec import AGGREGATIONS, POOLINGS, check_aggregation, check_pooling
 
-STRATEGIES = ("dice", "single")
+STRATEGIES = ("dice", "single", "late")
 POSITIONS = ("local", "global")
 ATTENTION_MODES = ("model default", "causal", "bidirectional")
 ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_groups", "padded")
@@ -78,8 +78,19 @@ class DiceConfig:
         "re-normalised when those vectors are normalised", default_help="the model's width", metavar="N",
         detail="Aggregation runs on the full chunk vectors; must be at most the model's width.")
     strategy: str = option(
-        "dice", "dice, or single: the single-vector baseline (one window of each document's first tokens)",
-        choices=STRATEGIES)
+        "dice", "dice: every chunk encoded alone; single: the single-vector baseline (one window of each "
+        "document's first tokens); late: late chunking (chunks pooled inside windows of the document)",
+        choices=STRATEGIES,
+        detail='`"late"`: each window of `window_tokens` runs once and every chunk is the mean of its own '
+        'tokens\' states in it, so a chunk carries its context; needs mean pooling, `overlap=0` and local '
+        'positions. See [late-chunking.md](late-chunking.md).')
+    window_tokens: int | None = option(
+        None, "strategy late: tokens of one window, specials included",
+        default_help="the model's position table, at most 8192",
+        detail="At most the model's position table; must hold one chunk plus `window_overlap`.")
+    window_overlap: int | None = option(
+        None, "strategy late: tokens consecutive windows share (each chunk keeps half of them as context on "
+        "either side)", default_help="min(128, a quarter of the window, what it holds beside one chunk)")
     attention: str = option(
         "model default", "causal or bidirectional attention", choices=ATTENTION_MODES,
         default_help="the model's own",
@@ -159,6 +170,10 @@ class DiceConfig:
         _positive_int("truncate_dim", self.truncate_dim, optional=True)
         _positive_int("max_chunks_per_document", self.max_chunks_per_document, optional=True)
         _positive_int("max_length", self.max_length, optional=True)
+        _positive_int("window_tokens", self.window_tokens, optional=True)
+        if self.window_overlap is not None and (isinstance(self.window_overlap, bool)
+                                                or not isinstance(self.window_overlap, int) or self.window_overlap < 0):
+            raise OptionError(f"window_overlap must be an integer >= 0 or None, got {self.window_overlap!r}")
         _positive_int("max_batch_tokens", self.max_batch_tokens, optional=True)
         if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) or self.overlap < 0:
             raise OptionError(f"overlap must be an integer >= 0, got {self.overlap!r}")

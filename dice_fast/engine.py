@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .chunk_queue import ChunkQueue
-from .chunking import EncodingPlan, TokenizedDocuments, check_texts, plan_chunks, tokenize
+from .chunking import EncodingPlan, TokenizedDocuments, check_texts, plan_chunks, plan_windows, tokenize
 from .config import DiceConfig
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .errors import ArgumentTypeError, OptionError, TextError
@@ -191,25 +191,26 @@ class DiceEncoder:
         return out
 
     # ----------------------------------------------------------------------------------------
-    def plan(self, texts: Iterable[str], kind: str = "documents") -> EncodingPlan:
+    def plan(self, texts: Iterable[str], kind: str = "documents", strategy: str | None = None) -> EncodingPlan:
         """Tokenize ``texts`` (n strings) and plan their chunks exactly as the engine will encode them.
 
-        kind: "documents" (chunked by the encoder's options; ``strategy="single"`` keeps one window
-        of each document) or "queries" (one window each, never chunked; a query longer than the
-        window is cut to it with a warning naming it).
+        kind: "documents" (chunked by the encoder's options) or "queries" (one window each, never
+        chunked; a query longer than the window is cut to it with a warning naming it). strategy: for
+        this plan only (None: the encoder's; "single": one window of each document, "late": late
+        chunking's windows); plans of every strategy run through one queue of this encoder together.
         """
-        return self._plan(check_texts(texts, _check_kind(kind)), kind)
+        return self._plan(check_texts(texts, _check_kind(kind)), kind, strategy=strategy)
 
-    def plan_tokens(self, tokens: TokenizedDocuments, kind: str = "documents") -> EncodingPlan:
+    def plan_tokens(self, tokens: TokenizedDocuments, kind: str = "documents", strategy: str | None = None) -> EncodingPlan:
         """`plan` for texts already tokenized (``tokens``: n texts' ids without special tokens, as
         `dice_fast.chunking.tokenize` gives them with this encoder's tokenizer)."""
-        return self._plan_tokens(tokens, _check_kind(kind))
+        return self._plan_tokens(tokens, _check_kind(kind), strategy=strategy)
 
-    def max_tokens_used(self, kind: str = "documents") -> int | None:
+    def max_tokens_used(self, kind: str = "documents", strategy: str | None = None) -> int | None:
         """Most tokens of one text the model runs (special tokens and prefix aside); a longer text is
         cut to them: a query to one window, a document with ``strategy="single"`` or
         ``max_chunks_per_document``. None: every token runs."""
-        _, size, overlap, cap, _ = self.settings.chunking(_check_kind(kind))
+        _, size, overlap, cap, _, _ = self.settings.chunking(_check_kind(kind), strategy)
         return None if cap is None else size + (cap - 1) * (size - overlap)
 
     def encode_documents(self, texts: Iterable[str], return_chunks: bool = False, show_progress: bool = False,
@@ -289,13 +290,18 @@ class DiceEncoder:
             return cuts_are_exact(self.tokenizer)
 
     # ----------------------------------------------------------------------------------------
-    def _plan(self, texts: list[str], kind: str, base: int = 0, spans: bool = True) -> EncodingPlan:
+    def _plan(self, texts: list[str], kind: str, base: int = 0, spans: bool = True,
+              strategy: str | None = None) -> EncodingPlan:
         """`plan`; ``spans=False`` skips the tokens' character spans (nothing the caller returns uses them)."""
-        return self._plan_tokens(self.tokenize(texts, what=kind, base=base, spans=spans), kind, base)
+        chunking = self.settings.chunking(kind, strategy)  # a strategy the options cannot take fails first
+        return self._plan_tokens(self.tokenize(texts, what=kind, base=base, spans=spans), kind, base, chunking)
 
-    def _plan_tokens(self, tokens: TokenizedDocuments, kind: str, base: int = 0) -> EncodingPlan:
-        wrap, size, overlap, cap, global_positions = self.settings.chunking(kind)
-        plan = EncodingPlan(tokens, plan_chunks(tokens.lengths, size, overlap, cap), wrap[0], wrap[1], global_positions)
+    def _plan_tokens(self, tokens: TokenizedDocuments, kind: str, base: int = 0, chunking=None,
+                     strategy: str | None = None) -> EncodingPlan:
+        wrap, size, overlap, cap, global_positions, late = chunking or self.settings.chunking(kind, strategy)
+        chunks = plan_chunks(tokens.lengths, size, overlap, cap)
+        windows = None if late is None else plan_windows(chunks, tokens.lengths, *late)
+        plan = EncodingPlan(tokens, chunks, wrap[0], wrap[1], global_positions, windows)
         if kind == "queries":
             _warn_truncated(tokens.lengths, size, self.window, kind)
         if global_positions:

@@ -37,17 +37,24 @@ def rows_of(packed: PackedBatch, lo: int, hi: int) -> PackedBatch:
     cu = packed.cu_seqlens
     t_lo, t_hi = int(cu[lo]), int(cu[hi])
     lengths = packed.lengths[lo:hi]
+    c_lo, c_hi = packed.chunk_rows(lo, hi)
+    pooled = {}
+    if packed.pool_rows is not None:  # late chunking: the segments inside these sequences
+        pcu = packed.pool_cu
+        pooled = dict(pool_rows=packed.pool_rows[int(pcu[c_lo]):int(pcu[c_hi])] - t_lo,
+                      pool_cu=(pcu[c_lo:c_hi + 1] - pcu[c_lo]).astype(np.int32), pool_seq=packed.pool_seq[c_lo:c_hi] - lo)
     return PackedBatch(input_ids=packed.input_ids[t_lo:t_hi], position_ids=packed.position_ids[t_lo:t_hi],
                        cu_seqlens=(cu[lo:hi + 1] - cu[lo]).astype(np.int32),
                        max_seqlen=int(lengths.max()) if len(lengths) else 0,
-                       chunk_ids=packed.chunk_ids[lo:hi], lengths=lengths)
+                       chunk_ids=packed.chunk_ids[c_lo:c_hi], lengths=lengths, **pooled)
 
 
 def run_split(run_batch, packed: PackedBatch, dim: int, on_oom=None) -> tuple[torch.Tensor, dict[int, str]]:
     """Run ``packed`` with ``run_batch`` (PackedBatch -> (n, dim) float32), splitting on out-of-memory.
 
     Returns the vectors (n_chunks, dim) float32 in packing order (rows of failed chunks are zero) and
-    ``{row: the allocator's message}`` for each chunk that ran out of memory alone. ``on_oom()`` is
+    ``{row: the allocator's message}`` for each chunk that ran out of memory alone (late chunking: each
+    chunk of a window that ran out of memory alone). ``on_oom()`` is
     called after every out-of-memory forward (e.g. to free cached memory before the retry). Errors
     other than out-of-memory propagate.
     """
@@ -68,15 +75,16 @@ def run_split(run_batch, packed: PackedBatch, dim: int, on_oom=None) -> tuple[to
         if on_oom is not None:  # outside the except block: the failed forward's frames are released
             on_oom()
         if hi - lo == 1:
-            failed[lo] = error
+            failed.update(dict.fromkeys(range(*packed.chunk_rows(lo, hi)), error))
             log.warning("dice_fast: a chunk of %d tokens ran out of memory alone in its batch", int(packed.lengths[lo]))
         else:
             mid = (lo + hi) // 2
             todo += [(mid, hi), (lo, mid)]  # the first half runs first
     device = done[0][1].device if done else torch.device("cpu")
-    out = torch.zeros((len(packed.lengths), dim), dtype=torch.float32, device=device)
+    out = torch.zeros((packed.n_chunks, dim), dtype=torch.float32, device=device)
     for lo, vectors in done:
-        out[lo:lo + len(vectors)] = vectors
+        first = packed.chunk_rows(lo, lo)[0]
+        out[first:first + len(vectors)] = vectors
     return out, failed
 
 

@@ -180,7 +180,7 @@ class GraphedRunner:
         """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32, as `ModelRunner.run`."""
         r = self.runner
         bucket = None
-        if batch.n_tokens and r.uses_packed(batch.max_seqlen):
+        if batch.n_tokens and r.uses_packed(batch.max_seqlen) and batch.pool_rows is None:  # late: unpadded
             bucket = choose_bucket(self.buckets, batch.n_tokens, len(batch.lengths), batch.max_seqlen)
         if bucket is None:
             return r.run(batch)

@@ -11,6 +11,12 @@ wrapped chunks of one batch are laid back to back in one sequence:
   ordered by decreasing length (stable), so runs of equal-length chunks are contiguous (the CPU
   attention backend batches each run in one dense call); results are scattered back by chunk_ids.
 
+Late chunking (`pack_windows`) packs windows instead: the sequences are wrapped windows (positions
+restarting per window), and the pooled segments are the chunk spans inside them: ``pool_rows`` (R,)
+int64 rows of the batch's tokens, ``pool_cu`` (n + 1,) int32 segments over those rows, ``pool_seq``
+(n,) int64 the sequence each segment lies in (non-decreasing); ``chunk_ids`` then names the pooled
+segments, not the sequences. Without them (None) every sequence is one pooled chunk.
+
 All index arithmetic is vectorised numpy; the only Python loop is over batches.
 """
 
@@ -20,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .chunking import ChunkPlan, TokenizedDocuments
+from .chunking import ChunkPlan, EncodingPlan, TokenizedDocuments
 
 
 @dataclass(frozen=True)
@@ -33,12 +39,34 @@ class PackedBatch:
     max_seqlen: int
     chunk_ids: np.ndarray
     lengths: np.ndarray
+    pool_rows: np.ndarray | None = None
+    pool_cu: np.ndarray | None = None
+    pool_seq: np.ndarray | None = None
     # the int arrays already on the model's device (`dice_fast.pipeline.Staged`), or None
     staged: object = field(default=None, repr=False, compare=False)
 
     @property
     def n_tokens(self) -> int:
         return int(self.cu_seqlens[-1])
+
+    @property
+    def n_chunks(self) -> int:
+        """Chunk vectors the batch pools (its sequences, unless it pools segments inside them)."""
+        return len(self.chunk_ids)
+
+    def segments(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(pool_rows, pool_cu, pool_seq), filled in for a batch that pools whole sequences."""
+        if self.pool_rows is not None:
+            return self.pool_rows, self.pool_cu, self.pool_seq
+        return (np.arange(self.n_tokens, dtype=np.int64), self.cu_seqlens,
+                np.arange(len(self.lengths), dtype=np.int64))
+
+    def chunk_rows(self, lo: int, hi: int) -> tuple[int, int]:
+        """[first, last) pooled chunks lying in sequences ``lo:hi``."""
+        if self.pool_seq is None:
+            return lo, hi
+        return (int(np.searchsorted(self.pool_seq, lo, side="left")),
+                int(np.searchsorted(self.pool_seq, hi, side="left")))
 
 
 def pack(
@@ -88,12 +116,38 @@ def pack(
     )
 
 
+def pack_windows(plan: EncodingPlan, chunk_ids: np.ndarray, first_position: int) -> PackedBatch:
+    """Pack the windows of a late-chunking ``plan``'s chunks ``chunk_ids`` (n,) into one varlen batch,
+    each window once (wrapped, positions restarting), pooling those chunks' spans inside them (see the
+    module docstring)."""
+    w = plan.windows
+    chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
+    windows = np.unique(w.chunk_window[chunk_ids])
+    batch = pack(plan.tokens, w.as_chunks(), windows, plan.prefix, plan.suffix, first_position)
+    seq_of_window = np.empty(w.n_windows, dtype=np.int64)
+    seq_of_window[batch.chunk_ids] = np.arange(len(batch.chunk_ids))
+    seq = seq_of_window[w.chunk_window[chunk_ids]]
+    order = np.argsort(seq, kind="stable")
+    chunk_ids, seq = chunk_ids[order], seq[order]
+    ch = plan.chunks
+    cu = batch.cu_seqlens.astype(np.int64)
+    text = ch.length[chunk_ids] > 0
+    first = np.where(text, cu[seq] + len(plan.prefix) + ch.start[chunk_ids] - w.start[w.chunk_window[chunk_ids]],
+                     cu[seq])
+    count = np.where(text, ch.length[chunk_ids], batch.lengths[seq])  # no text: the whole window
+    pool_cu = np.zeros(len(chunk_ids) + 1, dtype=np.int64)
+    np.cumsum(count, out=pool_cu[1:])
+    rows = np.repeat(first - pool_cu[:-1], count) + np.arange(int(pool_cu[-1]), dtype=np.int64)
+    return PackedBatch(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen, chunk_ids,
+                       batch.lengths, rows, pool_cu.astype(np.int32), seq)
+
+
 def merge(parts: list[PackedBatch]) -> tuple[PackedBatch, np.ndarray]:
     """One batch of the chunks of several packed ``parts`` (e.g. of different requests), again
     ordered by decreasing length. Returns the batch and ``part`` (n,) int64: which part each of its
     chunks came from (its ``chunk_ids`` stay the indices within that part's plan)."""
     if len(parts) == 1:
-        return parts[0], np.zeros(len(parts[0].lengths), dtype=np.int64)
+        return parts[0], np.zeros(parts[0].n_chunks, dtype=np.int64)
     lengths = np.concatenate([p.lengths for p in parts])
     part = np.repeat(np.arange(len(parts), dtype=np.int64), [len(p.lengths) for p in parts])
     starts = np.concatenate([p.cu_seqlens[:-1].astype(np.int64) + off for p, off in
@@ -103,12 +157,50 @@ def merge(parts: list[PackedBatch]) -> tuple[PackedBatch, np.ndarray]:
     cu = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     gather = np.repeat(starts - cu[:-1], lengths) + np.arange(int(cu[-1]), dtype=np.int64)
+    if all(p.pool_rows is None for p in parts):
+        batch = PackedBatch(
+            input_ids=np.concatenate([p.input_ids for p in parts])[gather],
+            position_ids=np.concatenate([p.position_ids for p in parts])[gather],
+            cu_seqlens=cu.astype(np.int32),
+            max_seqlen=int(lengths.max()) if len(lengths) else 0,
+            chunk_ids=np.concatenate([p.chunk_ids for p in parts])[order],
+            lengths=lengths,
+        )
+        return batch, part
+    return _merge_segments(parts, gather, order, cu, lengths)
+
+
+def _merge_segments(parts, gather, order, cu, lengths) -> tuple[PackedBatch, np.ndarray]:
+    """`merge` where some part pools segments inside its sequences (late chunking): the sequences as
+    `merge` orders them, every part's segments moved with their tokens, ordered by sequence."""
+    new_token = np.empty(len(gather), dtype=np.int64)
+    new_token[gather] = np.arange(len(gather), dtype=np.int64)  # old token row -> new row
+    new_seq = np.empty(len(order), dtype=np.int64)
+    new_seq[order] = np.arange(len(order), dtype=np.int64)
+    rows, counts, seqs, ids, part = [], [], [], [], []
+    tok_base = seq_base = 0
+    for j, p in enumerate(parts):
+        r, pcu, sq = p.segments()
+        rows.append(new_token[r + tok_base])
+        counts.append(np.diff(pcu.astype(np.int64)))
+        seqs.append(new_seq[sq + seq_base])
+        ids.append(p.chunk_ids)
+        part.append(np.full(len(p.chunk_ids), j, dtype=np.int64))
+        tok_base, seq_base = tok_base + p.n_tokens, seq_base + len(p.lengths)
+    seq = np.concatenate(seqs)
+    by_seq = np.argsort(seq, kind="stable")
+    count = np.concatenate(counts)
+    seg_cu = np.zeros(len(count) + 1, dtype=np.int64)
+    np.cumsum(count, out=seg_cu[1:])
+    flat = np.concatenate(rows)
+    pool_cu = np.zeros(len(count) + 1, dtype=np.int64)
+    np.cumsum(count[by_seq], out=pool_cu[1:])
+    take = np.repeat(seg_cu[:-1][by_seq] - pool_cu[:-1], count[by_seq]) + np.arange(int(pool_cu[-1]), dtype=np.int64)
     batch = PackedBatch(
         input_ids=np.concatenate([p.input_ids for p in parts])[gather],
         position_ids=np.concatenate([p.position_ids for p in parts])[gather],
-        cu_seqlens=cu.astype(np.int32),
-        max_seqlen=int(lengths.max()) if len(lengths) else 0,
-        chunk_ids=np.concatenate([p.chunk_ids for p in parts])[order],
-        lengths=lengths,
+        cu_seqlens=cu.astype(np.int32), max_seqlen=int(lengths.max()) if len(lengths) else 0,
+        chunk_ids=np.concatenate(ids)[by_seq], lengths=lengths,
+        pool_rows=flat[take], pool_cu=pool_cu.astype(np.int32), pool_seq=seq[by_seq],
     )
-    return batch, part
+    return batch, np.concatenate(part)[by_seq]

@@ -107,7 +107,7 @@ class ModelRunner:
                           else self._packed_hidden(batch, cu, self.causal)[0])
             else:
                 hidden = self._padded_hidden(batch)
-            return pool_chunks(hidden, cu, self.pooling, impl=self.pooling_impl)
+            return pool_batch(hidden, batch, cu, self.pooling, self.pooling_impl)
 
     def uses_packed(self, longest_chunk: int) -> bool:
         """Whether a batch whose longest chunk has ``longest_chunk`` tokens runs packed."""
@@ -214,6 +214,16 @@ class ModelRunner:
         if not err <= tol:
             return f"its packed forward differs from per-chunk forwards (relative error {err:.2g})"
         return None
+
+
+def pool_batch(hidden: torch.Tensor, batch: PackedBatch, cu: torch.Tensor, pooling: str, impl: str) -> torch.Tensor:
+    """(n_chunks, H) float32 chunk vectors of ``batch`` from its (T, H) hidden states: pooled per sequence
+    (``cu`` its cu_seqlens on hidden's device), or over the segments it names (late chunking: the rows
+    ``pool_rows`` gathered, then pooled by ``pool_cu``)."""
+    if batch.pool_rows is None:
+        return pool_chunks(hidden, cu, pooling, impl=impl)
+    rows = to_device(batch.pool_rows, hidden.device)
+    return pool_chunks(hidden.index_select(0, rows), to_device(batch.pool_cu, hidden.device), pooling, impl=impl)
 
 
 def _probe_inputs(runner: ModelRunner):

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .attention import choose_backend
-from .config import DEFAULT_CHUNK_SIZE, DiceConfig
+from .config import DEFAULT_CHUNK_SIZE, STRATEGIES, DiceConfig
 from .errors import OptionError
 from .matryoshka import check_dim
 from .models import ModelSpec
@@ -45,13 +45,19 @@ _CAUSAL = {"model default": None, "causal": True, "bidirectional": False}
 
 class Chunking(NamedTuple):
     """How a text of one kind is cut: ``wrap`` (prefix ids, suffix ids) around every chunk, ``size``
-    text tokens per chunk, ``overlap``, ``cap`` chunks kept per text (None: all), ``global_positions``."""
+    text tokens per chunk, ``overlap``, ``cap`` chunks kept per text (None: all), ``global_positions``,
+    ``late`` (window capacity in text tokens, window overlap) for late chunking, else None."""
 
     wrap: tuple[np.ndarray, np.ndarray]
     size: int
     overlap: int
     cap: int | None
     global_positions: bool
+    late: tuple[int, int] | None = None
+
+
+LATE_MAX_WINDOW = 8192  # the default window of late chunking is the position table, at most this
+LATE_DEFAULT_OVERLAP = 128
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,19 +104,51 @@ class Settings:
         """Whether chunks are attended causally (the option, else the model's own attention)."""
         return self.spec.is_causal if self.causal is None else self.causal
 
-    def chunking(self, kind: str) -> Chunking:
-        """How a text of ``kind`` ("documents" or "queries") is cut into chunks."""
+    def chunking(self, kind: str, strategy: str | None = None) -> Chunking:
+        """How a text of ``kind`` ("documents" or "queries") is cut into chunks under ``strategy`` (one of
+        `STRATEGIES`; None: the configured one). Raises `OptionError` naming the option for a strategy
+        the options cannot take (`late_windows`)."""
         c = self.config
+        strategy = c.strategy if strategy is None else check_strategy(strategy)
+        late = None
         if kind == "queries":
             wrap, size, overlap, cap, global_positions = self.query_wrap, None, 0, 1, False
-        elif c.strategy == "single":
+        elif strategy == "single":
             wrap, size, overlap, cap, global_positions = self.document_wrap, None, 0, 1, False
         else:
             wrap, size, overlap = self.document_wrap, c.chunk_size, c.overlap
             cap, global_positions = c.max_chunks_per_document, c.positions == "global"
+            late = self.late_windows() if strategy == "late" else None
         if size is None:
             size = self.window - _overhead(wrap)
-        return Chunking(wrap, size, overlap, cap, global_positions)
+        return Chunking(wrap, size, overlap, cap, global_positions, late)
+
+    def late_windows(self) -> tuple[int, int]:
+        """(text tokens a late-chunking window holds, tokens consecutive windows share), or `OptionError`
+        naming the option that late chunking cannot take."""
+        c, spec = self.config, self.spec
+        tokens = c.window_tokens if c.window_tokens is not None else min(spec.position_limit, LATE_MAX_WINDOW)
+        if tokens > spec.position_limit:
+            raise OptionError(f"window_tokens {tokens} exceeds the model's {spec.position_limit} positions")
+        if self.pooling != "mean":
+            raise OptionError(f"strategy='late' pools each chunk's own tokens by their mean; pooling={self.pooling!r} "
+                              "(a window has one first and one last token, not one per chunk) cannot; use pooling='mean'")
+        if c.overlap:
+            raise OptionError(f"strategy='late' pools disjoint chunks; overlap must be 0, got {c.overlap} (context "
+                              "between windows is window_overlap)")
+        if c.positions != "local":
+            raise OptionError("strategy='late' restarts positions in every window; positions must be 'local'")
+        capacity = tokens - self.chunk_overhead
+        room = capacity - c.chunk_size
+        if room < 0:
+            raise OptionError(f"window_tokens {tokens} holds {capacity} text tokens beside {self.chunk_overhead} special/"
+                              f"prefix tokens, less than chunk_size {c.chunk_size}; allowed: window_tokens >= "
+                              f"{c.chunk_size + self.chunk_overhead}")
+        overlap = min(LATE_DEFAULT_OVERLAP, capacity // 4, room) if c.window_overlap is None else c.window_overlap
+        if overlap > room:
+            raise OptionError(f"window_overlap {overlap} does not fit a window of {capacity} text tokens beside one chunk "
+                              f"of {c.chunk_size}; allowed: window_overlap <= {room}")
+        return capacity, overlap
 
 
 def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device, dtype: torch.dtype) -> Settings:
@@ -143,7 +181,7 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
             f"positions; allowed: chunk_size <= {spec.position_limit - doc_overhead}"
         )
     check_dim(cfg.truncate_dim, spec.hidden_size)
-    return Settings(
+    settings = Settings(
         config=cfg, spec=spec, device=device, dtype=dtype, window=window, document_wrap=doc_wrap,
         query_wrap=query_wrap, pooling=cfg.pooling or spec.pooling,
         normalize_chunks=spec.normalizes if cfg.normalize_chunks is None else cfg.normalize_chunks,
@@ -152,6 +190,16 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
         backend=choose_backend(cfg.attention_backend, device, dtype), pooling_impl=pooling_impl,
         pipeline=cfg.pipeline == "on" or (cfg.pipeline == "auto" and device.type == "cuda"),
     )
+    if cfg.strategy == "late":
+        settings.late_windows()  # refuse what late chunking cannot take now, not at the first document
+    return settings
+
+
+def check_strategy(strategy) -> str:
+    """``strategy`` if it is one of `STRATEGIES`, else `OptionError` naming it."""
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise OptionError(f"unknown strategy {strategy!r}; allowed: {', '.join(map(repr, STRATEGIES))}")
+    return strategy
 
 
 def default_batch_tokens(device: torch.device, flops_per_token: float) -> int:
@@ -190,4 +238,4 @@ def _overhead(wrap) -> int:
     return len(wrap[0]) + len(wrap[1])
 
 
-__all__ = ["Chunking", "TORCH_DTYPES", "WEIGHT_DTYPES", "DEFAULT_BATCH_TOKENS", "default_batch_tokens", "Settings", "placement", "pretrained_placement", "resolve"]
+__all__ = ["Chunking", "check_strategy", "LATE_MAX_WINDOW", "TORCH_DTYPES", "WEIGHT_DTYPES", "DEFAULT_BATCH_TOKENS", "default_batch_tokens", "Settings", "placement", "pretrained_placement", "resolve"]

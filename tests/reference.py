@@ -104,3 +104,62 @@ def reference_encode(model, tokenizer, texts, *, prefix, suffix, first_position,
         docs.append(d)
         all_chunks.append(torch.stack(vecs).numpy())
     return torch.stack(docs).numpy(), all_chunks
+
+
+def late_windows(n_tokens, chunks, capacity, overlap):
+    """Late chunking's windows of a document of ``n_tokens`` with ``chunks`` [(start, ids)], written as a
+    plain loop: [(window start, window end, [chunk indices pooled in it])]. Greedy from the first chunk
+    not yet pooled: ceil(overlap/2) tokens of context before it, the most chunks that fit with
+    overlap//2 tokens after the last of them."""
+    left, right = overlap - overlap // 2, overlap // 2
+    out, c = [], 0
+    while c < len(chunks):
+        a = max(0, chunks[c][0] - left)
+        j = c
+        while j + 1 < len(chunks) and min(n_tokens, chunks[j + 1][0] + len(chunks[j + 1][1]) + right) - a <= capacity:
+            j += 1
+        out.append((a, min(n_tokens, chunks[j][0] + len(chunks[j][1]) + right), list(range(c, j + 1))))
+        c = j + 1
+    return out
+
+
+def late_reference_encode(model, tokenizer, texts, *, prefix, suffix, first_position, chunk_size, capacity,
+                          overlap, aggregation="mean", top_k=2, temperature=1.0, normalize_chunks=False,
+                          normalize=True, max_chunks=None, attention="model default"):
+    """Late chunking by hand: each window alone (wrapped, positions from ``first_position``) through the
+    plain model, every chunk the float64 mean of its own tokens' states (a chunk without tokens: its
+    whole window). Returns (n_docs, H) float64 document vectors and per-document chunk vectors."""
+    docs, all_chunks = [], []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        chunks = chunk_token_lists(ids, chunk_size, 0, max_chunks)
+        vecs = [None] * len(chunks)
+        weights = [0] * len(chunks)
+        for a, b, owned in late_windows(len(ids), chunks, capacity, overlap):
+            wrapped = list(prefix) + ids[a:b] + list(suffix)
+            if not wrapped:  # an empty document of a model without special tokens: nothing runs
+                vecs[owned[0]] = torch.zeros(model.config.hidden_size, dtype=torch.float64)
+                continue
+            model_ = plain_model(model)
+            kw = {}
+            if "position_ids" in inspect.signature(model_.forward).parameters:
+                kw["position_ids"] = torch.tensor([[first_position + j for j in range(len(wrapped))]])
+            n = len(wrapped)
+            if attention == "bidirectional":
+                kw["attention_mask"] = torch.ones(1, 1, n, n, dtype=torch.bool)
+            with torch.no_grad():
+                h = model_(input_ids=torch.tensor([wrapped]), **kw).last_hidden_state[0].double()
+            for c in owned:
+                start, content = chunks[c]
+                lo = len(prefix) + start - a
+                vecs[c] = h[lo:lo + len(content)].mean(0) if content else h.mean(0)
+                weights[c] = len(content) if content else n
+        raw_norms = [float(v.norm()) for v in vecs]
+        if normalize_chunks:
+            vecs = [v / v.norm().clamp_min(1e-12) for v in vecs]
+        d = aggregate(vecs, weights, raw_norms, aggregation, top_k, temperature)
+        if normalize:
+            d = d / d.norm().clamp_min(1e-12)
+        docs.append(d)
+        all_chunks.append(torch.stack(vecs).numpy())
+    return torch.stack(docs).numpy(), all_chunks

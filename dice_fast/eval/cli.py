@@ -76,7 +76,8 @@ def register_cli(subparsers) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--task", nargs="+", default=["passkey"], metavar="TASK",
-                   help="one or more of: passkey, needle (generated), or a BEIR folder (corpus.jsonl, "
+                   help="one or more of: passkey, needle, boundary (generated; boundary: answers across a chunk "
+                        "boundary, --docs-per-length documents), or a BEIR folder (corpus.jsonl, "
                         "queries.jsonl, qrels/<split>.tsv)")
     p.add_argument("--lengths", type=_int_list, default=list(CONTEXT_LENGTHS),
                    help="context lengths in tokens of the model's tokenizer, comma-separated (synthetic tasks)")
@@ -93,6 +94,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--scorings", type=_str_list, default=["maxsim", "hybrid"],
                    help="multi-vector rows per chunk size from the same chunk vectors, comma-separated: maxsim, "
                         "hybrid (dice_fast.scoring); 'none' for the aggregations only")
+    p.add_argument("--strategies", type=_str_list, default=["dice"],
+                   help="chunked strategies to evaluate, comma-separated: dice, late (late chunking: the same rows "
+                        "from chunk vectors pooled inside windows of --window-tokens; keys late-k64-mean ...)")
     p.add_argument("--hybrid-alphas", type=_float_list, default=None,
                    help="a grid of hybrid blends (alpha in [0, 1], comma-separated) instead of the default one")
     p.add_argument("--normalize-chunks-ablation", action="store_true",
@@ -149,7 +153,7 @@ def cmd_eval(args) -> int:
         res = run_eval(task, enc, chunk_sizes=chunk_sizes, aggregations=args.aggregations, split=args.length_split,
                        seed=args.seed if task.doc_tokens is not None else None, check_docs=args.check_docs,
                        cache_dir=args.cache_dir, scorings=[x for x in args.scorings if x != "none"],
-                       hybrid_alphas=args.hybrid_alphas,
+                       hybrid_alphas=args.hybrid_alphas, strategies=args.strategies,
                        normalize_chunks=(True, False) if args.normalize_chunks_ablation else None,
                        show_progress=not args.quiet, log=lambda s: print(s, flush=True))
         print(format_report(res), flush=True)

@@ -78,7 +78,11 @@ def aggregate_from_chunks(encoder, raw, aggregation: str) -> np.ndarray:
 
     n_docs = len(raw.document_tokens) if hasattr(raw, "document_tokens") else raw.n_docs
     cu = cu_from_chunk_document(raw.chunk_document, n_docs)
-    weights = (np.asarray(raw.chunk_end) - np.asarray(raw.chunk_start) + encoder.chunk_overhead).astype(np.float32)
+    text = np.asarray(raw.chunk_end) - np.asarray(raw.chunk_start)
+    # the tokens a chunk is pooled over: late chunking pools its text tokens only (a chunk without text its
+    # window; weight 1 here: such a chunk is its document's only one, so its weight cancels)
+    late = encoder.config.strategy == "late"
+    weights = (np.maximum(text, 1) if late else text + encoder.chunk_overhead).astype(np.float32)
     c = encoder.config
     out = aggregate_documents(
         torch.from_numpy(np.ascontiguousarray(raw.chunks, np.float32)), torch.from_numpy(cu),
@@ -123,25 +127,30 @@ class EvalResult:
 
 def build_task(spec: str, tokenizer, lengths: Sequence[int] | None = None, docs_per_length: int = 100,
                queries_per_length: int = 50, seed: int = 0, split: str = "test"):
-    """``spec``: "passkey", "needle" or a local BEIR folder -> `dice_fast.eval.tasks.Task`."""
+    """``spec``: "passkey", "needle", "boundary" (`dice_fast.eval.boundary`: ``docs_per_length`` documents,
+    one query each; ``lengths`` unused) or a local BEIR folder -> `dice_fast.eval.tasks.Task`."""
     from . import tasks
 
+    if spec == "boundary":
+        from .boundary import make_boundary_task
+
+        return make_boundary_task(tokenizer, docs=docs_per_length + docs_per_length % 2, seed=seed)
     if spec in ("passkey", "needle"):
         make = tasks.make_passkey_task if spec == "passkey" else tasks.make_needle_task
         return make(tokenizer, lengths=tuple(lengths or tasks.CONTEXT_LENGTHS), docs_per_length=docs_per_length,
                     queries_per_length=queries_per_length, seed=seed)
     if os.path.isdir(spec):
         return tasks.load_local_task(spec, split=split)
-    raise ValueError(f"--task must be passkey, needle or a BEIR folder (corpus.jsonl, queries.jsonl, qrels/), got {spec!r}")
+    raise ValueError(f"--task must be passkey, needle, boundary or a BEIR folder (corpus.jsonl, queries.jsonl, qrels/), got {spec!r}")
 
 
 def method_key(chunk_size: int, aggregation: str, normalize_chunks: bool | None = None,
-               alpha: float | None = None) -> str:
+               alpha: float | None = None, strategy: str = "dice") -> str:
     """The key of a method in `EvalResult.methods`: DICE ``aggregation`` at ``chunk_size`` ->
     ``"k64-mean"``; ``"maxsim"`` / ``"hybrid"`` likewise (``"k64-maxsim"``). With ``normalize_chunks``
     (the ablation of both settings) ``"-norm"`` / ``"-raw"`` is appended; with ``alpha`` (a grid of
-    hybrid blends) ``"@0.25"``."""
-    key = f"k{chunk_size}-{aggregation}"
+    hybrid blends) ``"@0.25"``; late chunking's keys start ``"late-"``."""
+    key = ("late-" if strategy == "late" else "") + f"k{chunk_size}-{aggregation}"
     if normalize_chunks is not None:
         key += "-norm" if normalize_chunks else "-raw"
     if alpha is not None:
@@ -150,8 +159,10 @@ def method_key(chunk_size: int, aggregation: str, normalize_chunks: bool | None 
 
 
 def _method_label(chunk_size: int, aggregation: str, normalize_chunks: bool | None = None,
-                  alpha: float | None = None) -> str:
+                  alpha: float | None = None, strategy: str = "dice") -> str:
     name = {"maxsim": "MaxSim", "hybrid": "hybrid"}.get(aggregation, f"DICE {aggregation}")
+    if strategy == "late":
+        name = "late " + name.replace("DICE ", "")
     label = f"{name} k={chunk_size}"
     if alpha is not None:
         label += f" α={alpha:g}"
@@ -193,7 +204,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
              check_docs: int = 2, min_margin: float = 0.01, show_progress: bool = True,
              cache_dir=None, normalize_chunks: Sequence[bool] | None = None,
              scorings: Sequence[str] = ("maxsim", "hybrid"), hybrid_alphas: Sequence[float] | None = None,
-             log=print) -> EvalResult:
+             strategies: Sequence[str] = ("dice",), log=print) -> EvalResult:
     """Evaluate ``single`` and DICE (every aggregation x chunk size) of ``encoder``'s model on ``task``.
 
     task: a `dice_fast.eval.tasks.Task`; encoder: a `DiceEncoder` whose options (pooling, prefixes,
@@ -210,7 +221,9 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     raw chunk vectors, keys ending in ``-norm`` / ``-raw``. ``scorings``: multi-vector rows per
     chunk size, "maxsim" and/or "hybrid" (`dice_fast.scoring`; the hybrid blends MaxSim with the
     document vector of the encoder's own aggregation). ``hybrid_alphas``: None for the scoring's
-    default blend, or a grid (keys ``k64-hybrid@0.25``). Synthetic tasks also get evidence@1
+    default blend, or a grid (keys ``k64-hybrid@0.25``). ``strategies``: "dice" and/or "late" (late
+    chunking: the same rows from late chunk vectors, keys ``late-k64-mean`` ..., EDI under ``"64 late"``).
+    Synthetic tasks also get evidence@1
     (`dice_fast.eval.evidence`) for every chunked method. ``log``: called with progress lines
     (None: silent).
     """
@@ -282,16 +295,20 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     edi, check, chunks_per_doc = {}, {}, {}
     n_check = min(check_docs, len(task.corpus))
     hybrid_agg = encoder.config.aggregation
-    for k in chunk_sizes:
-        raw_enc = raw_twin(encoder, chunk_size=k, strategy="dice", normalize_chunks=False, cache=store)
-        raw, timings[f"k{k}"] = _encode_raw(raw_enc, task, f"{task.name} k={k}", show_progress)
-        t = timings[f"k{k}"]
-        say(f"[{task.name}] chunk size {k}: {len(task.corpus)} documents, {raw.chunks.shape[0]} chunks "
+    strategies = tuple(dict.fromkeys(strategies))
+    if not strategies or set(strategies) - {"dice", "late"}:
+        raise ValueError(f"strategies must be among 'dice', 'late'; got {list(strategies)}")
+    for st, k in ((st, k) for st in strategies for k in chunk_sizes):
+        tag = f"late-k{k}" if st == "late" else f"k{k}"
+        raw_enc = raw_twin(encoder, chunk_size=k, strategy=st, normalize_chunks=False, cache=store)
+        raw, timings[tag] = _encode_raw(raw_enc, task, f"{task.name} {st} k={k}", show_progress)
+        t = timings[tag]
+        say(f"[{task.name}] {st} chunk size {k}: {len(task.corpus)} documents, {raw.chunks.shape[0]} chunks "
             f"({raw.n_computed} computed, {raw.n_cached} from the cache), {t['tokens']:,} tokens run in {t['seconds']:.1f} s "
             f"({t['tokens'] / max(t['seconds'], 1e-9):,.0f} tokens/s)" + (" [cache]" if raw.from_cache else ""))
         counts = np.bincount(raw.chunk_document, minlength=len(task.corpus))
-        chunks_per_doc[k] = {g: float(counts[np.asarray(task.doc_length) == g].mean()) for g in groups} \
-            if not local else {GROUP_ALL: float(counts.mean())}
+        chunks_per_doc.setdefault(k, {g: float(counts[np.asarray(task.doc_length) == g].mean()) for g in groups} \
+            if not local else {GROUP_ALL: float(counts.mean())})
         with_evidence = task.answer_span is not None and raw.chunk_start_char is not None
         ms = chunk_scores(q, raw, qg, dg) if (scorings or with_evidence) else None
 
@@ -304,34 +321,34 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
         doc_vecs = {}
         for nc in nc_settings:
             for a in dict.fromkeys(aggregations + ((hybrid_agg,) if "hybrid" in scorings else ())):
-                enc_a = raw_twin(encoder, chunk_size=k, strategy="dice", aggregation=a, normalize_chunks=nc)
+                enc_a = raw_twin(encoder, chunk_size=k, strategy=st, aggregation=a, normalize_chunks=nc)
                 doc_vecs[a, nc] = vecs = aggregate_from_chunks(enc_a, raw, a)
                 if a not in aggregations:
                     continue
-                key = method_key(k, a, nc if ablate else None)
+                key = method_key(k, a, nc if ablate else None, strategy=st)
                 docs[key] = by_method[key] = vecs
                 methods.append(key)
-                method_info[key] = _info(_method_label(k, a, nc if ablate else None), k, a, "dice", nc)
+                method_info[key] = _info(_method_label(k, a, nc if ablate else None, strategy=st), k, a, "dice", nc)
                 score(key, (idx := search(q, vecs, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
                 if n_check:
                     ref = enc_a.encode_documents(task.corpus[:n_check])
                     check[key] = float(np.abs(ref - vecs[:n_check]).max())
         if "maxsim" in scorings:
-            key = method_key(k, "maxsim")
+            key = method_key(k, "maxsim", strategy=st)
             methods.append(key)
-            method_info[key] = _info(_method_label(k, "maxsim"), k, "maxsim", "maxsim")
+            method_info[key] = _info(_method_label(k, "maxsim", strategy=st), k, "maxsim", "maxsim")
             score(key, (idx := rank(ms.scores, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
         if "hybrid" in scorings:
             for nc in nc_settings:
                 for alpha in alphas:
-                    key = method_key(k, "hybrid", nc if ablate else None, alpha)
+                    key = method_key(k, "hybrid", nc if ablate else None, alpha, strategy=st)
                     methods.append(key)
-                    method_info[key] = {**_info(_method_label(k, "hybrid", nc if ablate else None, alpha), k,
+                    method_info[key] = {**_info(_method_label(k, "hybrid", nc if ablate else None, alpha, st), k,
                                                 "hybrid", "hybrid", nc), "alpha": alpha, "base": hybrid_agg}
                     sc = chunk_scores(q, raw, qg, dg, "hybrid", doc_vecs[hybrid_agg, nc], alpha).scores
                     score(key, (idx := rank(sc, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
         if has_gold.any():
-            edi[k] = evidence_stats(q[has_gold], raw.chunks, raw.chunk_document, gold[has_gold], by_method,
+            edi[f"{k} late" if st == "late" else k] = evidence_stats(q[has_gold], raw.chunks, raw.chunk_document, gold[has_gold], by_method,
                                     min_margin=min_margin)
         del raw, ms
     if cache_dir is not None and store is not None:

@@ -123,12 +123,14 @@ class ServerEmbedder:
     max_retries / max_retry_seconds: a request answered 429 or 503, or that met a connection error, is
     tried again up to ``max_retries`` times, none starting after ``max_retry_seconds`` from its first
     try, waiting the server's ``Retry-After`` (else 0.5 s doubling), with jitter (`RetryPolicy`).
+    strategy: sent with documents as the request's ``strategy`` (None: the server's; "late": late chunking).
     Responses are requested in base64 (exact float32). Errors raise `DiceServerError` with the server's
     message (or the transport error) and the call's positions of the inputs of the failed request.
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, *, batch_size: int = 64, timeout: float = 300.0,
-                 max_retries: int = 3, max_retry_seconds: float = 60.0, extra: str = "serve"):
+                 max_retries: int = 3, max_retry_seconds: float = 60.0, extra: str = "serve",
+                 strategy: str | None = None):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http:// or https:// URL, got {base_url!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -138,6 +140,9 @@ class ServerEmbedder:
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
+        from ..settings import check_strategy
+
+        self.strategy = None if strategy is None else check_strategy(strategy)
         self.batch_size, self.timeout, self._extra = batch_size, timeout, extra
         self.retry = RetryPolicy(max_retries, max_retry_seconds)
 
@@ -162,7 +167,10 @@ class ServerEmbedder:
         texts = list(texts)
         for lo in range(0, len(texts), self.batch_size):
             batch = texts[lo:lo + self.batch_size]
-            body = json.dumps({"input": batch, "input_type": _KINDS[kind], "encoding_format": "base64"})
+            fields = {"input": batch, "input_type": _KINDS[kind], "encoding_format": "base64"}
+            if self.strategy is not None and kind == "documents":
+                fields["strategy"] = self.strategy
+            body = json.dumps(fields)
             yield lo, len(batch), body.encode("utf-8")
 
     def _run(self, texts, kind: str) -> np.ndarray:

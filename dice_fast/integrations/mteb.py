@@ -68,6 +68,9 @@ class DiceMTEBModel:
             options["pooling"] = self.encoder.pooling
             options["normalize_chunks"] = self.encoder.normalize_chunks
             options["max_length"] = self.encoder.window
+            if c.strategy == "late":  # late chunking's windows shape its vectors too (resolved)
+                text_tokens, options["window_overlap"] = self.encoder.settings.late_windows()
+                options["window_tokens"] = text_tokens + self.encoder.chunk_overhead
             self._meta = ModelMeta.create_empty({
                 "name": self.name,
                 "revision": f"dice_fast-{dice_fast.__version__}",

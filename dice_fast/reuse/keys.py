@@ -2,7 +2,9 @@
 
 A chunk's pooled vector is a pure function of the model, the options that shape a chunk (dtype,
 device type, token pooling, causal or bidirectional attention) and the token ids the model sees
-(special tokens, prefix, text, suffix), plus its start offset under ``positions="global"``. So:
+(special tokens, prefix, text, suffix), plus its start offset under ``positions="global"``. A late
+chunk's vector depends on its whole window: its identity is the window's wrapped ids plus the chunk's
+span inside them (tagged apart, so a DICE identity never equals a late one). So:
 
 * `chunk_keys(plan, salt)` gives every chunk of a plan its **identity** (bytes: a positions header
   and the wrapped ids as int32) and a 64-bit **key** (the first 8 bytes of SHA-256 of salt +
@@ -49,7 +51,9 @@ def chunk_keys(plan, salt: bytes = b"") -> ChunkKeys:
     ends = starts + ch.length * 4
     messages = []
     sha = hashlib.sha256
-    if plan.global_positions:
+    if plan.windows is not None:
+        messages = _late_messages(plan, raw, pre, suf, salt)
+    elif plan.global_positions:
         for s, e, off in zip(starts.tolist(), ends.tolist(), ch.start.tolist()):
             messages.append(salt + b"G" + off.to_bytes(8, "little") + pre + raw[s:e] + suf)
     else:
@@ -58,6 +62,19 @@ def chunk_keys(plan, salt: bytes = b"") -> ChunkKeys:
     keys = np.fromiter((int.from_bytes(sha(m).digest()[:8], "little", signed=True) for m in messages),
                        np.int64, len(messages))
     return ChunkKeys(keys, messages, len(salt))
+
+
+def _late_messages(plan, raw: bytes, pre: bytes, suf: bytes, salt: bytes) -> list:
+    """salt + b"W" + the chunk's (offset in its window's text, length) + the wrapped window, per chunk."""
+    w, ch = plan.windows, plan.chunks
+    win = w.chunk_window
+    w_starts = (plan.tokens.offsets[w.document] + w.start) * 4
+    w_ends = w_starts + w.length * 4
+    bodies = [pre + raw[s:e] + suf for s, e in zip(w_starts.tolist(), w_ends.tolist())]
+    offset = (ch.start - w.start[win]).tolist()
+    head = salt + b"W"
+    return [head + o.to_bytes(8, "little", signed=True) + n.to_bytes(8, "little") + bodies[k]
+            for o, n, k in zip(offset, ch.length.tolist(), win.tolist())]
 
 
 __all__ = ["ChunkKeys", "chunk_keys"]

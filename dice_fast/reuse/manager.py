@@ -150,7 +150,7 @@ class ChunkReuse:
     def _hand_out(self, job, lo: int, hi: int, base: int, budget: int, batch, first: bool) -> tuple[int, int]:
         """`hand_out` with the registry's lock held."""
         keys = job.keys.keys
-        lengths = job.plan.chunk_lengths
+        lengths = job.plan.run_lengths  # late chunking: a copy that runs itself runs its window
         extra = 0
         for c in (lo + np.flatnonzero(job.state[lo:hi] == FOLLOW)).tolist():
             k = int(keys[c])

@@ -54,6 +54,7 @@ class Part:
     aggregation: str | None = None
     return_chunks: bool = False
     field: str = "input"
+    strategy: str | None = None  # documents: one of dice_fast.config.STRATEGIES (None: the encoder's)
 
 
 @dataclass(eq=False)
@@ -164,7 +165,8 @@ class RequestSide:
                 check = self._size_check(p.field, before)
                 plan, truncated = plan_request(self.encoder, t, p.kind, piece_chars=self._piece_chars,
                                                auto_truncate=self.auto_truncate, check_sizes=check,
-                                               abandoned=abandoned, field=p.field)
+                                               abandoned=abandoned, field=p.field,
+                                               strategy=p.strategy if p.kind == "documents" else None)
                 check(plan.document_tokens)
                 before += int(plan.document_tokens.sum())
                 done.append((plan, truncated, self._queue.keys_for(plan)))

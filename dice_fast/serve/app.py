@@ -188,7 +188,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
                 work = core.embed_queries(req.input, lease=lease, width=req.dimensions)
             else:
                 work = core.embed_documents(req.input, return_chunks=req.return_chunks, lease=lease,
-                                            width=req.dimensions)
+                                            width=req.dimensions, strategy=req.strategy)
             out = await unless_disconnected(request, work)
             if out is None:
                 return None

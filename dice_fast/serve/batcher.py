@@ -210,13 +210,15 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
         self._draining = True
 
     async def embed_documents(self, texts: Iterable[str], return_chunks: bool = False, *, lease: Lease | None = None,
-                              width: int | None = None) -> Embeddings:
+                              width: int | None = None, strategy: str | None = None) -> Embeddings:
         """Encode n documents (chunked and aggregated) -> `Embeddings` with vectors (n, dim) float32,
         equal to ``encoder.encode_documents(texts)`` whatever else is in flight (and, with
         ``return_chunks``, its ``chunks`` equal to ``encode_documents(texts, return_chunks=True)``).
         lease: a `lease` to hold the call's share in (kept until released); width: the floats per vector
-        the caller will return (``dimensions``; default ``dim``), for ``max_response_floats``."""
-        (out,) = await self._embed([Part(texts, "documents", None, return_chunks)], lease, width)
+        the caller will return (``dimensions``; default ``dim``), for ``max_response_floats``; strategy: one
+        of `dice_fast.config.STRATEGIES` for these documents (None: the encoder's), as
+        ``encoder.plan(texts, strategy=...)``."""
+        (out,) = await self._embed([Part(texts, "documents", None, return_chunks, strategy=strategy)], lease, width)
         return out
 
     async def embed_queries(self, texts: Iterable[str], *, lease: Lease | None = None,
@@ -230,13 +232,15 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
 
     async def embed_query_and_documents(self, queries: Iterable[str], documents: Iterable[str],
                                         return_chunks: bool = False, *, lease: Lease | None = None,
-                                        fields: tuple[str, str] = ("query", "documents")) -> tuple[Embeddings, Embeddings]:
+                                        fields: tuple[str, str] = ("query", "documents"),
+                                        strategy: str | None = None) -> tuple[Embeddings, Embeddings]:
         """(`embed_queries` of ``queries``, `embed_documents` of ``documents``) as one call: one share,
         queries tokenized first (refused: the documents are never tokenized), one check of the
         limits and the queue bound for both, and the first to fail cancels the other's unrun chunks.
         fields: the names of the two parts in error messages."""
         return tuple(await self._embed([Part(queries, "queries", "mean", False, fields[0]),
-                                        Part(documents, "documents", None, return_chunks, fields[1])], lease, None))
+                                        Part(documents, "documents", None, return_chunks, fields[1], strategy)],
+                                       lease, None))
 
     def add_batch_listener(self, listener: Callable[[BatchStats], None]) -> None:
         """Call ``listener(stats)`` from the worker thread after every forward (e.g. for metrics)."""

@@ -49,7 +49,8 @@ def add_evidence_route(app, core, model_name: str, read_request, answer, seriali
     async def evidence(request: Request):
         async def handle(_labels, lease):
             req = await read_request(request, parse_evidence_request)
-            work = core.embed_query_and_documents([req.query], req.documents, return_chunks=True, lease=lease)
+            work = core.embed_query_and_documents([req.query], req.documents, return_chunks=True, lease=lease,
+                                                  strategy=req.strategy)
             done = await unless_disconnected(request, work)
             if done is None:
                 return None

@@ -6,8 +6,12 @@ holds the two to each other (tests/serve/test_serve_openapi.py)."""
 
 from __future__ import annotations
 
+from ..config import STRATEGIES
 from ..scoring import SCORINGS
 from .schemas import ENCODING_FORMATS, INPUT_TYPES
+
+STRATEGY = {"enum": [*STRATEGIES, None], "description": "how documents are encoded (default: the server's); queries "
+            "are one window under every strategy"}
 
 # a text with a character that str.strip() keeps (Python's \s is str.isspace, which \x1c-\x1f are in)
 TEXT_PATTERN = "[^\\s\\x1c-\\x1f]"
@@ -30,6 +34,7 @@ def request_schemas(core) -> tuple[dict, dict]:
             "input_type": {"enum": [*INPUT_TYPES, None], "default": "document"},
             "dimensions": {"type": ["integer", "null"], "minimum": 1, "maximum": core.dim},
             "return_chunks": {"type": "boolean", "default": False, "description": "documents only"},
+            "strategy": STRATEGY,
             "user": {"type": ["string", "null"]},
         },
         # a query is one window: return_chunks true is refused with it
@@ -42,6 +47,7 @@ def request_schemas(core) -> tuple[dict, dict]:
             "query": text, "documents": texts,
             "scoring": {"enum": [*SCORINGS, None], "default": "maxsim"},
             "alpha": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+            "strategy": STRATEGY,
         },
     }
     return embeddings, evidence

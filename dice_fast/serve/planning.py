@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 
 from ..chunking import EncodingPlan, TokenizedDocuments
-from ..errors import TextError
+from ..errors import OptionError, TextError
 from ..pieces import PIECE_CHARS
 from .errors import InvalidRequest, RequestTooLarge
 
@@ -36,16 +36,21 @@ def check_chars(texts: list[str], limit: int, field: str = "input") -> None:
 
 def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | None, auto_truncate: bool,
                  check_sizes: Callable[..., None], abandoned: threading.Event,
-                 field: str = "input") -> tuple[EncodingPlan, tuple[int, ...]]:
+                 field: str = "input", strategy: str | None = None) -> tuple[EncodingPlan, tuple[int, ...]]:
     """(plan, indices of queries cut to the window) of ``texts`` as ``kind`` ("documents" / "queries").
 
     Between tokenizer calls, ``check_sizes(tokens, at_least=True)`` gets (n,) lower bounds of the tokens
     per text the model will run and refuses by raising; a query over the window raises
     `RequestTooLarge` naming it unless ``auto_truncate``; ``abandoned`` set stops the work (`Abandoned`).
     A text that is not valid Unicode raises `InvalidRequest`, a ``positions="global"`` document needing
-    more positions than the model has `RequestTooLarge`, each naming ``field[i]``. Runs in any thread.
+    more positions than the model has `RequestTooLarge`, each naming ``field[i]``; a ``strategy`` (documents:
+    one of `STRATEGIES`, None the encoder's) the encoder's options cannot take `InvalidRequest` naming
+    "strategy", before any tokenizing. Runs in any thread.
     """
-    used = encoder.max_tokens_used(kind)  # None, or what a longer text is cut to
+    try:
+        used = encoder.max_tokens_used(kind, strategy)  # None, or what a longer text is cut to
+    except OptionError as exc:  # e.g. late chunking on an encoder pooling by CLS
+        raise InvalidRequest(str(exc), param="strategy") from None
     refuse_long = kind == "queries" and not auto_truncate
 
     def refuse_long_queries(counts: np.ndarray) -> None:
@@ -72,7 +77,7 @@ def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | Non
         truncated = tuple(int(i) for i in over)
         tokens = keep_first(tokens, used)
     try:
-        return encoder.plan_tokens(tokens, kind), truncated
+        return encoder.plan_tokens(tokens, kind, strategy), truncated
     except TextError as exc:  # positions="global": more positions than the model has
         raise RequestTooLarge(f"{field}[{exc.index}]: {exc}", param=f"{field}[{exc.index}]") from None
 

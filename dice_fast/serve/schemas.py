@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
+from ..config import STRATEGIES
 from ..scoring import SCORINGS
 from .errors import QUOTE_CHARS, InvalidRequest, quote
 
@@ -56,6 +57,7 @@ class EmbeddingRequest:
     model: str | None = None
     dimensions: int | None = None
     return_chunks: bool = False
+    strategy: str | None = None  # None: the server's
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class EvidenceRequest:
     documents: list[str]
     scoring: str = "maxsim"
     alpha: float | None = None
+    strategy: str | None = None  # None: the server's
 
 
 def _json_type(value) -> str:
@@ -114,7 +117,8 @@ def parse_embedding_request(body: bytes, dim: int) -> EmbeddingRequest:
     if return_chunks and INPUT_TYPES[input_type] == "query":
         raise InvalidRequest("'return_chunks' is for documents; a query is one window, never chunked",
                              param="return_chunks")
-    return EmbeddingRequest(texts, INPUT_TYPES[input_type], encoding_format, model, dimensions, return_chunks)
+    return EmbeddingRequest(texts, INPUT_TYPES[input_type], encoding_format, model, dimensions, return_chunks,
+                            _strategy(obj))
 
 
 def parse_evidence_request(body: bytes) -> EvidenceRequest:
@@ -133,7 +137,16 @@ def parse_evidence_request(body: bytes) -> EvidenceRequest:
     alpha = obj.get("alpha")
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
         raise InvalidRequest(f"'alpha' must be a number from 0 to 1, got {_short(alpha)}", param="alpha")
-    return EvidenceRequest(query, documents, scoring, None if alpha is None else float(alpha))
+    return EvidenceRequest(query, documents, scoring, None if alpha is None else float(alpha), _strategy(obj))
+
+
+def _strategy(obj: dict) -> str | None:
+    """The request's ``strategy`` (None: absent or null, the server's); `InvalidRequest` for anything else."""
+    strategy = obj.get("strategy")
+    if strategy is not None and (not isinstance(strategy, str) or strategy not in STRATEGIES):
+        raise InvalidRequest(f"'strategy' must be one of {', '.join(map(repr, STRATEGIES))}, got {_short(strategy)}",
+                             param="strategy")
+    return strategy
 
 
 def _or_default(obj: dict, key: str, default):

@@ -299,3 +299,15 @@ def test_progress_eta_counts_tokens_from_bytes(tmp_path):
     assert bar.bar.total == 200 and bar.tokens == 50 and bar.documents == 1
     est(1, 100)
     assert bar.bar.total == 150 and bar.tokens == 150
+
+
+def test_late_chunking_flags_reach_the_encoder(tmp_path, cached_encoders):
+    """--strategy late --window-tokens --window-overlap: the rows of a late-chunking encoder, not DICE's."""
+    docs = ["alpha beta gamma " * 60, "short one", "delta epsilon " * 200]
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    out = tmp_path / "late.npy"
+    args = ["--chunk-size", "32", "--strategy", "late", "--window-tokens", "128", "--window-overlap", "16", "-q"]
+    assert main(["encode", str(src), "-o", str(out), "--id-field", "id", *args]) == 0
+    want = encoder(chunk_size=32, strategy="late", window_tokens=128, window_overlap=16).encode_documents(docs)
+    assert_close(np.load(out), want, 1e-5, what="late rows")
+    assert not np.allclose(np.load(out), encoder(chunk_size=32).encode_documents(docs), atol=1e-3)

@@ -155,3 +155,17 @@ def test_encode_protocol_documents_queries_and_prompts(enc):
     sim = model.similarity(enc.encode_queries(queries), enc.encode_documents(docs))
     assert tuple(sim.shape) == (2, 3)
     assert tuple(model.similarity_pairwise(sim[:, :2].T, sim[:, :2].T).shape) == (2,)
+
+
+def test_late_chunking_through_mteb_keeps_its_windows_apart(enc):
+    from mteb.types import PromptType
+
+    late = DiceEncoder(enc.model, enc.tokenizer, config=enc.config.replace(strategy="late", chunk_size=64))
+    docs = ["short one", "word " * 900]
+    model = DiceMTEBModel(late)
+    np.testing.assert_allclose(model.encode([{"text": docs}], task_metadata=_metadata(), hf_split="test",
+                                            hf_subset="default", prompt_type=PromptType.document),
+                               late.encode_documents(docs), atol=1e-6)
+    kwargs = model.mteb_model_meta.experiment_kwargs
+    assert kwargs["strategy"] == "late" and kwargs["window_tokens"] == 512 and kwargs["window_overlap"] == 127
+    assert "window_tokens" not in DiceMTEBModel(enc).mteb_model_meta.experiment_kwargs
