@@ -85,8 +85,12 @@ def test_vectors_and_batches_are_the_serial_loops(aggregation, recording, monkey
     assert all(staged for *_, staged in seen)
 
 
+LATE = dict(strategy="late", window_tokens=24, window_overlap=8)
+
+
 @pytest.mark.parametrize("options", [dict(strategy="single"), dict(overlap=3), dict(dedup=False),
-                                     dict(positions="global"), dict(max_batch_tokens=1)])
+                                     dict(positions="global"), dict(max_batch_tokens=1), LATE,
+                                     dict(LATE, max_batch_tokens=1), dict(LATE, dedup=False)])
 def test_strategies_dedup_off_and_tiny_budgets(options, recording, monkeypatch):
     want, got, _ = _same_run(options, _texts(), recording, windows=3, monkeypatch=monkeypatch)
     np.testing.assert_array_equal(got, want)
