@@ -126,3 +126,21 @@ def test_int8_agrees_with_float32_on_held_out_prose(cache_dir, tmp_path):
     alone = np.concatenate([int8.encode_documents([t]) for t in texts])
     together = int8.encode_documents(texts)
     np.testing.assert_allclose((alone * together).sum(1), 1.0, atol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_dense_pooling_matches_the_engines(pooling):
+    """The int8 runner pools each dense sub-batch itself: the same vectors as the engine's pool_chunks
+    on the valid tokens gathered into packing order (float32 rounding)."""
+    from dice_fast.ops import pool_chunks
+    from dice_fast.quant.runner import pool_dense
+
+    rng = np.random.default_rng(0)
+    lengths = np.array([7, 7, 5, 2, 1])
+    hidden = rng.standard_normal((5, 7, 12)).astype(np.float32) * 10
+    valid = np.arange(7)[None, :] < lengths[:, None]
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    want = pool_chunks(torch.from_numpy(hidden[valid]), cu, pooling, impl="reference").numpy()
+    np.testing.assert_allclose(pool_dense(hidden, lengths, pooling), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="pooling"):
+        pool_dense(hidden, lengths, "max")

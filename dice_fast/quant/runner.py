@@ -1,15 +1,17 @@
 """`Int8Runner`: the engine's batches through the statically quantized int8 model.
 
-Same plan, packing, pooling and aggregation as every other precision: a `PackedBatch` comes in, its
-chunks (sorted by length) run as dense padded sub-batches (length buckets: 254-token chunks pad
-nothing), the valid tokens' hidden states are gathered back into packing order, and dice_fast's
-segment pooling turns them into chunk vectors.
+Same plan, packing and aggregation as every other precision: a `PackedBatch` comes in, its chunks
+(sorted by length) run as dense padded sub-batches (length buckets: 254-token chunks pad nothing),
+and each finished sub-batch is pooled to chunk vectors at once (`pool_dense`: the engine's token ->
+chunk pooling over each row's valid tokens, summed in float64), written in packing order.
 
 Speed: the compiled model has ``streams`` OpenVINO streams (default: one per inference thread, each
 stream one thread) and a batch's sub-batches (``max_batch_tokens / streams`` padded tokens each) are
 kept ``streams`` at a time in flight in an `openvino.AsyncInferQueue`, so every core runs its own
 request instead of all cores synchronising inside one (``streams=1``: one synchronous request with
-every thread, the first version). Measured in benchmarks/RESULTS.md (int8 throughput section).
+every thread, the first version). Pooling in the request's callback reads the output in place: no
+(tokens, hidden) copy, no torch ops (whose OpenMP threads would contend with OpenVINO's). Measured in
+benchmarks/RESULTS.md (the int8 throughput section).
 
 Exactness contract: none bit-wise. Agreement with float32 is stated and tested (`agreement`,
 docs/int8.md): cosine of chunk vectors against the float32 engine on held-out prose. Static scales
@@ -33,7 +35,8 @@ class Int8Runner(ModelRunner):
     """A `ModelRunner` whose dense forward is the int8 OpenVINO model (the float model is kept only for
     its facts and fingerprint). ``identity``: backend, versions, model and calibration hashes;
     ``streams``: requests in flight (None: one per inference thread); ``hints``: extra OpenVINO
-    compile properties (measurements only, e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``)."""
+    compile properties (measurements only, e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``). It pools
+    itself (`pool_dense`), so ``pooling_impl`` does not apply."""
 
     def __init__(self, model, spec, pooling: str, pooling_impl: str, max_batch_tokens: int,
                  pad_token_id: int | None, calibration, cache_root: Path, fingerprint: str,
@@ -53,32 +56,50 @@ class Int8Runner(ModelRunner):
             import openvino as ov
 
             queue = self._local.queue = ov.AsyncInferQueue(self.openvino_model, self.streams)
-            queue.set_callback(_gather)
+            queue.set_callback(_pool_finished)
         return queue
 
-    def _padded_hidden(self, batch) -> torch.Tensor:
-        """(T, H) float32 hidden states of the batch's tokens in packed order; sub-batches of at most
-        ``max_batch_tokens / streams`` padded tokens, ``streams`` of them in flight."""
-        out = np.empty((batch.n_tokens, self.spec.hidden_size), np.float32)
+    def run(self, batch) -> torch.Tensor:
+        """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32 in packing order; sub-batches of
+        at most ``max_batch_tokens / streams`` padded tokens, ``streams`` of them in flight."""
+        out = np.zeros((len(batch.lengths), self.spec.hidden_size), np.float32)
         errors: list = []
         queue = self._queue()
-        for t_lo, t_hi, ids, mask, pos in self.dense_batches(batch, max(1, self.max_batch_tokens // self.streams)):
+        for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, max(1, self.max_batch_tokens // self.streams)):
             feed = {"input_ids": ids, "attention_mask": mask}
             if pos is not None:
                 feed["position_ids"] = pos
             # share_inputs: OpenVINO reads the arrays in place (kept alive by userdata until done)
-            queue.start_async(feed, (out, t_lo, t_hi, mask.astype(bool), feed, errors), share_inputs=True)
+            queue.start_async(feed, (out, lo, hi, batch.lengths[lo:hi], self.pooling, feed, errors), share_inputs=True)
         queue.wait_all()
         if errors:
             raise errors[0]
         return torch.from_numpy(out)
 
 
-def _gather(request, userdata) -> None:
-    """AsyncInferQueue callback: the finished sub-batch's valid tokens into ``out[t_lo:t_hi]``
-    (disjoint slices, so concurrent callbacks never overlap); an error is kept for the caller."""
-    out, t_lo, t_hi, valid, _feed, errors = userdata
+def pool_dense(hidden: np.ndarray, lengths: np.ndarray, pooling: str) -> np.ndarray:
+    """Chunk vectors of one dense sub-batch: hidden (n, width, H) with row ``i``'s valid tokens first
+    (``lengths[i]`` >= 1 of them) -> (n, H) float32. mean: over the valid tokens, summed in float64
+    (the engine's `pool_chunks` to float32 rounding); cls: the first token; last: the last valid one."""
+    n = len(lengths)
+    if pooling == "cls":
+        return np.array(hidden[:, 0], np.float32)
+    if pooling == "last":
+        return np.array(hidden[np.arange(n), np.asarray(lengths) - 1], np.float32)
+    if pooling != "mean":
+        raise ValueError(f"pooling must be mean, cls or last, got {pooling!r}")
+    out = np.empty((n, hidden.shape[2]), np.float32)
+    for i, length in enumerate(lengths):  # an empty row (outside the contract) pools to zeros
+        out[i] = hidden[i, : int(length)].sum(0, dtype=np.float64) / max(int(length), 1)
+    return out
+
+
+def _pool_finished(request, userdata) -> None:
+    """AsyncInferQueue callback: the finished sub-batch's chunk vectors into ``out[lo:hi]`` (disjoint
+    rows, so concurrent callbacks never overlap), read from the output in place; an error is kept
+    for the caller's thread."""
+    out, lo, hi, lengths, pooling, _feed, errors = userdata
     try:
-        out[t_lo:t_hi] = request.get_output_tensor(0).data[valid]
-    except Exception as exc:  # noqa: BLE001 - raised by _padded_hidden in the caller's thread
+        out[lo:hi] = pool_dense(request.get_output_tensor(0).data, lengths, pooling)
+    except Exception as exc:  # noqa: BLE001 - raised by run() in the caller's thread
         errors.append(exc)
