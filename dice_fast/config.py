@@ -100,7 +100,7 @@ class DiceConfig:
         default_help="sentence-transformers max_seq_length, else the tokenizer's model_max_length, else the "
         "position table")
     max_batch_tokens: int | None = option(None, "token budget of one packed forward",
-                                          default_help="4096 on CPU, 65536 on CUDA")
+                                          default_help="4096 on CPU (8192 with dtype int8), 65536 on CUDA")
     device: str | None = option(None, "where the model runs: cpu, cuda, cuda:1 ...",
                                 default_help="cuda if available, else cpu")
     dtype: str | None = option(

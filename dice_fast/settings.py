@@ -33,6 +33,9 @@ WEIGHT_DTYPES = {**TORCH_DTYPES, "int8": torch.float32, "auto": torch.float32}
 # token budget of one packed forward when max_batch_tokens is None (why 4096 on a CPU: benchmarks/RESULTS.md,
 # "Figures moved out of docstrings (issue 23)")
 DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
+# int8 (CPU): a batch's sub-batches run one per OpenVINO stream; 8192 gives each of 2 streams 16 chunks of
+# 256 tokens and halves the batch barriers (1.05-1.4x 4096 on the loaded 2-core Zen 4, RESULTS §13)
+INT8_BATCH_TOKENS = 8192
 OTHER_DEVICE_BATCH_TOKENS = 16384
 _CAUSAL = {"model default": None, "causal": True, "bidirectional": False}
 
@@ -140,7 +143,8 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
         query_wrap=query_wrap, pooling=cfg.pooling or spec.pooling,
         normalize_chunks=spec.normalizes if cfg.normalize_chunks is None else cfg.normalize_chunks,
         causal=_CAUSAL[cfg.attention],
-        max_batch_tokens=cfg.max_batch_tokens or DEFAULT_BATCH_TOKENS.get(device.type, OTHER_DEVICE_BATCH_TOKENS),
+        max_batch_tokens=cfg.max_batch_tokens or (INT8_BATCH_TOKENS if cfg.dtype == "int8" else
+                                                  DEFAULT_BATCH_TOKENS.get(device.type, OTHER_DEVICE_BATCH_TOKENS)),
         backend=choose_backend(cfg.attention_backend, device, dtype), pooling_impl=pooling_impl,
     )
 
