@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import OptionError
 from ..runner import PADDED, ModelRunner
 from .cpu import check_int8_cpu
 from .openvino import int8_model
@@ -87,7 +88,7 @@ def pool_dense(hidden: np.ndarray, lengths: np.ndarray, pooling: str) -> np.ndar
     if pooling == "last":
         return np.array(hidden[np.arange(n), np.asarray(lengths) - 1], np.float32)
     if pooling != "mean":
-        raise ValueError(f"pooling must be mean, cls or last, got {pooling!r}")
+        raise OptionError(f"pooling must be mean, cls or last, got {pooling!r}")
     out = np.empty((n, hidden.shape[2]), np.float32)
     for i, length in enumerate(lengths):  # an empty row (outside the contract) pools to zeros
         out[i] = hidden[i, : int(length)].sum(0, dtype=np.float64) / max(int(length), 1)
