@@ -66,13 +66,16 @@ class Int8Runner(ModelRunner):
         out = np.zeros((len(batch.lengths), self.spec.hidden_size), np.float32)
         errors: list = []
         queue = self._queue()
-        for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, max(1, self.max_batch_tokens // self.streams)):
-            feed = {"input_ids": ids, "attention_mask": mask}
-            if pos is not None:
-                feed["position_ids"] = pos
-            # share_inputs: OpenVINO reads the arrays in place (kept alive by userdata until done)
-            queue.start_async(feed, (out, lo, hi, batch.lengths[lo:hi], self.pooling, feed, errors), share_inputs=True)
-        queue.wait_all()
+        try:
+            for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, max(1, self.max_batch_tokens // self.streams)):
+                feed = {"input_ids": ids, "attention_mask": mask}
+                if pos is not None:
+                    feed["position_ids"] = pos
+                # share_inputs: OpenVINO reads the arrays in place (kept alive by userdata until done)
+                queue.start_async(feed, (out, lo, hi, batch.lengths[lo:hi], self.pooling, feed, errors),
+                                  share_inputs=True)
+        finally:
+            queue.wait_all()  # also after a failed start: no request of this batch outlives the call
         if errors:
             raise errors[0]
         return torch.from_numpy(out)
