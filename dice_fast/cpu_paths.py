@@ -167,7 +167,7 @@ def _valid(entry, paths) -> bool:
 
 def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
     """({name: document tokens/s}, {name: min cosine to ``reference``}, busy) of each encoder on
-    `AGREEMENT_CHUNKS` windows of held-out prose, packed as batches of the reference's budget."""
+    `AGREEMENT_CHUNKS` windows of held-out prose, packed as batches of each encoder's own budget."""
     from .data import prose_halves, token_windows
     from .packing import pack
     from . import cpu_attention
@@ -175,12 +175,17 @@ def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
     size = reference.config.chunk_size
     texts = token_windows(reference.tokenizer, "\n\n".join(prose_halves()[1]), AGREEMENT_CHUNKS, size)
     plan = reference.plan(texts)
-    per_batch = max(1, reference.max_batch_tokens // int(plan.chunk_lengths.max()))
-    batches = [pack(plan.tokens, plan.chunks, np.arange(lo, min(lo + per_batch, plan.n_chunks)), plan.prefix,
-                    plan.suffix, reference.spec.first_position) for lo in range(0, plan.n_chunks, per_batch)]
+    packed: dict = {}  # per token budget: int8 batches by its own (8192), the float paths by 4096
+
+    def batches(budget: int):
+        if budget not in packed:
+            per = max(1, budget // int(plan.chunk_lengths.max()))
+            packed[budget] = [pack(plan.tokens, plan.chunks, np.arange(lo, min(lo + per, plan.n_chunks)), plan.prefix,
+                                   plan.suffix, reference.spec.first_position) for lo in range(0, plan.n_chunks, per)]
+        return packed[budget]
 
     def run(enc):
-        return np.concatenate([enc.run_batch(b).cpu().numpy() for b in batches])
+        return np.concatenate([enc.run_batch(b).cpu().numpy() for b in batches(enc.max_batch_tokens)])
 
     want = _unit(run(reference))
     agreement = {name: float(np.min(np.sum(_unit(run(enc)) * want, axis=1))) for name, enc in encoders.items()}
