@@ -51,6 +51,11 @@ def parse_args(argv=None):
     ap.add_argument("--csv", type=Path, default=HERE / "peers.csv")
     ap.add_argument("--skip", nargs="*", default=[], help="path names not to run")
     ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
+    ap.add_argument("--int8-variants", nargs="*", default=[], metavar="STREAMS[@BUDGET][/PRECISION]",
+                    help="extra dice_fast int8 rows for an A/B: e.g. 1 (one synchronous request, the first "
+                    "version), 2@8192 (2 streams, max_batch_tokens 8192), 2/f32 (float parts in f32)")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="dice_fast rows only (cosines against dice_fp32, or the first dice row when it is skipped)")
     return ap.parse_args(argv)
 
 
@@ -89,8 +94,21 @@ class Peers:
             self.proc.wait(timeout=60)
 
 
-def dice_paths(skip) -> tuple[dict, dict]:
-    """(name -> DiceEncoder, name -> why skipped) for dice_fast's CPU paths."""
+def int8_variant(spec: str):
+    """A dice_fast int8 encoder run as ``spec`` = STREAMS[@MAX_BATCH_TOKENS][/PRECISION] (see --int8-variants)."""
+    from dice_fast import DiceEncoder
+    from dice_fast.quant import int8_runner
+
+    rest, _, precision = spec.partition("/")
+    streams, _, budget = rest.partition("@")
+    enc = DiceEncoder.from_pretrained(device="cpu", dtype="int8", **({"max_batch_tokens": int(budget)} if budget else {}))
+    hints = {"INFERENCE_PRECISION_HINT": precision} if precision else None
+    enc.runner = int8_runner(enc, enc.model, enc.tokenizer.pad_token_id, streams=int(streams), hints=hints)
+    return enc
+
+
+def dice_paths(skip, variants=()) -> tuple[dict, dict]:
+    """(name -> DiceEncoder, name -> why skipped) for dice_fast's CPU paths (and int8 ``variants``)."""
     from dice_fast import DiceConfig, DiceEncoder
     from dice_fast.cpu_attention import cpu_flags
 
@@ -113,6 +131,11 @@ def dice_paths(skip) -> tuple[dict, dict]:
             print(f"  {name}: built in {time.perf_counter() - t0:.1f} s: {encoders[name]!r}", flush=True)
         except Exception as exc:  # e.g. int8 without its extra or on a CPU without VNNI: say why
             skipped[name] = f"{type(exc).__name__}: {exc}"[:300]
+    for spec in variants:
+        name = f"dice_int8_s{spec}"
+        t0 = time.perf_counter()
+        encoders[name] = int8_variant(spec)
+        print(f"  {name}: built in {time.perf_counter() - t0:.1f} s (streams {encoders[name].runner.streams})", flush=True)
     return encoders, skipped
 
 
@@ -145,12 +168,14 @@ def main(argv=None) -> int:
 
     python = str(Path(args.venv) / "bin" / "python")
     peers, peer_skipped, peer_versions = None, {}, {}
-    if not Path(python).exists():
+    if args.no_peers:
+        peer_skipped["peers"] = "--no-peers"
+    elif not Path(python).exists():
         peer_skipped["peers"] = f"no peers venv at {args.venv}: run benchmarks/peers_env.sh"
     else:
         peers = Peers(python, model_dir, work, work / "texts.json", args.batch_size)
         peer_skipped, peer_versions = peers.ready["skipped"], peers.ready["versions"]
-    encoders, dice_skipped = dice_paths(args.skip)
+    encoders, dice_skipped = dice_paths(args.skip, args.int8_variants)
 
     runs = {}
     for name in (peers.ready["peers"] if peers else []):
@@ -162,8 +187,10 @@ def main(argv=None) -> int:
             vecs = enc.encode_documents(texts[:count])
             return time.perf_counter() - t0, vecs
         runs[name] = dice_run
-    if "st_torch_fp32" not in runs:
-        raise SystemExit(f"the reference (sentence-transformers PyTorch fp32) did not run: {peer_skipped}")
+    # cosines against sentence-transformers fp32; without peers against dice_fp32 (else the first dice row)
+    reference = "st_torch_fp32" if not args.no_peers else next((n for n in ("dice_fp32", *runs) if n in runs), "")
+    if reference not in runs:
+        raise SystemExit(f"the reference ({reference}) did not run: {peer_skipped} {dice_skipped}")
 
     seconds = {n: [] for n in runs}
     vectors = {}
@@ -179,14 +206,14 @@ def main(argv=None) -> int:
     peers and peers.close()
     load1 = os.getloadavg()
 
-    ref = vectors["st_torch_fp32"]
-    base = tokens / float(np.median(seconds["st_torch_fp32"]))
+    ref = vectors[reference]
+    base = tokens / float(np.median(seconds[reference]))
     flags = ",".join(sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni",
                                                               "avx_vnni", "amx_bf16", "amx_int8")))
     when = datetime.datetime.now().isoformat(timespec="seconds")
     ours = versions()
     rows = []
-    print("\n| path | tokens/s | x ST fp32 | cos min | cos mean |\n|---|---:|---:|---:|---:|")
+    print(f"\n| path | tokens/s | x {reference} | cos min | cos mean |\n|---|---:|---:|---:|---:|")
     for name in order:
         tps = tokens / float(np.median(seconds[name]))
         cos = cosines(vectors[name], ref)

@@ -113,7 +113,7 @@ class DiceConfig:
         "position table")
     max_batch_tokens: int | None = option(
         None, "token budget of one packed forward",
-        default_help="4096 on CPU; on CUDA 65,536 to 524,288 by the model's FLOPs per token",
+        default_help="4096 on CPU (8192 with dtype int8); on CUDA 65,536 to 524,288 by the model's FLOPs per token",
         detail="On CUDA the default gives a batch about 16 TFLOP of work (a power of two of tokens, "
         "see [gpu.md](gpu.md)): 524,288 tokens for MiniLM-L6, 131,072 for BERT-base, 65,536 from ~0.25 "
         "GFLOP per token up.")
@@ -121,12 +121,20 @@ class DiceConfig:
                                 default_help="cuda if available, else cpu")
     dtype: str | None = option(
         None, "model precision; auto (CPU): the fastest forward on this machine whose vectors agree with "
-        "float32 (cos >= 0.999 on the bundled prose), measured once and cached", choices=DTYPES,
+        "float32 (cos >= auto_agreement, 0.999, on held-out prose), measured once and cached", choices=DTYPES,
         default_help="bfloat16 on CUDA, float32 on CPU",
         detail='`"auto"` measures float32, bfloat16 (only where the CPU has avx512_bf16 or AMX) and, with '
-        '`compile`, compiled forwards, once per machine and model; `print(encoder)` shows the choice. '
+        '`compile`, compiled forwards (and int8 when `auto_agreement` is below 0.999), once per machine and model; '
+        '`print(encoder)` shows the choice. '
         'See [cpu.md](cpu.md). `"int8"`: static int8 on a CPU with VNNI or AMX (OpenVINO + NNCF, the `int8` '
         'extra), calibrated on text; not exact: its agreement with float32 is stated in [int8.md](int8.md).')
+    auto_agreement: float = option(
+        0.999, "dtype auto / compile auto: least cosine to float32 eager (every measured chunk) a path must "
+        "keep to be chosen",
+        detail="Measured on held-out prose chunks of the encoder's chunk size. At the default (bf16 rounding) only "
+        "the float paths can qualify; set below it, the int8 path (the `int8` extra, a CPU with VNNI or AMX, "
+        "calibrated on the bundled prose) is measured too and chosen if it is the fastest path that keeps the "
+        "bound (int8 MiniLM: cos min 0.994, so `0.99` admits it). See [cpu.md](cpu.md).")
     calibration: str | None = option(
         None, "dtype int8 only: a UTF-8 text file (a sample of your corpus) to calibrate the int8 model on",
         default_help="the first half of the bundled prose", metavar="FILE")
@@ -193,6 +201,9 @@ class DiceConfig:
             raise OptionError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _choice("compile", self.compile, COMPILE_MODES)
         _choice("pipeline", self.pipeline, PIPELINE_MODES)
+        a = self.auto_agreement
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 < a <= 1.0:
+            raise OptionError(f"auto_agreement must be a cosine in (0, 1], got {a!r}")
         if self.calibration is not None and (self.dtype != "int8" or not isinstance(self.calibration, str)):
             raise OptionError(f"calibration (a text file path) applies to dtype='int8' only; got "
                              f"calibration={self.calibration!r} with dtype={self.dtype!r}")

@@ -1,18 +1,22 @@
 """``dtype="auto"`` on a CPU: the fastest forward that keeps float32's vectors, measured per machine.
 
-A *path* is a set of `DiceConfig` changes that changes how the forward runs, never what it means:
-``{"dtype": "float32"}``, ``{"dtype": "bfloat16"}``, the same with ``"compile": "on"``; a later path
-(int8) registers itself with `register_path`. `choose_path` measures, once per machine and model,
-every path that can run here (bf16 only where the CPU has bf16 dot products: avx512_bf16 or AMX):
+A *path* is a set of `DiceConfig` changes that changes how the forward runs:
+``{"dtype": "float32"}``, ``{"dtype": "bfloat16"}``, the same with ``"compile": "on"``, and
+``{"dtype": "int8"}``; another registers itself with `register_path`. `choose_path` measures, once
+per machine and model, every path that can run here (bf16 only where the CPU has bf16 dot products:
+avx512_bf16 or AMX; int8 only with int8 dot products, VNNI or AMX, and the ``int8`` extra importable):
 
-* agreement: cosine between its chunk vectors and float32 eager ones on the bundled prose
-  (`AGREEMENT_CHUNKS` chunks of the encoder's chunk size); a path is eligible when the minimum is
-  >= `AGREEMENT` (0.999);
+* agreement: cosine between its chunk vectors and float32 eager ones on held-out prose (the second
+  half of the bundled prose, which int8 never calibrates on: `AGREEMENT_CHUNKS` windows of the
+  encoder's chunk size); a path is eligible when the minimum is >= the bound, ``auto_agreement``
+  (default `AGREEMENT` = 0.999: bf16 rounding). A *lossy* path (int8: cos min 0.994 on MiniLM) is
+  not even measured at the default bound (it could not meet it, and its first quantization costs
+  minutes); with ``auto_agreement`` below 0.999 it is a candidate like any other;
 * speed: document tokens/s of the packed forward on the same chunks (one warm-up, then
   `ROUNDS` timed rounds interleaved across paths, median). A few seconds for MiniLM; a compiled
   path adds its compile once.
 
-The fastest eligible path wins (float32 eager always is: it is the reference) and is cached per
+The fastest eligible path wins (float32 eager always is eligible: it is the reference); the measurement is cached per
 machine (`dice_fast.cpu_attention.machine_key`) and model (`model_fingerprint`) in the CPU tuning cache
 file beside the attention choices (``$DICE_FAST_CACHE_DIR/cpu_tuning.json``); a measurement taken
 while other processes competed for the cores is used but not kept. ``print(encoder)`` shows the
@@ -30,9 +34,10 @@ from typing import Callable
 
 import numpy as np
 
+from .config import DiceConfig
 from .errors import OptionError
 
-AGREEMENT = 0.999  # minimum cosine to float32 eager, over the measured chunks
+AGREEMENT = DiceConfig.auto_agreement  # 0.999: the default least cosine to float32 eager, over the measured chunks
 AGREEMENT_CHUNKS = 32
 ROUNDS = 3
 _KEY = "paths"  # the cache file's section (beside the attention choices)
@@ -41,26 +46,32 @@ _KEY = "paths"  # the cache file's section (beside the attention choices)
 @dataclass(frozen=True)
 class CpuPath:
     """One way to run the forward: ``options`` (DiceConfig changes); ``usable()`` says why it cannot
-    run on this machine (None: it can)."""
+    run on this machine (None: it can); ``lossy``: its vectors are further from float32 than bf16
+    rounding, so it is a candidate only under a bound below `AGREEMENT`; ``strategies``: the
+    ``strategy`` options it can run."""
 
     name: str
     options: dict
     usable: Callable[[], str | None] = field(default=lambda: None, compare=False)
+    lossy: bool = False
+    strategies: tuple = ("dice", "single", "late")
 
 
 @dataclass(frozen=True)
 class PathChoice:
-    """The chosen path and what was measured: tokens/s and cos min per path name; source "measured" or "cache"."""
+    """The chosen path and what was measured: tokens/s and cos min per path name; source "measured" or
+    "cache"; bound: the least cos min a path had to keep."""
 
     name: str
     options: dict
     tokens_per_s: dict
     cos_min: dict
     source: str
+    bound: float = AGREEMENT
 
     def __str__(self) -> str:
         rate = self.tokens_per_s.get(self.name)
-        return f"{self.name} ({self.source}{f', {rate:,.0f} tok/s' if rate else ''})"
+        return f"{self.name} ({self.source}{f', {rate:,.0f} tok/s' if rate else ''}, cos >= {self.bound:g})"
 
 
 def bf16_units() -> str | None:
@@ -73,11 +84,26 @@ def bf16_units() -> str | None:
     return "no avx512_bf16 or AMX: bf16 matmuls are emulated (slower than float32)"
 
 
+def int8_units() -> str | None:
+    """None where the int8 path can run: int8 dot products (VNNI / AMX) and OpenVINO + NNCF importable
+    (checked without importing them), else why not. ``DICE_FAST_INT8_ANY_CPU`` does not apply here."""
+    import importlib.util
+
+    from .cpu_attention import cpu_flags
+    from .quant.cpu import int8_dot_instructions
+
+    if not int8_dot_instructions(cpu_flags()):
+        return "no VNNI / AMX int8 dot products"
+    missing = [m for m in ("openvino", "nncf") if importlib.util.find_spec(m) is None]
+    return f"{' and '.join(missing)} not installed (pip install 'dice-fast[int8]')" if missing else None
+
+
 PATHS: list[CpuPath] = [
     CpuPath("fp32", {"dtype": "float32", "compile": "off"}),
     CpuPath("bf16", {"dtype": "bfloat16", "compile": "off"}, bf16_units),
     CpuPath("fp32+compile", {"dtype": "float32", "compile": "on"}),
     CpuPath("bf16+compile", {"dtype": "bfloat16", "compile": "on"}, bf16_units),
+    CpuPath("int8", {"dtype": "int8", "compile": "off"}, int8_units, lossy=True, strategies=("dice", "single")),
 ]
 REFERENCE = "fp32"
 
@@ -87,17 +113,17 @@ def register_path(path: CpuPath) -> None:
     PATHS[:] = [p for p in PATHS if p.name != path.name] + [path]
 
 
-def candidates(dtype: str, compile: str) -> list[CpuPath]:
-    """The paths `choose_path` considers for the ``dtype`` / ``compile`` options, the reference first."""
+def candidates(dtype: str, compile: str, bound: float = AGREEMENT, strategy: str = "dice") -> list[CpuPath]:
+    """The paths `choose_path` considers for the ``dtype`` / ``compile`` / ``strategy`` options and the
+    agreement ``bound``, the reference first (lossy paths only under a bound below `AGREEMENT`)."""
     want = {"off": ("off",), "on": ("on",), "auto": ("off", "on")}[compile]
-    out = [p for p in PATHS if p.options.get("compile", "off") in want
-           and (dtype == "auto" or p.options.get("dtype") == dtype)]
-    return out
+    return [p for p in PATHS if p.options.get("compile", "off") in want and strategy in p.strategies
+            and (dtype == "auto" or p.options.get("dtype") == dtype) and (bound < AGREEMENT or not p.lossy)]
 
 
 def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure: Callable | None = None,
-                model_key: str | None = None) -> PathChoice:
-    """The fastest eligible path (see the module docstring).
+                model_key: str | None = None, bound: float = AGREEMENT, strategy: str = "dice") -> PathChoice:
+    """The fastest path whose cos min is >= ``bound`` (see the module docstring).
 
     encoder_for(options) -> a `DiceEncoder` running a copy of the model with ``options``;
     measure(encoders {name: encoder}, reference encoder) -> ({name: tokens/s}, {name: cos min}, busy)
@@ -106,7 +132,7 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
     """
     from . import cpu_attention
 
-    paths = [p for p in candidates(dtype, compile) if p.usable() is None]
+    paths = [p for p in candidates(dtype, compile, bound, strategy) if p.usable() is None]
     if not paths:
         raise OptionError(f"dtype={dtype!r} with compile={compile!r}: no candidate path runs on this CPU")
     if model_key is None:
@@ -115,7 +141,7 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
         model_key = model_fingerprint(model)
     cache = cpu_attention.read_cache()
     names = ",".join(p.name for p in paths)
-    slot = f"{model_key}|{names}|{AGREEMENT}"
+    slot = f"{model_key}|{names}|held-out"  # the measurement; the bound applies to it below
     entry = cache.get(cpu_attention.machine_key(), {}).get(_KEY, {}).get(slot)
     source = "cache"
     if not _valid(entry, paths):
@@ -127,11 +153,13 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
         if not busy:
             cache.setdefault(cpu_attention.machine_key(), {}).setdefault(_KEY, {})[slot] = entry
             cpu_attention.write_cache(cache)
-    eligible = [p for p in paths if entry["cos_min"][p.name] >= AGREEMENT]
+    eligible = [p for p in paths if p.name == REFERENCE or entry["cos_min"][p.name] >= bound]
     if not eligible:
-        raise OptionError(f"no path meets the agreement bound cos >= {AGREEMENT}: measured {entry['cos_min']}")
+        raise OptionError(f"no path meets the agreement bound auto_agreement={bound}: measured cos min "
+                          f"{entry['cos_min']}")
     best = max(eligible, key=lambda p: entry["tokens_per_s"][p.name])
-    return PathChoice(best.name, dict(best.options), dict(entry["tokens_per_s"]), dict(entry["cos_min"]), source)
+    return PathChoice(best.name, dict(best.options), dict(entry["tokens_per_s"]), dict(entry["cos_min"]), source,
+                      bound)
 
 
 def _valid(entry, paths) -> bool:
@@ -141,20 +169,25 @@ def _valid(entry, paths) -> bool:
 
 def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
     """({name: document tokens/s}, {name: min cosine to ``reference``}, busy) of each encoder on
-    `AGREEMENT_CHUNKS` chunks of the bundled prose, packed as one batch per encoder budget."""
-    from .data import prose_documents
+    `AGREEMENT_CHUNKS` windows of held-out prose, packed as batches of each encoder's own budget."""
+    from .data import prose_halves, token_windows
     from .packing import pack
     from . import cpu_attention
 
     size = reference.config.chunk_size
-    texts = prose_documents(reference.tokenizer, np.full(AGREEMENT_CHUNKS, size), seed=0)
+    texts = token_windows(reference.tokenizer, "\n\n".join(prose_halves()[1]), AGREEMENT_CHUNKS, size)
     plan = reference.plan(texts)
-    per_batch = max(1, reference.max_batch_tokens // int(plan.chunk_lengths.max()))
-    batches = [pack(plan.tokens, plan.chunks, np.arange(lo, min(lo + per_batch, plan.n_chunks)), plan.prefix,
-                    plan.suffix, reference.spec.first_position) for lo in range(0, plan.n_chunks, per_batch)]
+    packed: dict = {}  # per token budget: int8 batches by its own (8192), the float paths by 4096
+
+    def batches(budget: int):
+        if budget not in packed:
+            per = max(1, budget // int(plan.chunk_lengths.max()))
+            packed[budget] = [pack(plan.tokens, plan.chunks, np.arange(lo, min(lo + per, plan.n_chunks)), plan.prefix,
+                                   plan.suffix, reference.spec.first_position) for lo in range(0, plan.n_chunks, per)]
+        return packed[budget]
 
     def run(enc):
-        return np.concatenate([enc.run_batch(b).cpu().numpy() for b in batches])
+        return np.concatenate([enc.run_batch(b).cpu().numpy() for b in batches(enc.max_batch_tokens)])
 
     want = _unit(run(reference))
     agreement = {name: float(np.min(np.sum(_unit(run(enc)) * want, axis=1))) for name, enc in encoders.items()}
@@ -190,5 +223,6 @@ def resolve(encoder_cls, model, tokenizer, cfg, model_path=None, measure=None, m
     def encoder_for(options):
         return encoder_cls(copy.deepcopy(model), tokenizer, config=cfg.replace(**options), model_path=model_path)
 
-    choice = choose_path(encoder_for, model, dtype, cfg.compile, measure=measure, model_key=model_key)
+    choice = choose_path(encoder_for, model, dtype, cfg.compile, measure=measure, model_key=model_key,
+                         bound=cfg.auto_agreement, strategy=cfg.strategy)
     return cfg.replace(**choice.options), choice

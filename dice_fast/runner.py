@@ -159,9 +159,21 @@ class ModelRunner:
 
     def _padded_hidden(self, batch: PackedBatch) -> torch.Tensor:
         """(T, H) hidden states of the batch's tokens in packed order, from dense padded sub-batches."""
-        lengths, cu = batch.lengths, batch.cu_seqlens.astype(np.int64)
         out = None
-        for lo, hi in _padded_groups(lengths, self.max_batch_tokens):
+        for _, _, t_lo, t_hi, ids, mask, pos in self.dense_batches(batch, self.max_batch_tokens):
+            hidden = self._dense_hidden(ids, mask, pos)
+            if out is None:
+                out = hidden.new_empty((batch.n_tokens, hidden.shape[-1]))
+            out[t_lo:t_hi] = hidden[to_device(mask, hidden.device).bool()]
+        return out
+
+    def dense_batches(self, batch: PackedBatch, budget: int):
+        """The batch's chunks (sorted by length) as dense padded sub-batches of at most ``budget`` padded
+        tokens: (lo, hi, t_lo, t_hi, ids, mask, positions) with ids / mask / positions (n, width) int64
+        (positions None where the model takes none) holding chunks ``lo:hi`` (packing order), packed
+        tokens ``t_lo:t_hi``."""
+        lengths, cu = batch.lengths, batch.cu_seqlens.astype(np.int64)
+        for lo, hi in _padded_groups(lengths, budget):
             n, width = hi - lo, int(lengths[lo])
             sub = lengths[lo:hi]
             t_lo, t_hi = int(cu[lo]), int(cu[hi])
@@ -175,11 +187,7 @@ class ModelRunner:
             if self._takes_positions:
                 pos = np.full((n, width), self.spec.first_position, dtype=np.int64)
                 pos[rows, cols] = batch.position_ids[t_lo:t_hi]
-            hidden = self._dense_hidden(ids, mask, pos)
-            if out is None:
-                out = hidden.new_empty((int(cu[-1]), hidden.shape[-1]))
-            out[t_lo:t_hi] = hidden[to_device(mask, hidden.device).bool()]
-        return out
+            yield lo, hi, t_lo, t_hi, ids, mask, pos
 
     def _dense_hidden(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray | None) -> torch.Tensor:
         """(B, L, H) hidden states of one dense padded batch: ids, mask, positions (B, L) int64 (positions

@@ -12,6 +12,8 @@ from dice_fast import DiceEncoder, cpu_paths
 from dice_fast import cpu_attention
 from tiny_models import tiny
 
+REAL_FLAGS = cpu_attention.cpu_flags()  # before the fixture replaces them
+
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
@@ -93,3 +95,73 @@ def test_real_measurement_agrees_with_itself():
 def test_auto_is_cpu_only():
     with pytest.raises(ValueError, match="CPU"):
         _encoder(dtype="auto", device="meta")
+
+
+def test_lossy_paths_only_under_a_looser_bound():
+    names = lambda d, c, b=cpu_paths.AGREEMENT: [p.name for p in cpu_paths.candidates(d, c, b)]  # noqa: E731
+    assert "int8" not in names("auto", "auto")  # the default bound: int8 (cos min 0.994) is never measured
+    assert names("auto", "off", 0.99) == ["fp32", "bf16", "int8"]
+    assert names("bfloat16", "off", 0.99) == ["bf16"] and names("auto", "on", 0.99) == ["fp32+compile", "bf16+compile"]
+    # late chunking pools segments inside windows, which the int8 runner cannot: never a candidate there
+    assert [p.name for p in cpu_paths.candidates("auto", "off", 0.99, "late")] == ["fp32", "bf16"]
+
+
+def test_int8_candidate_needs_int8_units_and_the_extra(monkeypatch):
+    assert "VNNI" in cpu_paths.int8_units()  # the fixture's CPU: avx512_bf16 without VNNI
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx512f", "avx512_vnni"})
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "nncf" else real(m, *a))
+    assert "nncf not installed" in cpu_paths.int8_units()
+
+
+def test_bound_option_checked():
+    from dice_fast import DiceConfig
+
+    for bad in (0.0, 1.5, True, "0.99"):
+        with pytest.raises(ValueError, match="auto_agreement"):
+            DiceConfig(auto_agreement=bad)
+    assert DiceConfig().auto_agreement == cpu_paths.AGREEMENT == 0.999
+
+
+def test_lossy_path_chosen_only_when_it_keeps_the_bound(monkeypatch):
+    lossy = cpu_paths.CpuPath("lossy-test", {"dtype": "bfloat16", "compile": "off"}, lossy=True)
+    cpu_paths.register_path(lossy)
+    try:
+        rates = {"fp32": 100.0, "bf16": 180.0, "lossy-test": 400.0}
+        calls = []
+        monkeypatch.setattr(cpu_paths, "measure_paths", _fake(rates, {"fp32": 1.0, "bf16": 0.9999, "lossy-test": 0.994},
+                                                              calls=calls))
+        assert _encoder(dtype="auto").path_choice.name == "bf16"  # default bound: not a candidate at all
+        assert calls == [["bf16", "fp32"]]
+        choice = _encoder(dtype="auto", auto_agreement=0.99).path_choice
+        assert choice.name == "lossy-test" and calls[-1] == ["bf16", "fp32", "lossy-test"]
+        assert "cos >= 0.99)" in str(choice)
+        assert _encoder(dtype="auto", auto_agreement=0.995).path_choice.name == "bf16"  # measured 0.994 < 0.995
+        assert len(calls) == 2  # the measurement is cached per candidate set, whatever the bound
+    finally:
+        cpu_paths.PATHS.remove(lossy)
+
+
+def test_auto_picks_real_int8_when_fastest_within_the_bound(monkeypatch):
+    from dice_fast.quant import int8_dot_instructions
+    from dice_fast.quant import openvino as ovq
+
+    if not int8_dot_instructions(REAL_FLAGS):
+        pytest.skip("this CPU has no VNNI / AMX int8 instructions")
+    pytest.importorskip("openvino")
+    pytest.importorskip("nncf")
+    monkeypatch.setattr(ovq, "_MEMO", {})
+    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: REAL_FLAGS - {"avx512_bf16", "amx_bf16"})  # fp32, int8
+    seen = {}
+
+    def measure(encoders, reference):
+        seen.update({n: e.precision for n, e in encoders.items()})
+        return {"fp32": 100.0, "int8": 300.0}, {"fp32": 1.0, "int8": 0.995}, False
+
+    monkeypatch.setattr(cpu_paths, "measure_paths", measure)
+    enc = _encoder(dtype="auto", auto_agreement=0.99)
+    assert seen["int8"].startswith("int8 (openvino") and enc.path_choice.name == "int8"
+    assert enc.precision.startswith("int8 (openvino") and "path=int8 (measured" in repr(enc)
+    assert enc.encode_documents(["a short text to encode"]).shape == (1, enc.dim)

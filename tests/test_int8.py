@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dice_fast import DiceConfig, DiceEncoder
+from dice_fast.errors import OptionError
 from dice_fast.quant import Int8Unsupported, agreement, check_int8_cpu, int8_dot_instructions
 from dice_fast.quant import openvino as ovq
 
@@ -36,7 +37,7 @@ def test_refused_without_int8_instructions(monkeypatch):
     monkeypatch.delenv("DICE_FAST_INT8_ANY_CPU", raising=False)
     with pytest.raises(Int8Unsupported, match="avx512_vnni"):
         check_int8_cpu({"avx2", "fma"})
-    monkeypatch.setattr("dice_fast.quant.cpu.cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr("dice_fast.cpu_attention.cpu_flags", lambda: {"avx2"})
     model, tok, *_ = tiny("bert")
     with pytest.raises(Int8Unsupported, match="bfloat16"):
         DiceEncoder(model, tok, dtype="int8", chunk_size=16)
@@ -78,6 +79,8 @@ def test_quantized_model_cached_per_model_and_calibration(cache_dir, tmp_path, m
     assert enc.precision.startswith("int8 (openvino") and "dtype=int8 (openvino" in repr(enc)
     first = enc.encode_documents(texts)
     assert len(ovq.cached_models(cache_dir)) == 1
+    with pytest.raises(OptionError, match="int8"):  # it pools whole rows: no chunk inside a window
+        enc.plan(["a cat"], strategy="late")
     # a new process (empty memo) reads the model from disk: no export, same vectors
     monkeypatch.setattr(ovq, "_MEMO", {})
     real_export = ovq._export_and_quantize
@@ -126,3 +129,21 @@ def test_int8_agrees_with_float32_on_held_out_prose(cache_dir, tmp_path):
     alone = np.concatenate([int8.encode_documents([t]) for t in texts])
     together = int8.encode_documents(texts)
     np.testing.assert_allclose((alone * together).sum(1), 1.0, atol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_dense_pooling_matches_the_engines(pooling):
+    """The int8 runner pools each dense sub-batch itself: the same vectors as the engine's pool_chunks
+    on the valid tokens gathered into packing order (float32 rounding)."""
+    from dice_fast.ops import pool_chunks
+    from dice_fast.quant.runner import pool_dense
+
+    rng = np.random.default_rng(0)
+    lengths = np.array([7, 7, 5, 2, 1])
+    hidden = rng.standard_normal((5, 7, 12)).astype(np.float32) * 10
+    valid = np.arange(7)[None, :] < lengths[:, None]
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    want = pool_chunks(torch.from_numpy(hidden[valid]), cu, pooling, impl="reference").numpy()
+    np.testing.assert_allclose(pool_dense(hidden, lengths, pooling), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="pooling"):
+        pool_dense(hidden, lengths, "max")

@@ -182,6 +182,12 @@ def test_late_refuses_what_it_cannot_take(options, culprit):
     assert enc.plan(["a cat"]).windows is None
 
 
+def test_late_refuses_int8_before_quantizing():
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(OptionError, match="dtype='int8'"):
+        DiceEncoder(model, tok, chunk_size=K, strategy="late", window_tokens=24, dtype="int8")
+
+
 @pytest.mark.parametrize("bad", ["LATE", "", None, 3])
 def test_unknown_plan_strategy(bad):
     model, tok, *_ = tiny("bert")

@@ -20,10 +20,11 @@ __all__ = ["Agreement", "agreement", "held_out_texts", "Int8Unsupported", "check
            "int8_dot_instructions", "int8_runner"]
 
 
-def int8_runner(encoder, model, pad_token_id):
+def int8_runner(encoder, model, pad_token_id, streams: int | None = None, hints: dict | None = None):
     """The `Int8Runner` of a `DiceEncoder` being built (its tokenizer, spec, window and wrapping are
     set): calibration chunks from ``encoder.config.calibration`` (None: the bundled prose), the
-    quantized model cached beside the CPU tuning cache (``$DICE_FAST_CACHE_DIR``)."""
+    quantized model cached beside the CPU tuning cache (``$DICE_FAST_CACHE_DIR``). ``streams`` and
+    ``hints`` as for `Int8Runner` (benchmarks swap a built encoder's runner with them)."""
     try:
         import nncf  # noqa: F401
         import openvino  # noqa: F401
@@ -45,4 +46,4 @@ def int8_runner(encoder, model, pad_token_id):
     chunks = calibration_chunks(encoder.tokenizer, calibration_text(encoder.config.calibration), size, prefix,
                                 suffix, encoder.spec.first_position)
     return Int8Runner(model, encoder.spec, encoder.pooling, encoder.pooling_impl, encoder.max_batch_tokens,
-                      pad_token_id, chunks, cache_path().parent, model_fingerprint(model))
+                      pad_token_id, chunks, cache_path().parent, model_fingerprint(model), streams, hints)

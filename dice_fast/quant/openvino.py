@@ -113,13 +113,17 @@ def _export_and_quantize(model, calibration, takes_positions: bool, out: Path) -
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int):
+def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int,
+               streams: int = 1, hints: dict | None = None):
     """(compiled OpenVINO model, identity string) of ``model`` quantized with ``calibration``.
 
     model: the float Hugging Face model (read only); calibration: [(ids, positions)] of (1, L) int64,
     at least one; cache_root: folder holding ``int8/<key>/model.xml``; fingerprint: the model's
-    (`model_fingerprint`); threads: inference threads. identity names backend, versions and both
-    hashes: it is what the chunk cache's namespace records for this precision.
+    (`model_fingerprint`); threads: inference threads; streams: OpenVINO streams (1: one latency
+    stream using every thread; more: a throughput model, threads shared among the streams); hints:
+    extra compile properties (``INFERENCE_PRECISION_HINT`` for a measurement). identity names
+    backend, versions, the float parts' precision and both hashes: it is what the chunk cache's
+    namespace records for this precision.
     """
     import openvino as ov
 
@@ -128,22 +132,26 @@ def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_pos
     versions = _versions()
     digest = calibration_hash(calibration)
     key = cache_key(fingerprint, digest, versions)
+    props = {"INFERENCE_NUM_THREADS": int(threads)}
+    props.update({"PERFORMANCE_HINT": "LATENCY"} if streams <= 1 else
+                 {"PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": int(streams)})
+    props.update(hints or {})
+    memo = (key, json.dumps(props, sort_keys=True))
     with _LOCK:
-        if (key, threads) in _MEMO:
-            return _MEMO[key, threads]
+        if memo in _MEMO:
+            return _MEMO[memo]
         folder = Path(cache_root) / "int8" / key
         if not (folder / "model.xml").is_file():
             folder.parent.mkdir(parents=True, exist_ok=True)
             _export_and_quantize(model, calibration, takes_positions, folder)
         core = ov.Core()
-        compiled = core.compile_model(core.read_model(str(folder / "model.xml")), "CPU", {
-            "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": int(threads)})
+        compiled = core.compile_model(core.read_model(str(folder / "model.xml")), "CPU", props)
         # the float parts' precision is OpenVINO's per-CPU default (bf16 where the CPU has it): named,
         # since it shifts vectors (within the stated agreement)
         rest = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16" / "f32"
         identity = (f"int8 (openvino {versions['openvino']}, nncf {versions['nncf']}, float parts {rest}, "
                     f"model {fingerprint[:12]}, calibration {digest[:12]})")
-        _MEMO[key, threads] = compiled, identity
+        _MEMO[memo] = compiled, identity
         return compiled, identity
 
 

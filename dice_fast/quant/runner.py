@@ -1,12 +1,21 @@
 """`Int8Runner`: the engine's batches through the statically quantized int8 model.
 
-Same plan, packing, pooling and aggregation as every other precision: a `PackedBatch` comes in, its
-chunks (sorted by length) run as dense padded sub-batches of at most ``max_batch_tokens`` padded
-tokens (length buckets: 254-token chunks pad nothing), the valid tokens' hidden states are gathered
-back into packing order, and dice_fast's segment pooling turns them into chunk vectors.
+Same plan, packing and aggregation as every other precision: a `PackedBatch` comes in, its chunks
+(sorted by length) run as dense padded sub-batches (length buckets: 254-token chunks pad nothing),
+and each finished sub-batch is pooled to chunk vectors at once (`pool_dense`: the engine's token ->
+chunk pooling over each row's valid tokens, summed in float64), written in packing order.
+
+Speed: the compiled model has ``streams`` OpenVINO streams (default: one per inference thread, each
+stream one thread) and a batch's sub-batches (``max_batch_tokens / streams`` padded tokens each) are
+kept ``streams`` at a time in flight in an `openvino.AsyncInferQueue`, so every core runs its own
+request instead of all cores synchronising inside one (``streams=1``: one synchronous request with
+every thread, the first version). Pooling in the request's callback reads the output in place: no
+(tokens, hidden) copy, no torch ops (whose OpenMP threads would contend with OpenVINO's). Measured in
+benchmarks/RESULTS.md (the int8 throughput section).
 
 Exactness contract: none bit-wise. Agreement with float32 is stated and tested (`agreement`,
-docs/int8.md): cosine of chunk vectors against the float32 engine on held-out prose.
+docs/int8.md): cosine of chunk vectors against the float32 engine on held-out prose. Static scales
+make a chunk's vector independent of its sub-batch neighbours and of which stream runs it.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import OptionError
 from ..runner import PADDED, ModelRunner
 from .cpu import check_int8_cpu
 from .openvino import int8_model
@@ -24,23 +34,76 @@ from .openvino import int8_model
 
 class Int8Runner(ModelRunner):
     """A `ModelRunner` whose dense forward is the int8 OpenVINO model (the float model is kept only for
-    its facts and fingerprint). ``identity``: backend, versions, model and calibration hashes."""
+    its facts and fingerprint). ``identity``: backend, versions, model and calibration hashes;
+    ``streams``: requests in flight (None: one per inference thread); ``hints``: extra OpenVINO
+    compile properties (measurements only, e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``). It pools
+    itself (`pool_dense`), so ``pooling_impl`` does not apply."""
 
     def __init__(self, model, spec, pooling: str, pooling_impl: str, max_batch_tokens: int,
-                 pad_token_id: int | None, calibration, cache_root: Path, fingerprint: str):
+                 pad_token_id: int | None, calibration, cache_root: Path, fingerprint: str,
+                 streams: int | None = None, hints: dict | None = None):
         self.instructions = check_int8_cpu()
         super().__init__(model, spec, PADDED, None, pooling, pooling_impl, max_batch_tokens, pad_token_id)
+        threads = torch.get_num_threads()
+        self.streams = max(1, int(streams if streams is not None else threads))
         self.openvino_model, self.identity = int8_model(model, calibration, cache_root, fingerprint,
-                                                  self._takes_positions, torch.get_num_threads())
-        self._local = threading.local()  # one infer request per thread: a request is not thread-safe
+                                                        self._takes_positions, threads, self.streams, hints)
+        self._local = threading.local()  # one request queue per thread: a queue is not thread-safe
         self.fallback_reason = None
 
-    def _dense_hidden(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray | None) -> torch.Tensor:
-        request = getattr(self._local, "request", None)
-        if request is None:
-            request = self._local.request = self.openvino_model.create_infer_request()
-        feed = {"input_ids": ids, "attention_mask": mask}
-        if positions is not None:
-            feed["position_ids"] = positions
-        out = request.infer(feed)
-        return torch.from_numpy(np.array(next(iter(out.values())), dtype=np.float32, copy=True))
+    def _queue(self):
+        queue = getattr(self._local, "queue", None)
+        if queue is None:
+            import openvino as ov
+
+            queue = self._local.queue = ov.AsyncInferQueue(self.openvino_model, self.streams)
+            queue.set_callback(_pool_finished)
+        return queue
+
+    def run(self, batch) -> torch.Tensor:
+        """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32 in packing order; sub-batches of
+        at most ``max_batch_tokens / streams`` padded tokens, ``streams`` of them in flight."""
+        out = np.zeros((len(batch.lengths), self.spec.hidden_size), np.float32)
+        errors: list = []
+        queue = self._queue()
+        try:
+            for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, max(1, self.max_batch_tokens // self.streams)):
+                feed = {"input_ids": ids, "attention_mask": mask}
+                if pos is not None:
+                    feed["position_ids"] = pos
+                # share_inputs: OpenVINO reads the arrays in place (kept alive by userdata until done)
+                queue.start_async(feed, (out, lo, hi, batch.lengths[lo:hi], self.pooling, feed, errors),
+                                  share_inputs=True)
+        finally:
+            queue.wait_all()  # also after a failed start: no request of this batch outlives the call
+        if errors:
+            raise errors[0]
+        return torch.from_numpy(out)
+
+
+def pool_dense(hidden: np.ndarray, lengths: np.ndarray, pooling: str) -> np.ndarray:
+    """Chunk vectors of one dense sub-batch: hidden (n, width, H) with row ``i``'s valid tokens first
+    (``lengths[i]`` >= 1 of them) -> (n, H) float32. mean: over the valid tokens, summed in float64
+    (the engine's `pool_chunks` to float32 rounding); cls: the first token; last: the last valid one."""
+    n = len(lengths)
+    if pooling == "cls":
+        return np.array(hidden[:, 0], np.float32)
+    if pooling == "last":
+        return np.array(hidden[np.arange(n), np.asarray(lengths) - 1], np.float32)
+    if pooling != "mean":
+        raise OptionError(f"pooling must be mean, cls or last, got {pooling!r}")
+    out = np.empty((n, hidden.shape[2]), np.float32)
+    for i, length in enumerate(lengths):  # an empty row (outside the contract) pools to zeros
+        out[i] = hidden[i, : int(length)].sum(0, dtype=np.float64) / max(int(length), 1)
+    return out
+
+
+def _pool_finished(request, userdata) -> None:
+    """AsyncInferQueue callback: the finished sub-batch's chunk vectors into ``out[lo:hi]`` (disjoint
+    rows, so concurrent callbacks never overlap), read from the output in place; an error is kept
+    for the caller's thread."""
+    out, lo, hi, lengths, pooling, _feed, errors = userdata
+    try:
+        out[lo:hi] = pool_dense(request.get_output_tensor(0).data, lengths, pooling)
+    except Exception as exc:  # noqa: BLE001 - raised by run() in the caller's thread
+        errors.append(exc)
