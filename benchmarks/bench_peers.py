@@ -114,7 +114,7 @@ def dice_paths(skip, variants=()) -> tuple[dict, dict]:
 
     flags = cpu_flags()
     wanted = {"dice_fp32": {"dtype": "float32"}, "dice_bf16": {"dtype": "bfloat16"},
-              "dice_compiled": {"dtype": "float32", "compile": True}, "dice_int8": {"dtype": "int8"}}
+              "dice_compiled": {"dtype": "float32", "compile": "on"}, "dice_int8": {"dtype": "int8"}}
     encoders, skipped = {}, {}
     for name, opts in wanted.items():
         if name in skip:
