@@ -98,12 +98,15 @@ def reference_encode(model, tokenizer, texts, *, prefix, suffix, first_position,
                 v = v / v.norm().clamp_min(1e-12)
             vecs.append(v)
             weights.append(len(wrapped))
-        d = aggregate(vecs, weights, raw_norms, aggregation, top_k, temperature)
-        if normalize:
-            d = d / d.norm().clamp_min(1e-12)
-        docs.append(d)
+        docs.append(_document(vecs, weights, raw_norms, aggregation, top_k, temperature, normalize))
         all_chunks.append(torch.stack(vecs).numpy())
     return torch.stack(docs).numpy(), all_chunks
+
+
+def _document(vecs, weights, raw_norms, aggregation, top_k, temperature, normalize):
+    """One document's float64 vector from its chunk vectors (the aggregation, then the L2 norm)."""
+    d = aggregate(vecs, weights, raw_norms, aggregation, top_k, temperature)
+    return d / d.norm().clamp_min(1e-12) if normalize else d
 
 
 def late_windows(n_tokens, chunks, capacity, overlap):
@@ -157,9 +160,6 @@ def late_reference_encode(model, tokenizer, texts, *, prefix, suffix, first_posi
         raw_norms = [float(v.norm()) for v in vecs]
         if normalize_chunks:
             vecs = [v / v.norm().clamp_min(1e-12) for v in vecs]
-        d = aggregate(vecs, weights, raw_norms, aggregation, top_k, temperature)
-        if normalize:
-            d = d / d.norm().clamp_min(1e-12)
-        docs.append(d)
+        docs.append(_document(vecs, weights, raw_norms, aggregation, top_k, temperature, normalize))
         all_chunks.append(torch.stack(vecs).numpy())
     return torch.stack(docs).numpy(), all_chunks
