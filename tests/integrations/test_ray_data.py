@@ -16,7 +16,7 @@ pc = pytest.importorskip("pyarrow.compute")
 
 # Ray starts its cluster and actor pools in the first test that needs them: more than the default 120 s
 # on a loaded 2-core machine
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(480)
 
 from dice_fast import DiceEncoder  # noqa: E402
 from dice_fast.integrations.ray import DiceEmbedder, encode_dataset  # noqa: E402
@@ -46,7 +46,7 @@ def cluster():
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     ctx = ray.data.DataContext.get_current()
     saved = ctx.wait_for_min_actors_s, ctx.enable_progress_bars
-    ctx.wait_for_min_actors_s, ctx.enable_progress_bars = 120, False  # both actors up before the first batch
+    ctx.wait_for_min_actors_s, ctx.enable_progress_bars = 240, False  # both actors up before the first batch (slow on a loaded 2-core machine)
     try:
         yield
     finally:
