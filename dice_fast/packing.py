@@ -22,6 +22,7 @@ All index arithmetic is vectorised numpy; the only Python loop is over batches.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -157,22 +158,23 @@ def merge(parts: list[PackedBatch]) -> tuple[PackedBatch, np.ndarray]:
     cu = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
     gather = np.repeat(starts - cu[:-1], lengths) + np.arange(int(cu[-1]), dtype=np.int64)
+    batch = PackedBatch(
+        input_ids=np.concatenate([p.input_ids for p in parts])[gather],
+        position_ids=np.concatenate([p.position_ids for p in parts])[gather],
+        cu_seqlens=cu.astype(np.int32),
+        max_seqlen=int(lengths.max()) if len(lengths) else 0,
+        chunk_ids=np.concatenate([p.chunk_ids for p in parts])[order],
+        lengths=lengths,
+    )
     if all(p.pool_rows is None for p in parts):
-        batch = PackedBatch(
-            input_ids=np.concatenate([p.input_ids for p in parts])[gather],
-            position_ids=np.concatenate([p.position_ids for p in parts])[gather],
-            cu_seqlens=cu.astype(np.int32),
-            max_seqlen=int(lengths.max()) if len(lengths) else 0,
-            chunk_ids=np.concatenate([p.chunk_ids for p in parts])[order],
-            lengths=lengths,
-        )
         return batch, part
-    return _merge_segments(parts, gather, order, cu, lengths)
+    return _merge_segments(parts, batch, gather, order)
 
 
-def _merge_segments(parts, gather, order, cu, lengths) -> tuple[PackedBatch, np.ndarray]:
-    """`merge` where some part pools segments inside its sequences (late chunking): the sequences as
-    `merge` orders them, every part's segments moved with their tokens, ordered by sequence."""
+def _merge_segments(parts, batch: PackedBatch, gather, order) -> tuple[PackedBatch, np.ndarray]:
+    """`merge` where some part pools segments inside its sequences (late chunking): ``batch`` holds the
+    merged sequences as `merge` orders them; every part's segments move with their tokens, ordered by
+    sequence."""
     new_token = np.empty(len(gather), dtype=np.int64)
     new_token[gather] = np.arange(len(gather), dtype=np.int64)  # old token row -> new row
     new_seq = np.empty(len(order), dtype=np.int64)
@@ -196,11 +198,6 @@ def _merge_segments(parts, gather, order, cu, lengths) -> tuple[PackedBatch, np.
     pool_cu = np.zeros(len(count) + 1, dtype=np.int64)
     np.cumsum(count[by_seq], out=pool_cu[1:])
     take = np.repeat(seg_cu[:-1][by_seq] - pool_cu[:-1], count[by_seq]) + np.arange(int(pool_cu[-1]), dtype=np.int64)
-    batch = PackedBatch(
-        input_ids=np.concatenate([p.input_ids for p in parts])[gather],
-        position_ids=np.concatenate([p.position_ids for p in parts])[gather],
-        cu_seqlens=cu.astype(np.int32), max_seqlen=int(lengths.max()) if len(lengths) else 0,
-        chunk_ids=np.concatenate(ids)[by_seq], lengths=lengths,
-        pool_rows=flat[take], pool_cu=pool_cu.astype(np.int32), pool_seq=seq[by_seq],
-    )
+    batch = dataclasses.replace(batch, chunk_ids=np.concatenate(ids)[by_seq], pool_rows=flat[take],
+                                pool_cu=pool_cu.astype(np.int32), pool_seq=seq[by_seq])
     return batch, np.concatenate(part)[by_seq]
