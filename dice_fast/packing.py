@@ -125,9 +125,9 @@ def pack_windows(plan: EncodingPlan, chunk_ids: np.ndarray, first_position: int)
     chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
     windows = np.unique(w.chunk_window[chunk_ids])
     batch = pack(plan.tokens, w.as_chunks(), windows, plan.prefix, plan.suffix, first_position)
-    seq_of_window = np.empty(w.n_windows, dtype=np.int64)
-    seq_of_window[batch.chunk_ids] = np.arange(len(batch.chunk_ids))
-    seq = seq_of_window[w.chunk_window[chunk_ids]]
+    seq_of_window = np.empty(len(windows), dtype=np.int64)  # over this batch's windows only (sorted)
+    seq_of_window[np.searchsorted(windows, batch.chunk_ids)] = np.arange(len(batch.chunk_ids))
+    seq = seq_of_window[np.searchsorted(windows, w.chunk_window[chunk_ids])]
     order = np.argsort(seq, kind="stable")
     chunk_ids, seq = chunk_ids[order], seq[order]
     ch = plan.chunks
