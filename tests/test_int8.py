@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dice_fast import DiceConfig, DiceEncoder
-from dice_fast.errors import OptionError
+from dice_fast.errors import InputError, OptionError
 from dice_fast.quant import Int8Unsupported, agreement, check_int8_cpu, int8_dot_instructions
 from dice_fast.quant import openvino as ovq
 
@@ -97,6 +97,44 @@ def test_quantized_model_cached_per_model_and_calibration(cache_dir, tmp_path, m
     assert len(ovq.cached_models(cache_dir)) == 3
     # int8 vectors never share the float32 chunk cache's namespace
     assert DiceEncoder(model, tok, chunk_size=16).precision == "float32"
+
+
+@needs_int8
+def test_full_chunks_run_on_the_fixed_length_twin(cache_dir, tmp_path, monkeypatch):
+    """Sub-batches as wide as a full chunk run on the twin compiled for that length, any other width on
+    the dynamic model; a chunk's vector is the same (to the kernels' rounding) on either model."""
+    _need_backend()
+    model, tok, *_ = tiny("bert")
+    sample = tmp_path / "corpus.txt"
+    sample.write_text("the cat sat on a mat and the dog ran to a big red house " * 4, encoding="utf-8")
+    enc = DiceEncoder(model, tok, dtype="int8", chunk_size=16, calibration=str(sample), max_batch_tokens=64)
+    compiled = enc.runner.openvino
+    assert compiled.width == 16 + enc.chunk_overhead and compiled.fixed is not None
+    assert compiled.fixed.input("input_ids").get_partial_shape()[1].get_length() == compiled.width
+    assert compiled.dynamic.input("input_ids").get_partial_shape()[1].is_dynamic
+    used = []
+    real_queue = type(enc.runner)._queue
+    monkeypatch.setattr(type(enc.runner), "_queue", lambda self, fixed: used.append(fixed) or real_queue(self, fixed))
+    texts = ["the old man ran to the river under a blue sky " * 6, "a short one", "the dog sat by the red house " * 2]
+    out = enc.encode_documents(texts, return_chunks=True)
+    assert True in used and False in used  # full chunks (several sub-batches) and the short tails
+    # every chunk alone on the dynamic model only (no fixed width): the same chunk vectors
+    monkeypatch.setattr(type(enc.runner), "_queue", real_queue)
+    plain = DiceEncoder(model, tok, dtype="int8", chunk_size=16, calibration=str(sample))
+    plain.runner.openvino = ovq.Int8Model(compiled.dynamic, None, None, compiled.identity)
+    alone = np.concatenate([plain.encode_documents([t], return_chunks=True).chunks for t in texts])
+    cos = (alone * out.chunks).sum(1) / np.linalg.norm(alone, axis=1) / np.linalg.norm(out.chunks, axis=1)
+    assert len(cos) >= 5 and cos.min() >= 1 - 1e-5, cos
+    with pytest.raises(InputError, match="width"):
+        ovq.int8_model(model, [(np.array([[1, 2]]), np.array([[0, 1]]))], cache_dir, "m", True, 1, width=0)
+
+
+def test_recipe_is_part_of_the_cache_key(monkeypatch):
+    """Another SmoothQuant alpha (or any recipe change) never reads a model quantized with the old one."""
+    v = {"openvino": "1", "nncf": "2"}
+    before = ovq.cache_key("m", "c", v)
+    monkeypatch.setitem(ovq.RECIPE, "smooth_quant_alpha", 0.95)
+    assert ovq.cache_key("m", "c", v) != before
 
 
 @needs_int8

@@ -45,5 +45,8 @@ def int8_runner(encoder, model, pad_token_id, streams: int | None = None, hints:
     size = min(DEFAULT_CHUNK_SIZE, encoder.window - encoder.chunk_overhead)
     chunks = calibration_chunks(encoder.tokenizer, calibration_text(encoder.config.calibration), size, prefix,
                                 suffix, encoder.spec.first_position)
+    # a full document chunk's length: the fixed-length twin's (late chunking never runs on int8)
+    strategy = "single" if encoder.config.strategy == "single" else "dice"
+    full_chunk = encoder.settings.chunking("documents", strategy).size + encoder.chunk_overhead
     return Int8Runner(model, encoder.spec, encoder.pooling, encoder.pooling_impl, encoder.max_batch_tokens,
-                      pad_token_id, chunks, cache_path().parent, model_fingerprint(model), streams, hints)
+                      pad_token_id, chunks, cache_path().parent, model_fingerprint(model), streams, hints, full_chunk)

@@ -1,6 +1,7 @@
 """The int8 model: the frozen Hugging Face model exported to OpenVINO and quantized statically by NNCF.
 
-    compiled, identity = int8_model(model, calibration, cache_root)
+    compiled = int8_model(model, calibration, cache_root, fingerprint, takes_positions, threads, streams, width=256)
+    compiled.dynamic, compiled.fixed, compiled.identity   # any shape; length fixed at 256; cache namespace
 
 ``calibration`` is a list of (ids, positions) pairs, (1, L) int64 each: wrapped chunks exactly as the
 engine runs them. Static quantization fixes every activation scale at calibration, so a chunk's
@@ -27,6 +28,7 @@ import json
 import os
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +36,13 @@ import torch
 
 from ..errors import InputError
 
-# NNCF's transformer preset (softmax, LayerNorm and GELU stay in floating point) with SmoothQuant
-# (on by default for TRANSFORMER). Changing any of these changes the key.
-RECIPE = {"backend": "openvino+nncf", "model_type": "transformer", "preset": "mixed", "subset_size": 300}
+# NNCF's transformer preset (softmax, LayerNorm and GELU stay in floating point) with SmoothQuant at
+# alpha 0.7 on the matmuls (NNCF's default is 0.95). Chosen on text that neither calibration nor the
+# held-out agreement uses (benchmarks/int8_recipe.py on benchmarks/data/sample.jsonl; MiniLM, 300
+# chunks of 254 tokens each): worst chunk cosine 0.9956 at 0.7 against 0.9874 at 0.95 and 0.988-0.989
+# at 0.85-0.9, whose calibration cosines looked best (RESULTS §16). Changing any of these changes the key.
+RECIPE = {"backend": "openvino+nncf", "model_type": "transformer", "preset": "mixed", "subset_size": 300,
+          "smooth_quant_alpha": 0.7}
 _MEMO: dict = {}
 _LOCK = threading.Lock()
 
@@ -85,6 +91,7 @@ def _feed(ids: np.ndarray, pos: np.ndarray, takes_positions: bool) -> dict:
 def _export_and_quantize(model, calibration, takes_positions: bool, out: Path) -> None:
     import nncf
     import openvino as ov
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
 
     from .. import attention as attn
 
@@ -102,8 +109,10 @@ def _export_and_quantize(model, calibration, takes_positions: bool, out: Path) -
         fp = ov.convert_model(_Dense(twin, takes_positions), example_input=example,
                               input=[(n, [-1, -1], ov.Type.i64) for n in names])
     data = nncf.Dataset([_feed(i, p, takes_positions) for i, p in calibration])
+    smooth = AdvancedSmoothQuantParameters(matmul=RECIPE["smooth_quant_alpha"])
     q = nncf.quantize(fp, data, model_type=nncf.ModelType.TRANSFORMER, preset=nncf.QuantizationPreset.MIXED,
-                      subset_size=min(RECIPE["subset_size"], len(calibration)))
+                      subset_size=min(RECIPE["subset_size"], len(calibration)),
+                      advanced_parameters=AdvancedQuantizationParameters(smooth_quant_alphas=smooth))
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     ov.save_model(q, str(tmp / "model.xml"), compress_to_fp16=False)
@@ -113,22 +122,37 @@ def _export_and_quantize(model, calibration, takes_positions: bool, out: Path) -
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class Int8Model:
+    """A quantized model compiled for one runner: ``dynamic`` takes (rows, length) of any size;
+    ``fixed`` (None without a width) is the same model with the length fixed at ``width`` (rows still
+    free): OpenVINO's CPU kernels run a known sequence length ~1.1x faster (RESULTS §16), and full
+    chunks, the bulk of a long-document corpus, all have that length. ``identity`` names backend,
+    versions, the float parts' precision and both hashes (the chunk cache's namespace for it)."""
+
+    dynamic: object
+    fixed: object
+    width: int | None
+    identity: str
+
+
 def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int,
-               streams: int = 1, hints: dict | None = None):
-    """(compiled OpenVINO model, identity string) of ``model`` quantized with ``calibration``.
+               streams: int = 1, hints: dict | None = None, width: int | None = None) -> Int8Model:
+    """``model`` quantized with ``calibration`` and compiled (`Int8Model`).
 
     model: the float Hugging Face model (read only); calibration: [(ids, positions)] of (1, L) int64,
     at least one; cache_root: folder holding ``int8/<key>/model.xml``; fingerprint: the model's
     (`model_fingerprint`); threads: inference threads; streams: OpenVINO streams (1: one latency
     stream using every thread; more: a throughput model, threads shared among the streams); hints:
-    extra compile properties (``INFERENCE_PRECISION_HINT`` for a measurement). identity names
-    backend, versions, the float parts' precision and both hashes: it is what the chunk cache's
-    namespace records for this precision.
+    extra compile properties (``INFERENCE_PRECISION_HINT`` for a measurement); width: the sequence
+    length of the fixed-length twin (the encoder's full chunk), None for none.
     """
     import openvino as ov
 
     if not calibration:
         raise InputError("int8 calibration needs at least one chunk of text")
+    if width is not None and width < 1:
+        raise InputError(f"int8 fixed width must be a positive token count, got {width}")
     versions = _versions()
     digest = calibration_hash(calibration)
     key = cache_key(fingerprint, digest, versions)
@@ -136,7 +160,7 @@ def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_pos
     props.update({"PERFORMANCE_HINT": "LATENCY"} if streams <= 1 else
                  {"PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": int(streams)})
     props.update(hints or {})
-    memo = (key, json.dumps(props, sort_keys=True))
+    memo = (key, json.dumps(props, sort_keys=True), width)
     with _LOCK:
         if memo in _MEMO:
             return _MEMO[memo]
@@ -145,14 +169,19 @@ def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_pos
             folder.parent.mkdir(parents=True, exist_ok=True)
             _export_and_quantize(model, calibration, takes_positions, folder)
         core = ov.Core()
-        compiled = core.compile_model(core.read_model(str(folder / "model.xml")), "CPU", props)
+        dynamic = core.compile_model(core.read_model(str(folder / "model.xml")), "CPU", props)
+        fixed = None
+        if width is not None:
+            twin = core.read_model(str(folder / "model.xml"))
+            twin.reshape({p.get_any_name(): ov.PartialShape([-1, int(width)]) for p in twin.inputs})
+            fixed = core.compile_model(twin, "CPU", props)
         # the float parts' precision is OpenVINO's per-CPU default (bf16 where the CPU has it): named,
         # since it shifts vectors (within the stated agreement)
-        rest = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16" / "f32"
+        rest = dynamic.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16" / "f32"
         identity = (f"int8 (openvino {versions['openvino']}, nncf {versions['nncf']}, float parts {rest}, "
                     f"model {fingerprint[:12]}, calibration {digest[:12]})")
-        _MEMO[memo] = compiled, identity
-        return compiled, identity
+        _MEMO[memo] = Int8Model(dynamic, fixed, width, identity)
+        return _MEMO[memo]
 
 
 def cached_models(cache_root: Path) -> list[str]:
