@@ -31,11 +31,17 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-size", type=int, default=254)
     ap.add_argument("--chunks", type=int, default=200, help="held-out prose windows for the cosines")
     ap.add_argument("--calibration", default=None)
+    ap.add_argument("--smooth-quant-alpha", type=float, default=None,
+                    help="quantize with this SmoothQuant alpha instead of the recipe's (an A/B; its own cache key)")
     args = ap.parse_args(argv)
 
     from dice_fast import DiceEncoder
     from dice_fast.eval.run import build_task, method_key, run_eval
     from dice_fast.quant import agreement
+    from dice_fast.quant import openvino as ovq
+
+    if args.smooth_quant_alpha is not None:
+        ovq.RECIPE["smooth_quant_alpha"] = args.smooth_quant_alpha
 
     fp32 = DiceEncoder.from_pretrained(device="cpu", chunk_size=args.chunk_size)
     t0 = time.perf_counter()

@@ -134,7 +134,7 @@ class DiceConfig:
         detail="Measured on held-out prose chunks of the encoder's chunk size. At the default (bf16 rounding) only "
         "the float paths can qualify; set below it, the int8 path (the `int8` extra, a CPU with VNNI or AMX, "
         "calibrated on the bundled prose) is measured too and chosen if it is the fastest path that keeps the "
-        "bound (int8 MiniLM: cos min 0.994, so `0.99` admits it). See [cpu.md](cpu.md).")
+        "bound (int8 MiniLM: cos min 0.995, so `0.99` admits it). See [cpu.md](cpu.md).")
     calibration: str | None = option(
         None, "dtype int8 only: a UTF-8 text file (a sample of your corpus) to calibrate the int8 model on",
         default_help="the first half of the bundled prose", metavar="FILE")

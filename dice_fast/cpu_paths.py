@@ -9,7 +9,7 @@ avx512_bf16 or AMX; int8 only with int8 dot products, VNNI or AMX, and the ``int
 * agreement: cosine between its chunk vectors and float32 eager ones on held-out prose (the second
   half of the bundled prose, which int8 never calibrates on: `AGREEMENT_CHUNKS` windows of the
   encoder's chunk size); a path is eligible when the minimum is >= the bound, ``auto_agreement``
-  (default `AGREEMENT` = 0.999: bf16 rounding). A *lossy* path (int8: cos min 0.994 on MiniLM) is
+  (default `AGREEMENT` = 0.999: bf16 rounding). A *lossy* path (int8: cos min 0.995 on MiniLM) is
   not even measured at the default bound (it could not meet it, and its first quantization costs
   minutes); with ``auto_agreement`` below 0.999 it is a candidate like any other;
 * speed: document tokens/s of the packed forward on the same chunks (one warm-up, then

@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from dice_fast.runinfo import append_csv
+from dice_fast.runinfo import append_csv, cpu_model
 
 
 def _read(path):
@@ -54,3 +54,14 @@ def test_a_file_with_rows_wider_than_its_header_is_refused_not_rewritten(tmp_pat
         with pytest.raises(ValueError, match=r"r.csv:2: 3 values under a header of 2 columns"):
             append_csv([row], path)
     assert path.read_text(encoding="utf-8") == "a,b\n1,2,EXTRA\n"
+
+
+def test_cpu_model_names_family_and_model(tmp_path):
+    """A virtual machine's "AMD EPYC" names no generation; family and model numbers tell Zen 3/4/5 apart."""
+    info = tmp_path / "cpuinfo"
+    block = "processor\t: {}\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n\n"
+    info.write_text(block.format(0) + block.format(1).replace("26", "25"), encoding="utf-8")
+    assert cpu_model(str(info)) == "AMD EPYC, family 26 model 2"  # the first processor's block only
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU\n", encoding="utf-8")
+    assert cpu_model(str(info)) == "Some CPU"
+    assert cpu_model(str(tmp_path / "missing"))  # falls back to what platform says
