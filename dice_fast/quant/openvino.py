@@ -62,6 +62,11 @@ def calibration_hash(calibration) -> str:
     return h.hexdigest()
 
 
+def recipe_hash() -> str:
+    """SHA-256 (hex) of `RECIPE`: named in the identity, so the chunk cache never mixes two recipes' vectors."""
+    return hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode()).hexdigest()
+
+
 def cache_key(fingerprint: str, calibration_digest: str, versions: dict | None = None) -> str:
     """The folder name of one quantized model: (model fingerprint, calibration hash, recipe, versions)."""
     blob = json.dumps({"model": fingerprint, "calibration": calibration_digest, "recipe": RECIPE,
@@ -133,7 +138,7 @@ class Int8Model:
     dynamic: object
     fixed: object
     width: int | None
-    identity: str
+    identity: str  # the chunk cache's namespace for these vectors (`encoder.precision`)
 
 
 def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int,
@@ -179,7 +184,7 @@ def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_pos
         # since it shifts vectors (within the stated agreement)
         rest = dynamic.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16" / "f32"
         identity = (f"int8 (openvino {versions['openvino']}, nncf {versions['nncf']}, float parts {rest}, "
-                    f"model {fingerprint[:12]}, calibration {digest[:12]})")
+                    f"recipe {recipe_hash()[:8]}, model {fingerprint[:12]}, calibration {digest[:12]})")
         _MEMO[memo] = Int8Model(dynamic, fixed, width, identity)
         return _MEMO[memo]
 

@@ -55,16 +55,17 @@ class Int8Runner(ModelRunner):
         self.fallback_reason = None
 
     def _queue(self, fixed: bool):
+        """This thread's request queue for the fixed-length twin (``fixed``) or the dynamic model."""
+        model = self.openvino.fixed if fixed else self.openvino.dynamic
         queues = getattr(self._local, "queues", None)
         if queues is None:
             queues = self._local.queues = {}
-        if fixed not in queues:
+        if id(model) not in queues:  # keyed by the model itself: a runner given other models gets new queues
             import openvino as ov
 
-            queue = queues[fixed] = ov.AsyncInferQueue(self.openvino.fixed if fixed else self.openvino.dynamic,
-                                                       self.streams)
+            queue = queues[id(model)] = ov.AsyncInferQueue(model, self.streams)
             queue.set_callback(_pool_finished)
-        return queues[fixed]
+        return queues[id(model)]
 
     def run(self, batch) -> torch.Tensor:
         """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32 in packing order; sub-batches of
