@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from . import cpu_linear
+
 CUDA_MODE = "default"  # torch.compile mode on CUDA: unmeasured (see the module docstring)
 BACKEND = "inductor"  # the compiler (tests trace with "aot_eager": the same graph, no code generation)
 
@@ -57,6 +59,10 @@ class CompiledForward:
         self.shadow = copy.deepcopy(model, memo=shared)  # new modules and config, the same tensors
         self.shadow.config._attn_implementation = attention_op.TRACED_NAME
         self.backend = backend
+        param = next(model.parameters())
+        # the eager forward's CPU linear kernel (dice_fast.cpu_linear), kept as an opaque op in the graph
+        self.linear = cpu_linear.kernel(param.dtype) if param.device.type == "cpu" else "torch"
+        self._linear_op = cpu_linear.traced_linear() if self.linear == "onednn" else None
         self._kwargs = {"use_cache": False} if takes_cache else {}
         if backend != "sdpa_groups":
             self._kwargs["dice_backend"] = backend
@@ -67,8 +73,9 @@ class CompiledForward:
 
     def _forward(self, input_ids, position_ids, cu, groups, causal):
         batch = {"dice_groups": groups} if self.backend == "sdpa_groups" else {"dice_max_len": groups}
-        out = self.shadow(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
-                          cu_seq_lens_q=cu, cu_seq_lens_k=cu, dice_causal=causal, **batch, **self._kwargs)
+        with cpu_linear.linear_mode(self.linear, self._linear_op):
+            out = self.shadow(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                              cu_seq_lens_q=cu, cu_seq_lens_k=cu, dice_causal=causal, **batch, **self._kwargs)
         return out.last_hidden_state[0]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,

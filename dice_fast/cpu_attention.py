@@ -246,7 +246,7 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
     if dtype != torch.float32:
         long_case = packed(2, 256)
         low = f"long_{_dtype_name(dtype)}"
-        ms = _race({"long_float32": sdpa_in(torch.float32, long_case), low: sdpa_in(dtype, long_case)},
+        ms = race({"long_float32": sdpa_in(torch.float32, long_case), low: sdpa_in(dtype, long_case)},
                    deadline - budget_s / 2)
         work = dtype if ms[low] < _MARGIN * ms["long_float32"] else torch.float32
     matmul_max_len = 0
@@ -254,7 +254,7 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
         if time.perf_counter() > deadline:
             break
         case = packed(16, length)
-        got = _race({f"short{length}_sdpa": sdpa_in(work, case), f"short{length}_matmul": mm(case)}, deadline)
+        got = race({f"short{length}_sdpa": sdpa_in(work, case), f"short{length}_matmul": mm(case)}, deadline)
         ms.update(got)
         if got.get(f"short{length}_matmul", float("inf")) < _MARGIN * got.get(f"short{length}_sdpa", float("inf")):
             matmul_max_len = length
@@ -293,7 +293,7 @@ def busy(load: float) -> bool:
     return load >= 0.5 * max(1, (os.cpu_count() or 1) - torch.get_num_threads() + 1)
 
 
-def _race(fns: dict, deadline: float, max_rounds: int = 7) -> dict:
+def race(fns: dict, deadline: float, max_rounds: int = 7) -> dict:
     """Best-of-k milliseconds of each function, interleaved until ``deadline`` (at least one timed call each)."""
     first = {}
     for name, fn in fns.items():

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import attention as attn
+from . import cpu_linear
 from .nosync import sync_free_kwargs
 from .ops import pool_chunks
 from .packing import PackedBatch, pack
@@ -66,6 +67,7 @@ class ModelRunner:
                  max_batch_tokens: int, pad_token_id: int | None, compile: bool = False):
         self.model, self.spec, self.causal = model, spec, causal
         self.compiled = None  # a dice_fast.compiled.CompiledForward when the packed forward is compiled
+        self._linear: str | None = None  # the CPU linear kernel (dice_fast.cpu_linear), chosen at the first forward
         self.pooling, self.pooling_impl, self.max_batch_tokens = pooling, pooling_impl, max_batch_tokens
         self.device = next(model.parameters()).device
         self.pad_id = int(pad_token_id or 0)
@@ -119,7 +121,7 @@ class ModelRunner:
         ids = on_device(batch, "input_ids", self.device).unsqueeze(0)
         pos = on_device(batch, "position_ids", self.device)
         kwargs.update(sync_free_kwargs(ids, self.spec.is_causal))  # no host sync in transformers' mask code
-        with attn.attention_context(self.backend, causal, batch.lengths, batch.cu_seqlens) as run:
+        with attn.attention_context(self.backend, causal, batch.lengths, batch.cu_seqlens) as run, self.linear_mode():
             out = self.model(
                 input_ids=ids,
                 position_ids=pos.unsqueeze(0),
@@ -127,6 +129,14 @@ class ModelRunner:
                 **kwargs,
             )
         return out.last_hidden_state[0], run
+
+    def linear_mode(self):
+        """The context the eager forward runs its linears in: oneDNN's kernel where it was measured faster
+        on this CPU for the model's dtype (`dice_fast.cpu_linear`), else torch's own."""
+        if self._linear is None:
+            dtype = next(self.model.parameters()).dtype
+            self._linear = cpu_linear.kernel(dtype) if self.device.type == "cpu" else "torch"
+        return cpu_linear.linear_mode(self._linear)
 
     def _compiled_hidden(self, batch: PackedBatch, cu: torch.Tensor) -> torch.Tensor:
         from .attention_op import group_table, max_len_tensor
@@ -195,8 +205,9 @@ class ModelRunner:
         kwargs = {"use_cache": False} if self.takes_cache else {}
         if positions is not None:
             kwargs["position_ids"] = to_device(positions, self.device)
-        return self.model(input_ids=to_device(ids, self.device), attention_mask=to_device(mask, self.device),
-                          **kwargs).last_hidden_state
+        with self.linear_mode():
+            return self.model(input_ids=to_device(ids, self.device), attention_mask=to_device(mask, self.device),
+                              **kwargs).last_hidden_state
 
     # ----------------------------------------------------------------------------------------
     def _probe(self, backend: str) -> str | None:

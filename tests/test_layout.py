@@ -147,6 +147,7 @@ THIRD_PARTY_PRIVATE = {
     "_C", "_dispatch_has_kernel_for_dispatch_key",  # torch's dispatcher: is an op registered for a key
     "_actions",  # argparse's list of a parser's actions (the only way to walk its flags)
     "_flash_attention_forward",  # torch's flash kernel: GQA unrepeated where varlen_attn has no enable_gqa (2.11)
+    "_linear_pointwise",  # torch's oneDNN linear (what inductor emits): 2.4x MKL's fp32 sgemm on AMD (cpu_linear)
 }
 ROOT = PACKAGE.parent
 # a GPU preflight inspects the Triton kernels' launch internals and attention's probes by design

@@ -1,0 +1,139 @@
+"""The CPU's GEMM for the model's linear layers: torch's own (MKL) or oneDNN's, measured per machine.
+
+On the CPU, torch runs ``nn.Linear`` in float32 through MKL's sgemm. MKL takes a slower code path on
+AMD processors: measured on a 2-core AMD EPYC Zen 5 (benchmarks/RESULTS.md §16.10), a 4096 x 384 x
+1536 float32 linear runs 170 GFLOP/s through ``addmm`` and 405 GFLOP/s through oneDNN's linear
+(``torch.ops.mkldnn._linear_pointwise``, the kernel inductor itself emits), and bf16 726 against 826.
+So which kernel runs a linear is measured, not assumed:
+
+    cpu_linear.kernel(torch.float32)        # -> "onednn" or "torch", measured once per machine and dtype
+    with cpu_linear.linear_mode("onednn"):  # every F.linear on CPU float tensors runs through oneDNN
+        model(...)
+
+The first call for a dtype races the two kernels on one linear of the engine's size (well under a
+second, `cpu_attention.BUDGET_S`) and caches the answer beside the attention choices
+(``cpu_tuning.json``, per `cpu_attention.machine_key`). ``DICE_FAST_CPU_LINEAR`` = ``auto``
+(default) | ``torch`` | ``onednn`` decides without measuring.
+
+The mode changes no model: it intercepts ``torch.nn.functional.linear`` (what ``nn.Linear`` calls)
+for the duration of a forward, in the calling thread only; linears that call ``addmm`` themselves
+(GPT-2's ``Conv1D``) keep torch's kernel. Exactness: both kernels compute in the input's dtype with
+float accumulation; they differ by summation order only (MiniLM's chunk vectors: max abs 2.2e-7),
+inside the engine's float32 tolerance against the plain model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import cpu_attention as tuning
+from .errors import OptionError
+
+ENV_KERNEL = "DICE_FAST_CPU_LINEAR"
+KERNELS = ("torch", "onednn")
+_MARGIN = 0.9  # oneDNN must be this much faster to be chosen (ties keep torch's own kernel)
+_SHAPE = (4096, 384, 1536)  # tokens x in x out of the timed linear: a batch of MiniLM's FFN
+_DECIDED: dict[str, str] = {}
+
+
+def available() -> bool:
+    """Whether this torch build has oneDNN's linear."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def kernel(dtype: torch.dtype) -> str:
+    """The linear kernel for CPU tensors of ``dtype``: "onednn" or "torch" (see the module docstring)."""
+    raw = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
+    if raw not in ("auto", *KERNELS):
+        raise OptionError(f"{ENV_KERNEL} must be auto, torch or onednn, got {raw!r}")
+    if dtype not in (torch.float32, torch.bfloat16) or not available():
+        return "torch"
+    if raw != "auto":
+        return raw
+    name = f"linear/{str(dtype).replace('torch.', '')}"
+    if name not in _DECIDED:
+        cache = tuning.read_cache()
+        entry = cache.get(tuning.machine_key(), {}).get(name)
+        if not (isinstance(entry, dict) and entry.get("kernel") in KERNELS):
+            entry = measure(dtype)
+            if not entry["busy"]:  # a contended timing is used, not kept
+                cache.setdefault(tuning.machine_key(), {})[name] = entry
+                tuning.write_cache(cache)
+        _DECIDED[name] = entry["kernel"]
+    return _DECIDED[name]
+
+
+def measure(dtype: torch.dtype, budget_s: float = tuning.BUDGET_S) -> dict:
+    """Race torch's and oneDNN's linear on one (`_SHAPE`) linear of ``dtype``; the cache entry
+    {"kernel", "ms", "threads", "load", "busy", "date"}."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    m, k, n = _SHAPE
+    x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((m, k), (n, k), (n,)))
+    ms = tuning.race({"torch": lambda: F.linear(x, w, b), "onednn": lambda: onednn_linear(x, w, b)},
+                     time.perf_counter() + budget_s)
+    load = tuning.measured_load()
+    return {"kernel": "onednn" if ms["onednn"] < _MARGIN * ms["torch"] else "torch",
+            "ms": {key: round(v, 4) for key, v in ms.items()}, "threads": torch.get_num_threads(),
+            "load": load, "busy": tuning.busy(load), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through oneDNN: x (..., in), weight (out, in), bias (out,) or None."""
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class _OneDnnLinear(TorchFunctionMode):
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (x.device.type == "cpu" and x.dtype == weight.dtype in (torch.float32, torch.bfloat16)
+                    and weight.dim() == 2 and x.dim() >= 1 and (bias is None or bias.dtype == x.dtype)):
+                return self.linear(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+_TRACED = []
+_LOCK = threading.Lock()
+
+
+def traced_linear():
+    """`onednn_linear` as the opaque op ``dice_fast::onednn_linear`` (registered at first use, never at
+    import): inductor cannot lower oneDNN's linear on an unpacked weight, so the compiled forward
+    (`dice_fast.compiled`) keeps it as one extern call per linear and fuses the work around it."""
+    with _LOCK:
+        if not _TRACED:
+            @torch.library.custom_op("dice_fast::onednn_linear", mutates_args=())
+            def op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                return onednn_linear(x, weight, bias)
+
+            @op.register_fake
+            def _(x, weight, bias):
+                return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+            _TRACED.append(op)
+    return _TRACED[0]
+
+
+def linear_mode(name: str, linear=None):
+    """A context in which ``F.linear`` runs through kernel ``name`` ("onednn"; "torch": nothing changes):
+    ``linear`` (default `onednn_linear`; a compiled forward passes `traced_linear()`, made outside the
+    traced code)."""
+    if name != "onednn":
+        return contextlib.nullcontext()
+    return _OneDnnLinear(linear or onednn_linear)
