@@ -18,6 +18,9 @@ inductor's GPU backend compiles in `CUDA_MODE`, which is not measured yet (bench
 
 Compilation happens at the first call (the runner makes it at construction, on its probe batch),
 once per encoder and process; inductor's on-disk cache makes a later process's compile shorter.
+On the CPU the linears run the eager forward's measured kernel (`dice_fast.cpu_linear`): where it is
+oneDNN's, every ``F.linear`` is traced as the opaque op ``dice_fast::onednn_linear`` (inductor keeps
+it as one call and fuses around it; its own lowering would take MKL's slow path on AMD: §16.10).
 The model is frozen (``freezing``: weights are constants, GEMM weights pre-packed for oneDNN):
 weights changed after the first call are not seen — build a new encoder after changing a model.
 """
