@@ -62,9 +62,8 @@ class CompiledForward:
         self.shadow = copy.deepcopy(model, memo=shared)  # new modules and config, the same tensors
         self.shadow.config._attn_implementation = attention_op.TRACED_NAME
         self.backend = backend
-        param = next(model.parameters())
         # the eager forward's CPU linear kernel (dice_fast.cpu_linear), kept as an opaque op in the graph
-        self.linear = cpu_linear.kernel(param.dtype) if param.device.type == "cpu" else "torch"
+        self.linear = cpu_linear.model_kernel(model)
         self._linear_op = cpu_linear.traced_linear() if self.linear == "onednn" else None
         self._kwargs = {"use_cache": False} if takes_cache else {}
         if backend != "sdpa_groups":

@@ -179,16 +179,8 @@ def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:
     kernel_forced = _env_sdpa_only()
     if forced is not None and kernel_forced:
         return CpuAttention(forced, 0, "env")
-    name = f"{_dtype_name(dtype)}/d{head_dim}"
-    cache = read_cache()
-    entry = cache.get(machine_key(), {}).get(name)
-    source = "cache"
-    if not _valid(entry):
-        entry = measure_cpu_attention(dtype, head_dim)
-        source = "measured"
-        if not entry["busy"]:  # a measurement taken while other work held the cores is used, not kept
-            cache.setdefault(machine_key(), {})[name] = entry
-            write_cache(cache)
+    entry, source = cached_entry(f"{_dtype_name(dtype)}/d{head_dim}", _valid,
+                                 lambda: measure_cpu_attention(dtype, head_dim))
     work = forced if forced is not None else getattr(torch, entry["dtype"])
     matmul = 0 if kernel_forced else int(entry["matmul_max_len"])
     return CpuAttention(work, matmul, "env" if forced is not None and dtype != torch.float32 else source)
@@ -343,6 +335,21 @@ def machine_key() -> str:
     isa = sorted(f for f in cpu_flags() if f in ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16",
                                                  "avx512f", "avx2", "avx_vnni"))
     return f"{model} | {','.join(isa) or 'no-isa-flags'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+def cached_entry(name: str, valid, measure) -> tuple[dict, str]:
+    """(entry, source) of the decision ``name`` on this machine: the cached entry where ``valid(entry)``
+    ("cache"), else ``measure()``'s ("measured"), kept in the cache unless its ``busy`` flag says other
+    work held the cores while it was timed (a contended timing is used, not kept)."""
+    cache = read_cache()
+    entry = cache.get(machine_key(), {}).get(name)
+    if valid(entry):
+        return entry, "cache"
+    entry = measure()
+    if not entry["busy"]:
+        cache.setdefault(machine_key(), {})[name] = entry
+        write_cache(cache)
+    return entry, "measured"
 
 
 def read_cache() -> dict:

@@ -28,6 +28,7 @@ import contextlib
 import datetime
 import os
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -59,22 +60,21 @@ def kernel(dtype: torch.dtype) -> str:
         return raw
     name = f"linear/{str(dtype).replace('torch.', '')}"
     if name not in _DECIDED:
-        cache = tuning.read_cache()
-        entry = cache.get(tuning.machine_key(), {}).get(name)
-        if not (isinstance(entry, dict) and entry.get("kernel") in KERNELS):
-            entry = measure(dtype)
-            if not entry["busy"]:  # a contended timing is used, not kept
-                cache.setdefault(tuning.machine_key(), {})[name] = entry
-                tuning.write_cache(cache)
+        entry, _ = tuning.cached_entry(name, lambda e: isinstance(e, dict) and e.get("kernel") in KERNELS,
+                                       lambda: measure(dtype))
         _DECIDED[name] = entry["kernel"]
     return _DECIDED[name]
+
+
+def model_kernel(model) -> str:
+    """`kernel` for ``model``'s parameters: its dtype's on the CPU, "torch" on any other device."""
+    param = next(model.parameters())
+    return kernel(param.dtype) if param.device.type == "cpu" else "torch"
 
 
 def measure(dtype: torch.dtype, budget_s: float = tuning.BUDGET_S) -> dict:
     """Race torch's and oneDNN's linear on one (`_SHAPE`) linear of ``dtype``; the cache entry
     {"kernel", "ms", "threads", "load", "busy", "date"}."""
-    import time
-
     g = torch.Generator().manual_seed(0)
     m, k, n = _SHAPE
     x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((m, k), (n, k), (n,)))
@@ -103,7 +103,7 @@ class _OneDnnLinear(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if (x.device.type == "cpu" and x.dtype == weight.dtype in (torch.float32, torch.bfloat16)
-                    and weight.dim() == 2 and x.dim() >= 1 and (bias is None or bias.dtype == x.dtype)):
+                    and weight.dim() == 2 and (bias is None or bias.dtype == x.dtype)):
                 return self.linear(x, weight, bias)
         return func(*args, **kwargs)
 

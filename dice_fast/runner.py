@@ -135,8 +135,7 @@ class ModelRunner:
         """The context the eager forward runs its linears in: oneDNN's kernel where it was measured faster
         on this CPU for the model's dtype (`dice_fast.cpu_linear`), else torch's own."""
         if self._linear is None:
-            dtype = next(self.model.parameters()).dtype
-            self._linear = cpu_linear.kernel(dtype) if self.device.type == "cpu" else "torch"
+            self._linear = cpu_linear.model_kernel(self.model)
         return cpu_linear.linear_mode(self._linear)
 
     def _compiled_hidden(self, batch: PackedBatch, cu: torch.Tensor) -> torch.Tensor:
