@@ -139,18 +139,13 @@ def dice_paths(skip, variants=()) -> tuple[dict, dict]:
     return encoders, skipped
 
 
-def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
     from dice_fast.data import prose_halves, token_windows
     from dice_fast.models import default_model_path
-    from dice_fast.quant import held_out_texts
+    from dice_fast.quant import cosines, held_out_texts
     from dice_fast.runinfo import append_csv, cpu_model, versions
     from dice_fast.cpu_attention import cpu_flags
 

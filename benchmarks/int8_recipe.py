@@ -42,9 +42,7 @@ def main(argv=None) -> int:
 
     from dice_fast import DiceEncoder
     from dice_fast.data import prose_halves, token_windows
-    import numpy as np
-
-    from dice_fast.quant import held_out_texts
+    from dice_fast.quant import cosines, held_out_texts
     from dice_fast.quant import openvino as ovq
     from dice_fast.runinfo import append_csv, cpu_model, versions
 
@@ -57,11 +55,6 @@ def main(argv=None) -> int:
     # float32's chunk vectors once (one window per text, so one chunk each); int8's per alpha
     reference = {name: fp32.encode_documents(texts, return_chunks=True).chunks for name, texts in sets.items()}
 
-    def cosines(enc, name):
-        x = enc.encode_documents(sets[name], return_chunks=True).chunks.astype(np.float64)
-        y = reference[name].astype(np.float64)
-        return (x * y).sum(1) / np.maximum(np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1), 1e-30)
-
     default = ovq.RECIPE["smooth_quant_alpha"]
     rows = []
     print("| alpha | quantized in | calibration min / mean | dev min / mean | held-out min / mean |\n|---:|---:|---|---|---|")
@@ -71,7 +64,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             int8 = DiceEncoder(fp32.model, tok, dtype="int8", chunk_size=TEXT_TOKENS)
             took = time.perf_counter() - t0
-            got = {name: cosines(int8, name) for name in sets}
+            got = {name: cosines(int8.encode_documents(texts, return_chunks=True).chunks, reference[name])
+                   for name, texts in sets.items()}
             rows.append({"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": cpu_model(), "model": fp32.spec.name,
                          "alpha": alpha, "quantize_s": round(took, 1), "versions": json.dumps(versions()),
                          **{f"{n}_{k}": float(getattr(c, k)()) for n, c in got.items() for k in ("min", "mean")}})

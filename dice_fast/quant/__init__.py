@@ -12,11 +12,11 @@ stated (docs/int8.md). Importing this package loads neither OpenVINO nor NNCF.
 
 from __future__ import annotations
 
-from .agreement import Agreement, agreement, held_out_texts
+from .agreement import Agreement, agreement, cosines, held_out_texts
 from .cpu import Int8Unsupported, check_int8_cpu, int8_dot_instructions
 from ..errors import MissingDependency, OptionError
 
-__all__ = ["Agreement", "agreement", "held_out_texts", "Int8Unsupported", "check_int8_cpu",
+__all__ = ["Agreement", "agreement", "cosines", "held_out_texts", "Int8Unsupported", "check_int8_cpu",
            "int8_dot_instructions", "int8_runner"]
 
 

@@ -38,6 +38,12 @@ def held_out_texts(tokenizer, n: int, tokens: int) -> list[str]:
     return token_windows(tokenizer, "\n\n".join(prose_halves()[1]), n, tokens)
 
 
+def cosines(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Row-wise cosines of x and y, (n, d) each -> (n,) float64 (computed in float64)."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return (x * y).sum(1) / np.maximum(np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1), 1e-30)
+
+
 def agreement(candidate, reference, n_chunks: int = 64, texts: list[str] | None = None) -> Agreement:
     """Cosines between ``candidate``'s and ``reference``'s chunk vectors (two `DiceEncoder` over one
     model and tokenizer with the same chunking) of ``texts`` (None: ``n_chunks`` held-out prose
@@ -49,8 +55,6 @@ def agreement(candidate, reference, n_chunks: int = 64, texts: list[str] | None 
     if a.chunks.shape != b.chunks.shape or not np.array_equal(a.chunk_start, b.chunk_start):
         raise OptionError("agreement needs two encoders that chunk the texts alike (same tokenizer and "
                          f"chunk options); got {a.chunks.shape[0]} and {b.chunks.shape[0]} chunks")
-    x = a.chunks.astype(np.float64)
-    y = b.chunks.astype(np.float64)
-    cos = (x * y).sum(1) / np.maximum(np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1), 1e-30)
+    cos = cosines(a.chunks, b.chunks)
     return Agreement(float(cos.min()), float(cos.mean()), int(len(cos)),
                      int((a.chunk_end - a.chunk_start).sum()))

@@ -133,12 +133,13 @@ class Int8Model:
     ``fixed`` (None without a width) is the same model with the length fixed at ``width`` (rows still
     free): OpenVINO's CPU kernels run a known sequence length ~1.1x faster (RESULTS §16), and full
     chunks, the bulk of a long-document corpus, all have that length. ``identity`` names backend,
-    versions, the float parts' precision and both hashes (the chunk cache's namespace for it)."""
+    versions, the float parts' precision and the recipe, model and calibration hashes: the chunk
+    cache's namespace for these vectors (`encoder.precision`)."""
 
     dynamic: object
     fixed: object
     width: int | None
-    identity: str  # the chunk cache's namespace for these vectors (`encoder.precision`)
+    identity: str
 
 
 def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int,
@@ -174,10 +175,11 @@ def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_pos
             folder.parent.mkdir(parents=True, exist_ok=True)
             _export_and_quantize(model, calibration, takes_positions, folder)
         core = ov.Core()
-        dynamic = core.compile_model(core.read_model(str(folder / "model.xml")), "CPU", props)
+        quantized = core.read_model(str(folder / "model.xml"))
+        dynamic = core.compile_model(quantized, "CPU", props)
         fixed = None
         if width is not None:
-            twin = core.read_model(str(folder / "model.xml"))
+            twin = quantized.clone()  # the read model, not a second read of the file
             twin.reshape({p.get_any_name(): ov.PartialShape([-1, int(width)]) for p in twin.inputs})
             fixed = core.compile_model(twin, "CPU", props)
         # the float parts' precision is OpenVINO's per-CPU default (bf16 where the CPU has it): named,

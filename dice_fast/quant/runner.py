@@ -10,9 +10,9 @@ stream one thread) and a batch's sub-batches (``max_batch_tokens / streams`` pad
 kept ``streams`` at a time in flight in an `openvino.AsyncInferQueue`, so every core runs its own
 request instead of all cores synchronising inside one (``streams=1``: one synchronous request with
 every thread, the first version). Sub-batches of full chunks run on a twin of the model compiled for
-their length (rows free), ~1.1x the dynamic model's speed. Pooling in the request's callback reads the output in place: no
-(tokens, hidden) copy, no torch ops (whose OpenMP threads would contend with OpenVINO's). Measured in
-benchmarks/RESULTS.md (the int8 throughput section).
+their length (rows free), ~1.1x the dynamic model's speed. Pooling in the request's callback reads
+the output in place: no (tokens, hidden) copy, no torch ops (whose OpenMP threads would contend with
+OpenVINO's). Measured in benchmarks/RESULTS.md (the int8 throughput sections, §15-§16).
 
 Exactness contract: none bit-wise. Agreement with float32 is stated and tested (`agreement`,
 docs/int8.md): cosine of chunk vectors against the float32 engine on held-out prose. Static scales
@@ -35,7 +35,7 @@ from .openvino import int8_model
 
 class Int8Runner(ModelRunner):
     """A `ModelRunner` whose dense forward is the int8 OpenVINO model (the float model is kept only for
-    its facts and fingerprint). ``identity``: backend, versions, model and calibration hashes;
+    its facts and fingerprint). ``identity``: backend, versions, recipe, model and calibration hashes;
     ``streams``: requests in flight (None: one per inference thread); ``hints``: extra OpenVINO
     compile properties (measurements only, e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``); ``width``:
     the full chunk's token count, run on a twin compiled for that length (`int8_model`). It pools
