@@ -7,7 +7,7 @@
 Rows: sentence-transformers with PyTorch fp32, ONNX Runtime fp32, ONNX Runtime dynamic int8
 (avx512_vnni), OpenVINO (default precision) and OpenVINO static int8 (NNCF, calibrated on the first
 half of the bundled prose); dice_fast float32, bfloat16, compiled (where the ``compile`` option
-exists) and int8. Every path encodes the same ``--chunks`` texts of 254 tokens (256 with [CLS] and
+exists), float32 and bfloat16 on OpenVINO (``runtime="openvino"``, where the option exists) and int8. Every path encodes the same ``--chunks`` texts of 254 tokens (256 with [CLS] and
 [SEP]: one full window, one chunk each) cut from the held-out second half of the bundled prose. Runs
 are interleaved (each repeat runs every path once, order rotated per repeat), seconds are medians
 of ``--repeats``, after one warm-up call per path (64 texts). Agreement: cosine of every text's vector against
@@ -97,13 +97,13 @@ class Peers:
 def int8_variant(spec: str):
     """A dice_fast int8 encoder run as ``spec`` = STREAMS[@MAX_BATCH_TOKENS][/PRECISION] (see --int8-variants)."""
     from dice_fast import DiceEncoder
-    from dice_fast.quant import int8_runner
+    from dice_fast.quant import openvino_runner
 
     rest, _, precision = spec.partition("/")
     streams, _, budget = rest.partition("@")
     enc = DiceEncoder.from_pretrained(device="cpu", dtype="int8", **({"max_batch_tokens": int(budget)} if budget else {}))
     hints = {"INFERENCE_PRECISION_HINT": precision} if precision else None
-    enc.runner = int8_runner(enc, enc.model, enc.tokenizer.pad_token_id, streams=int(streams), hints=hints)
+    enc.runner = openvino_runner(enc, enc.model, enc.tokenizer.pad_token_id, streams=int(streams), hints=hints)
     return enc
 
 
@@ -114,16 +114,18 @@ def dice_paths(skip, variants=()) -> tuple[dict, dict]:
 
     flags = cpu_flags()
     wanted = {"dice_fp32": {"dtype": "float32"}, "dice_bf16": {"dtype": "bfloat16"},
-              "dice_compiled": {"dtype": "float32", "compile": "on"}, "dice_int8": {"dtype": "int8"}}
+              "dice_compiled": {"dtype": "float32", "compile": "on"},
+              "dice_ov_fp32": {"dtype": "float32", "runtime": "openvino"},
+              "dice_ov_bf16": {"dtype": "bfloat16", "runtime": "openvino"}, "dice_int8": {"dtype": "int8"}}
     encoders, skipped = {}, {}
     for name, opts in wanted.items():
         if name in skip:
             continue
-        if name == "dice_bf16" and not flags & {"avx512_bf16", "amx_bf16"}:
+        if "bf16" in name and not flags & {"avx512_bf16", "amx_bf16"}:
             skipped[name] = "no avx512_bf16 / AMX: bf16 matmul is emulated (~50x slower) here"
             continue
-        if "compile" in opts and "compile" not in DiceConfig.field_names():
-            skipped[name] = "this dice_fast has no compile option"
+        if not set(opts) <= set(DiceConfig.field_names()):
+            skipped[name] = f"this dice_fast has no {', '.join(sorted(set(opts) - set(DiceConfig.field_names())))} option"
             continue
         try:
             t0 = time.perf_counter()

@@ -22,6 +22,7 @@ ATTENTION_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_groups", "padd
 DTYPES = ("float32", "bfloat16", "float16", "auto", "int8")
 DEFAULT_CHUNK_SIZE = 256
 COMPILE_MODES = ("off", "on", "auto")
+RUNTIMES = ("torch", "openvino")
 PIPELINE_MODES = ("auto", "on", "off")
 
 
@@ -113,7 +114,7 @@ class DiceConfig:
         "position table")
     max_batch_tokens: int | None = option(
         None, "token budget of one packed forward",
-        default_help="4096 on CPU (8192 with dtype int8); on CUDA 65,536 to 524,288 by the model's FLOPs per token",
+        default_help="4096 on CPU (8192 on OpenVINO: dtype int8 or runtime openvino); on CUDA 65,536 to 524,288 by the model's FLOPs per token",
         detail="On CUDA the default gives a batch about 16 TFLOP of work (a power of two of tokens, "
         "see [gpu.md](gpu.md)): 524,288 tokens for MiniLM-L6, 131,072 for BERT-base, 65,536 from ~0.25 "
         "GFLOP per token up.")
@@ -135,6 +136,13 @@ class DiceConfig:
         "the float paths can qualify; set below it, the int8 path (the `int8` extra, a CPU with VNNI or AMX, "
         "calibrated on the bundled prose) is measured too and chosen if it is the fastest path that keeps the "
         "bound (int8 MiniLM: cos min 0.995, so `0.99` admits it). See [cpu.md](cpu.md).")
+    runtime: str | None = option(
+        None, "what runs the forward: torch (PyTorch, dice_fast's packed forward) or openvino (the model "
+        "exported to OpenVINO's fused CPU graph, one stream per core)", choices=RUNTIMES,
+        default_help="openvino for dtype int8, else torch",
+        detail='`"openvino"` (CPU, the `int8` extra) runs dtype `"float32"`, `"bfloat16"` (a CPU with '
+        'avx512_bf16 or AMX) or `"int8"`, strategies dice and single; not bit-exact with PyTorch: its '
+        'agreement is stated in [cpu.md](cpu.md). `dtype="auto"` measures it too where OpenVINO is installed.')
     calibration: str | None = option(
         None, "dtype int8 only: a UTF-8 text file (a sample of your corpus) to calibrate the int8 model on",
         default_help="the first half of the bundled prose", metavar="FILE")
@@ -200,6 +208,16 @@ class DiceConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise OptionError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _choice("compile", self.compile, COMPILE_MODES)
+        if self.runtime is not None:
+            _choice("runtime", self.runtime, RUNTIMES)
+        if self.runtime == "torch" and self.dtype == "int8":
+            raise OptionError("dtype='int8' runs on OpenVINO; runtime='torch' cannot run it (use runtime=None or "
+                              "'openvino', or a float dtype)")
+        if self.openvino and self.compile == "on":
+            raise OptionError(f"compile='on' compiles the PyTorch forward; runtime='openvino' (dtype={self.dtype!r}) "
+                              "compiles its own graph: use compile='off'")
+        if self.runtime == "openvino" and self.dtype == "float16":
+            raise OptionError("runtime='openvino' runs float32, bfloat16 or int8 on the CPU, not float16")
         _choice("pipeline", self.pipeline, PIPELINE_MODES)
         a = self.auto_agreement
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 < a <= 1.0:
@@ -208,6 +226,11 @@ class DiceConfig:
             raise OptionError(f"calibration (a text file path) applies to dtype='int8' only; got "
                              f"calibration={self.calibration!r} with dtype={self.dtype!r}")
         _choice("pooling_impl", self.pooling_impl, IMPLS)
+
+    @property
+    def openvino(self) -> bool:
+        """Whether OpenVINO runs the forward: dtype int8, or runtime "openvino" (a float dtype)."""
+        return self.dtype == "int8" or self.runtime == "openvino"
 
     def replace(self, **changes) -> DiceConfig:
         """A copy with ``changes`` applied (and validated)."""
@@ -230,5 +253,5 @@ def _positive_int(name: str, value, optional: bool = False) -> None:
         raise OptionError(f"{name} must be an integer >= 1{' or None' if optional else ''}, got {value!r}")
 
 
-__all__ = ["DiceConfig", "option", "DTYPES", "COMPILE_MODES", "PIPELINE_MODES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES",
+__all__ = ["DiceConfig", "option", "DTYPES", "COMPILE_MODES", "RUNTIMES", "PIPELINE_MODES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES",
            "ATTENTION_BACKENDS", "POOLINGS", "AGGREGATIONS"]

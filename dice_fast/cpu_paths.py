@@ -1,10 +1,11 @@
 """``dtype="auto"`` on a CPU: the fastest forward that keeps float32's vectors, measured per machine.
 
 A *path* is a set of `DiceConfig` changes that changes how the forward runs:
-``{"dtype": "float32"}``, ``{"dtype": "bfloat16"}``, the same with ``"compile": "on"``, and
-``{"dtype": "int8"}``; another registers itself with `register_path`. `choose_path` measures, once
-per machine and model, every path that can run here (bf16 only where the CPU has bf16 dot products:
-avx512_bf16 or AMX; int8 only with int8 dot products, VNNI or AMX, and the ``int8`` extra importable):
+``{"dtype": "float32"}``, ``{"dtype": "bfloat16"}``, the same with ``"compile": "on"``, the same
+two dtypes with ``"runtime": "openvino"``, and ``{"dtype": "int8"}``; another registers itself with
+`register_path`. `choose_path` measures, once per machine and model, every path that can run here
+(bf16 only where the CPU has bf16 dot products: avx512_bf16 or AMX; OpenVINO paths only where
+OpenVINO is importable, the ``int8`` extra; int8 only with int8 dot products, VNNI or AMX, and NNCF):
 
 * agreement: cosine between its chunk vectors and float32 eager ones on held-out prose (the second
   half of the bundled prose, which int8 never calibrates on: `AGREEMENT_CHUNKS` windows of the
@@ -20,8 +21,9 @@ The fastest eligible path wins (float32 eager always is eligible: it is the refe
 machine (`dice_fast.cpu_attention.machine_key`) and model (`model_fingerprint`) in the CPU tuning cache
 file beside the attention choices (``$DICE_FAST_CACHE_DIR/cpu_tuning.json``); a measurement taken
 while other processes competed for the cores is used but not kept. ``print(encoder)`` shows the
-choice. Which paths are candidates follows ``compile``: "off" eager only, "on" compiled only, "auto"
-both (with an explicit dtype, only that dtype's two forwards).
+choice. Which paths are candidates follows ``compile``: "off" eager only (OpenVINO's included), "on"
+compiled only, "auto" both (with an explicit dtype, only that dtype's forwards); and ``runtime``:
+None any, "torch" or "openvino" only its own.
 """
 
 from __future__ import annotations
@@ -84,6 +86,18 @@ def bf16_units() -> str | None:
     return "no avx512_bf16 or AMX: bf16 matmuls are emulated (slower than float32)"
 
 
+def openvino_units() -> str | None:
+    """None where OpenVINO is importable (checked without importing it), else why its paths cannot run."""
+    import importlib.util
+
+    return None if importlib.util.find_spec("openvino") else "openvino not installed (pip install 'dice-fast[int8]')"
+
+
+def openvino_bf16_units() -> str | None:
+    """None where OpenVINO can run bf16 here (bf16 units and OpenVINO), else why not."""
+    return bf16_units() or openvino_units()
+
+
 def int8_units() -> str | None:
     """None where the int8 path can run: int8 dot products (VNNI / AMX) and OpenVINO + NNCF importable
     (checked without importing them), else why not. ``DICE_FAST_INT8_ANY_CPU`` does not apply here."""
@@ -99,10 +113,14 @@ def int8_units() -> str | None:
 
 
 PATHS: list[CpuPath] = [
-    CpuPath("fp32", {"dtype": "float32", "compile": "off"}),
-    CpuPath("bf16", {"dtype": "bfloat16", "compile": "off"}, bf16_units),
-    CpuPath("fp32+compile", {"dtype": "float32", "compile": "on"}),
-    CpuPath("bf16+compile", {"dtype": "bfloat16", "compile": "on"}, bf16_units),
+    CpuPath("fp32", {"dtype": "float32", "compile": "off", "runtime": "torch"}),
+    CpuPath("bf16", {"dtype": "bfloat16", "compile": "off", "runtime": "torch"}, bf16_units),
+    CpuPath("fp32+compile", {"dtype": "float32", "compile": "on", "runtime": "torch"}),
+    CpuPath("bf16+compile", {"dtype": "bfloat16", "compile": "on", "runtime": "torch"}, bf16_units),
+    CpuPath("fp32+openvino", {"dtype": "float32", "compile": "off", "runtime": "openvino"}, openvino_units,
+            strategies=("dice", "single")),
+    CpuPath("bf16+openvino", {"dtype": "bfloat16", "compile": "off", "runtime": "openvino"}, openvino_bf16_units,
+            strategies=("dice", "single")),
     CpuPath("int8", {"dtype": "int8", "compile": "off"}, int8_units, lossy=True, strategies=("dice", "single")),
 ]
 REFERENCE = "fp32"
@@ -113,16 +131,20 @@ def register_path(path: CpuPath) -> None:
     PATHS[:] = [p for p in PATHS if p.name != path.name] + [path]
 
 
-def candidates(dtype: str, compile: str, bound: float = AGREEMENT, strategy: str = "dice") -> list[CpuPath]:
-    """The paths `choose_path` considers for the ``dtype`` / ``compile`` / ``strategy`` options and the
-    agreement ``bound``, the reference first (lossy paths only under a bound below `AGREEMENT`)."""
+def candidates(dtype: str, compile: str, bound: float = AGREEMENT, strategy: str = "dice",
+               runtime: str | None = None) -> list[CpuPath]:
+    """The paths `choose_path` considers for the ``dtype`` / ``compile`` / ``strategy`` / ``runtime``
+    (None: any) options and the agreement ``bound``, the reference first (lossy paths only under a
+    bound below `AGREEMENT`)."""
     want = {"off": ("off",), "on": ("on",), "auto": ("off", "on")}[compile]
     return [p for p in PATHS if p.options.get("compile", "off") in want and strategy in p.strategies
-            and (dtype == "auto" or p.options.get("dtype") == dtype) and (bound < AGREEMENT or not p.lossy)]
+            and (dtype == "auto" or p.options.get("dtype") == dtype) and (bound < AGREEMENT or not p.lossy)
+            and runtime in (None, p.options.get("runtime", "openvino"))]
 
 
 def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure: Callable | None = None,
-                model_key: str | None = None, bound: float = AGREEMENT, strategy: str = "dice") -> PathChoice:
+                model_key: str | None = None, bound: float = AGREEMENT, strategy: str = "dice",
+                runtime: str | None = None) -> PathChoice:
     """The fastest path whose cos min is >= ``bound`` (see the module docstring).
 
     encoder_for(options) -> a `DiceEncoder` running a copy of the model with ``options``;
@@ -132,7 +154,7 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
     """
     from . import cpu_attention
 
-    paths = [p for p in candidates(dtype, compile, bound, strategy) if p.usable() is None]
+    paths = [p for p in candidates(dtype, compile, bound, strategy, runtime) if p.usable() is None]
     if not paths:
         raise OptionError(f"dtype={dtype!r} with compile={compile!r}: no candidate path runs on this CPU")
     if model_key is None:
@@ -224,5 +246,5 @@ def resolve(encoder_cls, model, tokenizer, cfg, model_path=None, measure=None, m
         return encoder_cls(copy.deepcopy(model), tokenizer, config=cfg.replace(**options), model_path=model_path)
 
     choice = choose_path(encoder_for, model, dtype, cfg.compile, measure=measure, model_key=model_key,
-                         bound=cfg.auto_agreement, strategy=cfg.strategy)
+                         bound=cfg.auto_agreement, strategy=cfg.strategy, runtime=cfg.runtime)
     return cfg.replace(**choice.options), choice

@@ -97,10 +97,10 @@ class DiceEncoder:
         self.settings: Settings = resolve(cfg, inspect_model(model, tokenizer, model_path), tokenizer, device, dtype)
         s = self.settings
         self.chunk_stats = ChunkStats()
-        if cfg.dtype == "int8":
-            from .quant import int8_runner
+        if cfg.openvino:
+            from .quant import openvino_runner
 
-            self.runner = int8_runner(self, model, tokenizer.pad_token_id)
+            self.runner = openvino_runner(self, model, tokenizer.pad_token_id)
         else:
             self.runner = ModelRunner(model, s.spec, s.backend, s.causal, s.pooling, s.pooling_impl,
                                       s.max_batch_tokens, tokenizer.pad_token_id, compile=cfg.compile == "on")
@@ -156,8 +156,8 @@ class DiceEncoder:
 
     @property
     def precision(self) -> str:
-        """What chunk vectors are computed in: "float32", "bfloat16", "float16", or the int8 path's
-        identity (backend, versions, model and calibration hashes); part of the chunk cache's key."""
+        """What chunk vectors are computed in: "float32", "bfloat16", "float16", or the OpenVINO model's
+        identity (precision, versions, model and int8 calibration hashes); the chunk cache's key."""
         return getattr(self.runner, "identity", None) or str(self.dtype).replace("torch.", "")
 
     @property

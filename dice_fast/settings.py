@@ -33,9 +33,9 @@ WEIGHT_DTYPES = {**TORCH_DTYPES, "int8": torch.float32, "auto": torch.float32}
 # token budget of one packed forward when max_batch_tokens is None (why 4096 on a CPU: benchmarks/RESULTS.md,
 # "Figures moved out of docstrings (issue 23)")
 DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
-# int8 (CPU): a batch's sub-batches run one per OpenVINO stream; 8192 gives each of 2 streams 16 chunks of
+# the OpenVINO runtime (int8, float; CPU): a batch's sub-batches run one per OpenVINO stream; 8192 gives each of 2 streams 16 chunks of
 # 256 tokens and halves the batch barriers (1.05-1.4x 4096 on the loaded 2-core Zen 4, RESULTS §15)
-INT8_BATCH_TOKENS = 8192
+OPENVINO_BATCH_TOKENS = 8192
 OTHER_DEVICE_BATCH_TOKENS = 16384
 # CUDA: a default batch carries about CUDA_BATCH_FLOP of work (~20 ms at the H200's 790 TFLOP/s bf16),
 # so its fixed costs (launches, host packing) are a small share: the next power of two of tokens, within
@@ -141,9 +141,11 @@ class Settings:
                               "between windows is window_overlap)")
         if c.positions != "local":
             raise OptionError("strategy='late' restarts positions in every window; positions must be 'local'")
-        if c.dtype == "int8":  # the int8 runner pools whole padded rows; late pools segments inside them
-            raise OptionError("strategy='late' cannot run with dtype='int8' (its OpenVINO model pools every "
-                              "sequence whole, not the chunks inside a window); use float32 or bfloat16")
+        if c.openvino:  # the OpenVINO runner pools whole padded rows; late pools segments inside them
+            culprit = "dtype='int8'" if c.dtype == "int8" else "runtime='openvino'"
+            raise OptionError(f"strategy='late' cannot run with {culprit} (its OpenVINO model pools every "
+                              "sequence whole, not the chunks inside a window); use the torch runtime (float32 or "
+                              "bfloat16)")
         capacity = tokens - self.chunk_overhead
         room = capacity - c.chunk_size
         if room < 0:
@@ -192,7 +194,7 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
         query_wrap=query_wrap, pooling=cfg.pooling or spec.pooling,
         normalize_chunks=spec.normalizes if cfg.normalize_chunks is None else cfg.normalize_chunks,
         causal=_CAUSAL[cfg.attention],
-        max_batch_tokens=cfg.max_batch_tokens or (INT8_BATCH_TOKENS if cfg.dtype == "int8" else
+        max_batch_tokens=cfg.max_batch_tokens or (OPENVINO_BATCH_TOKENS if cfg.openvino else
                                                   default_batch_tokens(device, spec.flops_per_token)),
         backend=choose_backend(cfg.attention_backend, device, dtype), pooling_impl=pooling_impl,
         pipeline=cfg.pipeline == "on" or (cfg.pipeline == "auto" and device.type == "cuda"),

@@ -46,3 +46,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if slow and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))
+
+
+@pytest.fixture
+def ov_cache(tmp_path, monkeypatch):
+    """A private ``DICE_FAST_CACHE_DIR`` and an empty OpenVINO model memo: a test sees only its own
+    exports (int8 and float), as a new process would."""
+    from dice_fast.quant import openvino as ovq
+
+    monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ovq, "_MEMO", {})
+    return tmp_path

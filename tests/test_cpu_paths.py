@@ -4,6 +4,7 @@ choice is cached per machine and model, bf16 is a candidate only with bf16 units
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -13,12 +14,15 @@ from dice_fast import cpu_attention
 from tiny_models import tiny
 
 REAL_FLAGS = cpu_attention.cpu_flags()  # before the fixture replaces them
+REAL_FIND_SPEC = importlib.util.find_spec
 
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    # OpenVINO's paths are candidates only in the tests that restore it (`_with_openvino`)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "openvino" else REAL_FIND_SPEC(m, *a))
     cpu_attention.reset()
     yield
     cpu_attention.reset()
@@ -74,9 +78,13 @@ def test_no_bf16_without_bf16_units(monkeypatch):
 
 def test_candidates_follow_compile():
     names = lambda d, c: [p.name for p in cpu_paths.candidates(d, c)]  # noqa: E731
-    assert names("auto", "off") == ["fp32", "bf16"]
+    assert names("auto", "off") == ["fp32", "bf16", "fp32+openvino", "bf16+openvino"]
     assert names("auto", "on") == ["fp32+compile", "bf16+compile"]
-    assert names("bfloat16", "auto") == ["bf16", "bf16+compile"]
+    assert names("bfloat16", "auto") == ["bf16", "bf16+compile", "bf16+openvino"]
+    runtime = lambda r, b=cpu_paths.AGREEMENT: [p.name for p in cpu_paths.candidates("auto", "auto", b, runtime=r)]  # noqa: E731
+    assert runtime("torch") == ["fp32", "bf16", "fp32+compile", "bf16+compile"]
+    assert runtime("openvino") == ["fp32+openvino", "bf16+openvino"]
+    assert runtime("openvino", 0.99) == ["fp32+openvino", "bf16+openvino", "int8"]
     extra = cpu_paths.CpuPath("int8-test", {"dtype": "float32", "compile": "off"})
     cpu_paths.register_path(extra)
     try:
@@ -100,9 +108,9 @@ def test_auto_is_cpu_only():
 def test_lossy_paths_only_under_a_looser_bound():
     names = lambda d, c, b=cpu_paths.AGREEMENT: [p.name for p in cpu_paths.candidates(d, c, b)]  # noqa: E731
     assert "int8" not in names("auto", "auto")  # the default bound: int8 (cos min 0.994) is never measured
-    assert names("auto", "off", 0.99) == ["fp32", "bf16", "int8"]
-    assert names("bfloat16", "off", 0.99) == ["bf16"] and names("auto", "on", 0.99) == ["fp32+compile", "bf16+compile"]
-    # late chunking pools segments inside windows, which the int8 runner cannot: never a candidate there
+    assert names("auto", "off", 0.99) == ["fp32", "bf16", "fp32+openvino", "bf16+openvino", "int8"]
+    assert names("bfloat16", "off", 0.99) == ["bf16", "bf16+openvino"] and names("auto", "on", 0.99) == ["fp32+compile", "bf16+compile"]
+    # late chunking pools segments inside windows, which OpenVINO's runner cannot: never a candidate there
     assert [p.name for p in cpu_paths.candidates("auto", "off", 0.99, "late")] == ["fp32", "bf16"]
 
 
@@ -154,14 +162,46 @@ def test_auto_picks_real_int8_when_fastest_within_the_bound(monkeypatch):
     pytest.importorskip("nncf")
     monkeypatch.setattr(ovq, "_MEMO", {})
     monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: REAL_FLAGS - {"avx512_bf16", "amx_bf16"})  # fp32, int8
+    monkeypatch.setattr(importlib.util, "find_spec", REAL_FIND_SPEC)
     seen = {}
 
     def measure(encoders, reference):
         seen.update({n: e.precision for n, e in encoders.items()})
-        return {"fp32": 100.0, "int8": 300.0}, {"fp32": 1.0, "int8": 0.995}, False
+        rates = {"fp32": 100.0, "fp32+openvino": 120.0, "int8": 300.0}
+        return rates, {"fp32": 1.0, "fp32+openvino": 1.0, "int8": 0.995}, False
 
     monkeypatch.setattr(cpu_paths, "measure_paths", measure)
     enc = _encoder(dtype="auto", auto_agreement=0.99)
     assert seen["int8"].startswith("int8 (openvino") and enc.path_choice.name == "int8"
     assert enc.precision.startswith("int8 (openvino") and "path=int8 (measured" in repr(enc)
     assert enc.encode_documents(["a short text to encode"]).shape == (1, enc.dim)
+
+
+def test_auto_picks_openvino_bf16_when_fastest(monkeypatch):
+    """With OpenVINO installed its float paths are measured beside PyTorch's against torch float32 eager
+    (the reference, also under runtime="openvino"), and chosen when fastest within the bound."""
+    pytest.importorskip("openvino")
+    from dice_fast.quant import openvino as ovq
+
+    monkeypatch.setattr(importlib.util, "find_spec", REAL_FIND_SPEC)
+    monkeypatch.setattr(ovq, "_MEMO", {})
+    if cpu_paths.bf16_units() is not None or not REAL_FLAGS & {"avx512_bf16", "amx_bf16"}:
+        pytest.skip("this CPU has no bf16 units: OpenVINO would run bf16 as f32")
+    seen, refs = {}, []
+
+    def measure(encoders, reference):
+        seen.update({n: e.precision for n, e in encoders.items()})
+        refs.append(reference.precision)
+        rates = {"fp32": 100.0, "bf16": 150.0, "fp32+openvino": 120.0, "bf16+openvino": 210.0}
+        return {n: rates[n] for n in encoders}, {n: 1.0 if "fp32" in n else 0.9999 for n in encoders}, False
+
+    monkeypatch.setattr(cpu_paths, "measure_paths", measure)
+    enc = _encoder(dtype="auto")
+    assert sorted(seen) == ["bf16", "bf16+openvino", "fp32", "fp32+openvino"] and refs == ["float32"]
+    assert seen["bf16+openvino"].startswith("bfloat16 (openvino") and enc.path_choice.name == "bf16+openvino"
+    assert enc.config.runtime == "openvino" and enc.precision.startswith("bfloat16 (openvino")
+    seen.clear()
+    only = _encoder(dtype="auto", runtime="openvino")  # its own candidates; the reference is still torch's
+    assert sorted(seen) == ["bf16+openvino", "fp32+openvino"] and refs == ["float32", "float32"]
+    assert only.path_choice.name == "bf16+openvino"
+    assert _encoder(dtype="auto", runtime="torch").path_choice.name == "bf16"

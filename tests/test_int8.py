@@ -25,13 +25,6 @@ def _need_backend():
     pytest.importorskip("nncf")
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(ovq, "_MEMO", {})  # every test sees only its own disk cache
-    return tmp_path
-
-
 def test_refused_without_int8_instructions(monkeypatch):
     assert int8_dot_instructions({"avx2", "avx512_vnni", "amx_int8"}) == ("amx_int8", "avx512_vnni")
     monkeypatch.delenv("DICE_FAST_INT8_ANY_CPU", raising=False)
@@ -67,7 +60,7 @@ def test_cache_key_names_model_calibration_and_versions():
 
 
 @needs_int8
-def test_quantized_model_cached_per_model_and_calibration(cache_dir, tmp_path, monkeypatch):
+def test_quantized_model_cached_per_model_and_calibration(ov_cache, tmp_path, monkeypatch):
     _need_backend()
     model, tok, *_ = tiny("bert")
     texts = ["the cat sat on a mat and the dog ran to a big red house " * 3, "hello world"]
@@ -78,7 +71,7 @@ def test_quantized_model_cached_per_model_and_calibration(cache_dir, tmp_path, m
     enc = DiceEncoder(model, tok, **int8)
     assert enc.precision.startswith("int8 (openvino") and "dtype=int8 (openvino" in repr(enc)
     first = enc.encode_documents(texts)
-    assert len(ovq.cached_models(cache_dir)) == 1
+    assert len(ovq.cached_models(ov_cache)) == 1
     with pytest.raises(OptionError, match="int8"):  # it pools whole rows: no chunk inside a window
         enc.plan(["a cat"], strategy="late")
     # a new process (empty memo) reads the model from disk: no export, same vectors
@@ -94,13 +87,13 @@ def test_quantized_model_cached_per_model_and_calibration(cache_dir, tmp_path, m
         changed.embeddings.word_embeddings.weight[7, 0] += 1.0
     DiceEncoder(changed, tok, **int8)
     DiceEncoder(model, tok, **{**int8, "calibration": str(other)})
-    assert len(ovq.cached_models(cache_dir)) == 3
+    assert len(ovq.cached_models(ov_cache)) == 3
     # int8 vectors never share the float32 chunk cache's namespace
     assert DiceEncoder(model, tok, chunk_size=16).precision == "float32"
 
 
 @needs_int8
-def test_full_chunks_run_on_the_fixed_length_twin(cache_dir, tmp_path, monkeypatch):
+def test_full_chunks_run_on_the_fixed_length_twin(ov_cache, tmp_path, monkeypatch):
     """Sub-batches as wide as a full chunk run on the twin compiled for that length, any other width on
     the dynamic model; a chunk's vector is the same (to the kernels' rounding) on either model."""
     _need_backend()
@@ -121,12 +114,12 @@ def test_full_chunks_run_on_the_fixed_length_twin(cache_dir, tmp_path, monkeypat
     # every chunk alone on the dynamic model only (no fixed width): the same chunk vectors
     monkeypatch.setattr(type(enc.runner), "_queue", real_queue)
     plain = DiceEncoder(model, tok, dtype="int8", chunk_size=16, calibration=str(sample))
-    plain.runner.openvino = ovq.Int8Model(compiled.dynamic, None, None, compiled.identity)
+    plain.runner.openvino = ovq.OpenVinoModel(compiled.dynamic, None, None, compiled.identity)
     alone = np.concatenate([plain.encode_documents([t], return_chunks=True).chunks for t in texts])
     cos = (alone * out.chunks).sum(1) / np.linalg.norm(alone, axis=1) / np.linalg.norm(out.chunks, axis=1)
     assert len(cos) >= 5 and cos.min() >= 1 - 1e-4, cos
     with pytest.raises(InputError, match="width"):
-        ovq.int8_model(model, [(np.array([[1, 2]]), np.array([[0, 1]]))], cache_dir, "m", True, 1, width=0)
+        ovq.int8_model(model, [(np.array([[1, 2]]), np.array([[0, 1]]))], ov_cache, "m", True, 1, width=0)
 
 
 def test_recipe_is_part_of_the_cache_key(monkeypatch):
@@ -138,7 +131,7 @@ def test_recipe_is_part_of_the_cache_key(monkeypatch):
 
 
 @needs_int8
-def test_recipe_names_the_chunk_caches_namespace(cache_dir, tmp_path, monkeypatch):
+def test_recipe_names_the_chunk_caches_namespace(ov_cache, tmp_path, monkeypatch):
     """The identity (the chunk cache's dtype entry) names the recipe: vectors of two recipes never mix."""
     _need_backend()
     model, tok, *_ = tiny("bert")
@@ -149,7 +142,7 @@ def test_recipe_names_the_chunk_caches_namespace(cache_dir, tmp_path, monkeypatc
     assert f"recipe {ovq.recipe_hash()[:8]}" in shipped
     monkeypatch.setitem(ovq.RECIPE, "smooth_quant_alpha", 0.95)
     assert DiceEncoder(model, tok, **opts).precision != shipped
-    assert len(ovq.cached_models(cache_dir)) == 2
+    assert len(ovq.cached_models(ov_cache)) == 2
 
 
 class _FakeQueue:
@@ -185,7 +178,7 @@ class _FakeRequest:
 
 
 @needs_int8
-def test_switching_models_waits_and_keeps_errors(cache_dir, tmp_path, monkeypatch):
+def test_switching_models_waits_and_keeps_errors(ov_cache, tmp_path, monkeypatch):
     """A batch whose sub-batches change model waits for the first model's requests before starting the
     other's, pools every row, and raises an error of the first model's requests after the switch."""
     _need_backend()
@@ -197,7 +190,7 @@ def test_switching_models_waits_and_keeps_errors(cache_dir, tmp_path, monkeypatc
     enc = DiceEncoder(model, tok, dtype="int8", chunk_size=16, calibration=str(sample), max_batch_tokens=64)
     width = enc.runner.openvino.width
     fixed, dynamic = (type("M", (), {"name": n})() for n in ("fixed", "dynamic"))
-    enc.runner.openvino = ovq.Int8Model(dynamic, fixed, width, enc.runner.openvino.identity)
+    enc.runner.openvino = ovq.OpenVinoModel(dynamic, fixed, width, enc.runner.openvino.identity)
     events, fail = [], set()
     monkeypatch.setattr(openvino, "AsyncInferQueue", lambda m, jobs: _FakeQueue(m, jobs, events, fail))
     texts = ["the old man ran to the river under a blue sky " * 6, "a short one"]
@@ -215,7 +208,7 @@ def test_switching_models_waits_and_keeps_errors(cache_dir, tmp_path, monkeypatc
 
 @needs_int8
 @pytest.mark.timeout(300)
-def test_int8_agrees_with_float32_on_held_out_prose(cache_dir, tmp_path):
+def test_int8_agrees_with_float32_on_held_out_prose(ov_cache, tmp_path):
     """The bundled all-MiniLM-L6-v2 at 128-token chunks, calibrated on a slice of the first half of the
     bundled prose, against float32 on 48 chunks of the held-out second half."""
     _need_backend()

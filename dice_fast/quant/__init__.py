@@ -1,52 +1,85 @@
-"""int8 on the CPU: static quantization with calibration on text, behind the engine's plan, pack, pool
-and aggregate (``DiceEncoder.from_pretrained(dtype="int8")``).
+"""OpenVINO on the CPU behind the engine's plan, pack, pool and aggregate: int8 (static quantization
+with calibration on text) and the float precisions (``runtime="openvino"``).
 
     enc = DiceEncoder.from_pretrained(dtype="int8")              # calibrated on the bundled prose
     enc = DiceEncoder.from_pretrained(dtype="int8", calibration="sample_of_my_corpus.txt")
+    enc = DiceEncoder.from_pretrained(dtype="bfloat16", runtime="openvino")   # OpenVINO's fused bf16 graph
     agreement(enc, DiceEncoder.from_pretrained())                 # cos min / mean vs float32, held-out prose
 
-Needs the ``int8`` extra (``pip install dice-fast[int8]``: OpenVINO and NNCF) and a CPU with int8
-dot-product instructions (`check_int8_cpu`). Not exact: its agreement with float32 is measured and
-stated (docs/int8.md). Importing this package loads neither OpenVINO nor NNCF.
+Needs the ``int8`` extra (``pip install dice-fast[int8]``: OpenVINO and NNCF); int8 a CPU with int8
+dot-product instructions (`check_int8_cpu`), bfloat16 one with bf16 units. Not exact: agreement with
+float32 is measured and stated (docs/int8.md, docs/cpu.md). Importing this package loads neither
+OpenVINO nor NNCF.
 """
 
 from __future__ import annotations
 
+import torch
+
+from ..errors import MissingDependency, OptionError
 from .agreement import Agreement, agreement, cosines, held_out_texts
 from .cpu import Int8Unsupported, check_int8_cpu, int8_dot_instructions
-from ..errors import MissingDependency, OptionError
 
 __all__ = ["Agreement", "agreement", "cosines", "held_out_texts", "Int8Unsupported", "check_int8_cpu",
-           "int8_dot_instructions", "int8_runner"]
+           "int8_dot_instructions", "openvino_runner"]
 
 
-def int8_runner(encoder, model, pad_token_id, streams: int | None = None, hints: dict | None = None):
-    """The `Int8Runner` of a `DiceEncoder` being built (its tokenizer, spec, window and wrapping are
-    set): calibration chunks from ``encoder.config.calibration`` (None: the bundled prose), the
-    quantized model cached beside the CPU tuning cache (``$DICE_FAST_CACHE_DIR``). ``streams`` and
-    ``hints`` as for `Int8Runner` (benchmarks swap a built encoder's runner with them)."""
-    try:
-        import nncf  # noqa: F401
-        import openvino  # noqa: F401
-    except ImportError as exc:
-        raise MissingDependency("dtype='int8' needs OpenVINO and NNCF: pip install 'dice-fast[int8]'") from exc
-    from ..reuse.persistent import model_fingerprint
-    from ..config import DEFAULT_CHUNK_SIZE
+def openvino_runner(encoder, model, pad_token_id, streams: int | None = None, hints: dict | None = None):
+    """The `OpenVinoRunner` of a `DiceEncoder` being built (its tokenizer, spec, window and wrapping are
+    set) for its dtype: int8 (calibration chunks from ``encoder.config.calibration``, None: the bundled
+    prose), float32 or bfloat16 (the model exported unquantized); the exported model cached beside the
+    CPU tuning cache (``$DICE_FAST_CACHE_DIR``). ``streams`` as for `OpenVinoRunner`; ``hints``: extra
+    int8 compile properties (benchmarks swap a built encoder's runner with them)."""
     from ..cpu_attention import cache_path
-    from .calibration import calibration_chunks, calibration_text
-    from .runner import Int8Runner
+    from ..cpu_paths import bf16_units
+    from ..reuse.persistent import model_fingerprint
+    from .runner import OpenVinoRunner
+
+    int8 = encoder.config.dtype == "int8"
+    dtype = "int8" if int8 else str(encoder.dtype).replace("torch.", "")  # dtype None: the model's own
+    try:
+        import openvino  # noqa: F401
+        if int8:
+            import nncf  # noqa: F401
+    except ImportError as exc:
+        what = "dtype='int8' needs OpenVINO and NNCF" if int8 else "runtime='openvino' needs OpenVINO"
+        raise MissingDependency(f"{what}: pip install 'dice-fast[int8]'") from exc
+    from . import openvino as ovq
 
     if encoder.device.type != "cpu":
-        raise OptionError(f"dtype='int8' runs on the CPU only; got device {encoder.device}")
-    check_int8_cpu()  # before any export or calibration work
-    prefix, suffix = encoder.settings.document_wrap
-    # windows of the default chunk size whatever chunk_size is: encoders differing only in their
-    # chunking (the evaluation's twins) share one quantized model
-    size = min(DEFAULT_CHUNK_SIZE, encoder.window - encoder.chunk_overhead)
-    chunks = calibration_chunks(encoder.tokenizer, calibration_text(encoder.config.calibration), size, prefix,
-                                suffix, encoder.spec.first_position)
-    # a full document chunk's length: the fixed-length twin's (late chunking never runs on int8)
+        raise OptionError(f"{'dtype=' + repr(dtype) if int8 else 'runtime=' + repr('openvino')} runs on the CPU only; "
+                          f"got device {encoder.device}")
+    if int8:
+        check_int8_cpu()  # before any export or calibration work
+    elif dtype not in ovq.FLOAT_PRECISIONS:
+        raise OptionError(f"runtime='openvino' runs dtype float32, bfloat16 or int8, not {dtype!r}")
+    elif dtype == "bfloat16" and bf16_units() is not None:
+        raise OptionError(f"runtime='openvino' with dtype='bfloat16' needs bf16 units: {bf16_units()} (OpenVINO "
+                          "would run float32); use dtype='float32'")
+    # a full document chunk's length: the fixed-length twin's (late chunking never runs on OpenVINO)
     strategy = "single" if encoder.config.strategy == "single" else "dice"
     full_chunk = encoder.settings.chunking("documents", strategy).size + encoder.chunk_overhead
-    return Int8Runner(model, encoder.spec, encoder.pooling, encoder.pooling_impl, encoder.max_batch_tokens,
-                      pad_token_id, chunks, cache_path().parent, model_fingerprint(model), streams, hints, full_chunk)
+    root, fingerprint, threads = cache_path().parent, model_fingerprint(model), torch.get_num_threads()
+    if int8:
+        chunks = _calibration(encoder)
+
+        def build(takes_positions, n_streams):
+            return ovq.int8_model(model, chunks, root, fingerprint, takes_positions, threads, n_streams, hints,
+                                  full_chunk)
+    else:
+        def build(takes_positions, n_streams):
+            return ovq.float_model(model, dtype, root, fingerprint, takes_positions, threads, n_streams, full_chunk)
+    return OpenVinoRunner(model, encoder.spec, encoder.pooling, encoder.pooling_impl, encoder.max_batch_tokens,
+                          pad_token_id, build, streams)
+
+
+def _calibration(encoder):
+    """The int8 calibration chunks of ``encoder``: windows of the default chunk size whatever chunk_size
+    is (encoders differing only in their chunking, the evaluation's twins, share one quantized model)."""
+    from ..config import DEFAULT_CHUNK_SIZE
+    from .calibration import calibration_chunks, calibration_text
+
+    prefix, suffix = encoder.settings.document_wrap
+    size = min(DEFAULT_CHUNK_SIZE, encoder.window - encoder.chunk_overhead)
+    return calibration_chunks(encoder.tokenizer, calibration_text(encoder.config.calibration), size, prefix, suffix,
+                              encoder.spec.first_position)

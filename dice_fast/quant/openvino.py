@@ -1,6 +1,8 @@
-"""The int8 model: the frozen Hugging Face model exported to OpenVINO and quantized statically by NNCF.
+"""The frozen Hugging Face model exported to OpenVINO: quantized statically by NNCF (int8), or as it is
+(float32 / bfloat16), and compiled for the CPU with a fixed-length twin.
 
     compiled = int8_model(model, calibration, cache_root, fingerprint, takes_positions, threads, streams, width=256)
+    compiled = float_model(model, "bfloat16", cache_root, fingerprint, takes_positions, threads, streams, width=256)
     compiled.dynamic, compiled.fixed, compiled.identity   # any shape; length fixed at 256; cache namespace
 
 ``calibration`` is a list of (ids, positions) pairs, (1, L) int64 each: wrapped chunks exactly as the
@@ -10,8 +12,13 @@ batch, which would break the chunk cache's "a vector is a function of its chunk"
 
 The quantized model is cached on disk under ``cache_root/int8/<key>/`` where ``key`` hashes the model
 fingerprint (every weight), the calibration set's hash, the recipe and the OpenVINO / NNCF versions:
-another model, another calibration or another backend version never hits. A process keeps the
-compiled models it loaded, so encoders sharing a model (evaluation twins) compile once.
+another model, another calibration or another backend version never hits; the float export under
+``cache_root/openvino/<key>/`` (model fingerprint and OpenVINO version). A process keeps the compiled
+models it loaded, so encoders sharing a model (evaluation twins) compile once.
+
+Why OpenVINO for the float precisions too: its fused CPU graph (attention, LayerNorm, GELU and the
+GEMMs in one compiled model, run as one stream per core) ran MiniLM at bf16 ~1.5x dice_fast's eager
+PyTorch bf16 on the Zen 5 (RESULTS §16.8, §17), the ops PyTorch runs one by one at hidden size 384.
 
 Why OpenVINO (measured on the 2-core Zen 4 with avx512_vnni, busy machine, see docs/int8.md): static
 int8 here ran ~3.3x PyTorch fp32 on 256-token chunks; ONNX Runtime's int8 (dynamic, what
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -80,9 +88,13 @@ class _Dense(torch.nn.Module):
     def __init__(self, model, takes_positions: bool):
         super().__init__()
         self.model, self.takes_positions = model, takes_positions
+        # a decoder's KV cache is a Python object the exporter cannot convert; one forward needs none
+        self.no_cache = "use_cache" in inspect.signature(model.forward).parameters
 
     def forward(self, input_ids, attention_mask, position_ids=None):
         kw = {"position_ids": position_ids} if self.takes_positions else {}
+        if self.no_cache:
+            kw["use_cache"] = False
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state
 
 
@@ -93,10 +105,10 @@ def _feed(ids: np.ndarray, pos: np.ndarray, takes_positions: bool) -> dict:
     return feed
 
 
-def _export_and_quantize(model, calibration, takes_positions: bool, out: Path) -> None:
-    import nncf
+def _export(model, takes_positions: bool, ids: np.ndarray, pos: np.ndarray):
+    """``model`` as a float32 OpenVINO model with inputs (rows, length) free; ``ids`` / ``pos`` (1, L)
+    int64: one example to trace with."""
     import openvino as ov
-    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
 
     from .. import attention as attn
 
@@ -104,47 +116,110 @@ def _export_and_quantize(model, calibration, takes_positions: bool, out: Path) -
     if attn.installed(twin):
         attn.uninstall(twin)
     names = ["input_ids", "attention_mask"] + (["position_ids"] if takes_positions else [])
-    ids, pos = (torch.from_numpy(np.repeat(a, 2, axis=0)) for a in calibration[0])
+    ids, pos = (torch.from_numpy(np.repeat(np.asarray(a, np.int64), 2, axis=0)) for a in (ids, pos))
     mask = torch.ones_like(ids)
     mask[1, max(ids.shape[1] // 2, 1):] = 0  # a padded row: an all-ones example lets transformers drop the mask
     example = {"input_ids": ids, "attention_mask": mask}
     if takes_positions:
         example["position_ids"] = pos
     with torch.no_grad():
-        fp = ov.convert_model(_Dense(twin, takes_positions), example_input=example,
-                              input=[(n, [-1, -1], ov.Type.i64) for n in names])
+        return ov.convert_model(_Dense(twin, takes_positions), example_input=example,
+                                input=[(n, [-1, -1], ov.Type.i64) for n in names])
+
+
+def _quantize(fp, calibration, takes_positions: bool):
+    """The float OpenVINO model ``fp`` statically quantized by NNCF with `RECIPE` on ``calibration``."""
+    import nncf
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
+
     data = nncf.Dataset([_feed(i, p, takes_positions) for i, p in calibration])
     smooth = AdvancedSmoothQuantParameters(matmul=RECIPE["smooth_quant_alpha"])
-    q = nncf.quantize(fp, data, model_type=nncf.ModelType.TRANSFORMER, preset=nncf.QuantizationPreset.MIXED,
-                      subset_size=min(RECIPE["subset_size"], len(calibration)),
-                      advanced_parameters=AdvancedQuantizationParameters(smooth_quant_alphas=smooth))
+    return nncf.quantize(fp, data, model_type=nncf.ModelType.TRANSFORMER, preset=nncf.QuantizationPreset.MIXED,
+                         subset_size=min(RECIPE["subset_size"], len(calibration)),
+                         advanced_parameters=AdvancedQuantizationParameters(smooth_quant_alphas=smooth))
+
+
+def _export_and_quantize(model, calibration, takes_positions: bool, out: Path) -> None:
+    _save(_quantize(_export(model, takes_positions, *calibration[0]), calibration, takes_positions), out)
+
+
+def _export_float(model, takes_positions: bool, out: Path) -> None:
+    example = np.arange(1, 9, dtype=np.int64)[None]  # any ids trace: the graph does not depend on them
+    _save(_export(model, takes_positions, example, example - 1), out)
+
+
+def _save(ov_model, out: Path) -> None:
+    """Write ``ov_model`` as ``out/model.xml`` atomically: a reader sees a whole model or none."""
+    import openvino as ov
+
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    ov.save_model(q, str(tmp / "model.xml"), compress_to_fp16=False)
+    ov.save_model(ov_model, str(tmp / "model.xml"), compress_to_fp16=False)
     try:
-        os.replace(tmp, out)  # atomic: a reader sees a whole model or none
+        os.replace(tmp, out)
     except OSError:  # another process won the race: its model is the same
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass(frozen=True)
-class Int8Model:
-    """A quantized model compiled for one runner: ``dynamic`` takes (rows, length) of any size;
-    ``fixed`` (None without a width) is the same model with the length fixed at ``width`` (rows still
-    free): OpenVINO's CPU kernels run a known sequence length ~1.1x faster (RESULTS §16), and full
-    chunks, the bulk of a long-document corpus, all have that length. ``identity`` names backend,
-    versions, the float parts' precision and the recipe, model and calibration hashes: the chunk
-    cache's namespace for these vectors (`encoder.precision`)."""
+class OpenVinoModel:
+    """A model compiled for one runner: ``dynamic`` takes (rows, length) of any size; ``fixed`` (None
+    without a width) is the same model with the length fixed at ``width`` (rows still free):
+    OpenVINO's CPU kernels run a known sequence length ~1.1x faster (RESULTS §16), and full chunks,
+    the bulk of a long-document corpus, all have that length. ``identity`` names the precision,
+    backend and versions and the model's (and int8's recipe and calibration) hashes: the chunk cache's
+    namespace for these vectors (`encoder.precision`); ``runs``: the precision OpenVINO runs the
+    float ops in."""
 
     dynamic: object
     fixed: object
     width: int | None
     identity: str
+    runs: str = "f32"  # the precision OpenVINO runs the float ops in ("f32" / "bf16")
+
+
+def compile_properties(threads: int, streams: int, hints: dict | None = None) -> dict:
+    """OpenVINO CPU compile properties: ``streams`` <= 1 one latency stream on ``threads`` threads, more a
+    throughput model sharing them; ``hints`` added last (``INFERENCE_PRECISION_HINT`` ...)."""
+    props = {"INFERENCE_NUM_THREADS": int(threads)}
+    props.update({"PERFORMANCE_HINT": "LATENCY"} if streams <= 1 else
+                 {"PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": int(streams)})
+    props.update(hints or {})
+    return props
+
+
+def _load(folder: Path, write, props: dict, width: int | None, name) -> OpenVinoModel:
+    """``folder/model.xml`` (written by ``write(folder)`` when absent) compiled with ``props``, a
+    fixed-length twin at ``width``; ``name(float_parts)`` -> the identity. Memoised per process."""
+    import openvino as ov
+
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+        raise InputError(f"OpenVINO fixed width must be a positive token count, got {width!r}")
+    memo = (str(folder), json.dumps(props, sort_keys=True), width)
+    with _LOCK:
+        if memo in _MEMO:
+            return _MEMO[memo]
+        if not (folder / "model.xml").is_file():
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            write(folder)
+        core = ov.Core()
+        read = core.read_model(str(folder / "model.xml"))
+        dynamic = core.compile_model(read, "CPU", props)
+        fixed = None
+        if width is not None:
+            twin = read.clone()  # the read model, not a second read of the file
+            twin.reshape({p.get_any_name(): ov.PartialShape([-1, int(width)]) for p in twin.inputs})
+            fixed = core.compile_model(twin, "CPU", props)
+        # the precision the float ops really run in (int8: OpenVINO's per-CPU default, bf16 where the
+        # CPU has it): named, since it shifts vectors (within the stated agreement)
+        rest = dynamic.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16" / "f32"
+        _MEMO[memo] = OpenVinoModel(dynamic, fixed, width, name(rest), rest)
+        return _MEMO[memo]
 
 
 def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int,
-               streams: int = 1, hints: dict | None = None, width: int | None = None) -> Int8Model:
-    """``model`` quantized with ``calibration`` and compiled (`Int8Model`).
+               streams: int = 1, hints: dict | None = None, width: int | None = None) -> OpenVinoModel:
+    """``model`` quantized with ``calibration`` and compiled (`OpenVinoModel`).
 
     model: the float Hugging Face model (read only); calibration: [(ids, positions)] of (1, L) int64,
     at least one; cache_root: folder holding ``int8/<key>/model.xml``; fingerprint: the model's
@@ -153,45 +228,50 @@ def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_pos
     extra compile properties (``INFERENCE_PRECISION_HINT`` for a measurement); width: the sequence
     length of the fixed-length twin (the encoder's full chunk), None for none.
     """
-    import openvino as ov
-
     if not calibration:
         raise InputError("int8 calibration needs at least one chunk of text")
-    if width is not None and width < 1:
-        raise InputError(f"int8 fixed width must be a positive token count, got {width}")
     versions = _versions()
     digest = calibration_hash(calibration)
-    key = cache_key(fingerprint, digest, versions)
-    props = {"INFERENCE_NUM_THREADS": int(threads)}
-    props.update({"PERFORMANCE_HINT": "LATENCY"} if streams <= 1 else
-                 {"PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": int(streams)})
-    props.update(hints or {})
-    memo = (key, json.dumps(props, sort_keys=True), width)
-    with _LOCK:
-        if memo in _MEMO:
-            return _MEMO[memo]
-        folder = Path(cache_root) / "int8" / key
-        if not (folder / "model.xml").is_file():
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            _export_and_quantize(model, calibration, takes_positions, folder)
-        core = ov.Core()
-        quantized = core.read_model(str(folder / "model.xml"))
-        dynamic = core.compile_model(quantized, "CPU", props)
-        fixed = None
-        if width is not None:
-            twin = quantized.clone()  # the read model, not a second read of the file
-            twin.reshape({p.get_any_name(): ov.PartialShape([-1, int(width)]) for p in twin.inputs})
-            fixed = core.compile_model(twin, "CPU", props)
-        # the float parts' precision is OpenVINO's per-CPU default (bf16 where the CPU has it): named,
-        # since it shifts vectors (within the stated agreement)
-        rest = dynamic.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16" / "f32"
-        identity = (f"int8 (openvino {versions['openvino']}, nncf {versions['nncf']}, float parts {rest}, "
-                    f"recipe {recipe_hash()[:8]}, model {fingerprint[:12]}, calibration {digest[:12]})")
-        _MEMO[memo] = Int8Model(dynamic, fixed, width, identity)
-        return _MEMO[memo]
+    folder = Path(cache_root) / "int8" / cache_key(fingerprint, digest, versions)
+
+    def name(rest):
+        return (f"int8 (openvino {versions['openvino']}, nncf {versions['nncf']}, float parts {rest}, "
+                f"recipe {recipe_hash()[:8]}, model {fingerprint[:12]}, calibration {digest[:12]})")
+
+    return _load(folder, lambda out: _export_and_quantize(model, calibration, takes_positions, out),
+                 compile_properties(threads, streams, hints), width, name)
 
 
-def cached_models(cache_root: Path) -> list[str]:
-    """Keys of the quantized models stored under ``cache_root`` (for tests and housekeeping)."""
-    folder = Path(cache_root) / "int8"
+FLOAT_PRECISIONS = {"float32": "f32", "bfloat16": "bf16"}  # dtype -> OpenVINO's inference precision
+
+
+def float_model(model, precision: str, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int,
+                streams: int = 1, width: int | None = None) -> OpenVinoModel:
+    """``model`` exported to OpenVINO unquantized and compiled to run in ``precision`` ("float32" or
+    "bfloat16", one of `FLOAT_PRECISIONS`); the export is cached under ``cache_root/openvino/<key>/``
+    (key: model fingerprint and OpenVINO version; one export serves both precisions). Other
+    arguments as for `int8_model`. Raises `InputError` where OpenVINO would not run ``precision``
+    (bf16 on a CPU without bf16 units falls back to f32 in OpenVINO: refused, not hidden)."""
+    import openvino as ov
+
+    if precision not in FLOAT_PRECISIONS:
+        raise InputError(f"OpenVINO float precision must be one of {', '.join(FLOAT_PRECISIONS)}, got {precision!r}")
+    version = ov.__version__.split("-")[0]
+    key = hashlib.sha256(json.dumps({"model": fingerprint, "openvino": version, "export": "float"},
+                                    sort_keys=True).encode()).hexdigest()[:32]
+    folder = Path(cache_root) / "openvino" / key
+    hint = FLOAT_PRECISIONS[precision]
+    compiled = _load(folder, lambda out: _export_float(model, takes_positions, out),
+                     compile_properties(threads, streams, {"INFERENCE_PRECISION_HINT": hint}), width,
+                     lambda rest: f"{precision} (openvino {version}, runs {rest}, model {fingerprint[:12]})")
+    if compiled.runs != hint:
+        raise InputError(f"OpenVINO would run {precision} as {compiled.runs} on this CPU (bfloat16 needs "
+                         "avx512_bf16 or AMX); use dtype='float32'")
+    return compiled
+
+
+def cached_models(cache_root: Path, kind: str = "int8") -> list[str]:
+    """Keys of the models stored under ``cache_root``: quantized (``kind`` "int8") or float exports
+    ("openvino"); for tests and housekeeping."""
+    folder = Path(cache_root) / kind
     return sorted(p.name for p in folder.iterdir() if (p / "model.xml").is_file()) if folder.is_dir() else []

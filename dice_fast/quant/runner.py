@@ -1,6 +1,6 @@
-"""`Int8Runner`: the engine's batches through the statically quantized int8 model.
+"""`OpenVinoRunner`: the engine's batches through a compiled OpenVINO model (int8 or float).
 
-Same plan, packing and aggregation as every other precision: a `PackedBatch` comes in, its chunks
+Same plan, packing and aggregation as every other precision and runtime: a `PackedBatch` comes in, its chunks
 (sorted by length) run as dense padded sub-batches (length buckets: 254-token chunks pad nothing),
 and each finished sub-batch is pooled to chunk vectors at once (`pool_dense`: the engine's token ->
 chunk pooling over each row's valid tokens, summed in float64), written in packing order.
@@ -14,42 +14,35 @@ their length (rows free), ~1.1x the dynamic model's speed. Pooling in the reques
 the output in place: no (tokens, hidden) copy, no torch ops (whose OpenMP threads would contend with
 OpenVINO's). Measured in benchmarks/RESULTS.md (the int8 throughput sections, §15-§16).
 
-Exactness contract: none bit-wise. Agreement with float32 is stated and tested (`agreement`,
-docs/int8.md): cosine of chunk vectors against the float32 engine on held-out prose. Static scales
-make a chunk's vector independent of its sub-batch neighbours and of which stream runs it.
+Exactness contract: none bit-wise (OpenVINO's kernels round differently from PyTorch's). Agreement
+with float32 is stated and tested (`agreement`, docs/int8.md, docs/cpu.md): cosine of chunk vectors
+against the float32 engine on held-out prose and the per-chunk Hugging Face forward. Static scales
+(int8) and a chunk-independent graph make a chunk's vector independent of its sub-batch neighbours
+and of which stream runs it.
 """
 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
-
 import numpy as np
 import torch
 
 from ..errors import OptionError
 from ..runner import PADDED, ModelRunner
-from .cpu import check_int8_cpu
-from .openvino import int8_model
 
 
-class Int8Runner(ModelRunner):
-    """A `ModelRunner` whose dense forward is the int8 OpenVINO model (the float model is kept only for
-    its facts and fingerprint). ``identity``: backend, versions, recipe, model and calibration hashes;
-    ``streams``: requests in flight (None: one per inference thread); ``hints``: extra OpenVINO
-    compile properties (measurements only, e.g. ``{"INFERENCE_PRECISION_HINT": "f32"}``); ``width``:
-    the full chunk's token count, run on a twin compiled for that length (`int8_model`). It pools
-    itself (`pool_dense`), so ``pooling_impl`` does not apply."""
+class OpenVinoRunner(ModelRunner):
+    """A `ModelRunner` whose dense forward is an OpenVINO model (the Hugging Face model is kept only
+    for its facts and fingerprint). ``build(takes_positions, streams)`` -> the `OpenVinoModel`
+    (`int8_model` / `float_model` with the rest of their arguments bound); ``streams``: requests in
+    flight (None: one per inference thread). ``identity``: the compiled model's (precision, backend,
+    versions, hashes). It pools itself (`pool_dense`), so ``pooling_impl`` does not apply."""
 
     def __init__(self, model, spec, pooling: str, pooling_impl: str, max_batch_tokens: int,
-                 pad_token_id: int | None, calibration, cache_root: Path, fingerprint: str,
-                 streams: int | None = None, hints: dict | None = None, width: int | None = None):
-        self.instructions = check_int8_cpu()
+                 pad_token_id: int | None, build, streams: int | None = None):
         super().__init__(model, spec, PADDED, None, pooling, pooling_impl, max_batch_tokens, pad_token_id)
-        threads = torch.get_num_threads()
-        self.streams = max(1, int(streams if streams is not None else threads))
-        self.openvino = int8_model(model, calibration, cache_root, fingerprint, self._takes_positions, threads,
-                                   self.streams, hints, width)
+        self.streams = max(1, int(streams if streams is not None else torch.get_num_threads()))
+        self.openvino = build(self._takes_positions, self.streams)
         self.identity = self.openvino.identity
         self._local = threading.local()  # one request queue per thread and model: a queue is not thread-safe
         self.fallback_reason = None

@@ -1,0 +1,139 @@
+"""runtime="openvino": float32 and bfloat16 on OpenVINO's fused CPU graph, behind the same plan, pack,
+pool and aggregate. float32 is the per-chunk Hugging Face forward to float32 rounding on every
+architecture; bf16 within bf16 rounding of it on the real model; a chunk's vector does not depend on
+its batch (full chunks on the fixed-length twin, tails on the dynamic model); the export is cached per
+model; every option it cannot take is refused naming the culprit."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dice_fast import DiceConfig, DiceEncoder, cpu_paths
+from dice_fast.errors import MissingDependency, OptionError
+from dice_fast.quant import agreement
+from dice_fast.quant import openvino as ovq
+
+from oracle import K, check, corpus
+from tiny_models import ARCHS, tiny
+
+needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None,
+                                    reason="OpenVINO is not installed (the int8 extra)")
+needs_bf16 = pytest.mark.skipif(cpu_paths.bf16_units() is not None, reason="this CPU has no bf16 units")
+
+
+@needs_openvino
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_float32_matches_the_per_chunk_forward(arch, ov_cache):
+    """Every chunk and document vector within 1e-5 of each chunk run alone through the plain Hugging
+    Face forward (float64 aggregation): encoders and decoders, mean and last pooling, several batches."""
+    enc, got = check(arch, runtime="openvino", dtype="float32")
+    assert enc.precision.startswith("float32 (openvino") and "runs f32" in enc.precision
+    assert len(ovq.cached_models(ov_cache, "openvino")) == 1
+
+
+@needs_openvino
+def test_chunk_vectors_do_not_depend_on_the_batch(ov_cache, monkeypatch):
+    """Full chunks run on the twin compiled for their length, tails on the dynamic model; a chunk's
+    vector is the same alone, beside neighbours of other lengths, and on the dynamic model only."""
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, runtime="openvino", chunk_size=K, max_batch_tokens=40, normalize=False)
+    assert enc.runner.openvino.width == K + enc.chunk_overhead and enc.max_batch_tokens == 40
+    used = []
+    real_queue = type(enc.runner)._queue
+    monkeypatch.setattr(type(enc.runner), "_queue", lambda self, fixed: used.append(fixed) or real_queue(self, fixed))
+    texts = corpus(seed=3)
+    together = enc.encode_documents(texts, return_chunks=True).chunks
+    assert True in used and False in used
+    alone = np.concatenate([enc.encode_documents([t], return_chunks=True).chunks for t in texts])
+    np.testing.assert_allclose(alone, together, atol=1e-5)
+    dynamic_only = DiceEncoder(model, tok, runtime="openvino", chunk_size=K, max_batch_tokens=40, normalize=False)
+    compiled = dynamic_only.runner.openvino
+    dynamic_only.runner.openvino = ovq.OpenVinoModel(compiled.dynamic, None, None, compiled.identity, compiled.runs)
+    np.testing.assert_allclose(dynamic_only.encode_documents(texts, return_chunks=True).chunks, together, atol=1e-5)
+    # queries run the same model (any length: the dynamic one)
+    q = enc.encode_queries(["a cat", "the dog ran to the house"])
+    want = DiceEncoder(model, tok, chunk_size=K, normalize=False).encode_queries(["a cat", "the dog ran to the house"])
+    np.testing.assert_allclose(q, want, atol=1e-5)
+
+
+@needs_openvino
+def test_export_cached_per_model(ov_cache, monkeypatch):
+    model, tok, *_ = tiny("bert")
+    first = DiceEncoder(model, tok, runtime="openvino", chunk_size=K).encode_documents(corpus(seed=4))
+    monkeypatch.setattr(ovq, "_MEMO", {})  # a new process: read from disk, no export
+    real = ovq._export_float
+    monkeypatch.setattr(ovq, "_export_float", lambda *a: pytest.fail("the disk cache was not used"))
+    again = DiceEncoder(model, tok, runtime="openvino", chunk_size=K)
+    np.testing.assert_array_equal(first, again.encode_documents(corpus(seed=4)))
+    monkeypatch.setattr(ovq, "_export_float", real)
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.embeddings.word_embeddings.weight[7, 0] += 1.0
+    other = DiceEncoder(changed, tok, runtime="openvino", chunk_size=K)
+    assert len(ovq.cached_models(ov_cache, "openvino")) == 2 and other.precision != again.precision
+    # OpenVINO's vectors never share the torch runtime's chunk-cache namespace
+    assert DiceEncoder(model, tok, chunk_size=K).precision == "float32" != again.precision
+
+
+@needs_openvino
+@needs_bf16
+@pytest.mark.timeout(300)
+def test_real_model_agreement_on_held_out_prose(ov_cache):
+    """The bundled all-MiniLM-L6-v2 on 48 held-out prose chunks of 126 tokens against torch float32:
+    OpenVINO float32 to float32 rounding, bf16 within bf16 rounding (the dtype="auto" bound, 0.999)."""
+    fp32 = DiceEncoder.from_pretrained(device="cpu", chunk_size=126)
+    ov32 = DiceEncoder(fp32.model, fp32.tokenizer, runtime="openvino", chunk_size=126)
+    bf16 = DiceEncoder(copy.deepcopy(fp32.model), fp32.tokenizer, runtime="openvino", dtype="bfloat16", chunk_size=126)
+    assert "runs bf16" in bf16.precision
+    a32, a16 = agreement(ov32, fp32, n_chunks=48), agreement(bf16, fp32, n_chunks=48)
+    assert a32.n_chunks == 48 and a32.cos_min >= 1 - 1e-6, a32
+    assert a16.cos_min >= 0.9995 and a16.cos_mean >= 0.9999, a16
+
+
+def test_options_it_cannot_take_are_refused(monkeypatch):
+    with pytest.raises(OptionError, match="runtime"):
+        DiceConfig(runtime="onnx")
+    with pytest.raises(OptionError, match="runtime='torch' cannot run"):
+        DiceConfig(dtype="int8", runtime="torch")
+    with pytest.raises(OptionError, match="compile='on'"):
+        DiceConfig(runtime="openvino", compile="on")
+    with pytest.raises(OptionError, match="compile='on'"):
+        DiceConfig(dtype="int8", compile="on")
+    with pytest.raises(OptionError, match="not float16"):
+        DiceConfig(runtime="openvino", dtype="float16")
+    assert DiceConfig(dtype="int8").openvino and DiceConfig(runtime="openvino").openvino
+    assert not DiceConfig(dtype="bfloat16").openvino
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(OptionError, match="strategy='late' cannot run with runtime='openvino'"):
+        DiceEncoder(model, tok, runtime="openvino", chunk_size=K, strategy="late")
+    with pytest.raises(OptionError, match="runtime='openvino' runs on the CPU only; got device meta"):
+        DiceEncoder(copy.deepcopy(model), tok, runtime="openvino", chunk_size=K, device="meta")
+    monkeypatch.setattr("dice_fast.cpu_attention.cpu_flags", lambda: {"avx2"})
+    with pytest.raises(OptionError, match="bf16 units"):
+        DiceEncoder(copy.deepcopy(model), tok, runtime="openvino", dtype="bfloat16", chunk_size=K)
+
+
+def test_missing_openvino_is_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "openvino", None)  # import openvino raises ImportError
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(MissingDependency, match="runtime='openvino' needs OpenVINO"):
+        DiceEncoder(model, tok, runtime="openvino", chunk_size=K)
+
+
+@needs_openvino
+def test_bf16_refused_where_openvino_would_run_f32(ov_cache, monkeypatch):
+    """The last guard: OpenVINO silently runs f32 where a CPU lacks bf16; that is refused, not hidden."""
+    model, tok, *_ = tiny("bert")
+    real = ovq._load
+    monkeypatch.setattr(ovq, "_load", lambda *a: (lambda m: ovq.OpenVinoModel(m.dynamic, m.fixed, m.width,
+                                                                              m.identity, "f32"))(real(*a)))
+    with pytest.raises(ValueError, match="as f32 on this CPU"):
+        ovq.float_model(model, "bfloat16", ov_cache, "m", False, 1)
+    with pytest.raises(ValueError, match="float32, bfloat16"):
+        ovq.float_model(model, "float16", ov_cache, "m", False, 1)
