@@ -12,6 +12,9 @@
 * ``producer``: ``encode_documents`` end to end with the producer pipeline (``pipeline="on"``, the
   option in `FEATURE_OPTIONS`) against the serial loop (``pipeline="off"``: `BASELINE_OPTIONS`; the
   other modes' eager baseline keeps the default, on for CUDA).
+* ``openvino`` (CPU): the mixed document corpus through OpenVINO's compiled graph (``runtime="openvino"``,
+  float32 or bfloat16 by ``--dtype``) against PyTorch's eager forward, the engine's batching either way:
+  ``python benchmarks/bench_modes.py --modes openvino --random-model bert-base --device cpu --dtype bfloat16``.
 * ``late``: the mixed document corpus planned once per strategy and run by DICE ("eager" here: each chunk
   alone) against late chunking (``strategy="late"``, windows of ``--window-tokens``); tokens/s counts the
   documents' text tokens for both, so the ratio is the wall-time ratio. Their vectors differ by design:
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -44,18 +48,19 @@ from dice_fast.bench.run import encode_plan  # noqa: E402
 from dice_fast.config import DiceConfig  # noqa: E402
 from dice_fast.runinfo import append_csv, device_name, versions  # noqa: E402
 
-MODES = ("graphs", "compiled", "producer", "late")
+MODES = ("graphs", "compiled", "producer", "late", "openvino")
 # the encoder option that switches a mode on, for the modes built in other issues: a tree whose
 # DiceConfig has no such field SKIPs the mode ("compiled": the CPU issue's compiled forward)
-FEATURE_OPTIONS = {"compiled": ("compile", "on"), "producer": ("pipeline", "on"), "late": ("strategy", "late")}
+FEATURE_OPTIONS = {"compiled": ("compile", "on"), "producer": ("pipeline", "on"), "late": ("strategy", "late"),
+                   "openvino": ("runtime", "openvino")}
 BASELINE_OPTIONS = {"producer": {"pipeline": "off"}}  # the eager variant of a mode, where not the default
 # compile="on" traces the CUDA varlen backends too (issue 26): the GPU's compiled row runs
 COMPILED_ON_CUDA = True
 SKIPPED = 3
 
 
-def feature_missing(mode: str) -> str | None:
-    """Why ``mode`` cannot run on this tree, or None."""
+def feature_missing(mode: str, device: torch.device | None = None) -> str | None:
+    """Why ``mode`` cannot run on this tree (or on ``device``), or None."""
     if mode == "graphs":
         try:
             import dice_fast.graphs  # noqa: F401
@@ -65,6 +70,10 @@ def feature_missing(mode: str) -> str | None:
     name, _ = FEATURE_OPTIONS[mode]
     if name not in DiceConfig.field_names():
         return f"this tree's DiceConfig has no {name!r} option (the {mode} forward has not landed)"
+    if mode == "openvino" and device is not None and device.type != "cpu":
+        return f"runtime='openvino' runs on the CPU only, not {device}"
+    if mode == "openvino" and importlib.util.find_spec("openvino") is None:
+        return "OpenVINO is not installed (pip install 'dice-fast[int8]')"
     if mode == "compiled" and not COMPILED_ON_CUDA:
         return "compile='on' compiles the CPU sdpa_groups forward only; the CUDA compiled forward has not landed"
     return None
@@ -146,7 +155,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    missing = {m: why for m in args.modes if (why := feature_missing(m))}
+    missing = {m: why for m in args.modes if (why := feature_missing(m, device))}
     for m, why in missing.items():
         print(f"SKIP {m}: {why}", flush=True)
     todo = [m for m in args.modes if m not in missing]
