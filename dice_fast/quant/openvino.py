@@ -17,7 +17,7 @@ another model, another calibration or another backend version never hits; the fl
 models it loaded, so encoders sharing a model (evaluation twins) compile once.
 
 Why OpenVINO for the float precisions too: its fused CPU graph (attention, LayerNorm, GELU and the
-GEMMs in one compiled model, run as one stream per core) ran MiniLM at bf16 ~1.5x dice_fast's eager
+GEMMs in one compiled model, run as one stream per core) ran MiniLM at bf16 ~1.4x dice_fast's eager
 PyTorch bf16 on the Zen 5 (RESULTS §16.8, §17), the ops PyTorch runs one by one at hidden size 384.
 
 Why OpenVINO (measured on the 2-core Zen 4 with avx512_vnni, busy machine, see docs/int8.md): static
