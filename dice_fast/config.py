@@ -214,8 +214,8 @@ class DiceConfig:
             raise OptionError("dtype='int8' runs on OpenVINO; runtime='torch' cannot run it (use runtime=None or "
                               "'openvino', or a float dtype)")
         if self.openvino and self.compile == "on":
-            raise OptionError(f"compile='on' compiles the PyTorch forward; runtime='openvino' (dtype={self.dtype!r}) "
-                              "compiles its own graph: use compile='off'")
+            raise OptionError(f"compile='on' compiles the PyTorch forward; {self.openvino} runs OpenVINO's own "
+                              "compiled graph: use compile='off'")
         if self.runtime == "openvino" and self.dtype == "float16":
             raise OptionError("runtime='openvino' runs float32, bfloat16 or int8 on the CPU, not float16")
         _choice("pipeline", self.pipeline, PIPELINE_MODES)
@@ -228,9 +228,12 @@ class DiceConfig:
         _choice("pooling_impl", self.pooling_impl, IMPLS)
 
     @property
-    def openvino(self) -> bool:
-        """Whether OpenVINO runs the forward: dtype int8, or runtime "openvino" (a float dtype)."""
-        return self.dtype == "int8" or self.runtime == "openvino"
+    def openvino(self) -> str | None:
+        """The option that puts the forward on OpenVINO (``"dtype='int8'"`` or ``"runtime='openvino'"``,
+        for error messages), None where PyTorch runs it."""
+        if self.dtype == "int8":
+            return "dtype='int8'"
+        return "runtime='openvino'" if self.runtime == "openvino" else None
 
     def replace(self, **changes) -> DiceConfig:
         """A copy with ``changes`` applied (and validated)."""

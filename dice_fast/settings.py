@@ -142,8 +142,7 @@ class Settings:
         if c.positions != "local":
             raise OptionError("strategy='late' restarts positions in every window; positions must be 'local'")
         if c.openvino:  # the OpenVINO runner pools whole padded rows; late pools segments inside them
-            culprit = "dtype='int8'" if c.dtype == "int8" else "runtime='openvino'"
-            raise OptionError(f"strategy='late' cannot run with {culprit} (its OpenVINO model pools every "
+            raise OptionError(f"strategy='late' cannot run with {c.openvino} (its OpenVINO model pools every "
                               "sequence whole, not the chunks inside a window); use the torch runtime (float32 or "
                               "bfloat16)")
         capacity = tokens - self.chunk_overhead

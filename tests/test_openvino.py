@@ -107,8 +107,9 @@ def test_options_it_cannot_take_are_refused(monkeypatch):
         DiceConfig(dtype="int8", compile="on")
     with pytest.raises(OptionError, match="not float16"):
         DiceConfig(runtime="openvino", dtype="float16")
-    assert DiceConfig(dtype="int8").openvino and DiceConfig(runtime="openvino").openvino
-    assert not DiceConfig(dtype="bfloat16").openvino
+    assert DiceConfig(dtype="int8").openvino == "dtype='int8'"
+    assert DiceConfig(runtime="openvino").openvino == "runtime='openvino'"
+    assert DiceConfig(dtype="bfloat16").openvino is None
     model, tok, *_ = tiny("bert")
     with pytest.raises(OptionError, match="strategy='late' cannot run with runtime='openvino'"):
         DiceEncoder(model, tok, runtime="openvino", chunk_size=K, strategy="late")

@@ -47,8 +47,7 @@ def openvino_runner(encoder, model, pad_token_id, streams: int | None = None, hi
     from . import openvino as ovq
 
     if encoder.device.type != "cpu":
-        raise OptionError(f"{'dtype=' + repr(dtype) if int8 else 'runtime=' + repr('openvino')} runs on the CPU only; "
-                          f"got device {encoder.device}")
+        raise OptionError(f"{encoder.config.openvino} runs on the CPU only; got device {encoder.device}")
     if int8:
         check_int8_cpu()  # before any export or calibration work
     elif dtype not in ovq.FLOAT_PRECISIONS:
