@@ -125,7 +125,8 @@ class DiceConfig:
         "float32 (cos >= auto_agreement, 0.999, on held-out prose), measured once and cached", choices=DTYPES,
         default_help="bfloat16 on CUDA, float32 on CPU",
         detail='`"auto"` measures float32, bfloat16 (only where the CPU has avx512_bf16 or AMX) and, with '
-        '`compile`, compiled forwards (and int8 when `auto_agreement` is below 0.999), once per machine and model; '
+        '`compile`, compiled forwards, where OpenVINO is installed its float32 and bfloat16 forwards (`runtime`), '
+        '(and int8 when `auto_agreement` is below 0.999), once per machine and model; '
         '`print(encoder)` shows the choice. '
         'See [cpu.md](cpu.md). `"int8"`: static int8 on a CPU with VNNI or AMX (OpenVINO + NNCF, the `int8` '
         'extra), calibrated on text; not exact: its agreement with float32 is stated in [int8.md](int8.md).')
@@ -159,7 +160,8 @@ class DiceConfig:
         "off", "run the packed forward under torch.compile (inductor), compiled once per encoder at construction",
         choices=COMPILE_MODES,
         detail='`"on"`: compiled (refused for a model on the padded fallback); `"auto"`: compiled and eager '
-        'forwards are both candidates of `dtype="auto"` (with an explicit dtype: the faster of its two). '
+        'forwards are both candidates of `dtype="auto"` (with an explicit dtype: the fastest of its forwards, '
+        'OpenVINO\'s included where installed and `runtime` is not "torch"). '
         'See [cpu.md](cpu.md).')
     pipeline: str = option(
         "auto", "select, pack and copy the next batch to the device in a producer thread while the current "
@@ -213,9 +215,9 @@ class DiceConfig:
         if self.runtime == "torch" and self.dtype == "int8":
             raise OptionError("dtype='int8' runs on OpenVINO; runtime='torch' cannot run it (use runtime=None or "
                               "'openvino', or a float dtype)")
-        if self.openvino and self.compile == "on":
-            raise OptionError(f"compile='on' compiles the PyTorch forward; {self.openvino} runs OpenVINO's own "
-                              "compiled graph: use compile='off'")
+        if self.openvino and (self.compile == "on" or (self.compile == "auto" and self.dtype != "auto")):
+            raise OptionError(f"compile={self.compile!r} chooses PyTorch's compiled forward; {self.openvino} runs "
+                              "OpenVINO's own compiled graph: use compile='off'")
         if self.runtime == "openvino" and self.dtype == "float16":
             raise OptionError("runtime='openvino' runs float32, bfloat16 or int8 on the CPU, not float16")
         _choice("pipeline", self.pipeline, PIPELINE_MODES)

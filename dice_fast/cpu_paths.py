@@ -139,7 +139,12 @@ def candidates(dtype: str, compile: str, bound: float = AGREEMENT, strategy: str
     want = {"off": ("off",), "on": ("on",), "auto": ("off", "on")}[compile]
     return [p for p in PATHS if p.options.get("compile", "off") in want and strategy in p.strategies
             and (dtype == "auto" or p.options.get("dtype") == dtype) and (bound < AGREEMENT or not p.lossy)
-            and runtime in (None, p.options.get("runtime", "openvino"))]
+            and runtime in (None, path_runtime(p))]
+
+
+def path_runtime(path: CpuPath) -> str:
+    """What runs ``path``'s forward: its ``runtime`` option, else OpenVINO for int8 and PyTorch otherwise."""
+    return path.options.get("runtime") or ("openvino" if path.options.get("dtype") == "int8" else "torch")
 
 
 def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure: Callable | None = None,
@@ -154,9 +159,12 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
     """
     from . import cpu_attention
 
-    paths = [p for p in candidates(dtype, compile, bound, strategy, runtime) if p.usable() is None]
+    listed = candidates(dtype, compile, bound, strategy, runtime)
+    paths = [p for p in listed if p.usable() is None]
     if not paths:
-        raise OptionError(f"dtype={dtype!r} with compile={compile!r}: no candidate path runs on this CPU")
+        why = "; ".join(f"{p.name}: {p.usable()}" for p in listed) or "none is a candidate of these options"
+        raise OptionError(f"dtype={dtype!r}, compile={compile!r}, runtime={runtime!r}, strategy={strategy!r}, "
+                          f"auto_agreement={bound}: no candidate path runs on this CPU ({why})")
     if model_key is None:
         from .reuse.persistent import model_fingerprint
 

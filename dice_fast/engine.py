@@ -40,7 +40,7 @@ from .reuse import ChunkStats, MemoryCache
 from .reuse.manager import ChunkReuse
 from .reuse.persistent import settings_namespace
 from .runner import ModelRunner
-from .settings import WEIGHT_DTYPES, Settings, placement, pretrained_placement, resolve
+from .settings import WEIGHT_DTYPES, Settings, placement, pretrained_placement, resolve, weight_dtype
 from .streaming import Prefetch, as_iterator, windows
 
 _WINDOW_BATCHES = 16  # a streaming window holds about 16 batches' worth of text
@@ -121,9 +121,9 @@ class DiceEncoder:
         `dice_fast.errors.ModelError` naming it.
         """
         _check_option_names(options)
-        device, dtype = pretrained_placement(options.get("device"), options.get("dtype"))
-        DiceConfig(**{**options, "device": str(device), "dtype": dtype})  # fail on bad options before loading
-        model, tokenizer = load_model(path, device, WEIGHT_DTYPES[dtype], trust_remote_code)
+        device, dtype = pretrained_placement(options.get("device"), options.get("dtype"), options.get("runtime"))
+        cfg = DiceConfig(**{**options, "device": str(device), "dtype": dtype})  # fail on bad options before loading
+        model, tokenizer = load_model(path, device, weight_dtype(cfg, WEIGHT_DTYPES[dtype]), trust_remote_code)
         from .models import default_model_path
 
         model_path = str(path) if path is not None else default_model_path()

@@ -200,6 +200,10 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
     )
     if cfg.strategy == "late":
         settings.late_windows()  # refuse what late chunking cannot take now, not at the first document
+    if cfg.openvino and settings.causal is not None and settings.causal != spec.is_causal:
+        raise OptionError(f"attention={cfg.attention!r} cannot run with {cfg.openvino}: the exported model keeps the "
+                          f"model's own ({'causal' if spec.is_causal else 'bidirectional'}) attention; use the torch "
+                          "runtime or attention='model default'")
     return settings
 
 
@@ -222,14 +226,24 @@ def default_batch_tokens(device: torch.device, flops_per_token: float) -> int:
 
 def placement(config: DiceConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
     """Where a model now on ``device`` in ``dtype`` runs under ``config`` (``None`` options: where it is)."""
-    return (torch.device(config.device) if config.device is not None else device,
-            WEIGHT_DTYPES[config.dtype] if config.dtype is not None else dtype)
+    return torch.device(config.device) if config.device is not None else device, weight_dtype(config, dtype)
 
 
-def pretrained_placement(device=None, dtype=None) -> tuple[torch.device, str]:
-    """(device, dtype name) of a model to load: CUDA with bfloat16 when available, else CPU with float32;
-    a given ``device`` / ``dtype`` (a name or a ``torch.dtype``) is kept."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def weight_dtype(config: DiceConfig, current: torch.dtype) -> torch.dtype:
+    """The torch dtype a model's weights are kept in under ``config`` (``current``: its own, kept when
+    ``dtype`` is None): float32 wherever OpenVINO runs the forward (it exports from these weights and
+    rounds to its own precision, LayerNorm and biases staying float32), else the dtype's."""
+    if config.dtype is None:
+        return current
+    return torch.float32 if config.openvino else WEIGHT_DTYPES[config.dtype]
+
+
+def pretrained_placement(device=None, dtype=None, runtime=None) -> tuple[torch.device, str]:
+    """(device, dtype name) of a model to load: CUDA with bfloat16 when available, else CPU with float32
+    (CPU whenever OpenVINO runs it: dtype int8 or ``runtime`` "openvino"); a given ``device`` /
+    ``dtype`` (a name or a ``torch.dtype``) is kept."""
+    on_cpu = str(dtype) == "int8" or runtime == "openvino"
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() and not on_cpu else "cpu"))
     dtype = str(dtype or ("bfloat16" if device.type == "cuda" else "float32")).replace("torch.", "")
     if dtype not in WEIGHT_DTYPES:
         raise OptionError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
@@ -246,4 +260,4 @@ def _overhead(wrap) -> int:
     return len(wrap[0]) + len(wrap[1])
 
 
-__all__ = ["Chunking", "check_strategy", "LATE_MAX_WINDOW", "TORCH_DTYPES", "WEIGHT_DTYPES", "DEFAULT_BATCH_TOKENS", "default_batch_tokens", "Settings", "placement", "pretrained_placement", "resolve"]
+__all__ = ["Chunking", "check_strategy", "LATE_MAX_WINDOW", "TORCH_DTYPES", "WEIGHT_DTYPES", "DEFAULT_BATCH_TOKENS", "default_batch_tokens", "Settings", "placement", "pretrained_placement", "resolve", "weight_dtype"]

@@ -89,6 +89,9 @@ def test_candidates_follow_compile():
     cpu_paths.register_path(extra)
     try:
         assert "int8-test" in names("auto", "off")
+        # a path that names no runtime is PyTorch's (OpenVINO's only for int8)
+        assert "int8-test" in [p.name for p in cpu_paths.candidates("auto", "off", runtime="torch")]
+        assert "int8-test" not in [p.name for p in cpu_paths.candidates("auto", "off", runtime="openvino")]
     finally:
         cpu_paths.PATHS.remove(extra)
 
@@ -205,3 +208,10 @@ def test_auto_picks_openvino_bf16_when_fastest(monkeypatch):
     assert sorted(seen) == ["bf16+openvino", "fp32+openvino"] and refs == ["float32", "float32"]
     assert only.path_choice.name == "bf16+openvino"
     assert _encoder(dtype="auto", runtime="torch").path_choice.name == "bf16"
+
+
+def test_no_candidate_names_the_options_and_each_reason():
+    """runtime="openvino" without OpenVINO (the fixture hides it): the error names every option that
+    selected the candidates and why each cannot run."""
+    with pytest.raises(ValueError, match=r"runtime='openvino'.*fp32\+openvino: openvino not installed"):
+        _encoder(dtype="auto", runtime="openvino")

@@ -42,8 +42,9 @@ def test_chunk_vectors_do_not_depend_on_the_batch(ov_cache, monkeypatch):
     """Full chunks run on the twin compiled for their length, tails on the dynamic model; a chunk's
     vector is the same alone, beside neighbours of other lengths, and on the dynamic model only."""
     model, tok, *_ = tiny("bert")
-    enc = DiceEncoder(model, tok, runtime="openvino", chunk_size=K, max_batch_tokens=40, normalize=False)
-    assert enc.runner.openvino.width == K + enc.chunk_overhead and enc.max_batch_tokens == 40
+    budget = 40 * torch.get_num_threads()  # ~4 chunks per sub-batch (one stream per thread), whatever the cores
+    enc = DiceEncoder(model, tok, runtime="openvino", chunk_size=K, max_batch_tokens=budget, normalize=False)
+    assert enc.runner.openvino.width == K + enc.chunk_overhead and enc.max_batch_tokens // enc.runner.streams == 40
     used = []
     real_queue = type(enc.runner)._queue
     monkeypatch.setattr(type(enc.runner), "_queue", lambda self, fixed: used.append(fixed) or real_queue(self, fixed))
@@ -52,7 +53,7 @@ def test_chunk_vectors_do_not_depend_on_the_batch(ov_cache, monkeypatch):
     assert True in used and False in used
     alone = np.concatenate([enc.encode_documents([t], return_chunks=True).chunks for t in texts])
     np.testing.assert_allclose(alone, together, atol=1e-5)
-    dynamic_only = DiceEncoder(model, tok, runtime="openvino", chunk_size=K, max_batch_tokens=40, normalize=False)
+    dynamic_only = DiceEncoder(model, tok, runtime="openvino", chunk_size=K, max_batch_tokens=budget, normalize=False)
     compiled = dynamic_only.runner.openvino
     dynamic_only.runner.openvino = ovq.OpenVinoModel(compiled.dynamic, None, None, compiled.identity, compiled.runs)
     np.testing.assert_allclose(dynamic_only.encode_documents(texts, return_chunks=True).chunks, together, atol=1e-5)
@@ -105,6 +106,9 @@ def test_options_it_cannot_take_are_refused(monkeypatch):
         DiceConfig(runtime="openvino", compile="on")
     with pytest.raises(OptionError, match="compile='on'"):
         DiceConfig(dtype="int8", compile="on")
+    with pytest.raises(OptionError, match="compile='auto' chooses PyTorch's compiled forward; runtime='openvino'"):
+        DiceConfig(runtime="openvino", dtype="bfloat16", compile="auto")
+    assert DiceConfig(runtime="openvino", dtype="auto", compile="auto").openvino
     with pytest.raises(OptionError, match="not float16"):
         DiceConfig(runtime="openvino", dtype="float16")
     assert DiceConfig(dtype="int8").openvino == "dtype='int8'"
@@ -113,6 +117,10 @@ def test_options_it_cannot_take_are_refused(monkeypatch):
     model, tok, *_ = tiny("bert")
     with pytest.raises(OptionError, match="strategy='late' cannot run with runtime='openvino'"):
         DiceEncoder(model, tok, runtime="openvino", chunk_size=K, strategy="late")
+    decoder, dtok, *_ = tiny("llama")
+    for culprit in ({"runtime": "openvino"}, {"dtype": "int8"}):  # the export keeps the model's own attention
+        with pytest.raises(OptionError, match="attention='bidirectional' cannot run with"):
+            DiceEncoder(decoder, dtok, chunk_size=K, pooling="mean", attention="bidirectional", **culprit)
     with pytest.raises(OptionError, match="runtime='openvino' runs on the CPU only; got device meta"):
         DiceEncoder(copy.deepcopy(model), tok, runtime="openvino", chunk_size=K, device="meta")
     monkeypatch.setattr("dice_fast.cpu_attention.cpu_flags", lambda: {"avx2"})
@@ -138,3 +146,17 @@ def test_bf16_refused_where_openvino_would_run_f32(ov_cache, monkeypatch):
         ovq.float_model(model, "bfloat16", ov_cache, "m", False, 1)
     with pytest.raises(ValueError, match="float32, bfloat16"):
         ovq.float_model(model, "float16", ov_cache, "m", False, 1)
+
+
+@needs_openvino
+@needs_bf16
+def test_weights_stay_float32_and_one_export_serves_both_precisions(ov_cache):
+    """OpenVINO rounds to its own precision from float32 weights (LayerNorm and biases stay float32 in
+    its bf16), so bf16 and fp32 share one export; `from_pretrained` keeps them float32 on the CPU."""
+    model, tok, *_ = tiny("bert")
+    bf16 = DiceEncoder(copy.deepcopy(model), tok, runtime="openvino", dtype="bfloat16", chunk_size=K)
+    fp32 = DiceEncoder(copy.deepcopy(model), tok, runtime="openvino", dtype="float32", chunk_size=K)
+    assert bf16.dtype == torch.float32 and "runs bf16" in bf16.precision and "runs f32" in fp32.precision
+    assert len(ovq.cached_models(ov_cache, "openvino")) == 1 and bf16.precision != fp32.precision
+    enc = DiceEncoder.from_pretrained(runtime="openvino", dtype="bfloat16")
+    assert enc.device.type == "cpu" and next(enc.model.parameters()).dtype == torch.float32

@@ -33,10 +33,23 @@ def openvino_runner(encoder, model, pad_token_id, streams: int | None = None, hi
     from ..cpu_attention import cache_path
     from ..cpu_paths import bf16_units
     from ..reuse.persistent import model_fingerprint
+    from .openvino import FLOAT_PRECISIONS
     from .runner import OpenVinoRunner
 
-    int8 = encoder.config.dtype == "int8"
-    dtype = "int8" if int8 else str(encoder.dtype).replace("torch.", "")  # dtype None: the model's own
+    cfg = encoder.config
+    int8 = cfg.dtype == "int8"
+    # the precision OpenVINO runs: the dtype option (the torch weights stay float32, `weight_dtype`), else
+    # the model's own
+    dtype = cfg.dtype or str(encoder.dtype).replace("torch.", "")
+    if encoder.device.type != "cpu":
+        raise OptionError(f"{cfg.openvino} runs on the CPU only; got device {encoder.device}")
+    if not int8 and dtype not in FLOAT_PRECISIONS:
+        raise OptionError(f"runtime='openvino' runs dtype float32, bfloat16 or int8, not {dtype!r}")
+    if dtype == "bfloat16" and bf16_units() is not None:
+        raise OptionError(f"runtime='openvino' with dtype='bfloat16' needs bf16 units: {bf16_units()} (OpenVINO "
+                          "would run float32 or emulated bf16); use dtype='float32'")
+    if int8:
+        check_int8_cpu()  # before any export or calibration work
     try:
         import openvino  # noqa: F401
         if int8:
@@ -46,15 +59,6 @@ def openvino_runner(encoder, model, pad_token_id, streams: int | None = None, hi
         raise MissingDependency(f"{what}: pip install 'dice-fast[int8]'") from exc
     from . import openvino as ovq
 
-    if encoder.device.type != "cpu":
-        raise OptionError(f"{encoder.config.openvino} runs on the CPU only; got device {encoder.device}")
-    if int8:
-        check_int8_cpu()  # before any export or calibration work
-    elif dtype not in ovq.FLOAT_PRECISIONS:
-        raise OptionError(f"runtime='openvino' runs dtype float32, bfloat16 or int8, not {dtype!r}")
-    elif dtype == "bfloat16" and bf16_units() is not None:
-        raise OptionError(f"runtime='openvino' with dtype='bfloat16' needs bf16 units: {bf16_units()} (OpenVINO "
-                          "would run float32); use dtype='float32'")
     # a full document chunk's length: the fixed-length twin's (late chunking never runs on OpenVINO)
     strategy = "single" if encoder.config.strategy == "single" else "dice"
     full_chunk = encoder.settings.chunking("documents", strategy).size + encoder.chunk_overhead

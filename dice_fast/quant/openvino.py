@@ -250,8 +250,9 @@ def float_model(model, precision: str, cache_root: Path, fingerprint: str, takes
     """``model`` exported to OpenVINO unquantized and compiled to run in ``precision`` ("float32" or
     "bfloat16", one of `FLOAT_PRECISIONS`); the export is cached under ``cache_root/openvino/<key>/``
     (key: model fingerprint and OpenVINO version; one export serves both precisions). Other
-    arguments as for `int8_model`. Raises `InputError` where OpenVINO would not run ``precision``
-    (bf16 on a CPU without bf16 units falls back to f32 in OpenVINO: refused, not hidden)."""
+    arguments as for `int8_model`. Raises `InputError` where OpenVINO reports another precision than
+    ``precision`` (bf16 on a CPU without bf16 units runs as f32 or emulated in OpenVINO; the encoder
+    refuses such a CPU before it gets here, `bf16_units`)."""
     import openvino as ov
 
     if precision not in FLOAT_PRECISIONS:
