@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from dice_fast.bench.corpora import RANDOM_MODELS, corpus_lengths, make_corpus, 
 from dice_fast.bench.measure import run_paths  # noqa: E402
 from dice_fast.bench.run import encode_plan  # noqa: E402
 from dice_fast.config import DiceConfig  # noqa: E402
+from dice_fast.cpu_paths import openvino_units  # noqa: E402
 from dice_fast.runinfo import append_csv, device_name, versions  # noqa: E402
 
 MODES = ("graphs", "compiled", "producer", "late", "openvino")
@@ -72,8 +72,8 @@ def feature_missing(mode: str, device: torch.device | None = None) -> str | None
         return f"this tree's DiceConfig has no {name!r} option (the {mode} forward has not landed)"
     if mode == "openvino" and device is not None and device.type != "cpu":
         return f"runtime='openvino' runs on the CPU only, not {device}"
-    if mode == "openvino" and importlib.util.find_spec("openvino") is None:
-        return "OpenVINO is not installed (pip install 'dice-fast[int8]')"
+    if mode == "openvino" and (why := openvino_units()):
+        return why
     if mode == "compiled" and not COMPILED_ON_CUDA:
         return "compile='on' compiles the CPU sdpa_groups forward only; the CUDA compiled forward has not landed"
     return None

@@ -86,11 +86,18 @@ def bf16_units() -> str | None:
     return "no avx512_bf16 or AMX: bf16 matmuls are emulated (slower than float32)"
 
 
-def openvino_units() -> str | None:
-    """None where OpenVINO is importable (checked without importing it), else why its paths cannot run."""
+def _not_installed(*modules: str) -> str | None:
+    """None where every module of the ``int8`` extra named is importable (checked without importing
+    them), else which are missing and how to install them."""
     import importlib.util
 
-    return None if importlib.util.find_spec("openvino") else "openvino not installed (pip install 'dice-fast[int8]')"
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return f"{' and '.join(missing)} not installed (pip install 'dice-fast[int8]')" if missing else None
+
+
+def openvino_units() -> str | None:
+    """None where OpenVINO is importable (checked without importing it), else why its paths cannot run."""
+    return _not_installed("openvino")
 
 
 def openvino_bf16_units() -> str | None:
@@ -101,15 +108,12 @@ def openvino_bf16_units() -> str | None:
 def int8_units() -> str | None:
     """None where the int8 path can run: int8 dot products (VNNI / AMX) and OpenVINO + NNCF importable
     (checked without importing them), else why not. ``DICE_FAST_INT8_ANY_CPU`` does not apply here."""
-    import importlib.util
-
     from .cpu_attention import cpu_flags
     from .quant.cpu import int8_dot_instructions
 
     if not int8_dot_instructions(cpu_flags()):
         return "no VNNI / AMX int8 dot products"
-    missing = [m for m in ("openvino", "nncf") if importlib.util.find_spec(m) is None]
-    return f"{' and '.join(missing)} not installed (pip install 'dice-fast[int8]')" if missing else None
+    return _not_installed("openvino", "nncf")
 
 
 PATHS: list[CpuPath] = [

@@ -60,7 +60,7 @@ def openvino_runner(encoder, model, pad_token_id, streams: int | None = None, hi
     from . import openvino as ovq
 
     # a full document chunk's length: the fixed-length twin's (late chunking never runs on OpenVINO)
-    strategy = "single" if encoder.config.strategy == "single" else "dice"
+    strategy = "single" if cfg.strategy == "single" else "dice"
     full_chunk = encoder.settings.chunking("documents", strategy).size + encoder.chunk_overhead
     root, fingerprint, threads = cache_path().parent, model_fingerprint(model), torch.get_num_threads()
     if int8:

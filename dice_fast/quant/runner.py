@@ -24,6 +24,7 @@ and of which stream runs it.
 from __future__ import annotations
 
 import threading
+
 import numpy as np
 import torch
 
