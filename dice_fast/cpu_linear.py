@@ -42,11 +42,22 @@ KERNELS = ("torch", "onednn")
 _MARGIN = 0.9  # oneDNN must be this much faster to be chosen (ties keep torch's own kernel)
 _SHAPE = (4096, 384, 1536)  # tokens x in x out of the timed linear: a batch of MiniLM's FFN
 _DECIDED: dict[str, str] = {}
+_RUNS: dict[torch.dtype, bool] = {}  # per dtype: does oneDNN's linear run it on this CPU
 
 
-def available() -> bool:
-    """Whether this torch build has oneDNN's linear."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build has oneDNN's linear and it runs ``dtype`` on this CPU (oneDNN has no
+    bf16 linear without AVX-512: on an AVX2-only Zen 3 it refuses to build one)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype not in _RUNS:
+        x = torch.ones(2, 8, dtype=dtype)
+        try:
+            onednn_linear(x, torch.ones(8, 8, dtype=dtype), None)
+            _RUNS[dtype] = True
+        except RuntimeError:  # "could not create a primitive descriptor for the inner product ..."
+            _RUNS[dtype] = False
+    return _RUNS[dtype]
 
 
 def kernel(dtype: torch.dtype) -> str:
@@ -54,8 +65,8 @@ def kernel(dtype: torch.dtype) -> str:
     raw = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
     if raw not in ("auto", *KERNELS):
         raise OptionError(f"{ENV_KERNEL} must be auto, torch or onednn, got {raw!r}")
-    if dtype not in (torch.float32, torch.bfloat16) or not available():
-        return "torch"
+    if dtype not in (torch.float32, torch.bfloat16) or not available(dtype):
+        return "torch"  # an explicit "onednn" too: there is no oneDNN kernel to run
     if raw != "auto":
         return raw
     name = f"linear/{str(dtype).replace('torch.', '')}"

@@ -30,6 +30,8 @@ def fresh(tmp_path, monkeypatch):
 @pytest.mark.parametrize("shape", [(7, 24), (2, 5, 24), (1, 1, 24)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_mode_matches_torch_linear(dtype, atol, shape, bias):
+    if not cpu_linear.available(dtype):
+        pytest.skip(f"oneDNN has no {dtype} linear on this CPU")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g).to(dtype)
     w, b = torch.randn(13, 24, generator=g).to(dtype), torch.randn(13, generator=g).to(dtype) if bias else None
@@ -54,6 +56,21 @@ def test_env_decides_without_measuring(fresh, monkeypatch):
     monkeypatch.setenv(cpu_linear.ENV_KERNEL, "fast")
     with pytest.raises(OptionError, match=cpu_linear.ENV_KERNEL):
         cpu_linear.kernel(torch.float32)
+
+
+def test_a_dtype_onednn_cannot_run_stays_on_torch(fresh, monkeypatch):
+    """oneDNN builds no bf16 linear on an AVX2-only CPU (Zen 3: "could not create a primitive descriptor");
+    such a dtype keeps torch's kernel without a race, whatever the env asks."""
+    def refuse(x, w, b):
+        raise RuntimeError("could not create a primitive descriptor for the inner product forward propagation primitive")
+
+    monkeypatch.setattr(cpu_linear, "onednn_linear", refuse)
+    monkeypatch.setattr(cpu_linear, "_RUNS", {})
+    monkeypatch.setattr(cpu_linear, "measure", lambda *a, **k: pytest.fail("raced a kernel that cannot run"))
+    for env in ("auto", "onednn"):
+        monkeypatch.setenv(cpu_linear.ENV_KERNEL, env)
+        assert cpu_linear.kernel(torch.bfloat16) == "torch"
+    assert not cpu_linear.available(torch.bfloat16)
 
 
 @needs_onednn

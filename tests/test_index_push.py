@@ -49,8 +49,25 @@ def _stored_ids(url):
     return len(store), store.contains(ids)
 
 
-def _key(hits):
-    return [[(h.id, h.chunk, h.start_char, h.end_char) for h in row] for row in hits]
+def _assert_same_ranking(got, want, atol=1e-5):
+    """Same scores (to ``atol``) rank by rank, and the same hits with their evidence, where hits whose
+    scores tie are compared as a set: the corpus's 11-word vocabulary makes duplicate chunks, whose scores
+    tie, and a tie has no order to keep (seen on a Zen 3: the stores and the index listed two tied
+    documents the other way round, their scores 1e-6 apart). A tie that runs to the end of a row may let a
+    different tied document in at rank k, so that last group is held to its scores only."""
+    def evidence(hits, a, b):
+        return sorted((h.id, h.chunk, h.start_char, h.end_char) for h in hits[a:b])
+
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose([h.score for h in g], [h.score for h in w], atol=atol)
+        start = 0
+        for i in range(1, len(w) + 1):
+            if i < len(w) and abs(w[i].score - w[i - 1].score) <= atol:
+                continue
+            if i < len(w):  # a closed group of ranks start..i-1: the same hits, in any order
+                assert evidence(g, start, i) == evidence(w, start, i), (start, i, g, w)
+            start = i
 
 
 def test_push_equals_the_index_of_the_same_output(tmp_path, corpus_output, capsys):
@@ -62,7 +79,7 @@ def test_push_equals_the_index_of_the_same_output(tmp_path, corpus_output, capsy
         store = open_store(url)
         assert len(store) == N_DOCS and store.model == index.model and store.encoder_options == index.encoder_options
         for scoring in ("dice", "maxsim"):
-            assert _key(store.search(queries, 5, scoring)) == _key(index.search(queries, 5, scoring))
+            _assert_same_ranking(store.search(queries, 5, scoring), index.search(queries, 5, scoring))
         del store
         assert main(["search", url, "river stone cloud", "-k", "3", "--json", "--device", "cpu"]) == 0
         printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -104,7 +121,7 @@ def test_a_push_killed_midway_resumes_to_every_document_once(tmp_path, corpus_ou
     assert count == N_DOCS and all(present)
     index = DiceIndex.from_corpus(corpus_output)
     queries = np.asarray(index.documents[:8])
-    assert _key(open_store(url).search(queries, 5, "maxsim")) == _key(index.search(queries, 5, "maxsim"))
+    _assert_same_ranking(open_store(url).search(queries, 5, "maxsim"), index.search(queries, 5, "maxsim"))
 
 
 def test_push_usage_and_a_store_of_another_model_are_refused(tmp_path, corpus_output, capsys):
