@@ -4,7 +4,8 @@
 
 Exports every peer OFFLINE from the bundled model folder (copied into --work, never written to in
 place, never a hub): sentence-transformers with PyTorch fp32, ONNX Runtime fp32, ONNX Runtime
-dynamic int8 (avx512_vnni), OpenVINO (its default inference precision) and OpenVINO static int8
+dynamic int8 (sentence-transformers' "avx512_vnni" config where the CPU has VNNI, else its "avx2"
+one, as a user of that machine would pick), OpenVINO (its default inference precision) and OpenVINO static int8
 (NNCF via optimum-intel, calibrated on the texts' "calibration" list: the first half of the bundled
 prose). Then answers the driver on stdin, one line per request: "NAME [N]" -> that peer encodes the
 texts (the first N) once and writes its vectors to --work/NAME.npy; "quit" ends. Replies are stdout lines
@@ -24,6 +25,16 @@ from pathlib import Path
 import numpy as np
 
 PEERS = ("st_torch_fp32", "st_onnx_fp32", "st_onnx_int8_dynamic", "st_openvino", "st_openvino_int8_static")
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux; empty elsewhere). dice_fast's own `cpu_attention.cpu_flags` is not
+    importable here: this venv's transformers is older than dice_fast's floor."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            return next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
 def say(**msg) -> None:
@@ -95,9 +106,10 @@ def load_peers(model_dir: Path, work: Path, calibration: list[str]) -> tuple[dic
     attempt("st_onnx_fp32", exported("onnx", "onnx/model.onnx"))
 
     def onnx_int8():
-        name = "onnx/model_qint8_avx512_vnni.onnx"
+        config = "avx512_vnni" if "avx512_vnni" in _cpu_flags() else "avx2"
+        name = f"onnx/model_qint8_{config}.onnx"
         if not (folder / name).exists():
-            export_dynamic_quantized_onnx_model(models["st_onnx_fp32"], "avx512_vnni", str(folder))
+            export_dynamic_quantized_onnx_model(models["st_onnx_fp32"], config, str(folder))
         return SentenceTransformer(str(folder), backend="onnx", device="cpu", model_kwargs={"file_name": name})
 
     attempt("st_onnx_int8_dynamic", onnx_int8)
