@@ -3,8 +3,9 @@
 int8 GEMMs are fast only with a dot-product instruction that multiplies int8 pairs and accumulates
 in int32 in one step: AVX-512 VNNI (Cascade Lake+, Zen 4+), AVX-VNNI (Alder Lake+, Zen 5) or AMX
 (Sapphire Rapids+). Without one (an AVX2-only Zen 3, say) int8 runs through multi-instruction
-emulation; that machine kind was not available to measure on, so it is refused rather than assumed
-to win (set ``DICE_FAST_INT8_ANY_CPU=1`` to run it anyway, with a warning).
+emulation with an int16 intermediate; measured on a Zen 3 (benchmarks/RESULTS.md §18) it ran 0.75x the
+float32 OpenVINO path at cos min 0.985 (0.995 with VNNI), so it is refused there (set
+``DICE_FAST_INT8_ANY_CPU=1`` to run it anyway, with a warning).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def check_int8_cpu(flags: set[str] | None = None) -> tuple[str, ...]:
     if found:
         return found
     msg = (f"dtype='int8' needs a CPU with int8 dot-product instructions ({', '.join(INT8_DOT_FLAGS)}); "
-           "this CPU has none, so int8 would run emulated and is not known to beat float32 here. "
+           "this CPU has none, so int8 would run emulated: slower than float32 on OpenVINO and further from "
+           "float32 (measured on an AVX2-only Zen 3: 0.75x, cos min 0.985). "
            "Use dtype='bfloat16' (avx512_bf16 / AMX) or 'float32'")
     if os.environ.get(ENV_ANY_CPU) == "1":
         warnings.warn(msg + f" ({ENV_ANY_CPU}=1: running int8 anyway)", stacklevel=3)
