@@ -62,11 +62,11 @@ def parse_args(argv=None):
 class Peers:
     """The peers' worker process (see benchmarks/peers_worker.py)."""
 
-    def __init__(self, python: str, model_dir: str, work: Path, texts_file: Path, batch_size: int):
+    def __init__(self, python: str, model_dir: str, work: Path, texts_file: Path, batch_size: int, onnx_int8_config: str):
         self.work = work
         self.proc = subprocess.Popen(
             [python, str(HERE / "peers_worker.py"), "--model", model_dir, "--work", str(work), "--texts",
-             str(texts_file), "--batch-size", str(batch_size)],
+             str(texts_file), "--batch-size", str(batch_size), "--onnx-int8-config", onnx_int8_config],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(work / "worker.log", "a"), text=True)
         self.ready = self._reply("ready")
 
@@ -170,7 +170,8 @@ def main(argv=None) -> int:
     elif not Path(python).exists():
         peer_skipped["peers"] = f"no peers venv at {args.venv}: run benchmarks/peers_env.sh"
     else:
-        peers = Peers(python, model_dir, work, work / "texts.json", args.batch_size)
+        onnx_int8_config = "avx512_vnni" if "avx512_vnni" in cpu_flags() else "avx2"  # what a user of this CPU picks
+        peers = Peers(python, model_dir, work, work / "texts.json", args.batch_size, onnx_int8_config)
         peer_skipped, peer_versions = peers.ready["skipped"], peers.ready["versions"]
     encoders, dice_skipped = dice_paths(args.skip, args.int8_variants)
 
