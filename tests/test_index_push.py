@@ -61,13 +61,9 @@ def _assert_same_ranking(got, want, atol=1e-5):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         np.testing.assert_allclose([h.score for h in g], [h.score for h in w], atol=atol)
-        start = 0
-        for i in range(1, len(w) + 1):
-            if i < len(w) and abs(w[i].score - w[i - 1].score) <= atol:
-                continue
-            if i < len(w):  # a closed group of ranks start..i-1: the same hits, in any order
-                assert evidence(g, start, i) == evidence(w, start, i), (start, i, g, w)
-            start = i
+        ends = [i for i in range(1, len(w)) if abs(w[i].score - w[i - 1].score) > atol]  # where a group ends
+        for a, b in zip([0, *ends], ends):  # every group but the last: the same hits, in any order
+            assert evidence(g, a, b) == evidence(w, a, b), (a, b, g, w)
 
 
 def test_push_equals_the_index_of_the_same_output(tmp_path, corpus_output, capsys):
