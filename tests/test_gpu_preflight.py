@@ -62,11 +62,27 @@ def test_script_parses_and_sets_unbuffered_output():
     assert "--no-index --no-deps" in text  # the image has no network
 
 
+def _memo_on_first_argument(fn):
+    """``fn`` called once per value of its first (hashable) argument, or once if it takes none."""
+    memo = {}
+
+    def call(*args):
+        if args[:1] not in memo:
+            memo[args[:1]] = fn(*args)
+        return memo[args[:1]]
+
+    return call
+
+
 def test_sizing_fits_every_limit_and_the_target(plan, monkeypatch):
     """The plan's arithmetic, with the variant count of the last measured run (the count itself, ~1 min
     of CPU, is the preflight's sizing step; its mechanism is test_launch_recorder_counts_variants)."""
     counted = {"variants": 36, "realistic batch": 28, "largest test": 14, "engine tests": 8}
     monkeypatch.setattr(preflight, "count_gpu_test_variants", lambda: (36, counted))
+    # the second plan below changes only the counts: its test collections (a pytest subprocess each)
+    # and tokenizer measurement are the first plan's, made once
+    monkeypatch.setattr(preflight, "collect", _memo_on_first_argument(preflight.collect))
+    monkeypatch.setattr(preflight, "tokenizer_rate", _memo_on_first_argument(preflight.tokenizer_rate))
     r = preflight.check_sizing(plan)
     assert r["status"] == "PASS", r["problems"]
     assert r["details"]["planned total (build beside the GPU tests)"] <= preflight.TARGET_S
