@@ -32,7 +32,7 @@ def test_refused_without_int8_instructions(monkeypatch):
         check_int8_cpu({"avx2", "fma"})
     monkeypatch.setattr("dice_fast.cpu_attention.cpu_flags", lambda: {"avx2"})
     model, tok, *_ = tiny("bert")
-    with pytest.raises(Int8Unsupported, match="bfloat16"):
+    with pytest.raises(Int8Unsupported, match="dtype='auto'.*runtime='openvino'"):
         DiceEncoder(model, tok, dtype="int8", chunk_size=16)
     monkeypatch.setenv("DICE_FAST_INT8_ANY_CPU", "1")
     with pytest.warns(UserWarning, match="anyway"):

@@ -36,7 +36,8 @@ def check_int8_cpu(flags: set[str] | None = None) -> tuple[str, ...]:
     msg = (f"dtype='int8' needs a CPU with int8 dot-product instructions ({', '.join(INT8_DOT_FLAGS)}); "
            "this CPU has none, so int8 would run emulated: slower than float32 on OpenVINO and further from "
            "float32 (measured on an AVX2-only Zen 3: 0.75x, cos min 0.985). "
-           "Use dtype='bfloat16' (avx512_bf16 / AMX) or 'float32'")
+           "Use dtype='auto' (the fastest path this CPU has and meets the agreement bound; on an "
+           "AVX2-only CPU float32 with runtime='openvino') or dtype='float32'")
     if os.environ.get(ENV_ANY_CPU) == "1":
         warnings.warn(msg + f" ({ENV_ANY_CPU}=1: running int8 anyway)", stacklevel=3)
         return ()
