@@ -5,8 +5,8 @@
     python benchmarks/bench_peers.py --chunks 1000 --repeats 3 --csv benchmarks/peers.csv
 
 Rows: sentence-transformers with PyTorch fp32, ONNX Runtime fp32, ONNX Runtime dynamic int8
-(avx512_vnni; and avx2 beside it on a CPU without VNNI), OpenVINO (default precision) and OpenVINO static int8 (NNCF, calibrated on the first
-half of the bundled prose); dice_fast float32, bfloat16, compiled (where the ``compile`` option
+(avx512_vnni; and avx2 beside it on a CPU without VNNI), OpenVINO (default precision) and OpenVINO
+static int8 (NNCF, calibrated on the first half of the bundled prose); dice_fast float32, bfloat16, compiled (where the ``compile`` option
 exists), float32 and bfloat16 on OpenVINO (``runtime="openvino"``, where the option exists) and int8. Every path encodes the same ``--chunks`` texts of 254 tokens (256 with [CLS] and
 [SEP]: one full window, one chunk each) cut from the held-out second half of the bundled prose. Runs
 are interleaved (each repeat runs every path once, order rotated per repeat), seconds are medians

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 
-
 def onnx_int8_peer(config: str) -> str:
     """The peer name of ONNX Runtime's dynamic int8 in sentence-transformers' export ``config``."""
     return "st_onnx_int8_dynamic" if config == "avx512_vnni" else f"st_onnx_int8_dynamic_{config}"
@@ -102,13 +101,10 @@ def load_peers(model_dir: Path, work: Path, calibration: list[str], onnx_int8_co
     attempt("st_onnx_fp32", exported("onnx", "onnx/model.onnx"))
 
     def onnx_int8(config: str):
-        # named by the config's weight type: model_qint8_avx512_vnni.onnx, model_quint8_avx2.onnx
-        def saved():
-            return next(iter(sorted((folder / "onnx").glob(f"model_q*int8_{config}.onnx"))), None)
-
-        if saved() is None:
+        pattern = f"model_q*int8_{config}.onnx"  # by weight type: model_qint8_avx512_vnni, model_quint8_avx2
+        if not any((folder / "onnx").glob(pattern)):
             export_dynamic_quantized_onnx_model(models["st_onnx_fp32"], config, str(folder))
-        name = str(saved().relative_to(folder))
+        name = str(next((folder / "onnx").glob(pattern)).relative_to(folder))
         return SentenceTransformer(str(folder), backend="onnx", device="cpu", model_kwargs={"file_name": name})
 
     for config in onnx_int8_configs:
@@ -133,7 +129,7 @@ def main() -> int:
     ap.add_argument("--texts", required=True, type=Path, help='JSON {"texts": [...], "calibration": [...]}')
     ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
     ap.add_argument("--onnx-int8-configs", nargs="+", default=["avx512_vnni"], choices=("avx512_vnni", "avx512", "avx2", "arm64"),
-                    help="sentence-transformers' dynamic int8 export config for the ONNX Runtime int8 peer")
+                    help="sentence-transformers' dynamic int8 export configs: one ONNX Runtime int8 peer each")
     args = ap.parse_args()
     data = json.loads(args.texts.read_text(encoding="utf-8"))
     texts = data["texts"]
