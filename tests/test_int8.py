@@ -47,6 +47,32 @@ def test_calibration_option_belongs_to_int8():
     assert DiceConfig(dtype="int8", calibration="corpus.txt").calibration == "corpus.txt"
 
 
+def test_calibration_file_is_read_bounded_whole_characters_and_named_when_bad(tmp_path, monkeypatch):
+    from dice_fast.quant import calibration as cal
+
+    monkeypatch.setattr(cal, "MAX_BYTES", 16 * 7)  # 16 slices of 7 bytes: a slice edge inside most characters
+    words = [f"{i:03d}é€😀" for i in range(200)]  # 1-, 2-, 3- and 4-byte characters
+    big = tmp_path / "corpus.txt"
+    big.write_text(" ".join(words), encoding="utf-8")
+    text = cal.calibration_text(str(big))
+    assert len(text.encode()) <= 16 * 7 + 15 * 2 and text.count("\n\n") == 15  # bounded, one piece per slice
+    assert text.startswith("000é") and text.endswith("€😀")  # the slices span the file, first to last byte
+    assert all(piece in " ".join(words) for piece in text.split("\n\n"))  # cut between characters only
+    assert cal.calibration_text(str(big)) == text
+    small = tmp_path / "small.txt"
+    small.write_text("short é", encoding="utf-8")
+    assert cal.calibration_text(str(small)) == "short é"  # a file within the bound is read whole
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf".encode() + "é".encode("latin-1") + b" " * 300)
+    with pytest.raises(InputError, match=r"latin1.txt.*not UTF-8.*at byte 3"):
+        cal.calibration_text(str(bad))
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n\t\n", encoding="utf-8")
+    for path, what in ((blank, "holds no text"), (tmp_path, "is not a file"), (tmp_path / "missing.txt", "is not a file")):
+        with pytest.raises(InputError, match=what):
+            cal.calibration_text(str(path))
+
+
 def test_cache_key_names_model_calibration_and_versions():
     calib = [(np.array([[1, 5, 2]]), np.array([[0, 1, 2]]))]
     other = [(np.array([[1, 6, 2]]), np.array([[0, 1, 2]]))]
