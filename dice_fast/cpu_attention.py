@@ -342,14 +342,26 @@ def cached_entry(name: str, valid, measure) -> tuple[dict, str]:
     ("cache"), else ``measure()``'s ("measured"), kept in the cache unless its ``busy`` flag says other
     work held the cores while it was timed (a contended timing is used, not kept)."""
     cache = read_cache()
-    entry = cache.get(machine_key(), {}).get(name)
+    entry = cache_section(cache).get(name)
     if valid(entry):
         return entry, "cache"
     entry = measure()
     if not entry["busy"]:
-        cache.setdefault(machine_key(), {})[name] = entry
+        cache_section(cache)[name] = entry
         write_cache(cache)
     return entry, "measured"
+
+
+def cache_section(cache: dict, *names: str) -> dict:
+    """``cache[machine_key()][names[0]]...``: this machine's (nested) section of the cache, made where
+    missing and in place of anything that is not a dict (a damaged or hand-edited file costs a
+    measurement, never an error)."""
+    node = cache
+    for name in (machine_key(), *names):
+        if not isinstance(node.get(name), dict):
+            node[name] = {}
+        node = node[name]
+    return node
 
 
 def read_cache() -> dict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -176,7 +177,7 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
     cache = cpu_attention.read_cache()
     names = ",".join(p.name for p in paths)
     slot = f"{model_key}|{names}|held-out"  # the measurement; the bound applies to it below
-    entry = cache.get(cpu_attention.machine_key(), {}).get(_KEY, {}).get(slot)
+    entry = cpu_attention.cache_section(cache, _KEY).get(slot)
     source = "cache"
     if not _valid(entry, paths):
         encoders = {p.name: encoder_for(p.options) for p in paths}
@@ -185,7 +186,7 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
         entry = {"tokens_per_s": rates, "cos_min": agreement, "date": datetime.datetime.now().isoformat(timespec="seconds")}
         source = "measured"
         if not busy:
-            cache.setdefault(cpu_attention.machine_key(), {}).setdefault(_KEY, {})[slot] = entry
+            cpu_attention.cache_section(cache, _KEY)[slot] = entry
             cpu_attention.write_cache(cache)
     eligible = [p for p in paths if p.name == REFERENCE or entry["cos_min"][p.name] >= bound]
     if not eligible:
@@ -197,8 +198,14 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
 
 
 def _valid(entry, paths) -> bool:
-    return (isinstance(entry, dict) and all(isinstance(entry.get(k), dict) and all(p.name in entry[k] for p in paths)
-                                            for k in ("tokens_per_s", "cos_min")))
+    """Whether a cached ``entry`` holds a finite rate and cos min for every path (else: measured again)."""
+    return isinstance(entry, dict) and all(
+        isinstance(entry.get(k), dict) and all(_finite(entry[k].get(p.name)) for p in paths)
+        for k in ("tokens_per_s", "cos_min"))
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:

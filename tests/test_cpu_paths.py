@@ -69,6 +69,27 @@ def test_busy_measurement_is_not_cached(monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("junk", ["list", "machine", "section", "slot", "values"])
+def test_a_damaged_cache_file_costs_a_measurement_not_an_error(monkeypatch, junk):
+    import json
+
+    calls = []
+    monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": 180.0}, {"fp32": 1.0, "bf16": 0.9995}, calls=calls))
+    _encoder(dtype="auto")  # measured and cached
+    path, key = cpu_attention.cache_path(), cpu_attention.machine_key()
+    data = json.loads(path.read_text())
+    slot = next(iter(data[key]["paths"]))
+    damaged = {"list": [1, 2], "machine": {key: "x"}, "section": {key: {"paths": "x", "float32/d16": 5}},
+               "slot": {key: {"paths": {slot: [1]}}},
+               "values": {key: {"paths": {slot: {"tokens_per_s": {"fp32": "fast", "bf16": None},
+                                                 "cos_min": {"fp32": "high", "bf16": True}}}}}}[junk]
+    path.write_text(json.dumps(damaged))
+    cpu_attention.reset()
+    enc = _encoder(dtype="auto")
+    assert enc.path_choice.name == "bf16" and enc.path_choice.source == "measured" and len(calls) == 2
+    assert _encoder(dtype="auto").path_choice.source == "cache"  # and the repaired file is kept
+
+
 def test_no_bf16_without_bf16_units(monkeypatch):
     monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx2"})
     calls = []
