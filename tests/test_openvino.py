@@ -6,6 +6,7 @@ model; every option it cannot take is refused naming the culprit."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import sys
@@ -80,6 +81,26 @@ def test_export_cached_per_model(ov_cache, monkeypatch):
     assert len(ovq.cached_models(ov_cache, "openvino")) == 2 and other.precision != again.precision
     # OpenVINO's vectors never share the torch runtime's chunk-cache namespace
     assert DiceEncoder(model, tok, chunk_size=K).precision == "float32" != again.precision
+
+
+@needs_openvino
+@pytest.mark.parametrize("damage", ["truncated weights", "no graph"])
+def test_a_damaged_cached_export_is_built_again(ov_cache, monkeypatch, damage):
+    model, tok, *_ = tiny("bert")
+    first = DiceEncoder(model, tok, runtime="openvino", chunk_size=K).encode_documents(corpus(seed=4))
+    (key,) = ovq.cached_models(ov_cache, "openvino")
+    folder = ov_cache / "openvino" / key
+    if damage == "no graph":
+        (folder / "model.xml").unlink()
+    else:
+        with open(folder / "model.bin", "r+b") as fh:
+            fh.truncate(1000)
+    monkeypatch.setattr(ovq, "_MEMO", {})  # a new process
+    with pytest.warns(UserWarning, match=f"cached OpenVINO model {folder} cannot be read") if damage != "no graph" \
+            else contextlib.nullcontext():
+        again = DiceEncoder(model, tok, runtime="openvino", chunk_size=K)
+    np.testing.assert_array_equal(first, again.encode_documents(corpus(seed=4)))
+    assert sorted(p.name for p in folder.parent.iterdir()) == [key]  # rebuilt in place, nothing left aside
 
 
 @needs_openvino

@@ -29,6 +29,7 @@ cannot be without the compiled path.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import inspect
@@ -36,6 +37,7 @@ import json
 import os
 import shutil
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,11 +201,8 @@ def _load(folder: Path, write, props: dict, width: int | None, name) -> OpenVino
     with _LOCK:
         if memo in _MEMO:
             return _MEMO[memo]
-        if not (folder / "model.xml").is_file():
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            write(folder)
         core = ov.Core()
-        read = core.read_model(str(folder / "model.xml"))
+        read = _read_or_write(core, folder, write)
         dynamic = core.compile_model(read, "CPU", props)
         fixed = None
         if width is not None:
@@ -215,6 +214,28 @@ def _load(folder: Path, write, props: dict, width: int | None, name) -> OpenVino
         rest = dynamic.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16" / "f32"
         _MEMO[memo] = OpenVinoModel(dynamic, fixed, width, name(rest), rest)
         return _MEMO[memo]
+
+
+def _read_or_write(core, folder: Path, write):
+    """``folder/model.xml`` read by ``core``, written by ``write(folder)`` first where absent. A cached
+    model OpenVINO cannot read (damaged on disk: a truncated weights file, a folder without its model)
+    is discarded with a warning naming it and written again: damage costs a rebuild, not an error."""
+    xml = folder / "model.xml"
+    if xml.is_file():
+        try:
+            return core.read_model(str(xml))
+        except RuntimeError as exc:
+            reason = next((ln for ln in str(exc).splitlines() if ln.strip() and "Exception from" not in ln), "")
+            warnings.warn(f"the cached OpenVINO model {folder} cannot be read ({reason.strip()[:200]}); "
+                          "it is built again", stacklevel=4)
+    if folder.exists():  # no model, or a damaged one: set aside and removed, so the new one can take its name
+        aside = folder.with_name(f".{folder.name}.{os.getpid()}.{threading.get_ident()}.discarded")
+        with contextlib.suppress(FileNotFoundError):  # another process discarded it first
+            os.replace(folder, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    write(folder)
+    return core.read_model(str(xml))
 
 
 def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int,
