@@ -28,6 +28,9 @@ weights changed after the first call are not seen — build a new encoder after 
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import sys
 import threading
 import time
 
@@ -48,6 +51,18 @@ def compile_options(device_type: str) -> dict:
     if device_type == "cuda" and CUDA_MODE != "default":
         return {"mode": CUDA_MODE}
     return {"options": {"freezing": True}}
+
+
+def cpu_compiler_missing() -> str | None:
+    """None where inductor's C++ compiler is on PATH (it builds the compiled CPU forward's kernels with
+    ``$CXX``, else g++; clang++ on macOS), else why the compiled forward cannot be built here."""
+    if BACKEND != "inductor":
+        return None
+    name = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(name) is None:
+        return (f"torch.compile builds its CPU kernels with a C++ compiler and finds none ({name!r} is not on "
+                "PATH; CXX names another)")
+    return None
 
 
 class CompiledForward:

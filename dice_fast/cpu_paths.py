@@ -117,11 +117,22 @@ def int8_units() -> str | None:
     return _not_installed("openvino", "nncf")
 
 
+def compiler_units() -> str | None:
+    """None where the compiled forward can be built here (a C++ compiler for inductor), else why not."""
+    from .compiled import cpu_compiler_missing
+
+    return cpu_compiler_missing()
+
+
+def bf16_compiler_units() -> str | None:
+    return bf16_units() or compiler_units()
+
+
 PATHS: list[CpuPath] = [
     CpuPath("fp32", {"dtype": "float32", "compile": "off", "runtime": "torch"}),
     CpuPath("bf16", {"dtype": "bfloat16", "compile": "off", "runtime": "torch"}, bf16_units),
-    CpuPath("fp32+compile", {"dtype": "float32", "compile": "on", "runtime": "torch"}),
-    CpuPath("bf16+compile", {"dtype": "bfloat16", "compile": "on", "runtime": "torch"}, bf16_units),
+    CpuPath("fp32+compile", {"dtype": "float32", "compile": "on", "runtime": "torch"}, compiler_units),
+    CpuPath("bf16+compile", {"dtype": "bfloat16", "compile": "on", "runtime": "torch"}, bf16_compiler_units),
     CpuPath("fp32+openvino", {"dtype": "float32", "compile": "off", "runtime": "openvino"}, openvino_units,
             strategies=("dice", "single")),
     CpuPath("bf16+openvino", {"dtype": "bfloat16", "compile": "off", "runtime": "openvino"}, openvino_bf16_units,

@@ -49,6 +49,24 @@ def test_padded_fallback_is_refused():
         DiceEncoder(model, tok, chunk_size=8, compile="yes")
 
 
+def test_without_a_cpp_compiler_on_is_refused_and_auto_runs_eager(monkeypatch, tmp_path):
+    """Inductor builds CPU kernels with a C++ compiler: where it finds none, compile='on' says so before
+    tracing anything, and compile='auto' leaves the compiled paths out of its candidates."""
+    from dice_fast import compiled, cpu_paths
+
+    monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled, "BACKEND", "inductor")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(ValueError, match="compile='on': torch.compile builds .* C\\+\\+ compiler and finds none.*no-such-g"):
+        DiceEncoder(model, tok, chunk_size=8, compile="on")
+    measured = []
+    monkeypatch.setattr(cpu_paths, "measure_paths", lambda encs, ref: (measured.append(sorted(encs)) or
+                                                                      ({n: 1.0 for n in encs}, {n: 1.0 for n in encs}, True)))
+    enc = DiceEncoder(model, tok, chunk_size=8, compile="auto", runtime="torch", pooling_impl="torch")
+    assert enc.runner.compiled is None and measured == [["fp32"]]
+
+
 @pytest.mark.parametrize("arch", ["bert", "qwen2"])
 def test_the_cuda_varlen_forward_traces_whole_on_the_cpu(arch, monkeypatch):
     """compile='on' with a CUDA varlen backend, run on the CPU: a fake of torch's varlen_attn (torch >=
