@@ -104,6 +104,16 @@ def test_a_damaged_cached_export_is_built_again(ov_cache, monkeypatch, damage):
 
 
 @needs_openvino
+def test_a_cache_folder_that_cannot_be_written_is_named(ov_cache, monkeypatch):
+    blocker = ov_cache / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(blocker))
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(ValueError, match=f"cannot write the OpenVINO model cache {blocker}.*DICE_FAST_CACHE_DIR"):
+        DiceEncoder(model, tok, runtime="openvino", chunk_size=K)
+
+
+@needs_openvino
 @needs_bf16
 @pytest.mark.timeout(300)
 def test_real_model_agreement_on_held_out_prose(ov_cache):

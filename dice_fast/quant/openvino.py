@@ -228,13 +228,17 @@ def _read_or_write(core, folder: Path, write):
             reason = next((ln for ln in str(exc).splitlines() if ln.strip() and "Exception from" not in ln), "")
             warnings.warn(f"the cached OpenVINO model {folder} cannot be read ({reason.strip()[:200]}); "
                           "it is built again", stacklevel=4)
-    if folder.exists():  # no model, or a damaged one: set aside and removed, so the new one can take its name
-        aside = folder.with_name(f".{folder.name}.{os.getpid()}.{threading.get_ident()}.discarded")
-        with contextlib.suppress(FileNotFoundError):  # another process discarded it first
-            os.replace(folder, aside)
-        shutil.rmtree(aside, ignore_errors=True)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    write(folder)
+    try:
+        if folder.exists():  # no model, or a damaged one: set aside and removed, so the new one takes its name
+            aside = folder.with_name(f".{folder.name}.{os.getpid()}.{threading.get_ident()}.discarded")
+            with contextlib.suppress(FileNotFoundError):  # another process discarded it first
+                os.replace(folder, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        write(folder)
+    except OSError as exc:  # a file where the folder should be, no permission, a full disk
+        raise InputError(f"cannot write the OpenVINO model cache {folder.parent} ({exc.strerror or exc}): point "
+                         "DICE_FAST_CACHE_DIR at a writable folder") from exc
     return core.read_model(str(xml))
 
 
