@@ -286,9 +286,12 @@ def busy(load: float) -> bool:
 
 
 def race(fns: dict, deadline: float, max_rounds: int = 7) -> dict:
-    """Best-of-k milliseconds of each function, interleaved until ``deadline`` (at least one timed call each)."""
+    """Best-of-k milliseconds of each function, interleaved until ``deadline`` (at least one timed call
+    each, after an untimed one: a kernel's first call in a process can cost 50x its next, which would
+    drop it below as if it were emulated)."""
     first = {}
     for name, fn in fns.items():
+        fn()
         t0 = time.perf_counter()
         fn()
         first[name] = time.perf_counter() - t0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -158,3 +159,21 @@ def test_decisions_name_what_ran():
     finally:
         del os.environ[tuning.ENV_DTYPE], os.environ[tuning.ENV_KERNEL]
     assert tuning.describe(torch.bfloat16) == "fp32" and "bfloat16/d32" in tuning.decisions()
+
+
+def test_race_forgives_a_slow_first_call_and_drops_a_slow_kernel():
+    """A kernel whose first call in the process is slow (lazy initialisation) is timed on its later
+    calls; one slow on every call (emulated bf16) is dropped after its first timed call."""
+    calls = {"cold": 0, "slow": 0}
+
+    def cold():
+        calls["cold"] += 1
+        time.sleep(0.05 if calls["cold"] == 1 else 0.001)
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(0.05)
+
+    ms = tuning.race({"fast": lambda: time.sleep(0.001), "cold": cold, "slow": slow}, time.perf_counter() + 0.3,
+                     max_rounds=3)
+    assert ms["cold"] < 10 and ms["slow"] >= 50 and calls["slow"] == 2 and calls["cold"] >= 4
