@@ -337,10 +337,9 @@ def _varlen_meta_runs(label: str, problems: list, details: dict) -> None:
                             problems.append(f"{what}: got {tuple(out.shape)} {out.dtype}")
                     except Exception as e:
                         problems.append(f"{what}: {type(e).__name__}: {e}")
-    # Decoder models' mask preparation looks for packed sequences in position_ids with a data-dependent
+    # transformers' mask preparation looks for packed sequences in position_ids with a data-dependent
     # `.all()` (a host sync per forward on a GPU, impossible on meta) unless a 2-D mask is given:
     # dice_fast's packed forward gives one (`dice_fast.nosync`), so these meta forwards run unstubbed
-    from dice_fast.models import _is_decoder_only
     from dice_fast.nosync import sync_free_kwargs
 
     details["stubbed"] = "nothing: the packed-sequence check of transformers is skipped by dice_fast.nosync"
@@ -353,7 +352,7 @@ def _varlen_meta_runs(label: str, problems: list, details: dict) -> None:
             ids = torch.zeros(1, L * n, dtype=torch.long, device="meta")
             cu = torch.empty(n + 1, dtype=torch.int32, device="meta")
             extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-            extra.update(sync_free_kwargs(ids, _is_decoder_only(model)))
+            extra.update(sync_free_kwargs(ids))
             with torch.inference_mode(), attn.attention_context("torch_varlen", None, [L] * n,
                                                                             [0, L, 2 * L, 3 * L]) as run:
                 out = model(input_ids=ids, position_ids=ids.clone(), cu_seq_lens_q=cu, cu_seq_lens_k=cu,

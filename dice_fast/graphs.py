@@ -206,7 +206,7 @@ class GraphedRunner:
         if not attn.installed(r.model):
             attn.install(r.model)
         kwargs = {"use_cache": False} if r.takes_cache else {}
-        kwargs.update(sync_free_kwargs(ids, r.spec.is_causal))
+        kwargs.update(sync_free_kwargs(ids))
         m = padded.max_seqlen
         with attn.attention_context(r.backend, r.causal, padded.lengths, padded.cu_seqlens):
             out = r.model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,

@@ -1,12 +1,13 @@
 """Packed decoder forwards without a device-to-host sync, and a counter of host syncs to prove it.
 
-transformers (5.x) looks for packed sequences in ``position_ids`` when a decoder builds its causal
-mask: ``find_packed_sequence_indices`` ends in a data-dependent ``if (...).all()``, one
-device-to-host sync per forward (it stalls the launch queue on a GPU, and makes a CUDA-graph
-capture fail). It runs only when no 2-D attention mask is given. dice_fast's packed forward gives
+transformers (5.x) looks for packed sequences in ``position_ids`` when a model builds its attention
+mask (decoders' causal masks; encoders' bidirectional ones since transformers 5.25):
+``find_packed_sequence_indices`` ends in a data-dependent ``if (...).all()``, one device-to-host sync
+per forward (it stalls the launch queue on a GPU, makes a CUDA-graph capture fail, and cannot run on
+meta tensors). It runs only when no 2-D attention mask is given. dice_fast's packed forward gives
 one, all True (`sync_free_kwargs`): transformers then hands it to dice_fast's registered mask
 function, which builds no mask inside a packed forward (`dice_fast.attention`), so nothing changes
-but the check that no longer runs. Encoders build their masks without position_ids and get nothing.
+but the check that no longer runs.
 
 `HostSyncs` counts the tensor methods that read device data on the host (``item``, ``bool``,
 ``int``, ``float``, ``tolist``, ``numpy``, ``nonzero``, ...) in a region, so a CPU test can assert that
@@ -23,14 +24,10 @@ SYNC_METHODS = frozenset({"item", "__bool__", "__int__", "__float__", "__index__
                           "nonzero", "unique", "cpu", "equal", "allclose", "masked_select"})
 
 
-def sync_free_kwargs(input_ids: torch.Tensor, decoder: bool) -> dict:
+def sync_free_kwargs(input_ids: torch.Tensor) -> dict:
     """Forward keyword arguments that keep transformers' packed-sequence check off device data.
 
-    input_ids: (1, T) on the model's device; decoder: the model builds causal masks (decoder-only
-    architectures: `dice_fast.models.ModelSpec.is_causal`). Returns ``{"attention_mask": (1, T)
-    bool, all True}`` for a decoder, else ``{}``."""
-    if not decoder:
-        return {}
+    input_ids: (1, T) on the model's device. Returns ``{"attention_mask": (1, T) bool, all True}``."""
     return {"attention_mask": torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)}
 
 

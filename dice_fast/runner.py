@@ -121,7 +121,7 @@ class ModelRunner:
         kwargs = {"use_cache": False} if self.takes_cache else {}
         ids = on_device(batch, "input_ids", self.device).unsqueeze(0)
         pos = on_device(batch, "position_ids", self.device)
-        kwargs.update(sync_free_kwargs(ids, self.spec.is_causal))  # no host sync in transformers' mask code
+        kwargs.update(sync_free_kwargs(ids))  # no host sync in transformers' mask code
         with attn.attention_context(self.backend, causal, batch.lengths, batch.cu_seqlens) as run, self.linear_mode():
             out = self.model(
                 input_ids=ids,
