@@ -54,6 +54,9 @@ _MARGIN = 0.9
 # lengths at which the matmul kernel is tried against SDPA; the largest that wins is kept
 _MATMUL_LENGTHS = (16, 64)
 _HALF = (torch.bfloat16, torch.float16)
+# the timing method's version, stamped in every cached decision: entries `race` timed another way are
+# measured again (2: each kernel's first call untimed, so a lazily initialised kernel is not dropped)
+RACE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -203,9 +206,9 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
     projections, output copied back into a packed buffer of ``dtype`` as the engine does):
     ``long``: 2 chunks of 256 tokens, SDPA in float32 (inputs cast) vs in ``dtype`` (half inputs only);
     ``short<L>``: 16 chunks of L tokens, SDPA in the winner's dtype vs the float32 matmul kernel.
-    Each candidate is timed best-of-k, interleaved, within ``budget_s``; a candidate whose first call
-    is over 8x the best first call is dropped (bf16 matmuls without bf16 instructions). ``busy``
-    is set when the load average says other processes competed for the cores (the entry is then
+    Each candidate is timed best-of-k, interleaved, within ``budget_s`` (`race`); a candidate whose
+    first timed call is over 8x the best first timed call is dropped (bf16 matmuls without bf16
+    instructions). ``busy`` is set when the load average says other processes competed for the cores (the entry is then
     not cached: a contended timing should not decide for good).
     """
     g = torch.Generator().manual_seed(0)
@@ -346,10 +349,11 @@ def cached_entry(name: str, valid, measure) -> tuple[dict, str]:
     work held the cores while it was timed (a contended timing is used, not kept)."""
     cache = read_cache()
     entry = cache_section(cache).get(name)
-    if valid(entry):
+    if valid(entry) and entry.get("race") == RACE_VERSION:
         return entry, "cache"
-    entry = measure()
+    entry = {**measure(), "race": RACE_VERSION}
     if not entry["busy"]:
+        cache = read_cache()  # again: another decision may have been written while this one was measured
         cache_section(cache)[name] = entry
         write_cache(cache)
     return entry, "measured"

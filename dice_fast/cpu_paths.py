@@ -194,9 +194,13 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
         encoders = {p.name: encoder_for(p.options) for p in paths}
         reference = encoders.get(REFERENCE) or encoder_for(PATHS[0].options)
         rates, agreement, busy = (measure or measure_paths)(encoders, reference)
-        entry = {"tokens_per_s": rates, "cos_min": agreement, "date": datetime.datetime.now().isoformat(timespec="seconds")}
+        # a path whose vectors hold a NaN is kept, never eligible: -1 (and no rate), not re-measured each time
+        entry = {"tokens_per_s": {n: r if _finite(r) else 0.0 for n, r in rates.items()},
+                 "cos_min": {n: c if _finite(c) else -1.0 for n, c in agreement.items()},
+                 "date": datetime.datetime.now().isoformat(timespec="seconds")}
         source = "measured"
         if not busy:
+            cache = cpu_attention.read_cache()  # again: the candidates' attention and linear choices were written since
             cpu_attention.cache_section(cache, _KEY)[slot] = entry
             cpu_attention.write_cache(cache)
     eligible = [p for p in paths if p.name == REFERENCE or entry["cos_min"][p.name] >= bound]

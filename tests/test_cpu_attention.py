@@ -66,11 +66,13 @@ def test_measured_once_then_cached(monkeypatch):
 def test_cache_decides_and_is_per_machine(monkeypatch):
     path = tuning.cache_path()
     path.parent.mkdir(parents=True)
-    entry = {"dtype": "bfloat16", "matmul_max_len": 64, "ms": {}}
-    path.write_text(json.dumps({tuning.machine_key(): {"bfloat16/d64": entry},
+    entry = {"dtype": "bfloat16", "matmul_max_len": 64, "ms": {}, "race": tuning.RACE_VERSION}
+    older = dict(entry, race=tuning.RACE_VERSION - 1)  # timed by an older `race`: measured again
+    path.write_text(json.dumps({tuning.machine_key(): {"bfloat16/d64": entry, "bfloat16/d32": older},
                                 "another machine": {"bfloat16/d64": dict(entry, dtype="float32")}}))
     got = tuning.cpu_attention(torch.bfloat16, 64)
     assert (got.dtype, got.matmul_max_len, got.source) == (torch.bfloat16, 64, "cache")
+    assert tuning.cpu_attention(torch.bfloat16, 32).source == "measured"
     assert "torch " + torch.__version__ in tuning.machine_key()
 
 

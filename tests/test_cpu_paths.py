@@ -90,6 +90,15 @@ def test_a_damaged_cache_file_costs_a_measurement_not_an_error(monkeypatch, junk
     assert _encoder(dtype="auto").path_choice.source == "cache"  # and the repaired file is kept
 
 
+def test_a_path_with_nan_vectors_is_never_chosen_and_measured_once(monkeypatch):
+    calls = []
+    nan = float("nan")
+    monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": nan}, {"fp32": 1.0, "bf16": nan}, calls=calls))
+    assert _encoder(dtype="auto").path_choice.name == "fp32"
+    again = _encoder(dtype="auto").path_choice
+    assert again.source == "cache" and again.cos_min["bf16"] == -1.0 and len(calls) == 1
+
+
 def test_no_bf16_without_bf16_units(monkeypatch):
     monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx2"})
     calls = []

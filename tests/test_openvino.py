@@ -6,10 +6,12 @@ model; every option it cannot take is refused naming the culprit."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
+import os
 import sys
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,11 +98,48 @@ def test_a_damaged_cached_export_is_built_again(ov_cache, monkeypatch, damage):
         with open(folder / "model.bin", "r+b") as fh:
             fh.truncate(1000)
     monkeypatch.setattr(ovq, "_MEMO", {})  # a new process
-    with pytest.warns(UserWarning, match=f"cached OpenVINO model {folder} cannot be read") if damage != "no graph" \
-            else contextlib.nullcontext():
+    with pytest.warns(UserWarning, match=f"cached OpenVINO model {folder} (cannot be read|holds no model.xml)"):
         again = DiceEncoder(model, tok, runtime="openvino", chunk_size=K)
     np.testing.assert_array_equal(first, again.encode_documents(corpus(seed=4)))
     assert sorted(p.name for p in folder.parent.iterdir()) == [key]  # rebuilt in place, nothing left aside
+
+
+def test_a_model_rebuilt_by_another_process_meanwhile_is_read_not_discarded(tmp_path):
+    """Two processes find the same damaged model: the one that reads after the other rebuilt it reads
+    the new model (nothing discarded, nothing written); a model still damaged is set aside and written."""
+    folder = tmp_path / "openvino" / "key"
+    folder.mkdir(parents=True)
+    (folder / "model.xml").write_text("damaged")
+    written = []
+
+    class Core:  # the first read fails; meanwhile "another process" puts a good model in place
+        def read_model(self, path):
+            if Path(path).read_text() == "damaged":
+                tmp = folder.with_name("new")
+                tmp.mkdir()
+                (tmp / "model.xml").write_text("good")
+                os.replace(folder / "model.xml", tmp / "old.xml")
+                os.replace(tmp / "model.xml", folder / "model.xml")
+                raise RuntimeError("Exception from src/x.cpp:1:\nbad xml")
+            return Path(path).read_text()
+
+    assert ovq._read_or_write(Core(), folder, written.append) == "good" and written == []
+
+    class Broken:
+        def read_model(self, path):
+            if not written:
+                raise RuntimeError("Exception from src/x.cpp:1:\nbad xml")
+            return "rebuilt"
+
+    (folder / "model.xml").write_text("damaged")
+
+    def rebuild(out):
+        written.append(out)
+        out.mkdir()
+
+    with pytest.warns(UserWarning, match="cannot be read \\(bad xml\\); it is built again"):
+        assert ovq._read_or_write(Broken(), folder, rebuild) == "rebuilt"
+    assert written == [folder] and sorted(p.name for p in folder.parent.iterdir()) == ["key", "new"]
 
 
 @needs_openvino

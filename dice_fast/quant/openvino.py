@@ -36,10 +36,12 @@ import inspect
 import json
 import os
 import shutil
+import tempfile
 import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -154,12 +156,17 @@ def _save(ov_model, out: Path) -> None:
     """Write ``ov_model`` as ``out/model.xml`` atomically: a reader sees a whole model or none."""
     import openvino as ov
 
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    ov.save_model(ov_model, str(tmp / "model.xml"), compress_to_fp16=False)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as exc:  # a file where the folder should be, no permission
+        _unwritable(out, exc)
+    try:
+        ov.save_model(ov_model, str(tmp / "model.xml"), compress_to_fp16=False)  # a full disk raises here
         os.replace(tmp, out)
     except OSError:  # another process won the race: its model is the same
+        pass
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -219,27 +226,47 @@ def _load(folder: Path, write, props: dict, width: int | None, name) -> OpenVino
 def _read_or_write(core, folder: Path, write):
     """``folder/model.xml`` read by ``core``, written by ``write(folder)`` first where absent. A cached
     model OpenVINO cannot read (damaged on disk: a truncated weights file, a folder without its model)
-    is discarded with a warning naming it and written again: damage costs a rebuild, not an error."""
+    is set aside and written again, with a warning naming it: damage costs a rebuild, not an error. A
+    model another process put in its place meanwhile is read, never discarded."""
     xml = folder / "model.xml"
-    if xml.is_file():
-        try:
-            return core.read_model(str(xml))
-        except RuntimeError as exc:
-            reason = next((ln for ln in str(exc).splitlines() if ln.strip() and "Exception from" not in ln), "")
-            warnings.warn(f"the cached OpenVINO model {folder} cannot be read ({reason.strip()[:200]}); "
-                          "it is built again", stacklevel=4)
-    try:
-        if folder.exists():  # no model, or a damaged one: set aside and removed, so the new one takes its name
-            aside = folder.with_name(f".{folder.name}.{os.getpid()}.{threading.get_ident()}.discarded")
-            with contextlib.suppress(FileNotFoundError):  # another process discarded it first
-                os.replace(folder, aside)
+    for _ in range(2):  # a second look where another process replaced the damaged model meanwhile
+        seen = _identity(xml)
+        if seen is None and not folder.exists():
+            break
+        damage = "holds no model.xml"
+        if seen is not None:
+            try:
+                return core.read_model(str(xml))
+            except RuntimeError as exc:
+                reason = next((ln for ln in str(exc).splitlines() if ln.strip() and "Exception from" not in ln), "")
+                damage = f"cannot be read ({reason.strip()[:200]})"
+        if _identity(xml) == seen:  # still the damaged one (or still none): set it aside
+            warnings.warn(f"the cached OpenVINO model {folder} {damage}; it is built again", stacklevel=2)
+            try:
+                aside = tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".discarded", dir=folder.parent)
+                with contextlib.suppress(FileNotFoundError):  # another process set it aside first
+                    os.replace(folder, aside)
+            except OSError as exc:
+                _unwritable(folder, exc)
             shutil.rmtree(aside, ignore_errors=True)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        write(folder)
-    except OSError as exc:  # a file where the folder should be, no permission, a full disk
-        raise InputError(f"cannot write the OpenVINO model cache {folder.parent} ({exc.strerror or exc}): point "
-                         "DICE_FAST_CACHE_DIR at a writable folder") from exc
+            break
+    write(folder)
     return core.read_model(str(xml))
+
+
+def _identity(path: Path) -> tuple | None:
+    """(inode, modification time) of the file at ``path``, None where there is none."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _unwritable(folder: Path, exc: OSError) -> NoReturn:
+    """Raise the InputError for a model cache folder ``folder`` that ``exc`` says cannot be written."""
+    raise InputError(f"cannot write the OpenVINO model cache {folder.parent} ({exc.strerror or exc}): point "
+                     "DICE_FAST_CACHE_DIR at a writable folder") from exc
 
 
 def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int,
