@@ -147,6 +147,7 @@ def test_a_cache_folder_that_cannot_be_written_is_named(ov_cache, monkeypatch):
     blocker = ov_cache / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(ovq, "_export_float", lambda *a: pytest.fail("exported before the cache was checked"))
     model, tok, *_ = tiny("bert")
     with pytest.raises(ValueError, match=f"cannot write the OpenVINO model cache {blocker}.*DICE_FAST_CACHE_DIR"):
         DiceEncoder(model, tok, runtime="openvino", chunk_size=K)

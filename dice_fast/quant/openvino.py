@@ -157,9 +157,8 @@ def _save(ov_model, out: Path) -> None:
     import openvino as ov
 
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    except OSError as exc:  # a file where the folder should be, no permission
+    except OSError as exc:  # the folder went away or read-only since `_read_or_write` checked it
         _unwritable(out, exc)
     try:
         ov.save_model(ov_model, str(tmp / "model.xml"), compress_to_fp16=False)  # a full disk raises here
@@ -250,6 +249,11 @@ def _read_or_write(core, folder: Path, write):
                 _unwritable(folder, exc)
             shutil.rmtree(aside, ignore_errors=True)
             break
+    try:  # before the export (and int8's quantization, minutes on a slow machine): can its result be kept?
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".probe", dir=folder.parent))
+    except OSError as exc:
+        _unwritable(folder, exc)
     write(folder)
     return core.read_model(str(xml))
 
