@@ -347,16 +347,25 @@ def cached_entry(name: str, valid, measure) -> tuple[dict, str]:
     """(entry, source) of the decision ``name`` on this machine: the cached entry where ``valid(entry)``
     ("cache"), else ``measure()``'s ("measured"), kept in the cache unless its ``busy`` flag says other
     work held the cores while it was timed (a contended timing is used, not kept)."""
-    cache = read_cache()
-    entry = cache_section(cache).get(name)
+    entry = cached(name)
     if valid(entry) and entry.get("race") == RACE_VERSION:
         return entry, "cache"
     entry = {**measure(), "race": RACE_VERSION}
     if not entry["busy"]:
-        cache = read_cache()  # again: another decision may have been written while this one was measured
-        cache_section(cache)[name] = entry
-        write_cache(cache)
+        store(entry, name)
     return entry, "measured"
+
+
+def cached(*names: str):
+    """The entry at ``cache[machine_key()][names[0]]...[names[-1]]`` in the cache file, None where absent."""
+    return cache_section(read_cache(), *names[:-1]).get(names[-1])
+
+
+def store(entry: dict, *names: str) -> None:
+    """Keep ``entry`` at `cached`'s place, in the file as it is now (others may have written it meanwhile)."""
+    cache = read_cache()
+    cache_section(cache, *names[:-1])[names[-1]] = entry
+    write_cache(cache)
 
 
 def cache_section(cache: dict, *names: str) -> dict:

@@ -185,10 +185,9 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
         from .reuse.persistent import model_fingerprint
 
         model_key = model_fingerprint(model)
-    cache = cpu_attention.read_cache()
     names = ",".join(p.name for p in paths)
     slot = f"{model_key}|{names}|held-out"  # the measurement; the bound applies to it below
-    entry = cpu_attention.cache_section(cache, _KEY).get(slot)
+    entry = cpu_attention.cached(_KEY, slot)
     source = "cache"
     if not _valid(entry, paths):
         encoders = {p.name: encoder_for(p.options) for p in paths}
@@ -200,9 +199,7 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
                  "date": datetime.datetime.now().isoformat(timespec="seconds")}
         source = "measured"
         if not busy:
-            cache = cpu_attention.read_cache()  # again: the candidates' attention and linear choices were written since
-            cpu_attention.cache_section(cache, _KEY)[slot] = entry
-            cpu_attention.write_cache(cache)
+            cpu_attention.store(entry, _KEY, slot)  # beside the candidates' attention and linear choices made since
     eligible = [p for p in paths if p.name == REFERENCE or entry["cos_min"][p.name] >= bound]
     if not eligible:
         raise OptionError(f"no path meets the agreement bound auto_agreement={bound}: measured cos min "
