@@ -1,4 +1,4 @@
-"""Packed decoder forwards without a device-to-host sync, and a counter of host syncs to prove it.
+"""Packed forwards without a device-to-host sync, and a counter of host syncs to prove it.
 
 transformers (5.x) looks for packed sequences in ``position_ids`` when a model builds its attention
 mask (decoders' causal masks; encoders' bidirectional ones since transformers 5.25):
