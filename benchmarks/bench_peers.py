@@ -111,7 +111,7 @@ def int8_variant(spec: str):
 def dice_paths(skip, variants=()) -> tuple[dict, dict]:
     """(name -> DiceEncoder, name -> why skipped) for dice_fast's CPU paths (and int8 ``variants``)."""
     from dice_fast import DiceConfig, DiceEncoder
-    from dice_fast.cpu_attention import cpu_flags
+    from dice_fast.cpu_tuning import cpu_flags
 
     flags = cpu_flags()
     wanted = {"dice_fp32": {"dtype": "float32"}, "dice_bf16": {"dtype": "bfloat16"},
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     from dice_fast.models import default_model_path
     from dice_fast.quant import cosines, held_out_texts
     from dice_fast.runinfo import append_csv, cpu_model, versions
-    from dice_fast.cpu_attention import cpu_flags
+    from dice_fast.cpu_tuning import cpu_flags
 
     model_dir = default_model_path()
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -1,4 +1,4 @@
-"""Hardware-aware CPU choices, measured on the machine that runs them.
+"""CPU attention, run the way the machine that runs it measured fastest.
 
 CPU attention of half-precision inputs (the bf16 engine on a CPU) can run in the input dtype or
 in float32, through SDPA or, for short runs of equal-length chunks, a plain batched matmul. Which
@@ -12,10 +12,9 @@ not hard-coded:
 
 The first call for a (dtype, head size) runs a micro-benchmark (well under a second, bounded by
 `BUDGET_S`) of the kernels the engine runs, on the engine's own layout (strided views of packed
-projections), casts included; the answer is kept for the process and cached per machine (CPU
-model, ISA flags, threads, torch version) in ``$DICE_FAST_CACHE_DIR`` (else
-``$XDG_CACHE_HOME/dice_fast``, else ``~/.cache/dice_fast``) as ``cpu_tuning.json``. Nothing runs
-at import.
+projections), casts included; the answer is kept for the process and cached per machine in the
+CPU tuning cache (`dice_fast.cpu_tuning`: ``cpu_tuning.json`` under ``$DICE_FAST_CACHE_DIR``).
+Nothing runs at import.
 
 Environment overrides (no benchmark is run when they decide):
 
@@ -32,31 +31,24 @@ the engine's bf16 tolerance. The matmul kernel always computes in float32.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .runinfo import cpu_model
+from .cpu_tuning import BUDGET_S, busy, cached_entry, measured_load, race
 from .errors import OptionError
 
 ENV_DTYPE = "DICE_FAST_CPU_ATTENTION_DTYPE"
 ENV_KERNEL = "DICE_FAST_CPU_ATTENTION_KERNEL"
-CACHE_FILE = "cpu_tuning.json"
-BUDGET_S = 0.6  # wall-clock cap of one micro-benchmark (the first bf16 forward pays it once per machine)
 # lower precision must win by this margin to be chosen (ties keep float32: more exact)
 _MARGIN = 0.9
 # lengths at which the matmul kernel is tried against SDPA; the largest that wins is kept
 _MATMUL_LENGTHS = (16, 64)
 _HALF = (torch.bfloat16, torch.float16)
-# the timing method's version, stamped in every cached decision: entries `race` timed another way are
-# measured again (2: each kernel's first call untimed, so a lazily initialised kernel is not dropped)
-RACE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -178,7 +170,8 @@ def _env_sdpa_only() -> bool:
 
 
 def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:
-    forced = torch.float32 if dtype == torch.float32 else _env_dtype(dtype)
+    env = _env_dtype(dtype)  # read for float32 inputs too, so a bad value is refused whatever the dtype
+    forced = torch.float32 if dtype == torch.float32 else env
     kernel_forced = _env_sdpa_only()
     if forced is not None and kernel_forced:
         return CpuAttention(forced, 0, "env")
@@ -206,9 +199,9 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
     projections, output copied back into a packed buffer of ``dtype`` as the engine does):
     ``long``: 2 chunks of 256 tokens, SDPA in float32 (inputs cast) vs in ``dtype`` (half inputs only);
     ``short<L>``: 16 chunks of L tokens, SDPA in the winner's dtype vs the float32 matmul kernel.
-    Each candidate is timed best-of-k, interleaved, within ``budget_s`` (`race`); a candidate whose
-    first timed call is over 8x the best first timed call is dropped (bf16 matmuls without bf16
-    instructions). ``busy`` is set when the load average says other processes competed for the cores (the entry is then
+    Each candidate is timed best-of-k, interleaved, within ``budget_s`` (`cpu_tuning.race`: a
+    candidate that stays over 8x the fastest on its first timed calls is dropped, as bf16 matmuls
+    without bf16 instructions are). ``busy`` is set when the load average says other processes competed for the cores (the entry is then
     not cached: a contended timing should not decide for good).
     """
     g = torch.Generator().manual_seed(0)
@@ -259,142 +252,3 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
     return {"dtype": _dtype_name(work), "matmul_max_len": matmul_max_len, "ms": {k: round(v, 4) for k, v in ms.items()},
             "threads": torch.get_num_threads(), "load": load, "busy": busy(load),
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
-
-
-_SAMPLES: list[int] = []
-
-
-def sample_others() -> None:
-    """Record how many runnable threads besides this process's compute threads the kernel sees now
-    (the 4th field of /proc/loadavg; nothing where there is none)."""
-    try:
-        with open("/proc/loadavg", encoding="utf-8") as fh:
-            running = int(fh.read().split()[3].split("/")[0])
-    except (OSError, ValueError, IndexError):
-        return
-    _SAMPLES.append(max(0, running - torch.get_num_threads()))
-
-
-def measured_load() -> float:
-    """Mean runnable threads of other work seen while measuring (0 on a quiet machine)."""
-    load = sum(_SAMPLES) / len(_SAMPLES) if _SAMPLES else 0.0
-    _SAMPLES.clear()
-    return round(load, 2)
-
-
-def busy(load: float) -> bool:
-    """Whether ``load`` (`measured_load`: other runnable threads seen while measuring) means the cores were
-    contended: a timing taken then is used but not cached."""
-    return load >= 0.5 * max(1, (os.cpu_count() or 1) - torch.get_num_threads() + 1)
-
-
-def race(fns: dict, deadline: float, max_rounds: int = 7) -> dict:
-    """Best-of-k milliseconds of each function, interleaved until ``deadline`` (at least one timed call
-    each, after an untimed one: a kernel's first call in a process can cost 50x its next, which would
-    drop it below as if it were emulated)."""
-    first = {}
-    for name, fn in fns.items():
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        first[name] = time.perf_counter() - t0
-    best_first = min(first.values())
-    alive = {n: f for n, f in fns.items() if first[n] <= 8 * best_first}
-    best = {n: first[n] for n in fns}  # dropped ones keep their (slow) first time
-    for r in range(max_rounds):
-        sample_others()
-        if r and time.perf_counter() > deadline:
-            break
-        for name, fn in alive.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {n: t * 1e3 for n, t in best.items()}
-
-
-# --------------------------------------------------------------------------------------------
-# the per-machine cache
-# --------------------------------------------------------------------------------------------
-def cache_path() -> Path:
-    """Where decisions are cached: ``$DICE_FAST_CACHE_DIR``, else ``$XDG_CACHE_HOME/dice_fast``, else ``~/.cache/dice_fast``."""
-    root = os.environ.get("DICE_FAST_CACHE_DIR")
-    if not root:
-        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dice_fast")
-    return Path(root) / CACHE_FILE
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags that decide speed choices (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def machine_key() -> str:
-    """CPU model, the ISA flags that matter, threads and torch version: a cache entry is reused only there."""
-    model = cpu_model()
-    isa = sorted(f for f in cpu_flags() if f in ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16",
-                                                 "avx512f", "avx2", "avx_vnni"))
-    return f"{model} | {','.join(isa) or 'no-isa-flags'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
-
-
-def cached_entry(name: str, valid, measure) -> tuple[dict, str]:
-    """(entry, source) of the decision ``name`` on this machine: the cached entry where ``valid(entry)``
-    ("cache"), else ``measure()``'s ("measured"), kept in the cache unless its ``busy`` flag says other
-    work held the cores while it was timed (a contended timing is used, not kept)."""
-    entry = cached(name)
-    if valid(entry) and entry.get("race") == RACE_VERSION:
-        return entry, "cache"
-    entry = {**measure(), "race": RACE_VERSION}
-    if not entry["busy"]:
-        store(entry, name)
-    return entry, "measured"
-
-
-def cached(*names: str):
-    """The entry at ``cache[machine_key()][names[0]]...[names[-1]]`` in the cache file, None where absent."""
-    return cache_section(read_cache(), *names[:-1]).get(names[-1])
-
-
-def store(entry: dict, *names: str) -> None:
-    """Keep ``entry`` at `cached`'s place, in the file as it is now (others may have written it meanwhile)."""
-    cache = read_cache()
-    cache_section(cache, *names[:-1])[names[-1]] = entry
-    write_cache(cache)
-
-
-def cache_section(cache: dict, *names: str) -> dict:
-    """``cache[machine_key()][names[0]]...``: this machine's (nested) section of the cache, made where
-    missing and in place of anything that is not a dict (a damaged or hand-edited file costs a
-    measurement, never an error)."""
-    node = cache
-    for name in (machine_key(), *names):
-        if not isinstance(node.get(name), dict):
-            node[name] = {}
-        node = node[name]
-    return node
-
-
-def read_cache() -> dict:
-    try:
-        data = json.loads(cache_path().read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def write_cache(data: dict) -> None:
-    """Atomic write; a read-only or missing home only costs re-measuring next process."""
-    path = cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass

@@ -11,8 +11,8 @@ So which kernel runs a linear is measured, not assumed:
         model(...)
 
 The first call for a dtype races the two kernels on one linear of the engine's size (well under a
-second, `cpu_attention.BUDGET_S`) and caches the answer beside the attention choices
-(``cpu_tuning.json``, per `cpu_attention.machine_key`). ``DICE_FAST_CPU_LINEAR`` = ``auto``
+second, `cpu_tuning.BUDGET_S`) and caches the answer beside the attention choices
+(``cpu_tuning.json``, per `cpu_tuning.machine_key`). ``DICE_FAST_CPU_LINEAR`` = ``auto``
 (default) | ``torch`` | ``onednn`` decides without measuring.
 
 The mode changes no model: it intercepts ``torch.nn.functional.linear`` (what ``nn.Linear`` calls)
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import cpu_attention as tuning
+from . import cpu_tuning as tuning
 from .errors import OptionError
 
 ENV_KERNEL = "DICE_FAST_CPU_LINEAR"
@@ -114,9 +114,16 @@ class _OneDnnLinear(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if (x.device.type == "cpu" and x.dtype == weight.dtype in (torch.float32, torch.bfloat16)
-                    and weight.dim() == 2 and (bias is None or bias.dtype == x.dtype)):
+                    and weight.dim() == 2 and _plain_bias(bias, weight)):
                 return self.linear(x, weight, bias)
         return func(*args, **kwargs)
+
+
+def _plain_bias(bias, weight) -> bool:
+    """Whether oneDNN can take ``bias`` as it is: None, or a contiguous (out,) vector of the weight's
+    dtype (it reads the buffer flat: a strided or broadcast bias goes to torch's kernel)."""
+    return bias is None or (bias.dtype == weight.dtype and bias.dim() == 1 and bias.shape[0] == weight.shape[0]
+                            and bias.is_contiguous())
 
 
 _TRACED = []

@@ -17,10 +17,13 @@ OpenVINO is importable, the ``int8`` extra; int8 only with int8 dot products, VN
   `ROUNDS` timed rounds interleaved across paths, median). A few seconds for MiniLM; a compiled
   path adds its compile once.
 
-The fastest eligible path wins (float32 eager always is eligible: it is the reference); the measurement is cached per
-machine (`dice_fast.cpu_attention.machine_key`) and model (`model_fingerprint`) in the CPU tuning cache
-file beside the attention choices (``$DICE_FAST_CACHE_DIR/cpu_tuning.json``); a measurement taken
-while other processes competed for the cores is used but not kept. ``print(encoder)`` shows the
+The fastest eligible path wins (float32 eager always is eligible: it is the reference). A candidate
+whose encoder refuses the other options (an ``OptionError``: OpenVINO with an ``attention`` override, the
+compiled forward of a model on the padded fallback) is left out, and the reason kept. The measurement
+is cached in the CPU tuning cache (`dice_fast.cpu_tuning`, ``$DICE_FAST_CACHE_DIR/cpu_tuning.json``)
+per machine (`cpu_tuning.machine_key`), model (`model_fingerprint`), the options that shape the
+forward (`options_key`) and the versions that decide its rates (`versions`); a measurement taken while
+other processes competed for the cores is used but not kept. ``print(encoder)`` shows the
 choice. Which paths are candidates follows ``compile``: "off" eager only (OpenVINO's included), "on"
 compiled only, "auto" both (with an explicit dtype, only that dtype's forwards); and ``runtime``:
 None any, "torch" or "openvino" only its own.
@@ -30,6 +33,8 @@ from __future__ import annotations
 
 import copy
 import datetime
+import hashlib
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -44,6 +49,13 @@ AGREEMENT = DiceConfig.auto_agreement  # 0.999: the default least cosine to floa
 AGREEMENT_CHUNKS = 32
 ROUNDS = 3
 _KEY = "paths"  # the cache file's section (beside the attention choices)
+# the measurement's version, in its cache slot: bump it when `measure_paths` or a path's forward changes
+PATHS_VERSION = 2
+# DiceConfig fields that change neither the chunk vectors `measure_paths` compares nor how fast they are made;
+# every other field (chunk size, pooling, attention, prefixes, batch budget, ...) keys the measurement
+_NOT_MEASURED = ("dtype", "compile", "runtime", "auto_agreement", "aggregation", "top_k", "temperature", "normalize",
+                 "truncate_dim", "query_prefix", "max_chunks_per_document", "calibration", "dedup", "cuda_graphs",
+                 "device")
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,7 @@ class PathChoice:
     cos_min: dict
     source: str
     bound: float = AGREEMENT
+    refused: dict = field(default_factory=dict)  # name -> why its encoder refused these options
 
     def __str__(self) -> str:
         rate = self.tokens_per_s.get(self.name)
@@ -79,7 +92,7 @@ class PathChoice:
 
 def bf16_units() -> str | None:
     """None where the CPU has bf16 dot products (avx512_bf16 or AMX), else why bf16 is not a candidate."""
-    from .cpu_attention import cpu_flags
+    from .cpu_tuning import cpu_flags
 
     flags = cpu_flags()
     if flags & {"avx512_bf16", "amx_bf16"}:
@@ -109,7 +122,7 @@ def openvino_bf16_units() -> str | None:
 def int8_units() -> str | None:
     """None where the int8 path can run: int8 dot products (VNNI / AMX) and OpenVINO + NNCF importable
     (checked without importing them), else why not. ``DICE_FAST_INT8_ANY_CPU`` does not apply here."""
-    from .cpu_attention import cpu_flags
+    from .cpu_tuning import cpu_flags
     from .quant.cpu import int8_dot_instructions
 
     if not int8_dot_instructions(cpu_flags()):
@@ -165,15 +178,16 @@ def path_runtime(path: CpuPath) -> str:
 
 def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure: Callable | None = None,
                 model_key: str | None = None, bound: float = AGREEMENT, strategy: str = "dice",
-                runtime: str | None = None) -> PathChoice:
+                runtime: str | None = None, options_key: str = "") -> PathChoice:
     """The fastest path whose cos min is >= ``bound`` (see the module docstring).
 
-    encoder_for(options) -> a `DiceEncoder` running a copy of the model with ``options``;
-    measure(encoders {name: encoder}, reference encoder) -> ({name: tokens/s}, {name: cos min}, busy)
-    (default `measure_paths`; tests inject their own). Cached under ``model_key`` (default: the
-    model's fingerprint).
+    encoder_for(options) -> a `DiceEncoder` running a copy of the model with ``options`` (an
+    ``OptionError`` leaves that path out); measure(encoders {name: encoder}, reference encoder) ->
+    ({name: tokens/s}, {name: cos min}, busy) (default `measure_paths`; tests inject their own).
+    Cached under ``model_key`` (default: the model's fingerprint) and ``options_key`` (`options_key`
+    of the encoder's settings).
     """
-    from . import cpu_attention
+    from . import cpu_tuning
 
     listed = candidates(dtype, compile, bound, strategy, runtime)
     paths = [p for p in listed if p.usable() is None]
@@ -186,34 +200,68 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
 
         model_key = model_fingerprint(model)
     names = ",".join(p.name for p in paths)
-    slot = f"{model_key}|{names}|held-out"  # the measurement; the bound applies to it below
-    entry = cpu_attention.cached(_KEY, slot)
+    slot = f"{model_key}|{names}|held-out|{options_key}|{versions()}"  # the measurement; the bound applies below
+    entry = cpu_tuning.cached(_KEY, slot)
     source = "cache"
     if not _valid(entry, paths):
-        encoders = {p.name: encoder_for(p.options) for p in paths}
+        encoders, refused = {}, {}
+        for p in paths:
+            try:
+                encoders[p.name] = encoder_for(p.options)
+            except OptionError as exc:  # this path cannot run the other options: left out, the reason kept
+                refused[p.name] = str(exc)
         reference = encoders.get(REFERENCE) or encoder_for(PATHS[0].options)
-        rates, agreement, busy = (measure or measure_paths)(encoders, reference)
+        rates, agreement, busy = (measure or measure_paths)(encoders, reference) if encoders else ({}, {}, False)
         # a path whose vectors hold a NaN is kept, never eligible: -1 (and no rate), not re-measured each time
         entry = {"tokens_per_s": {n: r if _finite(r) else 0.0 for n, r in rates.items()},
                  "cos_min": {n: c if _finite(c) else -1.0 for n, c in agreement.items()},
-                 "date": datetime.datetime.now().isoformat(timespec="seconds")}
+                 "refused": refused, "date": datetime.datetime.now().isoformat(timespec="seconds")}
         source = "measured"
         if not busy:
-            cpu_attention.store(entry, _KEY, slot)  # beside the candidates' attention and linear choices made since
-    eligible = [p for p in paths if p.name == REFERENCE or entry["cos_min"][p.name] >= bound]
+            cpu_tuning.store(entry, _KEY, slot)  # beside the candidates' attention and linear choices made since
+    refused = entry.get("refused", {})
+    runs = [p for p in paths if p.name not in refused]
+    if not runs:
+        raise OptionError(f"dtype={dtype!r}, compile={compile!r}: every candidate path refuses these options ("
+                          + "; ".join(f"{n}: {why}" for n, why in refused.items()) + ")")
+    eligible = [p for p in runs if p.name == REFERENCE or entry["cos_min"][p.name] >= bound]
     if not eligible:
         raise OptionError(f"no path meets the agreement bound auto_agreement={bound}: measured cos min "
                           f"{entry['cos_min']}")
     best = max(eligible, key=lambda p: entry["tokens_per_s"][p.name])
     return PathChoice(best.name, dict(best.options), dict(entry["tokens_per_s"]), dict(entry["cos_min"]), source,
-                      bound)
+                      bound, dict(refused))
+
+
+def options_key(cfg) -> str:
+    """A digest of the `DiceConfig` fields that shape what `measure_paths` measures (all but `_NOT_MEASURED`):
+    a measurement taken under another chunk size, pooling or attention never decides for these."""
+    shaping = {f: repr(getattr(cfg, f)) for f in DiceConfig.field_names() if f not in _NOT_MEASURED}
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def versions() -> str:
+    """The versions a measurement's rates and cosines depend on besides torch (in the machine key): this
+    measurement's, transformers', and OpenVINO's and NNCF's where installed (read without importing them)."""
+    from importlib import metadata
+
+    found = [f"paths {PATHS_VERSION}"]
+    for dist in ("transformers", "openvino", "nncf"):
+        try:
+            found.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(found)
 
 
 def _valid(entry, paths) -> bool:
-    """Whether a cached ``entry`` holds a finite rate and cos min for every path (else: measured again)."""
-    return isinstance(entry, dict) and all(
-        isinstance(entry.get(k), dict) and all(_finite(entry[k].get(p.name)) for p in paths)
-        for k in ("tokens_per_s", "cos_min"))
+    """Whether a cached ``entry`` holds, for every path, its refusal or a finite rate and cos min (else: measured again)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("refused", {}), dict):
+        return False
+    refused = entry.get("refused", {})
+    return all(isinstance(entry.get(k), dict) and all(_finite(entry[k].get(p.name)) for p in paths
+                                                      if p.name not in refused)
+               for k in ("tokens_per_s", "cos_min"))
 
 
 def _finite(x) -> bool:
@@ -225,7 +273,7 @@ def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
     `AGREEMENT_CHUNKS` windows of held-out prose, packed as batches of each encoder's own budget."""
     from .data import prose_halves, token_windows
     from .packing import pack
-    from . import cpu_attention
+    from . import cpu_tuning
 
     size = reference.config.chunk_size
     texts = token_windows(reference.tokenizer, "\n\n".join(prose_halves()[1]), AGREEMENT_CHUNKS, size)
@@ -246,14 +294,14 @@ def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
     agreement = {name: float(np.min(np.sum(_unit(run(enc)) * want, axis=1))) for name, enc in encoders.items()}
     times: dict[str, list] = {name: [] for name in encoders}
     for _ in range(ROUNDS):
-        cpu_attention.sample_others()
+        cpu_tuning.sample_others()
         for name, enc in encoders.items():
             t0 = time.perf_counter()
             run(enc)
             times[name].append(time.perf_counter() - t0)
     tokens = int(plan.tokens.lengths.sum())
     rates = {name: tokens / float(np.median(t)) for name, t in times.items()}
-    return rates, agreement, cpu_attention.busy(cpu_attention.measured_load())
+    return rates, agreement, cpu_tuning.busy(cpu_tuning.measured_load())
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -277,5 +325,6 @@ def resolve(encoder_cls, model, tokenizer, cfg, model_path=None, measure=None, m
         return encoder_cls(copy.deepcopy(model), tokenizer, config=cfg.replace(**options), model_path=model_path)
 
     choice = choose_path(encoder_for, model, dtype, cfg.compile, measure=measure, model_key=model_key,
-                         bound=cfg.auto_agreement, strategy=cfg.strategy, runtime=cfg.runtime)
+                         bound=cfg.auto_agreement, strategy=cfg.strategy, runtime=cfg.runtime,
+                         options_key=options_key(cfg))
     return cfg.replace(**choice.options), choice

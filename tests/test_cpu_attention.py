@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dice_fast import cpu_attention as tuning
+from dice_fast import cpu_tuning
 from helpers import assert_close
 
 
@@ -23,7 +24,7 @@ def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(tuning.ENV_DTYPE, raising=False)
     monkeypatch.delenv(tuning.ENV_KERNEL, raising=False)
-    monkeypatch.setattr(tuning, "sample_others", lambda: None)
+    monkeypatch.setattr(cpu_tuning, "sample_others", lambda: None)
     tuning.reset()
     yield
     tuning.reset()
@@ -53,8 +54,8 @@ def test_nothing_runs_at_import(tmp_path):
 def test_measured_once_then_cached(monkeypatch):
     first = tuning.cpu_attention(torch.bfloat16, 32)
     assert first.source == "measured" and first.dtype in (torch.float32, torch.bfloat16)
-    data = json.loads(tuning.cache_path().read_text())
-    entry = data[tuning.machine_key()]["bfloat16/d32"]
+    data = json.loads(cpu_tuning.cache_path().read_text())
+    entry = data[cpu_tuning.machine_key()]["bfloat16/d32"]
     assert entry["dtype"] == str(first.dtype).replace("torch.", "") and "long_float32" in entry["ms"]
     tuning.reset()
     monkeypatch.setattr(tuning, "measure_cpu_attention", lambda *a, **k: pytest.fail("measured again"))
@@ -64,22 +65,22 @@ def test_measured_once_then_cached(monkeypatch):
 
 
 def test_cache_decides_and_is_per_machine(monkeypatch):
-    path = tuning.cache_path()
+    path = cpu_tuning.cache_path()
     path.parent.mkdir(parents=True)
-    entry = {"dtype": "bfloat16", "matmul_max_len": 64, "ms": {}, "race": tuning.RACE_VERSION}
-    older = dict(entry, race=tuning.RACE_VERSION - 1)  # timed by an older `race`: measured again
-    path.write_text(json.dumps({tuning.machine_key(): {"bfloat16/d64": entry, "bfloat16/d32": older},
+    entry = {"dtype": "bfloat16", "matmul_max_len": 64, "ms": {}, "race": cpu_tuning.RACE_VERSION}
+    older = dict(entry, race=cpu_tuning.RACE_VERSION - 1)  # timed by an older `race`: measured again
+    path.write_text(json.dumps({cpu_tuning.machine_key(): {"bfloat16/d64": entry, "bfloat16/d32": older},
                                 "another machine": {"bfloat16/d64": dict(entry, dtype="float32")}}))
     got = tuning.cpu_attention(torch.bfloat16, 64)
     assert (got.dtype, got.matmul_max_len, got.source) == (torch.bfloat16, 64, "cache")
     assert tuning.cpu_attention(torch.bfloat16, 32).source == "measured"
-    assert "torch " + torch.__version__ in tuning.machine_key()
+    assert "torch " + torch.__version__ in cpu_tuning.machine_key()
 
 
 def test_busy_measurements_are_not_cached(monkeypatch):
     monkeypatch.setattr(tuning, "measured_load", lambda: 5.0)
     assert tuning.cpu_attention(torch.bfloat16, 16).source == "measured"
-    assert not tuning.cache_path().exists()
+    assert not cpu_tuning.cache_path().exists()
 
 
 def test_environment_overrides(monkeypatch):
@@ -95,6 +96,8 @@ def test_environment_overrides(monkeypatch):
     monkeypatch.setenv(tuning.ENV_DTYPE, "fp8")
     with pytest.raises(ValueError, match="DICE_FAST_CPU_ATTENTION_DTYPE"):
         tuning.cpu_attention(torch.bfloat16)
+    with pytest.raises(ValueError, match="DICE_FAST_CPU_ATTENTION_DTYPE"):  # refused for float32 inputs too
+        tuning.cpu_attention(torch.float32)
     monkeypatch.setenv(tuning.ENV_DTYPE, "auto")
     monkeypatch.setenv(tuning.ENV_KERNEL, "flash")
     with pytest.raises(ValueError, match="DICE_FAST_CPU_ATTENTION_KERNEL"):
@@ -161,21 +164,3 @@ def test_decisions_name_what_ran():
     finally:
         del os.environ[tuning.ENV_DTYPE], os.environ[tuning.ENV_KERNEL]
     assert tuning.describe(torch.bfloat16) == "fp32" and "bfloat16/d32" in tuning.decisions()
-
-
-def test_race_forgives_a_slow_first_call_and_drops_a_slow_kernel():
-    """A kernel whose first call in the process is slow (lazy initialisation) is timed on its later
-    calls; one slow on every call (emulated bf16) is dropped after its first timed call."""
-    calls = {"cold": 0, "slow": 0}
-
-    def cold():
-        calls["cold"] += 1
-        time.sleep(0.05 if calls["cold"] == 1 else 0.001)
-
-    def slow():
-        calls["slow"] += 1
-        time.sleep(0.05)
-
-    ms = tuning.race({"fast": lambda: time.sleep(0.001), "cold": cold, "slow": slow}, time.perf_counter() + 0.3,
-                     max_rounds=3)
-    assert ms["cold"] < 10 and ms["slow"] >= 50 and calls["slow"] == 2 and calls["cold"] >= 4

@@ -46,6 +46,20 @@ def test_mode_matches_torch_linear(dtype, atol, shape, bias):
         assert torch.equal(F.linear(x, w, b), want)
 
 
+@needs_onednn
+@pytest.mark.parametrize("bias", ["strided", "scalar", "broadcast"])
+def test_a_bias_onednn_cannot_take_goes_to_torch(bias):
+    """oneDNN reads a bias as a flat (out,) buffer: a strided, 0-d or (1,) broadcast bias would be read
+    wrong (max error 1.26 on a strided one), so the mode leaves such linears to torch's kernel."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 24, generator=g), torch.randn(13, 24, generator=g)
+    b = {"strided": torch.randn(26, generator=g)[::2], "scalar": torch.tensor(0.5), "broadcast": torch.randn(1, generator=g)}[bias]
+    calls = []
+    with cpu_linear.linear_mode("onednn", lambda *a: calls.append(1) or cpu_linear.onednn_linear(*a)):
+        got = F.linear(x, w, b)
+    assert calls == [] and torch.equal(got, F.linear(x, w, b))
+
+
 def test_env_decides_without_measuring(fresh, monkeypatch):
     monkeypatch.setattr(cpu_linear, "measure", lambda *a, **k: pytest.fail("measured although the env decided"))
     monkeypatch.setenv(cpu_linear.ENV_KERNEL, "torch")

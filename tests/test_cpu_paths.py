@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from dice_fast import DiceEncoder, cpu_paths
-from dice_fast import cpu_attention
+from dice_fast import cpu_attention, cpu_tuning
 from tiny_models import tiny
 
-REAL_FLAGS = cpu_attention.cpu_flags()  # before the fixture replaces them
+REAL_FLAGS = cpu_tuning.cpu_flags()  # before the fixture replaces them
 REAL_FIND_SPEC = importlib.util.find_spec
 
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(cpu_tuning, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     # OpenVINO's paths are candidates only in the tests that restore it (`_with_openvino`)
     monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "openvino" else REAL_FIND_SPEC(m, *a))
     cpu_attention.reset()
@@ -39,7 +39,7 @@ def _fake(rates, cos, busy=False, calls=None):
 
 def _encoder(**options):
     model, tok, *_ = tiny("bert")  # tiny() is shared by the session: an encoder that picks bf16 moves its model
-    return DiceEncoder(copy.deepcopy(model), tok, chunk_size=8, pooling_impl="torch", **options)
+    return DiceEncoder(copy.deepcopy(model), tok, **{"chunk_size": 8, "pooling_impl": "torch", **options})
 
 
 def test_fastest_path_within_the_bound_wins(monkeypatch):
@@ -76,7 +76,7 @@ def test_a_damaged_cache_file_costs_a_measurement_not_an_error(monkeypatch, junk
     calls = []
     monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": 180.0}, {"fp32": 1.0, "bf16": 0.9995}, calls=calls))
     _encoder(dtype="auto")  # measured and cached
-    path, key = cpu_attention.cache_path(), cpu_attention.machine_key()
+    path, key = cpu_tuning.cache_path(), cpu_tuning.machine_key()
     data = json.loads(path.read_text())
     slot = next(iter(data[key]["paths"]))
     damaged = {"list": [1, 2], "machine": {key: "x"}, "section": {key: {"paths": "x", "float32/d16": 5}},
@@ -100,7 +100,7 @@ def test_a_path_with_nan_vectors_is_never_chosen_and_measured_once(monkeypatch):
 
 
 def test_no_bf16_without_bf16_units(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(cpu_tuning, "cpu_flags", lambda: {"avx2"})
     calls = []
     monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 1.0, "bf16": 9.0}, {"fp32": 1.0, "bf16": 1.0}, calls=calls))
     assert _encoder(dtype="auto").path_choice.name == "fp32" and calls == [["fp32"]]
@@ -149,7 +149,7 @@ def test_lossy_paths_only_under_a_looser_bound():
 
 def test_int8_candidate_needs_int8_units_and_the_extra(monkeypatch):
     assert "VNNI" in cpu_paths.int8_units()  # the fixture's CPU: avx512_bf16 without VNNI
-    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: {"avx512f", "avx512_vnni"})
+    monkeypatch.setattr(cpu_tuning, "cpu_flags", lambda: {"avx512f", "avx512_vnni"})
     import importlib.util
 
     real = importlib.util.find_spec
@@ -194,7 +194,7 @@ def test_auto_picks_real_int8_when_fastest_within_the_bound(monkeypatch):
     pytest.importorskip("openvino")
     pytest.importorskip("nncf")
     monkeypatch.setattr(ovq, "_MEMO", {})
-    monkeypatch.setattr(cpu_attention, "cpu_flags", lambda: REAL_FLAGS - {"avx512_bf16", "amx_bf16"})  # fp32, int8
+    monkeypatch.setattr(cpu_tuning, "cpu_flags", lambda: REAL_FLAGS - {"avx512_bf16", "amx_bf16"})  # fp32, int8
     monkeypatch.setattr(importlib.util, "find_spec", REAL_FIND_SPEC)
     seen = {}
 
@@ -245,3 +245,72 @@ def test_no_candidate_names_the_options_and_each_reason():
     selected the candidates and why each cannot run."""
     with pytest.raises(ValueError, match=r"runtime='openvino'.*fp32\+openvino: openvino not installed"):
         _encoder(dtype="auto", runtime="openvino")
+
+
+def test_measurement_is_keyed_by_the_options_that_shape_the_forward(monkeypatch):
+    """A measurement under one chunk size or pooling never decides for another (their cosines differ):
+    each is measured; options that do not touch the measured forward (aggregation) reuse it."""
+    calls = []
+    monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": 180.0}, {"fp32": 1.0, "bf16": 0.9995}, calls=calls))
+    _encoder(dtype="auto")
+    assert _encoder(dtype="auto", aggregation="max").path_choice.source == "cache" and len(calls) == 1
+    for options in ({"chunk_size": 6}, {"pooling": "cls"}, {"attention": "bidirectional"}):
+        assert _encoder(dtype="auto", **options).path_choice.source == "measured"
+    assert len(calls) == 4
+    key = cpu_paths.options_key(_encoder(dtype="float32").config)
+    assert key != cpu_paths.options_key(_encoder(dtype="float32", chunk_size=6).config)
+
+
+def test_measurement_is_keyed_by_versions(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": 180.0}, {"fp32": 1.0, "bf16": 0.9995}, calls=calls))
+    _encoder(dtype="auto")
+    assert "transformers " in cpu_paths.versions() and f"paths {cpu_paths.PATHS_VERSION}" in cpu_paths.versions()
+    monkeypatch.setattr(cpu_paths, "PATHS_VERSION", cpu_paths.PATHS_VERSION + 1)
+    assert _encoder(dtype="auto").path_choice.source == "measured" and len(calls) == 2
+
+
+def test_a_candidate_that_refuses_the_options_is_left_out(monkeypatch):
+    """A path whose encoder refuses the other options (here bf16, as OpenVINO refuses an attention
+    override or the compiled forward a padded-fallback model) is left out with its reason, and the
+    decision (refusal included) is cached; the others are still measured and chosen from."""
+    from dice_fast.errors import OptionError
+
+    calls = []
+    monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": 180.0}, {"fp32": 1.0, "bf16": 1.0}, calls=calls))
+    real = cpu_paths.CpuPath
+    refusing = real("bf16", {"dtype": "bfloat16", "compile": "off", "runtime": "torch"})
+    monkeypatch.setattr(cpu_paths, "PATHS", [p if p.name != "bf16" else refusing for p in cpu_paths.PATHS])
+    built = DiceEncoder.__init__
+
+    def init(self, model, tok, config=None, **kw):
+        if config is not None and config.dtype == "bfloat16":
+            raise OptionError("bf16 refuses these options (test)")
+        built(self, model, tok, config=config, **kw)
+
+    monkeypatch.setattr(DiceEncoder, "__init__", init)
+    enc = _encoder(dtype="auto")
+    assert enc.path_choice.name == "fp32" and calls == [["fp32"]]
+    assert enc.path_choice.refused == {"bf16": "bf16 refuses these options (test)"}
+    again = _encoder(dtype="auto")
+    assert again.path_choice.source == "cache" and again.path_choice.refused and len(calls) == 1
+
+
+def test_auto_with_an_attention_override_leaves_openvino_out():
+    """The reviewer's case: a decoder forced bidirectional with OpenVINO installed. OpenVINO's paths refuse
+    the override; auto runs PyTorch's instead of failing on an option the user never set."""
+    pytest.importorskip("openvino")
+    import importlib.util as iu
+
+    model, tok, *_ = tiny("qwen2")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(iu, "find_spec", REAL_FIND_SPEC)
+    mp.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": 1.0, "fp32+openvino": 500.0},
+                                                 {"fp32": 1.0, "bf16": 1.0, "fp32+openvino": 1.0}))
+    try:
+        enc = DiceEncoder(copy.deepcopy(model), tok, chunk_size=8, pooling_impl="torch", dtype="auto",
+                          attention="bidirectional")
+    finally:
+        mp.undo()
+    assert enc.path_choice.name == "fp32" and "fp32+openvino" in enc.path_choice.refused
+    assert "attention" in enc.path_choice.refused["fp32+openvino"]

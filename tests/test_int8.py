@@ -30,7 +30,7 @@ def test_refused_without_int8_instructions(monkeypatch):
     monkeypatch.delenv("DICE_FAST_INT8_ANY_CPU", raising=False)
     with pytest.raises(Int8Unsupported, match="avx512_vnni"):
         check_int8_cpu({"avx2", "fma"})
-    monkeypatch.setattr("dice_fast.cpu_attention.cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr("dice_fast.cpu_tuning.cpu_flags", lambda: {"avx2"})
     model, tok, *_ = tiny("bert")
     with pytest.raises(Int8Unsupported, match="dtype='auto'.*runtime='openvino'"):
         DiceEncoder(model, tok, dtype="int8", chunk_size=16)

@@ -194,7 +194,7 @@ def test_options_it_cannot_take_are_refused(monkeypatch):
             DiceEncoder(decoder, dtok, chunk_size=K, pooling="mean", attention="bidirectional", **culprit)
     with pytest.raises(OptionError, match="runtime='openvino' runs on the CPU only; got device meta"):
         DiceEncoder(copy.deepcopy(model), tok, runtime="openvino", chunk_size=K, device="meta")
-    monkeypatch.setattr("dice_fast.cpu_attention.cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr("dice_fast.cpu_tuning.cpu_flags", lambda: {"avx2"})
     with pytest.raises(OptionError, match="bf16 units"):
         DiceEncoder(copy.deepcopy(model), tok, runtime="openvino", dtype="bfloat16", chunk_size=K)
 

@@ -30,7 +30,7 @@ def openvino_runner(encoder, model, pad_token_id, streams: int | None = None, hi
     prose), float32 or bfloat16 (the model exported unquantized); the exported model cached beside the
     CPU tuning cache (``$DICE_FAST_CACHE_DIR``). ``streams`` as for `OpenVinoRunner`; ``hints``: extra
     int8 compile properties (benchmarks swap a built encoder's runner with them)."""
-    from ..cpu_attention import cache_path
+    from ..cpu_tuning import cache_path
     from ..cpu_paths import bf16_units
     from ..reuse.persistent import model_fingerprint
     from .openvino import FLOAT_PRECISIONS

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from .. import cpu_attention
+from .. import cpu_tuning
 
 from ..errors import Int8Unsupported
 
@@ -23,7 +23,7 @@ ENV_ANY_CPU = "DICE_FAST_INT8_ANY_CPU"
 
 def int8_dot_instructions(flags: set[str] | None = None) -> tuple[str, ...]:
     """The int8 dot-product instruction sets among ``flags`` (None: this CPU's), best first."""
-    flags = cpu_attention.cpu_flags() if flags is None else flags  # looked up per call (tests patch it)
+    flags = cpu_tuning.cpu_flags() if flags is None else flags  # looked up per call (tests patch it)
     return tuple(f for f in INT8_DOT_FLAGS if f in flags)
 
 
