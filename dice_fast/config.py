@@ -8,6 +8,7 @@ of ``docs/python.md``. Adding an option is adding a field with `option(...)` (an
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from .errors import ArgumentTypeError, OptionError
@@ -224,7 +225,11 @@ class DiceConfig:
         a = self.auto_agreement
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 < a <= 1.0:
             raise OptionError(f"auto_agreement must be a cosine in (0, 1], got {a!r}")
-        if self.calibration is not None and (self.dtype != "int8" or not isinstance(self.calibration, str)):
+        if isinstance(self.calibration, os.PathLike):  # a pathlib.Path is kept as the str it names
+            object.__setattr__(self, "calibration", os.fspath(self.calibration))
+        if self.calibration is not None and not isinstance(self.calibration, str):
+            raise OptionError(f"calibration must be a text file path (str or os.PathLike), got {self.calibration!r}")
+        if self.calibration is not None and self.dtype != "int8":
             raise OptionError(f"calibration (a text file path) applies to dtype='int8' only; got "
                              f"calibration={self.calibration!r} with dtype={self.dtype!r}")
         _choice("pooling_impl", self.pooling_impl, IMPLS)

@@ -46,6 +46,16 @@ def versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "dice_fast": __version__}
 
 
+def minor_versions() -> dict:
+    """{"torch": "2.13", "transformers": "5.24"}: the minor versions of the libraries whose code traces and
+    runs the model (a model exported or a vector cached under one may differ under another)."""
+    import torch
+    import transformers
+
+    minor = lambda v: ".".join(v.split("+")[0].split(".")[:2])  # noqa: E731
+    return {"torch": minor(torch.__version__), "transformers": minor(transformers.__version__)}
+
+
 def model_label(name_or_path: str) -> str:
     """A short label of a model path: its folder name, or the package name for a folder called "model"."""
     parts = str(name_or_path).rstrip("/").split("/")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -45,6 +47,40 @@ def test_calibration_option_belongs_to_int8():
     with pytest.raises(ValueError, match="dtype must be one of"):
         DiceConfig(dtype="int4")
     assert DiceConfig(dtype="int8", calibration="corpus.txt").calibration == "corpus.txt"
+    assert DiceConfig(dtype="int8", calibration=Path("corpus.txt")).calibration == "corpus.txt"  # os.PathLike
+    with pytest.raises(ValueError, match="calibration must be a text file path"):
+        DiceConfig(dtype="int8", calibration=3)
+
+
+def test_too_little_calibration_text_is_refused_naming_its_source(tmp_path):
+    """Two words set every activation range from four tokens (MiniLM: cos min 0.67 against float32):
+    a calibration text shorter than MIN_CHUNKS chunks is refused, naming the file and how much it needs."""
+    from dice_fast.quant import calibration as cal
+
+    _, tok, *_ = tiny("bert")
+    empty = np.zeros(0, np.int64)
+    with pytest.raises(InputError, match=r"'hello.txt' gives \d+ tokens; int8 calibrates on at least 128"):
+        cal.calibration_chunks(tok, "hello world", 16, empty, empty, 0, source="'hello.txt'")
+    enough = "the cat sat on a mat and the dog ran to a big red house " * 12
+    chunks = cal.calibration_chunks(tok, enough, 16, empty, empty, 0)
+    assert len(chunks) >= cal.MIN_CHUNKS and all(ids.shape == (1, 16) for ids, _ in chunks)
+
+
+def test_unreadable_calibration_file_is_named(tmp_path, monkeypatch):
+    from dice_fast.quant import calibration as cal
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("some text", encoding="utf-8")
+    real_open = open
+
+    def denied(file, *a, **k):
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr("builtins.open", denied)
+    with pytest.raises(InputError, match=r"cannot read .*corpus.txt.*Permission denied"):
+        cal.calibration_text(path)  # a pathlib.Path too
 
 
 def test_calibration_file_is_read_bounded_whole_characters_and_named_when_bad(tmp_path, monkeypatch):
@@ -91,8 +127,8 @@ def test_quantized_model_cached_per_model_and_calibration(ov_cache, tmp_path, mo
     model, tok, *_ = tiny("bert")
     texts = ["the cat sat on a mat and the dog ran to a big red house " * 3, "hello world"]
     sample, other = tmp_path / "corpus.txt", tmp_path / "other.txt"
-    sample.write_text("the cat sat on a mat and the dog ran to a big red house " * 4, encoding="utf-8")
-    other.write_text("the old man ran to the river under a blue sky " * 4, encoding="utf-8")
+    sample.write_text("the cat sat on a mat and the dog ran to a big red house " * 120, encoding="utf-8")
+    other.write_text("the old man ran to the river under a blue sky " * 120, encoding="utf-8")
     int8 = {"dtype": "int8", "chunk_size": 16, "calibration": str(sample)}
     enc = DiceEncoder(model, tok, **int8)
     assert enc.precision.startswith("int8 (openvino") and "dtype=int8 (openvino" in repr(enc)
@@ -125,7 +161,7 @@ def test_full_chunks_run_on_the_fixed_length_twin(ov_cache, tmp_path, monkeypatc
     _need_backend()
     model, tok, *_ = tiny("bert")
     sample = tmp_path / "corpus.txt"
-    sample.write_text("the cat sat on a mat and the dog ran to a big red house " * 4, encoding="utf-8")
+    sample.write_text("the cat sat on a mat and the dog ran to a big red house " * 120, encoding="utf-8")
     enc = DiceEncoder(model, tok, dtype="int8", chunk_size=16, calibration=str(sample), max_batch_tokens=64)
     compiled = enc.runner.openvino
     assert compiled.width == 16 + enc.chunk_overhead and compiled.fixed is not None
@@ -162,7 +198,7 @@ def test_recipe_names_the_chunk_caches_namespace(ov_cache, tmp_path, monkeypatch
     _need_backend()
     model, tok, *_ = tiny("bert")
     sample = tmp_path / "corpus.txt"
-    sample.write_text("the cat sat on a mat and the dog ran to a big red house " * 4, encoding="utf-8")
+    sample.write_text("the cat sat on a mat and the dog ran to a big red house " * 120, encoding="utf-8")
     opts = {"dtype": "int8", "chunk_size": 16, "calibration": str(sample)}
     shipped = DiceEncoder(model, tok, **opts).precision
     assert f"recipe {ovq.recipe_hash()[:8]}" in shipped
@@ -212,7 +248,7 @@ def test_switching_models_waits_and_keeps_errors(ov_cache, tmp_path, monkeypatch
 
     model, tok, *_ = tiny("bert")
     sample = tmp_path / "corpus.txt"
-    sample.write_text("the cat sat on a mat and the dog ran to a big red house " * 4, encoding="utf-8")
+    sample.write_text("the cat sat on a mat and the dog ran to a big red house " * 120, encoding="utf-8")
     enc = DiceEncoder(model, tok, dtype="int8", chunk_size=16, calibration=str(sample), max_batch_tokens=64)
     width = enc.runner.openvino.width
     fixed, dynamic = (type("M", (), {"name": n})() for n in ("fixed", "dynamic"))
@@ -280,3 +316,19 @@ def test_dense_pooling_matches_the_engines(pooling):
     np.testing.assert_allclose(pool_dense(hidden, lengths, pooling), want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="pooling"):
         pool_dense(hidden, lengths, "max")
+
+
+def test_agreement_of_no_texts_is_an_input_error():
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=16)
+    with pytest.raises(InputError, match="at least one text"):
+        agreement(enc, enc, texts=[])
+
+
+def test_exports_are_keyed_by_the_libraries_that_trace_them():
+    """torch and transformers trace the exported graph: their minor versions key the int8 and float
+    exports, as they key the chunk cache's namespace."""
+    pytest.importorskip("openvino")
+    assert {"openvino", "torch", "transformers"} <= set(ovq._float_versions())
+    pytest.importorskip("nncf")
+    assert {"openvino", "nncf", "torch", "transformers"} <= set(ovq._versions())

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dice_fast import DiceConfig, DiceEncoder, cpu_paths
-from dice_fast.errors import MissingDependency, OptionError
+from dice_fast.errors import InputError, MissingDependency, OptionError
 from dice_fast.quant import agreement
 from dice_fast.quant import openvino as ovq
 
@@ -98,28 +98,33 @@ def test_a_damaged_cached_export_is_built_again(ov_cache, monkeypatch, damage):
         with open(folder / "model.bin", "r+b") as fh:
             fh.truncate(1000)
     monkeypatch.setattr(ovq, "_MEMO", {})  # a new process
-    with pytest.warns(UserWarning, match=f"cached OpenVINO model {folder} (cannot be read|holds no model.xml)"):
+    with pytest.warns(UserWarning, match=f"cached OpenVINO model {folder} (does not match its checksum|holds no model.xml)"):
         again = DiceEncoder(model, tok, runtime="openvino", chunk_size=K)
     np.testing.assert_array_equal(first, again.encode_documents(corpus(seed=4)))
     assert sorted(p.name for p in folder.parent.iterdir()) == [key]  # rebuilt in place, nothing left aside
 
 
+def _fake_model(folder: Path, xml: str) -> Path:
+    """A cache entry as `_save` writes one (model.xml, model.bin, its checksum), for a fake OpenVINO core."""
+    folder.mkdir(parents=True)
+    (folder / "model.xml").write_text(xml)
+    (folder / "model.bin").write_bytes(b"weights")
+    (folder / ovq.CHECKSUM).write_text(ovq._checksum(folder))
+    return folder
+
+
 def test_a_model_rebuilt_by_another_process_meanwhile_is_read_not_discarded(tmp_path):
     """Two processes find the same damaged model: the one that reads after the other rebuilt it reads
     the new model (nothing discarded, nothing written); a model still damaged is set aside and written."""
-    folder = tmp_path / "openvino" / "key"
-    folder.mkdir(parents=True)
-    (folder / "model.xml").write_text("damaged")
+    folder = _fake_model(tmp_path / "openvino" / "key", "damaged")
     written = []
 
     class Core:  # the first read fails; meanwhile "another process" puts a good model in place
         def read_model(self, path):
             if Path(path).read_text() == "damaged":
-                tmp = folder.with_name("new")
-                tmp.mkdir()
-                (tmp / "model.xml").write_text("good")
-                os.replace(folder / "model.xml", tmp / "old.xml")
-                os.replace(tmp / "model.xml", folder / "model.xml")
+                new = _fake_model(folder.with_name("new"), "good")
+                os.replace(folder, folder.with_name("old"))
+                os.replace(new, folder)
                 raise RuntimeError("Exception from src/x.cpp:1:\nbad xml")
             return Path(path).read_text()
 
@@ -132,6 +137,7 @@ def test_a_model_rebuilt_by_another_process_meanwhile_is_read_not_discarded(tmp_
             return "rebuilt"
 
     (folder / "model.xml").write_text("damaged")
+    (folder / ovq.CHECKSUM).write_text(ovq._checksum(folder))
 
     def rebuild(out):
         written.append(out)
@@ -139,7 +145,65 @@ def test_a_model_rebuilt_by_another_process_meanwhile_is_read_not_discarded(tmp_
 
     with pytest.warns(UserWarning, match="cannot be read \\(bad xml\\); it is built again"):
         assert ovq._read_or_write(Broken(), folder, rebuild) == "rebuilt"
-    assert written == [folder] and sorted(p.name for p in folder.parent.iterdir()) == ["key", "new"]
+    assert written == [folder] and sorted(p.name for p in folder.parent.iterdir()) == ["key", "old"]
+
+
+def test_a_model_changed_on_disk_is_rebuilt_not_run(tmp_path):
+    """Bytes flipped in the weights (OpenVINO would read them and run: vectors moved by 0.03) fail the
+    checksum; so does an entry without one (written before checksums). Both are set aside and rebuilt."""
+    folder = _fake_model(tmp_path / "int8" / "key", "good")
+    with open(folder / "model.bin", "r+b") as fh:
+        fh.write(b"WEIGHTS")  # same size, other bytes
+    built = []
+
+    class Core:
+        def read_model(self, path):
+            return "read"
+
+    def rebuild(out):
+        built.append(out)
+        _fake_model(out, "rebuilt")
+
+    with pytest.warns(UserWarning, match="does not match its checksum"):
+        assert ovq._read_or_write(Core(), folder, rebuild) == "read" and built == [folder]
+    (folder / ovq.CHECKSUM).unlink()
+    with pytest.warns(UserWarning, match="lacks model.sha256"):
+        ovq._read_or_write(Core(), folder, rebuild)
+    assert len(built) == 2 and not [p for p in folder.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_an_entry_that_cannot_be_set_aside_is_named_and_nothing_is_left(tmp_path):
+    """A regular file where the entry's folder should be, in a folder that refuses the move: the error
+    names the entry (not the whole cache) and no empty ".discarded" folder is left behind."""
+    entry = tmp_path / "int8" / "key"
+    entry.parent.mkdir(parents=True)
+    entry.write_text("not a folder")
+    with pytest.raises(InputError, match=f"damaged OpenVINO cache entry {entry} cannot be replaced"):
+        ovq._read_or_write(object(), entry, lambda out: pytest.fail("written over a file"))
+    assert sorted(p.name for p in entry.parent.iterdir()) == ["key"]
+
+
+def test_stale_temporary_folders_are_not_listed_as_models(tmp_path):
+    _fake_model(tmp_path / "int8" / "abc", "m")
+    _fake_model(tmp_path / "int8" / ".abc.x1.tmp", "half-written")
+    assert ovq.cached_models(tmp_path) == ["abc"]
+
+
+@needs_openvino
+def test_a_full_disk_is_named(ov_cache, monkeypatch):
+    """OpenVINO's save on a full disk raises "basic_ios::clear: iostream error": the error names the
+    cache folder and the likely cause, and no half-written folder is left."""
+    import openvino as ov
+
+    def full(*a, **k):
+        raise RuntimeError("Exception from src/core/src/pass/serialize.cpp:1:\nbasic_ios::clear: iostream error")
+
+    monkeypatch.setattr(ov, "save_model", full)
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(InputError, match=r"cannot write the OpenVINO model cache .*disk full"):
+        DiceEncoder(model, tok, runtime="openvino", chunk_size=K)
+    assert ovq.cached_models(ov_cache, "openvino") == []
+    assert not [p for p in (ov_cache / "openvino").iterdir() if p.name.endswith(".tmp")]
 
 
 @needs_openvino

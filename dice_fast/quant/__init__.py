@@ -84,5 +84,6 @@ def _calibration(encoder):
 
     prefix, suffix = encoder.settings.document_wrap
     size = min(DEFAULT_CHUNK_SIZE, encoder.window - encoder.chunk_overhead)
-    return calibration_chunks(encoder.tokenizer, calibration_text(encoder.config.calibration), size, prefix, suffix,
-                              encoder.spec.first_position)
+    path = encoder.config.calibration
+    return calibration_chunks(encoder.tokenizer, calibration_text(path), size, prefix, suffix,
+                              encoder.spec.first_position, source=repr(path) if path else "the bundled prose")

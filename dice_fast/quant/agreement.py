@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import OptionError
+from ..errors import InputError, OptionError
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ def agreement(candidate, reference, n_chunks: int = 64, texts: list[str] | None 
     windows of the candidate's chunk size, one chunk each)."""
     if texts is None:
         texts = held_out_texts(candidate.tokenizer, n_chunks, candidate.config.chunk_size)
+    if len(texts) == 0:
+        raise InputError("agreement needs at least one text (texts=[] was given; None takes held-out prose)")
     a = candidate.encode_documents(texts, return_chunks=True)
     b = reference.encode_documents(texts, return_chunks=True)
     if a.chunks.shape != b.chunks.shape or not np.array_equal(a.chunk_start, b.chunk_start):

@@ -11,9 +11,11 @@ vector depends on its own tokens only, never on its batch neighbours (dynamic in
 batch, which would break the chunk cache's "a vector is a function of its chunk").
 
 The quantized model is cached on disk under ``cache_root/int8/<key>/`` where ``key`` hashes the model
-fingerprint (every weight), the calibration set's hash, the recipe and the OpenVINO / NNCF versions:
-another model, another calibration or another backend version never hits; the float export under
-``cache_root/openvino/<key>/`` (model fingerprint and OpenVINO version). A process keeps the compiled
+fingerprint (every weight), the calibration set's hash, the recipe, the OpenVINO / NNCF versions and
+the torch / transformers minor versions: another model, calibration or library version never hits;
+the float export under ``cache_root/openvino/<key>/`` (model fingerprint and the same versions but
+NNCF's). Each folder holds ``model.xml``, ``model.bin`` and ``model.sha256`` (the SHA-256 of the
+two, checked when read: a model changed on disk is rebuilt, never run). A process keeps the compiled
 models it loaded, so encoders sharing a model (evaluation twins) compile once.
 
 Why OpenVINO for the float precisions too: its fused CPU graph (attention, LayerNorm, GELU and the
@@ -60,10 +62,19 @@ _LOCK = threading.Lock()
 
 
 def _versions() -> dict:
+    """OpenVINO's and NNCF's versions, and the minor versions of torch and transformers (the exporter
+    traces transformers' modelling code: another release may export another graph)."""
     import nncf
+
+    return {**_float_versions(), "nncf": nncf.__version__}
+
+
+def _float_versions() -> dict:
     import openvino as ov
 
-    return {"openvino": ov.__version__.split("-")[0], "nncf": nncf.__version__}
+    from ..runinfo import minor_versions
+
+    return {"openvino": ov.__version__.split("-")[0], **minor_versions()}
 
 
 def calibration_hash(calibration) -> str:
@@ -161,12 +172,36 @@ def _save(ov_model, out: Path) -> None:
     except OSError as exc:  # the folder went away or read-only since `_read_or_write` checked it
         _unwritable(out, exc)
     try:
-        ov.save_model(ov_model, str(tmp / "model.xml"), compress_to_fp16=False)  # a full disk raises here
-        os.replace(tmp, out)
-    except OSError:  # another process won the race: its model is the same
-        pass
+        try:
+            ov.save_model(ov_model, str(tmp / "model.xml"), compress_to_fp16=False)
+            (tmp / CHECKSUM).write_text(_checksum(tmp), encoding="utf-8")
+        except (RuntimeError, OSError) as exc:  # a full disk: OpenVINO's "basic_ios::clear: iostream error"
+            raise InputError(f"cannot write the OpenVINO model cache {out.parent} ({_first_line(exc)}; is the "
+                             "disk full?): free space or point DICE_FAST_CACHE_DIR at another folder") from exc
+        with contextlib.suppress(OSError):  # another process won the race: its model is the same
+            os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+CHECKSUM = "model.sha256"
+
+
+def _checksum(folder: Path) -> str:
+    """SHA-256 (hex) of ``folder``'s model.xml and model.bin, as `CHECKSUM` holds it."""
+    h = hashlib.sha256()
+    for name in ("model.xml", "model.bin"):
+        with open(folder / name, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def _first_line(exc: Exception) -> str:
+    """The first informative line of an OpenVINO error (its messages open with "Exception from ...")."""
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip() and "Exception from" not in ln),
+                str(exc))[:200]
 
 
 @dataclass(frozen=True)
@@ -235,19 +270,18 @@ def _read_or_write(core, folder: Path, write):
         damage = "holds no model.xml"
         if seen is not None:
             try:
-                return core.read_model(str(xml))
+                if _checksum(folder) == (folder / CHECKSUM).read_text(encoding="utf-8").strip():
+                    return core.read_model(str(xml))
+                damage = "does not match its checksum (changed on disk)"
+            except FileNotFoundError as exc:
+                damage = f"lacks {Path(exc.filename or CHECKSUM).name}"
             except RuntimeError as exc:
-                reason = next((ln for ln in str(exc).splitlines() if ln.strip() and "Exception from" not in ln), "")
-                damage = f"cannot be read ({reason.strip()[:200]})"
+                damage = f"cannot be read ({_first_line(exc)})"
+            except OSError as exc:
+                damage = f"cannot be read ({exc.strerror or exc})"
         if _identity(xml) == seen:  # still the damaged one (or still none): set it aside
             warnings.warn(f"the cached OpenVINO model {folder} {damage}; it is built again", stacklevel=2)
-            try:
-                aside = tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".discarded", dir=folder.parent)
-                with contextlib.suppress(FileNotFoundError):  # another process set it aside first
-                    os.replace(folder, aside)
-            except OSError as exc:
-                _unwritable(folder, exc)
-            shutil.rmtree(aside, ignore_errors=True)
+            _set_aside(folder)
             break
     try:  # before the export (and int8's quantization, minutes on a slow machine): can its result be kept?
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -256,6 +290,22 @@ def _read_or_write(core, folder: Path, write):
         _unwritable(folder, exc)
     write(folder)
     return core.read_model(str(xml))
+
+
+def _set_aside(folder: Path) -> None:
+    """Move the damaged cache entry ``folder`` out of the way (another process may have done so first)
+    and delete it; InputError naming it where that is not allowed."""
+    aside = None
+    try:
+        aside = tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".discarded", dir=folder.parent)
+        with contextlib.suppress(FileNotFoundError):  # another process set it aside first
+            os.replace(folder, aside)
+    except OSError as exc:
+        raise InputError(f"the damaged OpenVINO cache entry {folder} cannot be replaced ({exc.strerror or exc}): "
+                         "delete it, or point DICE_FAST_CACHE_DIR at a writable folder") from exc
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def _identity(path: Path) -> tuple | None:
@@ -290,8 +340,12 @@ def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_pos
     digest = calibration_hash(calibration)
     folder = Path(cache_root) / "int8" / cache_key(fingerprint, digest, versions)
 
+    from .cpu import int8_dot_instructions
+
+    units = "+".join(int8_dot_instructions()) or "emulated"  # VNNI / AMX or not: vectors differ (cos 0.995 / 0.985)
+
     def name(rest):
-        return (f"int8 (openvino {versions['openvino']}, nncf {versions['nncf']}, float parts {rest}, "
+        return (f"int8 (openvino {versions['openvino']}, nncf {versions['nncf']}, float parts {rest}, {units}, "
                 f"recipe {recipe_hash()[:8]}, model {fingerprint[:12]}, calibration {digest[:12]})")
 
     return _load(folder, lambda out: _export_and_quantize(model, calibration, takes_positions, out),
@@ -305,16 +359,15 @@ def float_model(model, precision: str, cache_root: Path, fingerprint: str, takes
                 streams: int = 1, width: int | None = None) -> OpenVinoModel:
     """``model`` exported to OpenVINO unquantized and compiled to run in ``precision`` ("float32" or
     "bfloat16", one of `FLOAT_PRECISIONS`); the export is cached under ``cache_root/openvino/<key>/``
-    (key: model fingerprint and OpenVINO version; one export serves both precisions). Other
+    (key: model fingerprint, OpenVINO, torch and transformers versions; one export serves both precisions). Other
     arguments as for `int8_model`. Raises `InputError` where OpenVINO reports another precision than
     ``precision`` (bf16 on a CPU without bf16 units runs as f32 or emulated in OpenVINO; the encoder
     refuses such a CPU before it gets here, `bf16_units`)."""
-    import openvino as ov
-
     if precision not in FLOAT_PRECISIONS:
         raise InputError(f"OpenVINO float precision must be one of {', '.join(FLOAT_PRECISIONS)}, got {precision!r}")
-    version = ov.__version__.split("-")[0]
-    key = hashlib.sha256(json.dumps({"model": fingerprint, "openvino": version, "export": "float"},
+    versions = _float_versions()
+    version = versions["openvino"]
+    key = hashlib.sha256(json.dumps({"model": fingerprint, **versions, "export": "float"},
                                     sort_keys=True).encode()).hexdigest()[:32]
     folder = Path(cache_root) / "openvino" / key
     hint = FLOAT_PRECISIONS[precision]
@@ -331,4 +384,7 @@ def cached_models(cache_root: Path, kind: str = "int8") -> list[str]:
     """Keys of the models stored under ``cache_root``: quantized (``kind`` "int8") or float exports
     ("openvino"); for tests and housekeeping."""
     folder = Path(cache_root) / kind
-    return sorted(p.name for p in folder.iterdir() if (p / "model.xml").is_file()) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    # dot-prefixed: a write under way or left by a killed process (".<key>.*.tmp"), or one set aside
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and (p / "model.xml").is_file())

@@ -375,11 +375,9 @@ def settings_namespace(settings, model, cache, max_gb=None, model_path=None, pre
     """The `CacheNamespace`, in ``cache`` (a folder or a `ChunkCache`), of an encoder's resolved
     `dice_fast.settings.Settings` for ``model``: everything a chunk's vector depends on besides its ids
     (the wrapped ids and positions are in each identity)."""
-    import torch
-    import transformers
+    from ..runinfo import minor_versions
 
     store = open_cache(cache, max_gb)
-    minor = lambda v: ".".join(v.split("+")[0].split(".")[:2])  # noqa: E731
     description = {
         "format": FORMAT,
         "model": store.fingerprint(model, model_path),
@@ -388,8 +386,7 @@ def settings_namespace(settings, model, cache, max_gb=None, model_path=None, pre
         "pooling": settings.pooling,
         "causal": settings.is_causal,
         "first_position": settings.spec.first_position,
-        "torch": minor(torch.__version__),
-        "transformers": minor(transformers.__version__),
+        **minor_versions(),  # torch, transformers
     }
     return store.bind(description, settings.spec.hidden_size)  # chunk vectors are full width (truncate_dim: after)
 
