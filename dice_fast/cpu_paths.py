@@ -53,9 +53,11 @@ _KEY = "paths"  # the cache file's section (beside the attention choices)
 PATHS_VERSION = 2
 # DiceConfig fields that change neither the chunk vectors `measure_paths` compares nor how fast they are made;
 # every other field (chunk size, pooling, attention, prefixes, batch budget, ...) keys the measurement
+# (`run_batch`'s chunk vectors come before chunk normalisation; the measured windows are one chunk each, so
+# overlap changes nothing; the pipeline changes no vector and only CUDA's default speed)
 _NOT_MEASURED = ("dtype", "compile", "runtime", "auto_agreement", "aggregation", "top_k", "temperature", "normalize",
-                 "truncate_dim", "query_prefix", "max_chunks_per_document", "calibration", "dedup", "cuda_graphs",
-                 "device")
+                 "normalize_chunks", "truncate_dim", "query_prefix", "max_chunks_per_document", "calibration", "dedup",
+                 "overlap", "pipeline", "cuda_graphs", "device")
 
 
 @dataclass(frozen=True)
@@ -210,8 +212,10 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
                 encoders[p.name] = encoder_for(p.options)
             except OptionError as exc:  # this path cannot run the other options: left out, the reason kept
                 refused[p.name] = str(exc)
-        reference = encoders.get(REFERENCE) or encoder_for(PATHS[0].options)
-        rates, agreement, busy = (measure or measure_paths)(encoders, reference) if encoders else ({}, {}, False)
+        rates, agreement, busy = {}, {}, False
+        if encoders:  # (every candidate refused: nothing to measure, and no reference to build)
+            reference = encoders.get(REFERENCE) or encoder_for(PATHS[0].options)
+            rates, agreement, busy = (measure or measure_paths)(encoders, reference)
         # a path whose vectors hold a NaN is kept, never eligible: -1 (and no rate), not re-measured each time
         entry = {"tokens_per_s": {n: r if _finite(r) else 0.0 for n, r in rates.items()},
                  "cos_min": {n: c if _finite(c) else -1.0 for n, c in agreement.items()},

@@ -174,7 +174,8 @@ def store(entry: dict, *names: str) -> None:
 @contextlib.contextmanager
 def _file_lock(path: Path):
     """An exclusive advisory lock on ``path`` + ".lock" for a read-modify-write of ``path`` (nothing
-    where the platform has no ``fcntl`` or the folder cannot be written: `write_cache` says so)."""
+    where the platform has no ``fcntl``, the file system refuses locks, or the folder cannot be
+    written: `write_cache` says so)."""
     try:
         import fcntl
     except ImportError:  # Windows: the thread lock alone
@@ -187,7 +188,10 @@ def _file_lock(path: Path):
         yield
         return
     with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        except OSError:  # ENOLCK: a network home without a lock daemon; the thread lock alone, as on Windows
+            pass
         yield  # released when the file closes
 
 

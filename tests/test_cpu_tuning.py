@@ -100,3 +100,15 @@ def test_damaged_file_costs_nothing_but_the_entry():
     assert cpu_tuning.cached("section", "x") is None
     cpu_tuning.store({"v": 1}, "section", "x")
     assert cpu_tuning.cached("section", "x") == {"v": 1}
+
+
+def test_a_file_system_without_locks_still_stores(monkeypatch):
+    """flock raising ENOLCK (a network home without a lock daemon) costs the file lock, not the entry."""
+    fcntl = pytest.importorskip("fcntl")
+
+    def no_locks(*a):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    cpu_tuning.store({"v": 1}, "section", "x")
+    assert cpu_tuning.cached("section", "x") == {"v": 1}

@@ -15,6 +15,7 @@ import torch
 from dice_fast import DiceConfig, DiceEncoder
 from dice_fast.errors import InputError, OptionError
 from dice_fast.quant import Int8Unsupported, agreement, check_int8_cpu, int8_dot_instructions
+from dice_fast.quant import model_cache
 from dice_fast.quant import openvino as ovq
 
 from tiny_models import tiny
@@ -133,7 +134,7 @@ def test_quantized_model_cached_per_model_and_calibration(ov_cache, tmp_path, mo
     enc = DiceEncoder(model, tok, **int8)
     assert enc.precision.startswith("int8 (openvino") and "dtype=int8 (openvino" in repr(enc)
     first = enc.encode_documents(texts)
-    assert len(ovq.cached_models(ov_cache)) == 1
+    assert len(model_cache.cached_models(ov_cache)) == 1
     with pytest.raises(OptionError, match="int8"):  # it pools whole rows: no chunk inside a window
         enc.plan(["a cat"], strategy="late")
     # a new process (empty memo) reads the model from disk: no export, same vectors
@@ -149,7 +150,7 @@ def test_quantized_model_cached_per_model_and_calibration(ov_cache, tmp_path, mo
         changed.embeddings.word_embeddings.weight[7, 0] += 1.0
     DiceEncoder(changed, tok, **int8)
     DiceEncoder(model, tok, **{**int8, "calibration": str(other)})
-    assert len(ovq.cached_models(ov_cache)) == 3
+    assert len(model_cache.cached_models(ov_cache)) == 3
     # int8 vectors never share the float32 chunk cache's namespace
     assert DiceEncoder(model, tok, chunk_size=16).precision == "float32"
 
@@ -204,7 +205,7 @@ def test_recipe_names_the_chunk_caches_namespace(ov_cache, tmp_path, monkeypatch
     assert f"recipe {ovq.recipe_hash()[:8]}" in shipped
     monkeypatch.setitem(ovq.RECIPE, "smooth_quant_alpha", 0.95)
     assert DiceEncoder(model, tok, **opts).precision != shipped
-    assert len(ovq.cached_models(ov_cache)) == 2
+    assert len(model_cache.cached_models(ov_cache)) == 2
 
 
 class _FakeQueue:

@@ -20,6 +20,7 @@ import torch
 from dice_fast import DiceConfig, DiceEncoder, cpu_paths
 from dice_fast.errors import InputError, MissingDependency, OptionError
 from dice_fast.quant import agreement
+from dice_fast.quant import model_cache
 from dice_fast.quant import openvino as ovq
 
 from oracle import K, check, corpus
@@ -37,7 +38,7 @@ def test_float32_matches_the_per_chunk_forward(arch, ov_cache):
     Face forward (float64 aggregation): encoders and decoders, mean and last pooling, several batches."""
     enc, got = check(arch, runtime="openvino", dtype="float32")
     assert enc.precision.startswith("float32 (openvino") and "runs f32" in enc.precision
-    assert len(ovq.cached_models(ov_cache, "openvino")) == 1
+    assert len(model_cache.cached_models(ov_cache, "openvino")) == 1
 
 
 @needs_openvino
@@ -80,7 +81,7 @@ def test_export_cached_per_model(ov_cache, monkeypatch):
     with torch.no_grad():
         changed.embeddings.word_embeddings.weight[7, 0] += 1.0
     other = DiceEncoder(changed, tok, runtime="openvino", chunk_size=K)
-    assert len(ovq.cached_models(ov_cache, "openvino")) == 2 and other.precision != again.precision
+    assert len(model_cache.cached_models(ov_cache, "openvino")) == 2 and other.precision != again.precision
     # OpenVINO's vectors never share the torch runtime's chunk-cache namespace
     assert DiceEncoder(model, tok, chunk_size=K).precision == "float32" != again.precision
 
@@ -90,7 +91,7 @@ def test_export_cached_per_model(ov_cache, monkeypatch):
 def test_a_damaged_cached_export_is_built_again(ov_cache, monkeypatch, damage):
     model, tok, *_ = tiny("bert")
     first = DiceEncoder(model, tok, runtime="openvino", chunk_size=K).encode_documents(corpus(seed=4))
-    (key,) = ovq.cached_models(ov_cache, "openvino")
+    (key,) = model_cache.cached_models(ov_cache, "openvino")
     folder = ov_cache / "openvino" / key
     if damage == "no graph":
         (folder / "model.xml").unlink()
@@ -109,7 +110,7 @@ def _fake_model(folder: Path, xml: str) -> Path:
     folder.mkdir(parents=True)
     (folder / "model.xml").write_text(xml)
     (folder / "model.bin").write_bytes(b"weights")
-    (folder / ovq.CHECKSUM).write_text(ovq._checksum(folder))
+    (folder / model_cache.CHECKSUM).write_text(model_cache.checksum(folder))
     return folder
 
 
@@ -128,7 +129,7 @@ def test_a_model_rebuilt_by_another_process_meanwhile_is_read_not_discarded(tmp_
                 raise RuntimeError("Exception from src/x.cpp:1:\nbad xml")
             return Path(path).read_text()
 
-    assert ovq._read_or_write(Core(), folder, written.append) == "good" and written == []
+    assert model_cache.read_or_write(Core(), folder, written.append) == "good" and written == []
 
     class Broken:
         def read_model(self, path):
@@ -137,14 +138,14 @@ def test_a_model_rebuilt_by_another_process_meanwhile_is_read_not_discarded(tmp_
             return "rebuilt"
 
     (folder / "model.xml").write_text("damaged")
-    (folder / ovq.CHECKSUM).write_text(ovq._checksum(folder))
+    (folder / model_cache.CHECKSUM).write_text(model_cache.checksum(folder))
 
     def rebuild(out):
         written.append(out)
         out.mkdir()
 
     with pytest.warns(UserWarning, match="cannot be read \\(bad xml\\); it is built again"):
-        assert ovq._read_or_write(Broken(), folder, rebuild) == "rebuilt"
+        assert model_cache.read_or_write(Broken(), folder, rebuild) == "rebuilt"
     assert written == [folder] and sorted(p.name for p in folder.parent.iterdir()) == ["key", "old"]
 
 
@@ -165,11 +166,31 @@ def test_a_model_changed_on_disk_is_rebuilt_not_run(tmp_path):
         _fake_model(out, "rebuilt")
 
     with pytest.warns(UserWarning, match="does not match its checksum"):
-        assert ovq._read_or_write(Core(), folder, rebuild) == "read" and built == [folder]
-    (folder / ovq.CHECKSUM).unlink()
+        assert model_cache.read_or_write(Core(), folder, rebuild) == "read" and built == [folder]
+    (folder / model_cache.CHECKSUM).unlink()
     with pytest.warns(UserWarning, match="lacks model.sha256"):
-        ovq._read_or_write(Core(), folder, rebuild)
+        model_cache.read_or_write(Core(), folder, rebuild)
     assert len(built) == 2 and not [p for p in folder.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_a_checked_model_is_hashed_once_per_process_and_file(tmp_path, monkeypatch):
+    """The checksum costs ~0.7 s per GB: a process checks a file version once (evaluation twins and
+    dtype="auto"'s candidates read one export several times); a rewritten file is checked again."""
+    folder = _fake_model(tmp_path / "openvino" / "key", "good")
+    hashed = []
+    real = model_cache.checksum
+    monkeypatch.setattr(model_cache, "checksum", lambda f: hashed.append(f) or real(f))
+
+    class Core:
+        def read_model(self, path):
+            return "read"
+
+    for _ in range(3):
+        assert model_cache.read_or_write(Core(), folder, lambda out: pytest.fail("rebuilt")) == "read"
+    assert len(hashed) == 1
+    (folder / "model.bin").write_bytes(b"other weights")
+    with pytest.warns(UserWarning, match="does not match its checksum"):
+        model_cache.read_or_write(Core(), folder, lambda out: _fake_model(out, "rebuilt"))
 
 
 def test_an_entry_that_cannot_be_set_aside_is_named_and_nothing_is_left(tmp_path):
@@ -179,14 +200,14 @@ def test_an_entry_that_cannot_be_set_aside_is_named_and_nothing_is_left(tmp_path
     entry.parent.mkdir(parents=True)
     entry.write_text("not a folder")
     with pytest.raises(InputError, match=f"damaged OpenVINO cache entry {entry} cannot be replaced"):
-        ovq._read_or_write(object(), entry, lambda out: pytest.fail("written over a file"))
+        model_cache.read_or_write(object(), entry, lambda out: pytest.fail("written over a file"))
     assert sorted(p.name for p in entry.parent.iterdir()) == ["key"]
 
 
 def test_stale_temporary_folders_are_not_listed_as_models(tmp_path):
     _fake_model(tmp_path / "int8" / "abc", "m")
     _fake_model(tmp_path / "int8" / ".abc.x1.tmp", "half-written")
-    assert ovq.cached_models(tmp_path) == ["abc"]
+    assert model_cache.cached_models(tmp_path) == ["abc"]
 
 
 @needs_openvino
@@ -202,7 +223,7 @@ def test_a_full_disk_is_named(ov_cache, monkeypatch):
     model, tok, *_ = tiny("bert")
     with pytest.raises(InputError, match=r"cannot write the OpenVINO model cache .*disk full"):
         DiceEncoder(model, tok, runtime="openvino", chunk_size=K)
-    assert ovq.cached_models(ov_cache, "openvino") == []
+    assert model_cache.cached_models(ov_cache, "openvino") == []
     assert not [p for p in (ov_cache / "openvino").iterdir() if p.name.endswith(".tmp")]
 
 
@@ -292,6 +313,6 @@ def test_weights_stay_float32_and_one_export_serves_both_precisions(ov_cache):
     bf16 = DiceEncoder(copy.deepcopy(model), tok, runtime="openvino", dtype="bfloat16", chunk_size=K)
     fp32 = DiceEncoder(copy.deepcopy(model), tok, runtime="openvino", dtype="float32", chunk_size=K)
     assert bf16.dtype == torch.float32 and "runs bf16" in bf16.precision and "runs f32" in fp32.precision
-    assert len(ovq.cached_models(ov_cache, "openvino")) == 1 and bf16.precision != fp32.precision
+    assert len(model_cache.cached_models(ov_cache, "openvino")) == 1 and bf16.precision != fp32.precision
     enc = DiceEncoder.from_pretrained(runtime="openvino", dtype="bfloat16")
     assert enc.device.type == "cpu" and next(enc.model.parameters()).dtype == torch.float32

@@ -14,8 +14,7 @@ The quantized model is cached on disk under ``cache_root/int8/<key>/`` where ``k
 fingerprint (every weight), the calibration set's hash, the recipe, the OpenVINO / NNCF versions and
 the torch / transformers minor versions: another model, calibration or library version never hits;
 the float export under ``cache_root/openvino/<key>/`` (model fingerprint and the same versions but
-NNCF's). Each folder holds ``model.xml``, ``model.bin`` and ``model.sha256`` (the SHA-256 of the
-two, checked when read: a model changed on disk is rebuilt, never run). A process keeps the compiled
+NNCF's); written, checked and repaired by `dice_fast.quant.model_cache`. A process keeps the compiled
 models it loaded, so encoders sharing a model (evaluation twins) compile once.
 
 Why OpenVINO for the float precisions too: its fused CPU graph (attention, LayerNorm, GELU and the
@@ -31,24 +30,19 @@ cannot be without the compiled path.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import inspect
 import json
-import os
-import shutil
-import tempfile
 import threading
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 import torch
 
 from ..errors import InputError
+from .model_cache import read_or_write, save
 
 # NNCF's transformer preset (softmax, LayerNorm and GELU stay in floating point) with SmoothQuant at
 # alpha 0.7 on the matmuls (NNCF's default is 0.95). Chosen on text that neither calibration nor the
@@ -155,53 +149,12 @@ def _quantize(fp, calibration, takes_positions: bool):
 
 
 def _export_and_quantize(model, calibration, takes_positions: bool, out: Path) -> None:
-    _save(_quantize(_export(model, takes_positions, *calibration[0]), calibration, takes_positions), out)
+    save(_quantize(_export(model, takes_positions, *calibration[0]), calibration, takes_positions), out)
 
 
 def _export_float(model, takes_positions: bool, out: Path) -> None:
     example = np.arange(1, 9, dtype=np.int64)[None]  # any ids trace: the graph does not depend on them
-    _save(_export(model, takes_positions, example, example - 1), out)
-
-
-def _save(ov_model, out: Path) -> None:
-    """Write ``ov_model`` as ``out/model.xml`` atomically: a reader sees a whole model or none."""
-    import openvino as ov
-
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    except OSError as exc:  # the folder went away or read-only since `_read_or_write` checked it
-        _unwritable(out, exc)
-    try:
-        try:
-            ov.save_model(ov_model, str(tmp / "model.xml"), compress_to_fp16=False)
-            (tmp / CHECKSUM).write_text(_checksum(tmp), encoding="utf-8")
-        except (RuntimeError, OSError) as exc:  # a full disk: OpenVINO's "basic_ios::clear: iostream error"
-            raise InputError(f"cannot write the OpenVINO model cache {out.parent} ({_first_line(exc)}; is the "
-                             "disk full?): free space or point DICE_FAST_CACHE_DIR at another folder") from exc
-        with contextlib.suppress(OSError):  # another process won the race: its model is the same
-            os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-CHECKSUM = "model.sha256"
-
-
-def _checksum(folder: Path) -> str:
-    """SHA-256 (hex) of ``folder``'s model.xml and model.bin, as `CHECKSUM` holds it."""
-    h = hashlib.sha256()
-    for name in ("model.xml", "model.bin"):
-        with open(folder / name, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                h.update(block)
-        h.update(b"|")
-    return h.hexdigest()
-
-
-def _first_line(exc: Exception) -> str:
-    """The first informative line of an OpenVINO error (its messages open with "Exception from ...")."""
-    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip() and "Exception from" not in ln),
-                str(exc))[:200]
+    save(_export(model, takes_positions, example, example - 1), out)
 
 
 @dataclass(frozen=True)
@@ -243,7 +196,7 @@ def _load(folder: Path, write, props: dict, width: int | None, name) -> OpenVino
         if memo in _MEMO:
             return _MEMO[memo]
         core = ov.Core()
-        read = _read_or_write(core, folder, write)
+        read = read_or_write(core, folder, write)
         dynamic = core.compile_model(read, "CPU", props)
         fixed = None
         if width is not None:
@@ -255,72 +208,6 @@ def _load(folder: Path, write, props: dict, width: int | None, name) -> OpenVino
         rest = dynamic.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16" / "f32"
         _MEMO[memo] = OpenVinoModel(dynamic, fixed, width, name(rest), rest)
         return _MEMO[memo]
-
-
-def _read_or_write(core, folder: Path, write):
-    """``folder/model.xml`` read by ``core``, written by ``write(folder)`` first where absent. A cached
-    model OpenVINO cannot read (damaged on disk: a truncated weights file, a folder without its model)
-    is set aside and written again, with a warning naming it: damage costs a rebuild, not an error. A
-    model another process put in its place meanwhile is read, never discarded."""
-    xml = folder / "model.xml"
-    for _ in range(2):  # a second look where another process replaced the damaged model meanwhile
-        seen = _identity(xml)
-        if seen is None and not folder.exists():
-            break
-        damage = "holds no model.xml"
-        if seen is not None:
-            try:
-                if _checksum(folder) == (folder / CHECKSUM).read_text(encoding="utf-8").strip():
-                    return core.read_model(str(xml))
-                damage = "does not match its checksum (changed on disk)"
-            except FileNotFoundError as exc:
-                damage = f"lacks {Path(exc.filename or CHECKSUM).name}"
-            except RuntimeError as exc:
-                damage = f"cannot be read ({_first_line(exc)})"
-            except OSError as exc:
-                damage = f"cannot be read ({exc.strerror or exc})"
-        if _identity(xml) == seen:  # still the damaged one (or still none): set it aside
-            warnings.warn(f"the cached OpenVINO model {folder} {damage}; it is built again", stacklevel=2)
-            _set_aside(folder)
-            break
-    try:  # before the export (and int8's quantization, minutes on a slow machine): can its result be kept?
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        os.rmdir(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".probe", dir=folder.parent))
-    except OSError as exc:
-        _unwritable(folder, exc)
-    write(folder)
-    return core.read_model(str(xml))
-
-
-def _set_aside(folder: Path) -> None:
-    """Move the damaged cache entry ``folder`` out of the way (another process may have done so first)
-    and delete it; InputError naming it where that is not allowed."""
-    aside = None
-    try:
-        aside = tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".discarded", dir=folder.parent)
-        with contextlib.suppress(FileNotFoundError):  # another process set it aside first
-            os.replace(folder, aside)
-    except OSError as exc:
-        raise InputError(f"the damaged OpenVINO cache entry {folder} cannot be replaced ({exc.strerror or exc}): "
-                         "delete it, or point DICE_FAST_CACHE_DIR at a writable folder") from exc
-    finally:
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-
-
-def _identity(path: Path) -> tuple | None:
-    """(inode, modification time) of the file at ``path``, None where there is none."""
-    try:
-        st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return st.st_ino, st.st_mtime_ns
-
-
-def _unwritable(folder: Path, exc: OSError) -> NoReturn:
-    """Raise the InputError for a model cache folder ``folder`` that ``exc`` says cannot be written."""
-    raise InputError(f"cannot write the OpenVINO model cache {folder.parent} ({exc.strerror or exc}): point "
-                     "DICE_FAST_CACHE_DIR at a writable folder") from exc
 
 
 def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int,
@@ -378,13 +265,3 @@ def float_model(model, precision: str, cache_root: Path, fingerprint: str, takes
         raise InputError(f"OpenVINO would run {precision} as {compiled.runs} on this CPU (bfloat16 needs "
                          "avx512_bf16 or AMX); use dtype='float32'")
     return compiled
-
-
-def cached_models(cache_root: Path, kind: str = "int8") -> list[str]:
-    """Keys of the models stored under ``cache_root``: quantized (``kind`` "int8") or float exports
-    ("openvino"); for tests and housekeeping."""
-    folder = Path(cache_root) / kind
-    if not folder.is_dir():
-        return []
-    # dot-prefixed: a write under way or left by a killed process (".<key>.*.tmp"), or one set aside
-    return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and (p / "model.xml").is_file())
