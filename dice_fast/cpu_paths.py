@@ -96,10 +96,27 @@ def bf16_units() -> str | None:
     """None where the CPU has bf16 dot products (avx512_bf16 or AMX), else why bf16 is not a candidate."""
     from .cpu_tuning import cpu_flags
 
-    flags = cpu_flags()
-    if flags & {"avx512_bf16", "amx_bf16"}:
+    if cpu_flags() & set(HALF_UNITS["bfloat16"]):
         return None
     return "no avx512_bf16 or AMX: bf16 matmuls are emulated (slower than float32)"
+
+
+HALF_UNITS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def warn_if_emulated(dtype) -> None:
+    """Warn where a PyTorch forward in ``dtype`` (bfloat16 / float16) would run on a CPU without dot products
+    for it: its matmuls are emulated (MiniLM on an AVX2-only Zen 3: bf16 6.1-6.8x, fp16 4.8x slower than float32, RESULTS §18.13)."""
+    import warnings
+
+    from .cpu_tuning import cpu_flags
+
+    name = str(dtype).replace("torch.", "")
+    if name in HALF_UNITS and not cpu_flags() & set(HALF_UNITS[name]):
+        warnings.warn(f"dtype={name!r} on a CPU without {' or '.join(HALF_UNITS[name])}: its matmuls are emulated, "
+                      "several times slower than float32 (MiniLM on an AVX2-only Zen 3: bf16 ~6x, fp16 ~5x); "
+                      "vectors stay within half-precision rounding. Use dtype='float32', or dtype='auto' to measure",
+                      RuntimeWarning, stacklevel=4)
 
 
 def _not_installed(*modules: str) -> str | None:

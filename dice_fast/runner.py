@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import attention as attn
-from . import cpu_linear
+from . import cpu_linear, cpu_paths
 from .nosync import sync_free_kwargs
 from .ops import pool_chunks
 from .packing import PackedBatch, pack
@@ -71,6 +71,8 @@ class ModelRunner:
         self._linear: str | None = None  # the CPU linear kernel (dice_fast.cpu_linear), chosen at the first forward
         self.pooling, self.pooling_impl, self.max_batch_tokens = pooling, pooling_impl, max_batch_tokens
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            cpu_paths.warn_if_emulated(next(model.parameters()).dtype)
         self.pad_id = int(pad_token_id or 0)
         params = inspect.signature(model.forward).parameters
         self._takes_positions = "position_ids" in params
