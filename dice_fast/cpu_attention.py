@@ -4,7 +4,7 @@ CPU attention of half-precision inputs (the bf16 engine on a CPU) can run in the
 in float32, through SDPA or, for short runs of equal-length chunks, a plain batched matmul. Which
 is fastest depends on the CPU: a 2-core AMD EPYC with avx512_bf16 runs SDPA faster in float32; an
 Intel Xeon with AMX runs bf16 SDPA about 2x faster than float32; an EPYC without any bf16
-instructions (AVX2 only) runs bf16 matmuls ~50x slower than float32. So the choice is measured,
+instructions (AVX2 only) runs bf16 matmuls emulated, far slower than float32. So the choice is measured,
 not hard-coded:
 
     cpu_attention.cpu_attention(torch.bfloat16, head_dim=64)   # -> CpuAttention(dtype, matmul_max_len, source)
