@@ -92,16 +92,22 @@ class PathChoice:
         return f"{self.name} ({self.source}{f', {rate:,.0f} tok/s' if rate else ''}, cos >= {self.bound:g})"
 
 
-def bf16_units() -> str | None:
-    """None where the CPU has bf16 dot products (avx512_bf16 or AMX), else why bf16 is not a candidate."""
+HALF_UNITS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def half_units(dtype: str) -> str | None:
+    """None where the CPU has dot products for ``dtype`` ("bfloat16" / "float16": `HALF_UNITS`; any other
+    dtype needs none), else why its matmuls would be emulated."""
     from .cpu_tuning import cpu_flags
 
-    if cpu_flags() & set(HALF_UNITS["bfloat16"]):
+    if dtype not in HALF_UNITS or cpu_flags() & set(HALF_UNITS[dtype]):
         return None
-    return "no avx512_bf16 or AMX: bf16 matmuls are emulated (slower than float32)"
+    return f"no {' or '.join(HALF_UNITS[dtype])}: {dtype} matmuls are emulated (slower than float32)"
 
 
-HALF_UNITS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+def bf16_units() -> str | None:
+    """None where the CPU has bf16 dot products (avx512_bf16 or AMX), else why bf16 is not a candidate."""
+    return half_units("bfloat16")
 
 
 def warn_if_emulated(dtype) -> None:
@@ -109,10 +115,8 @@ def warn_if_emulated(dtype) -> None:
     for it: its matmuls are emulated (MiniLM on an AVX2-only Zen 3: bf16 6.1-6.8x, fp16 4.8x slower than float32, RESULTS §18.13)."""
     import warnings
 
-    from .cpu_tuning import cpu_flags
-
     name = str(dtype).replace("torch.", "")
-    if name in HALF_UNITS and not cpu_flags() & set(HALF_UNITS[name]):
+    if half_units(name) is not None:
         warnings.warn(f"dtype={name!r} on a CPU without {' or '.join(HALF_UNITS[name])}: its matmuls are emulated, "
                       "several times slower than float32 (MiniLM on an AVX2-only Zen 3: bf16 ~6x, fp16 ~5x); "
                       "vectors stay within half-precision rounding. Use dtype='float32', or dtype='auto' to measure",
@@ -277,10 +281,8 @@ def versions() -> str:
 
 def _valid(entry, paths) -> bool:
     """Whether a cached ``entry`` holds, for every path, its refusal or a finite rate and cos min (else: measured again)."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("refused", {}), dict):
-        return False
-    refused = entry.get("refused", {})
-    return all(isinstance(entry.get(k), dict) and all(_finite(entry[k].get(p.name)) for p in paths
+    refused = entry.get("refused", {}) if isinstance(entry, dict) else None
+    return isinstance(refused, dict) and all(isinstance(entry.get(k), dict) and all(_finite(entry[k].get(p.name)) for p in paths
                                                       if p.name not in refused)
                for k in ("tokens_per_s", "cos_min"))
 

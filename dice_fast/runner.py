@@ -70,9 +70,10 @@ class ModelRunner:
         self.compiled = None  # a dice_fast.compiled.CompiledForward when the packed forward is compiled
         self._linear: str | None = None  # the CPU linear kernel (dice_fast.cpu_linear), chosen at the first forward
         self.pooling, self.pooling_impl, self.max_batch_tokens = pooling, pooling_impl, max_batch_tokens
-        self.device = next(model.parameters()).device
+        param = next(model.parameters())
+        self.device = param.device
         if self.device.type == "cpu":
-            cpu_paths.warn_if_emulated(next(model.parameters()).dtype)
+            cpu_paths.warn_if_emulated(param.dtype)
         self.pad_id = int(pad_token_id or 0)
         params = inspect.signature(model.forward).parameters
         self._takes_positions = "position_ids" in params

@@ -62,14 +62,14 @@ def checksum(folder: Path) -> str:
     return h.hexdigest()
 
 
-_VERIFIED: set = set()  # (folder, (inode, mtime, size) of model.xml and model.bin) checked in this process
+_VERIFIED: set = set()  # (folder, `_identity` of model.xml and model.bin) checked in this process
 
 
 def _verified(folder: Path) -> bool:
     """Whether ``folder``'s model matches its `CHECKSUM` (hashed once per process and file version:
     ~0.7 s per GB of weights; FileNotFoundError where a file is missing)."""
-    stats = tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in (os.stat(folder / n) for n in ("model.xml", "model.bin")))
-    if (str(folder), stats) in _VERIFIED:
+    stats = (_identity(folder / "model.xml"), _identity(folder / "model.bin"))  # a missing one: checksum() says so
+    if None not in stats and (str(folder), stats) in _VERIFIED:
         return True
     if checksum(folder) != (folder / CHECKSUM).read_text(encoding="utf-8").strip():
         return False
@@ -135,12 +135,12 @@ def _set_aside(folder: Path) -> None:
 
 
 def _identity(path: Path) -> tuple | None:
-    """(inode, modification time) of the file at ``path``, None where there is none."""
+    """(inode, modification time, size) of the file at ``path``, None where there is none."""
     try:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return st.st_ino, st.st_mtime_ns
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _unwritable(folder: Path, exc: OSError) -> NoReturn:

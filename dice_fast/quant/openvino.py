@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from .cpu import int8_dot_instructions
 from .model_cache import read_or_write, save
 
 # NNCF's transformer preset (softmax, LayerNorm and GELU stay in floating point) with SmoothQuant at
@@ -226,9 +227,6 @@ def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_pos
     versions = _versions()
     digest = calibration_hash(calibration)
     folder = Path(cache_root) / "int8" / cache_key(fingerprint, digest, versions)
-
-    from .cpu import int8_dot_instructions
-
     units = "+".join(int8_dot_instructions()) or "emulated"  # VNNI / AMX or not: vectors differ (cos 0.995 / 0.985)
 
     def name(rest):
