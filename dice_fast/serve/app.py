@@ -50,7 +50,7 @@ from .errors import (DeadlineExceeded, InvalidRequest, OutOfMemory, Overloaded, 
                      ShuttingDown, Unauthorized, Unhealthy, UnsupportedMediaType, internal_error_body, quote)
 from .evidence import add_evidence_route
 from .guards import BearerAuth, HostGuard, check_api_key
-from .limits import default_max_body_bytes
+from .limits import check_limits, default_max_body_bytes
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .schemas import embedding_response, parse_embedding_request
 from .transport import LeasedResponse, RequestTimeout, check_content_type, read_body, unless_disconnected
@@ -87,10 +87,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
         core, owned = encoder, False
     else:
         core, owned = AsyncDiceEncoder(encoder, **limits), True
-    if max_body_bytes is not None and (not isinstance(max_body_bytes, int) or max_body_bytes < 1):
-        raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
-    if read_timeout is not None and not read_timeout > 0:
-        raise ValueError(f"read_timeout must be a number of seconds > 0 (or None), got {read_timeout!r}")
+    check_limits(max_body_bytes=max_body_bytes, read_timeout=read_timeout)
     body_limit = max_body_bytes or default_max_body_bytes(core.max_queue_tokens)
     name = model_name or model_label(core.encoder.spec.name)
     metrics = ServerMetrics(core)

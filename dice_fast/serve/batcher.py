@@ -39,7 +39,8 @@ from typing import Callable, Iterable
 from ..reuse import MemoryCache
 from ..chunk_queue import Job
 from .admission import Embeddings, Lease, Part, QueuedRequest, RequestSide
-from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, QUEUE_BATCHES, default_max_input_chars
+from .limits import (DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, QUEUE_BATCHES, check_limits,
+                     default_max_input_chars)
 from .planning import piece_chars
 from .worker import BUSY_TRIM_S, IDLE_TRIM_S, BatchStats, WorkerLoop
 
@@ -95,19 +96,11 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
                  max_response_floats: int = DEFAULT_LIMITS["max_response_floats"],
                  max_batch_tokens: int | None = None, cross_request_batching: bool = True,
                  auto_truncate: bool = False, cache_memory_mb: int = DEFAULT_CACHE_MEMORY_MB):
-        for name, value, low in (("max_inputs_per_request", max_inputs_per_request, 1),
-                                 ("max_input_chars", max_input_chars, 1),
-                                 ("max_tokens_per_document", max_tokens_per_document, 0),
-                                 ("max_queue_tokens", max_queue_tokens, 1),
-                                 ("max_concurrent_requests", max_concurrent_requests, 1),
-                                 ("max_response_floats", max_response_floats, 1),
-                                 ("max_batch_tokens", max_batch_tokens, 1),
-                                 ("cache_memory_mb", cache_memory_mb, 0)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if isinstance(request_timeout, bool) or not isinstance(request_timeout, (int, float)) or \
-                not 0 <= request_timeout < math.inf:
-            raise ValueError(f"request_timeout must be a number of seconds >= 0 (0 = none), got {request_timeout!r}")
+        check_limits(max_inputs_per_request=max_inputs_per_request, max_input_chars=max_input_chars,
+                     max_tokens_per_document=max_tokens_per_document, max_queue_tokens=max_queue_tokens,
+                     max_concurrent_requests=max_concurrent_requests, max_response_floats=max_response_floats,
+                     max_batch_tokens=max_batch_tokens, cache_memory_mb=cache_memory_mb,
+                     request_timeout=request_timeout)
         self.encoder = encoder
         # CPU: trim the heap (`dice_fast.cpu_heap`) once the queue has been empty this long, and at
         # most busy_trim_s apart under load

@@ -8,7 +8,7 @@ import os
 
 from ..reuse.persistent import SERVE_MAX_GB
 from ..cliargs import add_cache_arguments, add_encoder_arguments, make_encoder
-from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, HTTP_LIMITS, LIMITS
+from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, HTTP_LIMITS, LIMITS, check_limits
 from .server import SERVER_LIMITS
 
 ENV_PREFIX = "DICE_FAST_"
@@ -164,7 +164,7 @@ def cmd_serve(args) -> int:
 
     from .app import create_app
     from .guards import allowed_hosts
-    from .server import SERVER_DEFAULTS, draining_server, server_config
+    from .server import SERVER_DEFAULTS, check_server_limits, draining_server, server_config
 
     # a query over the window is cut to it, as offline; one warning per such request would flood the log
     warnings.filterwarnings("ignore", message=r".*longer than the model window", category=UserWarning)
@@ -173,8 +173,10 @@ def cmd_serve(args) -> int:
         raise ValueError("; ".join(args.environment_errors))
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    if args.cache_memory_mb < 0:
-        raise ValueError(f"--cache-memory-mb must be >= 0, got {args.cache_memory_mb}")
+    # every limit's range, before the model loads (the constructors check them again)
+    check_limits(**{name: getattr(args, name) for name in DEFAULT_LIMITS}, cache_memory_mb=args.cache_memory_mb,
+                 max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout)
+    check_server_limits(**{name: getattr(args, name) for name in SERVER_DEFAULTS})
     key = api_key(args)
     encoder = make_encoder(args)
     if args.testing_inject_oom:

@@ -3,6 +3,8 @@ the ``dice-fast serve`` flags and the README table. Imports nothing heavy (the C
 
 from __future__ import annotations
 
+import math
+
 # name -> (default, meaning); the flag is --name-with-dashes. The batching core's limits:
 LIMITS = {
     "max_inputs_per_request": (2048, "inputs in one request (OpenAI's own limit); more: 413"),
@@ -47,3 +49,24 @@ def default_max_body_bytes(max_queue_tokens: int) -> int:
 
 
 DEFAULT_CACHE_MEMORY_MB = 64  # chunk vectors kept in memory across requests (about 40k 384-d chunks)
+
+# the lowest value of each integer limit (None: its default); request_timeout and read_timeout are seconds
+_LOWEST = {"max_inputs_per_request": 1, "max_input_chars": 1, "max_tokens_per_document": 0, "max_queue_tokens": 1,
+           "max_concurrent_requests": 1, "max_response_floats": 1, "max_batch_tokens": 1, "cache_memory_mb": 0,
+           "max_body_bytes": 1}
+
+
+def check_limits(**values) -> None:
+    """`ValueError` naming the first limit out of range, before anything is built: the `LIMITS`, the
+    `HTTP_LIMITS`, ``max_batch_tokens``, ``cache_memory_mb`` and ``read_timeout`` (the body's, > 0 or None)."""
+    for name, value in values.items():
+        if name == "request_timeout":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"request_timeout must be a number of seconds >= 0 (0 = none), got {value!r}")
+        elif name == "read_timeout":
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"read_timeout must be a number of seconds > 0 (or None), got {value!r}")
+        elif name not in _LOWEST:
+            raise TypeError(f"unknown server limit {name!r}")
+        elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < _LOWEST[name]):
+            raise ValueError(f"{name} must be an integer >= {_LOWEST[name]}, got {value!r}")

@@ -33,13 +33,13 @@ def request_schemas(core) -> tuple[dict, dict]:
             "encoding_format": {"enum": [*ENCODING_FORMATS, None], "default": "float"},
             "input_type": {"enum": [*INPUT_TYPES, None], "default": "document"},
             "dimensions": {"type": ["integer", "null"], "minimum": 1, "maximum": core.dim},
-            "return_chunks": {"type": "boolean", "default": False, "description": "documents only"},
+            "return_chunks": {"type": ["boolean", "null"], "default": False, "description": "documents only"},
             "strategy": STRATEGY,
             "user": {"type": ["string", "null"]},
         },
         # a query is one window: return_chunks true is refused with it
         "if": {"required": ["input_type"], "properties": {"input_type": {"enum": queries}}},
-        "then": {"properties": {"return_chunks": {"const": False}}},
+        "then": {"properties": {"return_chunks": {"enum": [False, None]}}},
     }
     evidence = {
         "type": "object", "required": ["query", "documents"],

@@ -110,7 +110,7 @@ def parse_embedding_request(body: bytes, dim: int) -> EmbeddingRequest:
     user = obj.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest(f"'user' must be a string, got {_json_type(user)}", param="user")
-    return_chunks = obj.get("return_chunks", False)
+    return_chunks = _or_default(obj, "return_chunks", False)
     if not isinstance(return_chunks, bool):
         raise InvalidRequest(f"'return_chunks' must be true or false, got {_json_type(return_chunks)}",
                              param="return_chunks")

@@ -153,16 +153,23 @@ def bounded_protocol(read_timeout: float, write_timeout: float, base=None):
     return BoundedProtocol
 
 
+def check_server_limits(**values) -> None:
+    """`ValueError` naming the first of the `SERVER_LIMITS` given that is not a number > 0."""
+    for name, value in values.items():
+        if name not in SERVER_LIMITS:
+            raise TypeError(f"unknown server limit {name!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
 def server_config(app, *, host: str, port: int, max_connections: int, keep_alive_timeout: float,
                   read_timeout: float, write_timeout: float, protocol=None, **uvicorn_options):
     """A ``uvicorn.Config`` serving ``app`` on ``host``:``port`` under the bounds of `SERVER_LIMITS`
     (``protocol``: a `bounded_protocol` class to use, e.g. to read its ``bytes_received``)."""
     import uvicorn
 
-    for name, value in (("max_connections", max_connections), ("keep_alive_timeout", keep_alive_timeout),
-                        ("read_timeout", read_timeout), ("write_timeout", write_timeout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    check_server_limits(max_connections=max_connections, keep_alive_timeout=keep_alive_timeout,
+                        read_timeout=read_timeout, write_timeout=write_timeout)
     protocol = protocol or bounded_protocol(read_timeout, write_timeout)
     return uvicorn.Config(app, host=host, port=port, http=protocol, limit_concurrency=int(max_connections),
                           timeout_keep_alive=keep_alive_timeout, **uvicorn_options)

@@ -66,6 +66,8 @@ def test_valid_bodies():
     assert parse_embedding_request(b'{"input": "x"}', dim=8).dimensions is None
     r = parse_embedding_request('{"input": ["héllo ✓"], "encoding_format": null}'.encode(), dim=8)
     assert r.input == ["héllo ✓"] and r.encoding_format == "float"
+    r = parse_embedding_request(b'{"input": "x", "return_chunks": null, "input_type": "query"}', dim=8)
+    assert r.return_chunks is False  # null takes the default, like every other field
 
 
 def test_response_float_and_base64_are_exact():

@@ -126,6 +126,41 @@ def test_every_serve_flag_can_come_from_the_environment(monkeypatch):
         serve_parser()[0].parse_args(["serve"])
 
 
+@pytest.mark.parametrize("flags, culprit", [
+    (["--max-queue-tokens", "0"], "max_queue_tokens must be an integer >= 1"),
+    (["--max-inputs-per-request", "0"], "max_inputs_per_request must be an integer >= 1"),
+    (["--max-tokens-per-document", "-1"], "max_tokens_per_document must be an integer >= 0"),
+    (["--request-timeout", "-1"], "request_timeout must be a number of seconds >= 0"),
+    (["--cache-memory-mb", "-1"], "cache_memory_mb must be an integer >= 0"),
+    (["--max-body-bytes", "0"], "max_body_bytes must be an integer >= 1"),
+    (["--read-timeout", "0"], "read_timeout must be a number"),
+    (["--keep-alive-timeout", "0"], "keep_alive_timeout must be a number > 0"),
+    (["--write-timeout", "-2"], "write_timeout must be a number > 0"),
+    (["--max-connections", "0"], "max_connections must be a number > 0"),
+])
+def test_a_limit_out_of_range_is_refused_before_the_model_loads(monkeypatch, flags, culprit):
+    import dice_fast.serve.cli as serve_cli
+
+    def no_model(args):
+        raise AssertionError("the model was loaded before the limits were checked")
+
+    monkeypatch.setattr(serve_cli, "make_encoder", no_model)
+    args = serve_parser()[0].parse_args(["serve", *flags])
+    with pytest.raises(ValueError, match=culprit):
+        serve_cli.cmd_serve(args)
+
+
+def test_unknown_limit_names_are_programming_errors():
+    from dice_fast.serve.limits import check_limits
+    from dice_fast.serve.server import check_server_limits
+
+    with pytest.raises(TypeError, match="max_queue_tokenz"):
+        check_limits(max_queue_tokenz=5)
+    with pytest.raises(TypeError, match="max_conections"):
+        check_server_limits(max_conections=5)
+    check_limits(max_queue_tokens=None, read_timeout=None, request_timeout=0)  # defaults / none pass
+
+
 def test_bodies_must_be_declared_json(server):
     for headers in ({}, {"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}):
         r = server.post("/v1/embeddings", content=json.dumps({"input": "word"}).encode(), headers=headers)
