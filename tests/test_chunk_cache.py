@@ -291,3 +291,17 @@ def test_a_job_killed_mid_write_resumes_and_reruns_from_the_cache(tmp_path):
     summary = json.loads((out / "manifest.json").read_text())["summary"]
     assert summary["chunks_computed"] == 0 and summary["chunks_from_cache"] > 0, summary
     assert_close(load_embeddings(out)[1], want, ATOL, what="re-run from the cache")
+
+
+def test_a_late_chunk_is_keyed_by_the_tokens_it_pools_not_by_its_text_offset(tmp_path):
+    # A window with document_prefix "passage: " is token for token the window of an unprefixed encoder
+    # given "passage: " + text; their chunks at the same text offset pool different tokens
+    body = "the lighthouse keeper kept the brass key under the third stone by the door of the old tower"
+    options = dict(chunk_size=8, strategy="late", window_tokens=64)
+    DiceEncoder.from_pretrained(None, document_prefix="passage: ", cache=tmp_path / "c", **options
+                                ).encode_documents([body])
+    cached = DiceEncoder.from_pretrained(None, cache=tmp_path / "c", **options)
+    got = cached.encode_documents(["passage: " + body], return_chunks=True)
+    want = DiceEncoder.from_pretrained(None, **options).encode_documents(["passage: " + body], return_chunks=True)
+    assert_close(got.chunks, want.chunks, 1e-5, what="late chunks served from a prefixed encoder's cache")
+    assert cached.chunk_stats.disk_hits == 0

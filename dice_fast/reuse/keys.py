@@ -65,14 +65,19 @@ def chunk_keys(plan, salt: bytes = b"") -> ChunkKeys:
 
 
 def _late_messages(plan, raw: bytes, pre: bytes, suf: bytes, salt: bytes) -> list:
-    """salt + b"W" + the chunk's (offset in its window's text, length) + the wrapped window, per chunk."""
+    """salt + b"V" + the chunk's (offset in its wrapped window, length) + the wrapped window, per chunk.
+
+    The offset counts from the window's first wrapped id (special tokens and prefix included): counted
+    from its text, a prefixed window and an unprefixed one holding the prefix as text would share an
+    identity while pooling different tokens. (Tag "W" keyed it that way until 2026-12; its entries never
+    match a "V" identity.)"""
     w, ch = plan.windows, plan.chunks
     win = w.chunk_window
     w_starts = (plan.tokens.offsets[w.document] + w.start) * 4
     w_ends = w_starts + w.length * 4
     bodies = [pre + raw[s:e] + suf for s, e in zip(w_starts.tolist(), w_ends.tolist())]
-    offset = (ch.start - w.start[win]).tolist()
-    head = salt + b"W"
+    offset = (len(plan.prefix) + ch.start - w.start[win]).tolist()
+    head = salt + b"V"
     return [head + o.to_bytes(8, "little", signed=True) + n.to_bytes(8, "little") + bodies[k]
             for o, n, k in zip(offset, ch.length.tolist(), win.tolist())]
 
