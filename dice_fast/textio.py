@@ -23,9 +23,22 @@ def parse_json_object(line: str, where: str) -> dict:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise InputError(f"{where}: malformed JSON (nested too deeply)") from None
     if not isinstance(record, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
     return record
+
+
+def check_unicode(value: str, where: str, what: str) -> str:
+    """``value``; InputError naming ``where`` and ``what`` if it is not valid Unicode (a lone surrogate,
+    which JSON's ``\\ud800`` escapes can make but no UTF-8 file can hold)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{where}: {what} is not valid Unicode: a lone surrogate "
+                         f"(\\u{ord(value[exc.start]):04x}) at character {exc.start}") from None
+    return value
 
 
 def read_lines(path: str | os.PathLike) -> Iterator[tuple[str, str]]:

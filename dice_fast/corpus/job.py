@@ -124,8 +124,11 @@ class EncodeJob:
             self.lock = None
 
     def _kept(self) -> str:
-        if isinstance(self.writer, ShardWriter) and self.writer.manifest["shards"]:
+        if isinstance(self.writer, ShardWriter):
             shards = self.writer.manifest["shards"]
+        else:  # stopped before the writer opened: a resumed output still holds what it committed
+            shards = self.resume_from["shards"] if self.resume_from is not None else []
+        if shards:
             return (f"{sum(s['rows'] for s in shards):,} rows in {len(shards)} shards are committed in {self.out}; "
                     "continue with --resume")
         return "no output written"
@@ -133,8 +136,8 @@ class EncodeJob:
     def _run(self, signals: Signals) -> int:
         args = self.args
         t0 = time.perf_counter()
-        corpus = open_corpus(args.input, args.format, args.field, args.id_field,
-                             exclude=self.out if self.out_type == "folder" else None)
+        outputs = [self.out] + ([ids_path_for(self.out)] if self.out_type == "npy" else [])
+        corpus = open_corpus(args.input, args.format, args.field, args.id_field, exclude=outputs)
         corpus.stop = self.stop
         requested = self._requested(corpus)
         self._prepare_output(requested)

@@ -24,31 +24,17 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
     another row count than its manifest lists.
     """
     path = Path(path)
-    if path.suffix == ".npy":
+    if path.suffix.lower() == ".npy":
         return _read_npy(path)
-    if path.suffix == ".parquet" and path.is_file():
+    if _is_parquet_file(path):
         return _read_parquet([path])
-    manifests = sorted(path.glob("manifest*.json"))
-    if not manifests:
-        raise FileNotFoundError(f"no manifest*.json in {path}")
-    if len(manifests) == 1 and manifests[0].name == "manifest.json":
-        m = read_manifest(manifests[0])
-        if m["status"] != "complete" and not allow_incomplete:
-            raise ValueError(f"{manifests[0]}: the job is not complete ({m['rows']} rows committed)")
-        return _read_shards(path, m)
-    splits = [read_manifest(p) for p in manifests]
-    count = splits[0]["split"]["count"]
-    have = {m["split"]["index"]: m for m in splits if m["split"]["count"] == count}
-    if len(have) != len(splits) or sorted(have) != list(range(count)):
-        raise ValueError(f"{path}: split manifests {[p.name for p in manifests]} are not the {count} splits of one job")
-    parts = []
-    for i in range(count):
-        m = have[i]
-        if m["status"] != "complete":
-            raise ValueError(f"{path}: split {i}/{count} is not complete ({m['rows']} rows committed)")
-        parts.append(_read_shards(path, m))
+    splits = _finished_manifests(path, allow_incomplete)
+    dim = splits[0]["model"]["dim"]
+    if len(splits) == 1:
+        return _read_shards(path, splits[0], dim)
+    count = len(splits)
+    parts = [_read_shards(path, m, dim) for m in splits]
     total = sum(len(ids) for ids, _ in parts)
-    dim = next((v.shape[1] for _, v in parts if v.ndim == 2 and v.shape[0]), 0)
     ids_out: list = [None] * total
     vectors = np.zeros((total, dim), np.float32)
     for i, (ids, vecs) in enumerate(parts):
@@ -59,6 +45,39 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
         if len(ids):
             vectors[i::count] = vecs
     return ids_out, vectors
+
+
+def check_complete(path: str | os.PathLike) -> None:
+    """ValueError, as `load_embeddings` raises, unless a shard folder's every split is present and complete."""
+    path = Path(path)
+    if path.suffix.lower() != ".npy" and not _is_parquet_file(path):
+        _finished_manifests(path)
+
+
+def _is_parquet_file(path: Path) -> bool:
+    return path.suffix.lower() == ".parquet" and path.is_file()
+
+
+def _finished_manifests(path: Path, allow_incomplete: bool = False) -> list[dict]:
+    """The manifests of the shard folder ``path`` in split order, each complete (``allow_incomplete``:
+    an unsplit job's may be unfinished)."""
+    manifests = sorted(path.glob("manifest*.json"))
+    if not manifests:
+        raise FileNotFoundError(f"no manifest*.json in {path}")
+    if len(manifests) == 1 and manifests[0].name == "manifest.json":
+        m = read_manifest(manifests[0])
+        if m["status"] != "complete" and not allow_incomplete:
+            raise ValueError(f"{manifests[0]}: the job is not complete ({m['rows']} rows committed)")
+        return [m]
+    splits = [read_manifest(p) for p in manifests]
+    count = splits[0]["split"]["count"]
+    have = {m["split"]["index"]: m for m in splits if m["split"]["count"] == count}
+    if len(have) != len(splits) or sorted(have) != list(range(count)):
+        raise ValueError(f"{path}: split manifests {[p.name for p in manifests]} are not the {count} splits of one job")
+    for i in range(count):
+        if have[i]["status"] != "complete":
+            raise ValueError(f"{path}: split {i}/{count} is not complete ({have[i]['rows']} rows committed)")
+    return [have[i] for i in range(count)]
 
 
 def _read_npy(path: Path) -> tuple[list[str], np.ndarray]:
@@ -91,7 +110,7 @@ def _read_npy(path: Path) -> tuple[list[str], np.ndarray]:
     return ids, vectors
 
 
-def _read_shards(folder: Path, manifest: dict) -> tuple[list[str], np.ndarray]:
+def _read_shards(folder: Path, manifest: dict, dim: int) -> tuple[list[str], np.ndarray]:
     import pyarrow.parquet as pq
 
     files = [folder / s["file"] for s in manifest["shards"]]
@@ -99,15 +118,15 @@ def _read_shards(folder: Path, manifest: dict) -> tuple[list[str], np.ndarray]:
         rows = pq.ParquetFile(f).metadata.num_rows
         if rows != shard["rows"]:
             raise ValueError(f"{f}: {rows} rows, but its manifest lists {shard['rows']} (replaced after commit?)")
-    return _read_parquet(files)
+    return _read_parquet(files, dim)
 
 
-def _read_parquet(files: list[Path]) -> tuple[list[str], np.ndarray]:
+def _read_parquet(files: list[Path], dim: int = 0) -> tuple[list[str], np.ndarray]:
+    """Ids and vectors of ``files`` in order; ``dim``: the width of no rows (the files' own when they have any)."""
     import pyarrow.parquet as pq
 
     ids: list[str] = []
     blocks = []
-    dim = 0
     for f in files:
         table = pq.read_table(f)
         ids.extend(table.column("id").to_pylist())

@@ -5,7 +5,8 @@ Formats (by extension, or ``fmt`` for every file and for stdin):
 * ``.txt``: one document per line; the id is the line number (1-based).
 * ``.jsonl`` / ``.ndjson``: one JSON object per line, the text in ``text_field``; the id is the value
   of ``id_field`` (a string or an integer) when given, else the line number.
-* ``.parquet``: the text in column ``text_field``; the id in column ``id_field`` when given, else the
+* ``.parquet``: the text in column ``text_field`` (strings, or a dictionary of strings); the id in
+  column ``id_field`` (strings, UTF-8 bytes, integers, or a dictionary of those) when given, else the
   row number (1-based, like line numbers). Read in record batches, never whole.
 
 Blank lines (empty or only whitespace) are skipped in ``.txt`` and ``.jsonl`` alike and counted in
@@ -29,9 +30,10 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
-from ..textio import decode_line, parse_json_object
+from ..errors import InputError
+from ..textio import check_unicode, decode_line, parse_json_object
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 KNOWN = ("known input types: .txt (one document per line), .jsonl/.ndjson (JSON lines), .parquet, a folder of them, "
@@ -115,12 +117,18 @@ class Corpus:
             text = record[field_]
             if not isinstance(text, str):
                 raise ValueError(f"{where}:{number}: field {field_!r} is {type(text).__name__}, expected a string")
+            escaped = "\\u" in line  # only a \u escape can make a lone surrogate (not valid Unicode)
+            if escaped:
+                check_unicode(text, f"{where}:{number}", f"field {field_!r}")
             if id_field is None:
                 yield line_id, text
                 continue
             if id_field not in record:
                 raise ValueError(f"{where}:{number}: no id field {id_field!r} (fields: {', '.join(map(str, record))})")
-            yield _check_id(record[id_field], f"{where}:{number}"), text
+            doc_id = _check_id(record[id_field], f"{where}:{number}")
+            if escaped:
+                check_unicode(doc_id, f"{where}:{number}", f"id field {id_field!r}")
+            yield doc_id, text
 
     def _parquet(self, name: str | None, path: Path):
         import pyarrow as pa
@@ -132,6 +140,8 @@ class Corpus:
             if self.stop.is_set():
                 raise Stopped("reading stopped")
             texts = batch.column(0)
+            if pa.types.is_dictionary(texts.type):  # a categorical column: its strings
+                texts = texts.cast(texts.type.value_type)
             if texts.null_count:
                 bad = row + 1 + texts.is_null().to_pylist().index(True)
                 raise ValueError(f"{path}: row {bad}: column {self.text_field!r} is null")
@@ -143,8 +153,12 @@ class Corpus:
                 if col.null_count:
                     bad = row + 1 + col.is_null().to_pylist().index(True)
                     raise ValueError(f"{path}: row {bad}: id column {self.id_field!r} is null")
-                if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
-                    col = col.cast(pa.string())
+                if not _is_string(col.type):
+                    try:
+                        col = col.cast(pa.string())
+                    except pa.ArrowInvalid:  # bytes that are not UTF-8
+                        bad = row + 1 + next(i for i, v in enumerate(col.to_pylist()) if not _is_utf8(v))
+                        raise InputError(f"{path}: row {bad}: id column {self.id_field!r} is not valid UTF-8") from None
                 ids = [_check_id(v, f"{path}: row {row + 1 + i}") for i, v in enumerate(col.to_pylist())]
             row += len(texts)
             self.bytes_read += size * len(texts) // total_rows
@@ -152,10 +166,10 @@ class Corpus:
 
 
 def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_field: str | None = None,
-                exclude: str | os.PathLike | None = None) -> Corpus:
+                exclude: Iterable[str | os.PathLike] = ()) -> Corpus:
     """Open ``source`` (a file, a folder of files, or ``"-"`` for stdin) and check what can be
-    checked before reading: it exists, its type is known, Parquet columns exist. ``exclude``: a
-    path never read from a folder (the job's own output)."""
+    checked before reading: it exists, its type is known, Parquet columns exist. ``exclude``: paths
+    (files, or folders with all they hold) never read from a folder (the job's own output)."""
     corpus = Corpus(source, fmt, text_field, id_field)
     if source == "-":
         if fmt == "auto":
@@ -169,10 +183,10 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
     if not path.exists():
         raise FileNotFoundError(f"input {source} does not exist")
     if path.is_dir():
-        skip = Path(exclude).resolve() if exclude is not None else None
+        skip = {Path(e).resolve() for e in exclude}
         wanted = set(FORMATS) if fmt == "auto" else {s for s, f in FORMATS.items() if f == input_format(path, fmt)}
         for p in sorted(_walk(path), key=lambda p: p.relative_to(path).as_posix()):
-            inside_output = skip is not None and (p.resolve() == skip or skip in p.resolve().parents)
+            inside_output = not skip.isdisjoint([p.resolve(), *p.resolve().parents])
             if p.suffix.lower() in wanted and not inside_output:
                 corpus.files.append((p.relative_to(path).as_posix(), p, FORMATS[p.suffix.lower()]))
         if not corpus.files:
@@ -237,9 +251,29 @@ def _open_parquet(path: Path, text_field: str, id_field: str | None):
         if column is not None and column not in names:
             raise ValueError(f"{path}: no {what} column {column!r} (columns: {', '.join(names)})")
     kind = pf.schema_arrow.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    if not _is_string(kind.value_type if pa.types.is_dictionary(kind) else kind):
         raise ValueError(f"{path}: column {text_field!r} is {kind}, expected strings")
+    if id_field is not None:
+        kind = pf.schema_arrow.field(id_field).type
+        value = kind.value_type if pa.types.is_dictionary(kind) else kind
+        if not (_is_string(value) or pa.types.is_binary(value) or pa.types.is_large_binary(value)
+                or pa.types.is_integer(value)):
+            raise InputError(f"{path}: id column {id_field!r} is {kind}, expected strings or integers")
     return pf
+
+
+def _is_string(kind) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _file_lines(path: Path) -> Iterator[bytes]:

@@ -1,0 +1,87 @@
+"""Outputs of ``dice-fast encode`` in their surroundings: Ctrl-C while resuming names what is kept, a file
+output inside the input folder is not read back as input, upper-case suffixes and empty folders load,
+and `check_complete` refuses unfinished outputs as `load_embeddings` does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from corpus_util import corpus_docs, interrupted_copy, write_jsonl
+from dice_fast.cli import main
+from dice_fast.corpus import load_embeddings
+from dice_fast.corpus.loading import check_complete
+
+OPTS = ["--chunk-size", "16", "-q", "--id-field", "id"]
+
+
+def test_ctrl_c_while_resuming_names_the_committed_shards(tmp_path, capsys, monkeypatch, cached_encoders):
+    import dice_fast.corpus.job as job
+
+    src = write_jsonl(tmp_path / "c.jsonl", corpus_docs(12, seed=3))
+    assert main(["encode", str(src), "-o", str(tmp_path / "ref"), "--shard-rows", "4", *OPTS]) == 0
+    out = tmp_path / "out"
+    kept = interrupted_copy(tmp_path / "ref", out, shards=2)
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "load_encoder", interrupted)  # Ctrl-C while the model loads
+    capsys.readouterr()
+    assert main(["encode", str(src), "-o", str(out), "--shard-rows", "4", *OPTS, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "8 rows in 2 shards are committed" in err and "continue with --resume" in err, err
+    assert sorted(p.name for p in out.iterdir()) == kept
+
+
+@pytest.mark.parametrize("name", ["vecs.npy", "vecs.parquet"])
+def test_a_file_output_inside_the_input_folder_is_not_read_as_input(tmp_path, capsys, cached_encoders, name):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("one\ntwo\n", encoding="utf-8")
+    for extra in ([], ["--overwrite"]):
+        assert main(["encode", str(data), "-o", str(data / name), "-q", *extra]) == 0, capsys.readouterr().err
+        ids, vecs = load_embeddings(data / name)
+        assert ids == ["a.txt:1", "a.txt:2"] and vecs.shape == (2, 384)
+
+
+@pytest.mark.parametrize("name", ["up.NPY", "up.PARQUET"])
+def test_upper_case_suffixes_load(tmp_path, cached_encoders, name):
+    src = tmp_path / "d.txt"
+    src.write_text("one\ntwo\n", encoding="utf-8")
+    assert main(["encode", str(src), "-o", str(tmp_path / name), "-q"]) == 0
+    ids, vecs = load_embeddings(tmp_path / name)
+    assert ids == ["1", "2"] and vecs.shape == (2, 384)
+
+
+def test_an_empty_output_has_the_model_width_in_every_form(tmp_path, cached_encoders):
+    src = tmp_path / "blank.txt"
+    src.write_text("\n  \n", encoding="utf-8")
+    runs = [("e.npy", []), ("e.parquet", []), ("folder/", []), ("split/", ["--shard", "0/2"]),
+            ("split/", ["--shard", "1/2"])]
+    for out, extra in runs:
+        assert main(["encode", str(src), "-o", str(tmp_path / out), "-q", "--truncate-dim", "8", *extra]) == 0
+    for out in ("e.npy", "e.parquet", "folder/", "split/"):
+        ids, vecs = load_embeddings(tmp_path / out)
+        assert ids == [] and vecs.shape == (0, 8), out
+
+
+def test_check_complete_refuses_unfinished_outputs(tmp_path, cached_encoders):
+    src = write_jsonl(tmp_path / "c.jsonl", corpus_docs(6, seed=4))
+    for i in range(2):
+        assert main(["encode", str(src), "-o", str(tmp_path / "split"), "--shard", f"{i}/2", *OPTS]) == 0
+    assert main(["encode", str(src), "-o", str(tmp_path / "v.npy"), *OPTS]) == 0
+    for done in ("split", "v.npy"):
+        check_complete(tmp_path / done)
+    (tmp_path / "split" / "manifest-1of2.json").rename(tmp_path / "manifest-1of2.json")
+    with pytest.raises(ValueError, match=r"are not the 2 splits of one job"):
+        check_complete(tmp_path / "split")
+    manifest = json.loads((tmp_path / "manifest-1of2.json").read_text())
+    (tmp_path / "split" / "manifest-1of2.json").write_text(json.dumps({**manifest, "status": "running"}))
+    with pytest.raises(ValueError, match=r"split 1/2 is not complete \(3 rows committed\)"):
+        check_complete(tmp_path / "split")
+    with pytest.raises(ValueError, match=r"split 1/2 is not complete"):
+        load_embeddings(tmp_path / "split")
+    with pytest.raises(FileNotFoundError, match="no manifest"):
+        check_complete(tmp_path / "nothing")
