@@ -24,8 +24,9 @@ from itertools import islice
 from pathlib import Path
 
 from .chunk_rows import ChunkRows
-from .outputs import (MANIFEST_FORMAT, NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, ids_path_for,
-                      manifest_name, our_files, parse_tag, read_manifest, split_tag)
+from ..manifests import MANIFEST_FORMAT, read_manifest
+from .outputs import (NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, ids_path_for, manifest_name, our_files,
+                      parse_tag, split_tag)
 from .ids import DuplicateIds
 from .lock import OutputLock
 from .model import load_encoder

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .outputs import IDS_RECORD, file_sha256, ids_path_for, read_manifest
+from ..manifests import finished_manifests
+from .outputs import IDS_RECORD, file_sha256, ids_path_for
 
 
 def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> tuple[list[str], np.ndarray]:
@@ -28,7 +29,7 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
         return _read_npy(path)
     if _is_parquet_file(path):
         return _read_parquet([path])
-    splits = _finished_manifests(path, allow_incomplete)
+    splits = finished_manifests(path, allow_incomplete)
     dim = splits[0]["model"]["dim"]
     if len(splits) == 1:
         return _read_shards(path, splits[0], dim)
@@ -47,37 +48,8 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
     return ids_out, vectors
 
 
-def check_complete(path: str | os.PathLike) -> None:
-    """ValueError, as `load_embeddings` raises, unless a shard folder's every split is present and complete."""
-    path = Path(path)
-    if path.suffix.lower() != ".npy" and not _is_parquet_file(path):
-        _finished_manifests(path)
-
-
 def _is_parquet_file(path: Path) -> bool:
     return path.suffix.lower() == ".parquet" and path.is_file()
-
-
-def _finished_manifests(path: Path, allow_incomplete: bool = False) -> list[dict]:
-    """The manifests of the shard folder ``path`` in split order, each complete (``allow_incomplete``:
-    an unsplit job's may be unfinished)."""
-    manifests = sorted(path.glob("manifest*.json"))
-    if not manifests:
-        raise FileNotFoundError(f"no manifest*.json in {path}")
-    if len(manifests) == 1 and manifests[0].name == "manifest.json":
-        m = read_manifest(manifests[0])
-        if m["status"] != "complete" and not allow_incomplete:
-            raise ValueError(f"{manifests[0]}: the job is not complete ({m['rows']} rows committed)")
-        return [m]
-    splits = [read_manifest(p) for p in manifests]
-    count = splits[0]["split"]["count"]
-    have = {m["split"]["index"]: m for m in splits if m["split"]["count"] == count}
-    if len(have) != len(splits) or sorted(have) != list(range(count)):
-        raise ValueError(f"{path}: split manifests {[p.name for p in manifests]} are not the {count} splits of one job")
-    for i in range(count):
-        if have[i]["status"] != "complete":
-            raise ValueError(f"{path}: split {i}/{count} is not complete ({have[i]['rows']} rows committed)")
-    return [have[i] for i in range(count)]
 
 
 def _read_npy(path: Path) -> tuple[list[str], np.ndarray]:

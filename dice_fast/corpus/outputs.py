@@ -39,7 +39,6 @@ import numpy as np
 
 from .chunk_rows import CHUNK_COLUMNS, ChunkRows
 
-MANIFEST_FORMAT = "dice_fast.embeddings/1"
 _ROW_GROUP = 4096
 _NPY_HEADER = 128  # bytes: magic, version, length, and the header dict padded with spaces
 _IDS_HEADER = 128  # bytes: the ids file's first line, padded with spaces
@@ -361,11 +360,3 @@ def our_files(folder: Path, temps_only: bool = False) -> list[Path]:
                   if _OUR_TEMPS.match(p.name) or (not temps_only and _OUR_FILES.match(p.name)))
 
 
-def read_manifest(path: Path) -> dict:
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{path} is not a dice_fast manifest (format {MANIFEST_FORMAT})")
-    return manifest

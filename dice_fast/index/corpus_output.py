@@ -3,8 +3,8 @@ shards listed by ``manifest*.json``) as the arrays a `DiceIndex` holds.
 
 The columns (``id``, ``embedding``, ``chunk_embeddings``, ``chunk_start_char``, ``chunk_end_char``,
 ``chunk_tokens``) are the documented output format of the encode command; this module reads them with
-pyarrow and does not import the corpus package. Rows come in file order (for a split job, split by
-split); an index does not depend on the order.
+pyarrow, once `dice_fast.manifests` finds the job finished (every split present and complete).
+Rows come in file order (for a split job, split by split); an index does not depend on the order.
 """
 
 from __future__ import annotations
@@ -14,27 +14,25 @@ from pathlib import Path
 
 import numpy as np
 
+from ..manifests import finished_manifests
+
 NEEDED = ("id", "embedding", "chunk_embeddings", "chunk_start_char", "chunk_end_char", "chunk_tokens")
 
 
 def corpus_files(path) -> list[Path]:
-    """The Parquet files of an encode output: the file itself, or the shards every manifest lists."""
+    """The Parquet files of an encode output: the file itself, or the shards every manifest lists.
+    ValueError for a folder whose job is unfinished or misses a ``--shard I/N`` split (an index of it
+    would silently lack documents)."""
     path = Path(path)
     if path.is_file():
         return [path]
     if not path.is_dir():
         raise ValueError(f"{path}: no such file or folder")
-    manifests = sorted(path.glob("manifest*.json"))
-    if not manifests:
-        raise ValueError(f"{path}: not an output folder of dice-fast encode (no manifest.json)")
-    files = []
-    for m in manifests:
-        try:
-            shards = json.loads(m.read_text(encoding="utf-8"))["shards"]
-            files += [path / s["file"] for s in shards]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{m}: unreadable manifest ({exc})") from None
-    return files
+    try:
+        manifests = finished_manifests(path)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; index a finished output (encode ... --resume, every split)") from None
+    return [path / s["file"] for m in manifests for s in m["shards"]]
 
 
 def read_corpus_output(path):

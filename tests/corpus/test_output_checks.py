@@ -1,6 +1,6 @@
 """Outputs of ``dice-fast encode`` in their surroundings: Ctrl-C while resuming names what is kept, a file
 output inside the input folder is not read back as input, upper-case suffixes and empty folders load,
-and `check_complete` refuses unfinished outputs as `load_embeddings` does."""
+and `finished_manifests` refuses unfinished outputs (for `load_embeddings` and the index)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from corpus_util import corpus_docs, interrupted_copy, write_jsonl
 from dice_fast.cli import main
 from dice_fast.corpus import load_embeddings
-from dice_fast.corpus.loading import check_complete
+from dice_fast.manifests import finished_manifests
 
 OPTS = ["--chunk-size", "16", "-q", "--id-field", "id"]
 
@@ -67,21 +67,20 @@ def test_an_empty_output_has_the_model_width_in_every_form(tmp_path, cached_enco
         assert ids == [] and vecs.shape == (0, 8), out
 
 
-def test_check_complete_refuses_unfinished_outputs(tmp_path, cached_encoders):
+def test_finished_manifests_refuse_unfinished_outputs(tmp_path, cached_encoders):
     src = write_jsonl(tmp_path / "c.jsonl", corpus_docs(6, seed=4))
     for i in range(2):
         assert main(["encode", str(src), "-o", str(tmp_path / "split"), "--shard", f"{i}/2", *OPTS]) == 0
     assert main(["encode", str(src), "-o", str(tmp_path / "v.npy"), *OPTS]) == 0
-    for done in ("split", "v.npy"):
-        check_complete(tmp_path / done)
+    assert [m["split"]["index"] for m in finished_manifests(tmp_path / "split")] == [0, 1]
     (tmp_path / "split" / "manifest-1of2.json").rename(tmp_path / "manifest-1of2.json")
     with pytest.raises(ValueError, match=r"are not the 2 splits of one job"):
-        check_complete(tmp_path / "split")
+        finished_manifests(tmp_path / "split")
     manifest = json.loads((tmp_path / "manifest-1of2.json").read_text())
     (tmp_path / "split" / "manifest-1of2.json").write_text(json.dumps({**manifest, "status": "running"}))
     with pytest.raises(ValueError, match=r"split 1/2 is not complete \(3 rows committed\)"):
-        check_complete(tmp_path / "split")
+        finished_manifests(tmp_path / "split")
     with pytest.raises(ValueError, match=r"split 1/2 is not complete"):
         load_embeddings(tmp_path / "split")
-    with pytest.raises(FileNotFoundError, match="no manifest"):
-        check_complete(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="no manifest"):
+        load_embeddings(tmp_path / "nothing")
