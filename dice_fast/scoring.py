@@ -119,7 +119,19 @@ def hybrid(queries: np.ndarray, documents: np.ndarray, chunks: np.ndarray, cu_do
     alpha = check_alpha(alpha)
     doc_score, _ = dice(queries, documents)
     chunk_best, evidence = maxsim(queries, chunks, cu_doc_chunks)
-    return alpha * doc_score + (1 - alpha) * chunk_best, evidence
+    return blend(alpha, doc_score, chunk_best), evidence
+
+
+def blend(alpha: float, dice_score, maxsim_score):
+    """``alpha * dice_score + (1 - alpha) * maxsim_score`` in the scores' float dtype; a zero weight
+    contributes nothing (at alpha = 1 a document without chunks, maxsim ``-inf``, scores its dice
+    score, not ``0 * -inf`` = NaN)."""
+    if alpha == 1.0:
+        return dice_score
+    if alpha == 0.0:
+        return maxsim_score
+    real = np.result_type(dice_score, maxsim_score).type
+    return real(alpha) * dice_score + real(1 - alpha) * maxsim_score
 
 
 def score(scoring: str, queries: np.ndarray, documents: np.ndarray, chunks: np.ndarray | None,

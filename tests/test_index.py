@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dice_fast import DiceEncoder, DiceIndex
+from dice_fast.errors import InputError
 from dice_fast.index import dice_index
 from dice_fast.scoring import DEFAULT_ALPHA
 from tiny_models import tiny
@@ -175,3 +176,73 @@ def test_from_texts_finds_the_passage_with_its_text():
             c = index.cu_doc_chunks[index.ids.index(h.id)] + h.chunk
             assert h.text == index.texts[index.ids.index(h.id)][index.chunk_start_char[c] : index.chunk_end_char[c]]
             assert h.text.strip()
+
+
+def _one_vector_docs(n, dim=DIM):
+    """n identical documents of one chunk each: every score ties."""
+    v = np.tile(_unit(np.random.default_rng(7), 1), (n, 1))
+    return ([f"d{i}" for i in range(n)], v, v, np.arange(n), np.zeros(n), np.ones(n), np.ones(n))
+
+
+@pytest.mark.parametrize("block", [1 << 22, 50])
+def test_ties_at_the_cut_off_keep_the_first_documents(block, monkeypatch):
+    monkeypatch.setattr(dice_index, "_BLOCK_SCORES", block)  # 50: the running top k meets ties block after block
+    index = DiceIndex(DIM, store_text=False)
+    index.add_arrays(*_one_vector_docs(1000))
+    for scoring in ("dice", "maxsim", "hybrid"):
+        for k in (1, 3, 17):
+            assert [h.id for h in index.search(_unit(np.random.default_rng(1), 2), k, scoring)[0]] == \
+                [f"d{i}" for i in range(k)]
+
+
+def test_a_refused_upsert_keeps_the_documents_it_would_replace():
+    index, queries = _random_index()
+    before = index.search(queries, 5)
+    rng = np.random.default_rng(3)
+    with pytest.raises(ValueError, match=r"expected \(n, 16\) vectors"):
+        index.upsert_arrays(["doc-0"], _unit(rng, 1)[:, :8], _unit(rng, 1)[:, :8], [0], [0], [1], [1])
+    with pytest.raises(ValueError, match="duplicate id 'doc-1': ids.0. and ids.1."):
+        index.upsert_arrays(["doc-1", "doc-1"], _unit(rng, 2), _unit(rng, 2), [0, 1], [0, 0], [1, 1], [1, 1])
+    assert len(index) == 40 and index.search(queries, 5) == before
+
+
+def test_default_ids_skip_ids_taken_after_a_delete():
+    index = DiceIndex(DIM, store_text=False)
+    ids, docs, chunks, *rest = _one_vector_docs(3)
+    index.add_arrays(None, docs, chunks, *rest)
+    index.delete(["0"])
+    index.add_arrays(None, docs[:2], chunks[:2], [0, 1], [0, 0], [1, 1], [1, 1])
+    assert index.ids == ["1", "2", "3", "4"]
+
+
+def test_non_finite_vectors_and_ids_utf8_cannot_hold_are_refused_by_name():
+    index = DiceIndex(DIM, store_text=False)
+    ids, docs, chunks, *rest = _one_vector_docs(4)
+    bad_doc, bad_chunk = docs.copy(), chunks.copy()
+    bad_doc[2, 0], bad_chunk[3, 5] = np.nan, np.inf
+    with pytest.raises(InputError, match=r"id 'd2' \(ids\[2\]\): its document vector holds NaN"):
+        index.add_arrays(ids, bad_doc, chunks, *rest)
+    with pytest.raises(InputError, match=r"id 'd3' \(ids\[3\]\): its chunk vector holds NaN"):
+        index.add_arrays(ids, docs, bad_chunk, *rest)
+    surrogate = json.loads('"doc\\udc00"')  # valid JSON, a lone surrogate
+    with pytest.raises(InputError, match=r"ids\[1\]\) is not valid Unicode: surrogates not allowed at character 3"):
+        index.add_arrays(["ok", surrogate], docs[:2], chunks[:2], [0, 1], [0, 0], [1, 1], [1, 1])
+    assert len(index) == 0
+
+
+def test_approximate_search_returns_k_documents_however_many_chunks_each_holds():
+    pytest.importorskip("faiss")
+    rng = np.random.default_rng(0)
+    n, per = 300, 20  # a document's 20 chunks lie close together: the nearest chunks fall in few documents
+    base = _unit(rng, n)
+    chunks = np.repeat(base, per, 0) + 0.05 * rng.standard_normal((n * per, DIM)).astype(np.float32)
+    index = DiceIndex(DIM, store_text=False)
+    index.add_arrays([str(i) for i in range(n)], base, chunks, np.repeat(np.arange(n), per), np.zeros(n * per),
+                     np.ones(n * per), np.ones(n * per))
+    queries = _unit(rng, 3)
+    for scoring in ("dice", "maxsim", "hybrid"):
+        for k, candidates in ((10, 100), (50, 100), (30, 5)):
+            hits = index.search(queries, k, scoring, approximate=True, candidates=candidates)
+            assert [len(row) for row in hits] == [k] * 3
+            assert all(len({h.id for h in row}) == k for row in hits)
+    assert [len(r) for r in index.search(queries, n + 5, "maxsim", approximate=True)] == [n] * 3

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dice_fast import DiceEncoder, DiceIndex
-from dice_fast.errors import ModelError
+from dice_fast.errors import InputError, ModelError
 from dice_fast.index import folder
 from test_index import _random_index, assert_hits_equal, brute_force
 from tiny_models import tiny
@@ -226,3 +226,88 @@ def test_legacy_format_1_folders_still_load(tmp_path):
     DiceIndex.load(legacy).save(legacy)  # rewritten in format 2, the plain names removed
     assert not (legacy / "chunks.npy").exists()
     assert DiceIndex.load(legacy).search(queries, 5, "maxsim") == index.search(queries, 5, "maxsim")
+
+
+def test_a_folder_of_other_files_is_refused_and_theirs_are_kept(tmp_path):
+    index, _ = _random_index()
+    site = tmp_path / "site"
+    site.mkdir()
+    user = {"index.json": '{"pages": ["home", "about"]}', "ids.json": '["user data"]', "documents.npy": "user array"}
+    for name, text in user.items():
+        (site / name).write_text(text)
+    with pytest.raises(InputError, match=r"site/index.json is not a dice_fast index \(it holds '\{\"pages\""):
+        index.save(site)
+    assert {p.name: p.read_text() for p in site.iterdir()} == user
+    ours = tmp_path / "ours"  # an index of format 2 keeps a user file that happens to bear a format-1 name
+    index.save(ours)
+    (ours / "texts.json").write_text("mine")
+    index.save(ours)
+    assert (ours / "texts.json").read_text() == "mine"
+
+
+def test_a_first_save_cut_off_before_its_switch_is_redone(tmp_path, monkeypatch):
+    index, queries = _random_index()
+    target = tmp_path / "ix"
+
+    def killed(*args):
+        raise KeyboardInterrupt("killed before the switch")
+
+    monkeypatch.setattr(folder.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        index.save(target)
+    monkeypatch.undo()
+    assert not (target / "index.json").exists() and (target / ".index.json.tmp").exists()
+    index.save(target)
+    assert sorted(p.name for p in target.iterdir()) == sorted(_generation_files(target))
+    assert DiceIndex.load(target).search(queries, 5) == index.search(queries, 5)
+
+
+def _generation_files(target):
+    meta = json.loads((target / "index.json").read_text())
+    return ["index.json", *(entry["file"] for entry in meta["files"].values())]
+
+
+def test_a_load_that_a_save_overtakes_reads_the_new_generation(tmp_path, monkeypatch):
+    old, new = _two_indexes()
+    target = tmp_path / "ix"
+    old.save(target)
+    real = folder._read_json
+    saves = []
+
+    def then_save(path):  # another process's save lands after the reader read index.json
+        out = real(path)
+        if path.name == "index.json" and not saves:
+            saves.append(new.save(target))
+        return out
+
+    monkeypatch.setattr(folder, "_read_json", then_save)
+    assert _contents(DiceIndex.load(target)) == _contents(new)
+
+
+def test_damaged_text_offsets_are_named_by_file(tmp_path):
+    index = DiceIndex(4)
+    index.add_arrays(list("abc"), np.eye(3, 4), np.eye(3, 4), [0, 1, 2], [0] * 3, [3] * 3, [1] * 3, TEXTS[:3])
+    index.save(tmp_path / "ix")
+    meta = json.loads((tmp_path / "ix" / "index.json").read_text())
+    offsets = tmp_path / "ix" / meta["files"]["text_offsets"]["file"]
+    np.save(offsets, np.array([0, 5, 3, 1], np.int64))
+    with pytest.raises(ValueError, match=rf"{offsets.name}: text offsets must rise"):
+        DiceIndex.load(tmp_path / "ix")
+
+
+def test_a_legacy_folder_with_texts_loads_and_its_plain_names_are_removed_on_rewrite(tmp_path):
+    legacy = tmp_path / "old"
+    legacy.mkdir()
+    arrays = {"documents": np.eye(2, 4, dtype=np.float32), "chunks": np.eye(2, 4, dtype=np.float32),
+              "cu_doc_chunks": np.arange(3), "chunk_start_char": np.zeros(2, np.int64),
+              "chunk_end_char": np.full(2, 3), "chunk_tokens": np.ones(2, np.int64)}
+    for name, array in arrays.items():
+        np.save(legacy / f"{name}.npy", array)
+    (legacy / "ids.json").write_text('["a", "b"]')
+    (legacy / "texts.json").write_text(json.dumps(TEXTS[:2]))
+    meta = {"format": "dice_fast.index/1", "dim": 4, "n_documents": 2, "n_chunks": 2, "chunk_dtype": "float32",
+            "store_text": True, "model": None, "encoder_options": {}}
+    (legacy / "index.json").write_text(json.dumps(meta))
+    DiceIndex.load(legacy).save(legacy)
+    assert sorted(p.name for p in legacy.iterdir()) == sorted(_generation_files(legacy))
+    assert [h.text for h in DiceIndex.load(legacy).search(np.eye(1, 4, dtype=np.float32), 1)[0]] == ["the"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -131,3 +132,40 @@ def test_push_usage_and_a_store_of_another_model_are_refused(tmp_path, corpus_ou
     open_store(url, dim=32, model="/elsewhere/model", encoder_options={"chunk_size": 8})
     assert main(["index", "push", str(corpus_output), "--to", url, "--quiet"]) == 2
     assert "holds vectors with" in capsys.readouterr().err
+
+
+def test_an_id_repeated_across_shards_is_refused_naming_both_files(tmp_path, model_folder, capsys):  # noqa: F811
+    src = tmp_path / "dup.jsonl"
+    src.write_text("".join(json.dumps({"id": f"d{i % 5}", "text": f"river stone {i}"}) + "\n" for i in range(8)))
+    out = tmp_path / "dup"
+    assert main(["encode", str(src), "-o", f"{out}/", "--chunks", "--chunk-size", "8", "--model", str(model_folder),
+                 "--device", "cpu", "--shard-rows", "4", "--id-field", "id", "--quiet"]) == 0
+    said = r"duplicate id 'd0': .*part-00000.parquet row 0 and .*part-00001.parquet row 1"
+    with pytest.raises(ValueError, match=said):
+        DiceIndex.from_corpus(out)
+    url = _urls(tmp_path)[1]
+    assert main(["index", "push", str(out), "--to", url, "--quiet"]) == 2
+    assert re.search(said, capsys.readouterr().err)
+    assert len(open_store(url)) == 0  # refused before anything was written
+
+
+def test_an_unfinished_or_partly_split_output_is_neither_indexed_nor_pushed(tmp_path, model_folder, capsys):  # noqa: F811
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"d{i}", "text": f"river stone {i} cloud"}) + "\n" for i in range(12)))
+    out = tmp_path / "out"
+    assert main(["encode", str(src), "-o", f"{out}/", "--chunks", "--chunk-size", "8", "--model", str(model_folder),
+                 "--device", "cpu", "--shard", "0/2", "--quiet"]) == 0  # split 1 of 2 never ran
+    url = f"lancedb://{tmp_path}/lance/docs"
+    with pytest.raises(ValueError, match=r"not the 2 splits of one job.*index a finished output"):
+        DiceIndex.from_corpus(out)
+    assert main(["index", "push", str(out), "--to", url]) != 0
+    assert "not the 2 splits of one job" in capsys.readouterr().err
+    assert not (tmp_path / "lance").exists() or len(open_store(url)) == 0
+    assert main(["encode", str(src), "-o", f"{out}/", "--chunks", "--chunk-size", "8", "--model", str(model_folder),
+                 "--device", "cpu", "--shard", "1/2", "--quiet"]) == 0
+    manifest = out / "manifest-1of2.json"
+    manifest.write_text(manifest.read_text().replace('"status": "complete"', '"status": "running"'))
+    with pytest.raises(ValueError, match=r"split 1/2 is not complete"):
+        DiceIndex.from_corpus(out)
+    manifest.write_text(manifest.read_text().replace('"status": "running"', '"status": "complete"'))
+    assert len(DiceIndex.from_corpus(out)) == 12

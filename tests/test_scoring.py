@@ -60,3 +60,12 @@ def test_bad_arguments_are_named():
         scoring.score("maxsim", q, d, None, None)
     with pytest.raises(ValueError, match="widths differ"):
         scoring.dice(q[:, :3], d)
+
+
+def test_a_zero_weight_contributes_nothing_to_the_hybrid_blend():
+    queries, documents, chunks, cu = _corpus()  # document 0 has no chunks: maxsim -inf
+    dice, _ = scoring.dice(queries, documents)
+    maxsim, _ = scoring.maxsim(queries, chunks, cu)
+    np.testing.assert_array_equal(scoring.hybrid(queries, documents, chunks, cu, alpha=1.0)[0], dice)
+    np.testing.assert_array_equal(scoring.hybrid(queries, documents, chunks, cu, alpha=0.0)[0], maxsim)
+    assert np.all(scoring.hybrid(queries, documents, chunks, cu, alpha=0.5)[0][:, 0] == -np.inf)

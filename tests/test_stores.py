@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dice_fast import DiceEncoder, DiceIndex
+from dice_fast.errors import InputError
 from dice_fast.index import open_store
 from dice_fast.index.stores import split_url
 from test_index import _random_index, brute_force
@@ -173,3 +174,19 @@ def test_store_urls_and_bad_batches_are_named():
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         open_store("qdrant+memory:///y", dim=DIM, batch_size=0)
     assert len(store) == 0
+
+
+@pytest.mark.parametrize("kind", ["qdrant-memory", "lancedb"])
+def test_repr_hybrid_at_alpha_one_and_non_finite_vectors(kind, tmp_path):
+    store = open_store(_url(kind, tmp_path), dim=4, store_text=False, batch_size=2)
+    e = np.eye(4, dtype=np.float32)
+    docs = np.stack([0.9 * e[0] + e[1], 0.7 * e[0] + e[2], 0.5 * e[0] + e[3]])  # d1 has no chunks
+    bad = docs.copy()
+    bad[2, 1] = np.nan
+    with pytest.raises(InputError, match=r"id 'd2' \(ids\[2\]\): its document vector holds NaN"):
+        store.upsert_arrays(["d0", "d1", "d2"], bad, docs[[0, 2]], [0, 2], [0, 0], [1, 1], [1, 1])
+    assert len(store) == 0  # refused before the first batch was written
+    store.upsert_arrays(["d0", "d1", "d2"], docs, docs[[0, 2]], [0, 2], [0, 0], [1, 1], [1, 1])
+    hits = store.search(e[:1], 3, "hybrid", alpha=1.0)[0]
+    assert [(h.id, round(h.score, 5)) for h in hits] == [("d0", 0.9), ("d1", 0.7), ("d2", 0.5)]
+    assert repr(store).endswith("3 documents, dim=4)")

@@ -15,10 +15,12 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from .. import scoring as sc
+from ..errors import InputError
 from ..scoring import DEFAULT_SCORING
 from .encoder_match import check_encoder, model_id, recorded_options, restore_encoder, vector_options
 
-__all__ = ["DEFAULT_SCORING", "Hit", "Batch", "check_batch", "check_k", "evidence_hit", "EncoderSlot"]
+__all__ = ["DEFAULT_SCORING", "Hit", "Batch", "check_batch", "check_k", "check_shard_ids", "evidence_hit",
+           "EncoderSlot", "short_repr"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
         if name in seen:
             raise ValueError(f"duplicate id {name!r}: ids[{seen[name]}] and ids[{i}]")
         seen[name] = i
+        _check_unicode(name, f"id {name!r} (ids[{i}])")
     chunk_document = np.asarray(chunk_document, np.int64)
     if documents.ndim != 2 or documents.shape[1] != dim or chunks.ndim != 2 or chunks.shape[1] != dim:
         raise ValueError(f"expected (n, {dim}) vectors, got documents {documents.shape}, chunks {chunks.shape}")
@@ -75,6 +78,11 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
     spans = [np.asarray(a, np.int64) for a in (chunk_start_char, chunk_end_char, chunk_tokens)]
     if any(len(a) != len(chunks) for a in [chunk_document, *spans]):
         raise ValueError("chunk_document, spans and token counts need one entry per chunk")
+    for kind, vectors, owner in (("document", documents, None), ("chunk", chunks, chunk_document)):
+        bad = _first_non_finite(vectors)
+        if bad is not None:
+            d = bad if owner is None else int(owner[bad])
+            raise InputError(f"id {ids[d]!r} (ids[{d}]): its {kind} vector holds NaN or infinite values")
     if store_text:
         if texts is None or len(texts) != len(documents):
             raise ValueError("this store keeps texts: pass one text per document")
@@ -82,10 +90,48 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
         bad = next((j for j, t in enumerate(texts) if not isinstance(t, str)), None)
         if bad is not None:
             raise TypeError(f"texts[{bad}] is a {type(texts[bad]).__name__}, not a string")
+        for j, text in enumerate(texts):
+            _check_unicode(text, f"texts[{j}]")
     else:
         texts = None
     cu = sc.cu_from_chunk_document(chunk_document, len(documents))
     return Batch(ids, documents, sc.unit_rows(chunks), cu, *spans, texts)
+
+
+def check_shard_ids(files: Sequence, id_lists: Sequence[Sequence]) -> None:
+    """Refuse an id held by two rows of an encode output (``id_lists[f]``: the ids of ``files[f]``),
+    naming it and both rows by file and row."""
+    starts = np.cumsum([0] + [len(ids) for ids in id_lists])
+    seen: dict[str, int] = {}
+
+    def where(row: int) -> str:
+        f = int(np.searchsorted(starts, row, side="right")) - 1
+        return f"{files[f]} row {row - starts[f]}"
+
+    for row, name in enumerate(str(i) for ids in id_lists for i in ids):
+        first = seen.setdefault(name, row)
+        if first != row:
+            raise InputError(f"duplicate id {name!r}: {where(first)} and {where(row)}")
+
+
+def short_repr(value) -> str:
+    """``repr(value)``, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_unicode(text: str, name: str) -> None:
+    """Refuse a string UTF-8 cannot hold (a lone surrogate, as a JSON escape can make) before it is stored."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{name} is not valid Unicode: {exc.reason} at character {exc.start}") from None
+
+
+def _first_non_finite(vectors: np.ndarray) -> int | None:
+    """The first row holding NaN or an infinity, or None (a float64 row sum: no overflow, no full-size mask)."""
+    finite = np.isfinite(vectors.sum(axis=1, dtype=np.float64))
+    return None if finite.all() else int(np.argmin(finite))
 
 
 def check_k(k) -> int:

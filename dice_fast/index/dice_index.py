@@ -11,15 +11,18 @@ For MiniLM with chunks of 256 tokens that is 1,544 bytes per document and 1,560 
 (float16) per chunk: a 2,000-token document with 8 chunks holds about 14 kB (float32) or 7.9 kB.
 
 Exact search (the default) scores blocks of documents by one matrix product each, keeping a running
-top k, so memory is bounded by the block (about ``_BLOCK_SCORES`` scores), not the corpus. With
-``approximate=True`` a faiss HNSW graph (extra ``index``: faiss-cpu) proposes ``candidates``
-documents per query (over document vectors for ``dice``; over chunk vectors for ``maxsim`` and
-``hybrid``, a document being a candidate when one of its chunks is), which are then scored exactly:
-a hit's score is exact, but a document the graph does not propose is missed (recall < 1).
+top k (ties by document order), so memory is bounded by the block (about ``_BLOCK_SCORES`` scores),
+not the corpus. With ``approximate=True`` a faiss HNSW graph (extra ``index``: faiss-cpu) proposes
+documents per query: its ``max(candidates, k)`` nearest vectors (document vectors for ``dice``; chunk
+vectors for ``maxsim`` and ``hybrid``, a document being proposed when one of its chunks is), doubled
+until they propose ``min(k, n)`` documents; a query still short when the search spans the whole graph
+is answered exactly. The proposed documents are scored exactly and ``min(k, n)`` come back: a hit's
+score is exact, but a document the graph does not propose is missed (recall < 1).
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -27,7 +30,7 @@ import numpy as np
 
 from .. import scoring as sc
 from .ann import build as build_graph_over, extend as extend_graph, read as read_graph
-from .common import DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_k, evidence_hit
+from .common import DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_k, check_shard_ids, evidence_hit
 from .texts import TextColumn
 
 _BLOCK_SCORES = 1 << 22  # query x chunk scores per exact-search block (16 MiB of float32)
@@ -75,12 +78,14 @@ class DiceIndex(EncoderSlot):
     def from_corpus(cls, path, encoder=None, *, chunk_dtype: str = "float32") -> DiceIndex:
         """Index the output of ``dice-fast encode INPUT -o PATH --chunks`` (a .parquet file or a shard
         folder). Such an output holds no texts: hits carry spans, and ``text`` is None."""
-        from .corpus_output import corpus_encoder, read_corpus_output
+        from .corpus_output import corpus_encoder, corpus_files, read_corpus_file
 
         model, options = corpus_encoder(path)
-        parts = list(read_corpus_output(path))  # (ids, documents, chunks, chunk_document, start, end, tokens)
+        files = corpus_files(path)
+        parts = [read_corpus_file(f) for f in files]  # (ids, documents, chunks, chunk_document, start, end, tokens)
         if not parts:
             raise ValueError(f"{path}: the output holds no shards")
+        check_shard_ids(files, [p[0] for p in parts])
         # one append of all shards (appending shard by shard copied the growing index once per shard)
         first_doc = np.cumsum([0] + [len(p[1]) for p in parts[:-1]])
         ids = [i for p in parts for i in p[0]]
@@ -93,9 +98,9 @@ class DiceIndex(EncoderSlot):
         return index
 
     def add(self, texts: Iterable[str], ids: Sequence | None = None) -> None:
-        """Encode and append ``texts`` (n strings) under ``ids`` (n, default their position in the
-        index as strings). A duplicate id (within ``ids`` or already indexed) is refused by name
-        before anything is encoded."""
+        """Encode and append ``texts`` (n strings) under ``ids`` (n, default "0", "1", ... counting
+        from the index's size and skipping ids taken). A duplicate id (within ``ids`` or already
+        indexed) is refused by name before anything is encoded."""
         texts = list(texts)
         ids = self._new_ids(ids, len(texts))
         texts, out = self._encode_texts(texts)
@@ -115,8 +120,11 @@ class DiceIndex(EncoderSlot):
         Chunk vectors are stored L2-normalised, so ``maxsim`` is a cosine whatever the encoder's
         ``normalize_chunks`` (raw pooled norms carry no relevance: RESULTS.md §5.3); a zero row stays zero."""
         ids = self._new_ids(ids, len(documents))
-        b = check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
-                        chunk_tokens, texts, self.store_text)
+        self._append(check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
+                                 chunk_tokens, texts, self.store_text))
+
+    def _append(self, b) -> None:
+        """Append a checked `Batch` whose ids are not indexed."""
         chunks = b.chunks.astype(CHUNK_DTYPES[self.chunk_dtype])
         if self.store_text:
             self.texts.extend(b.texts)
@@ -137,9 +145,12 @@ class DiceIndex(EncoderSlot):
 
     def upsert_arrays(self, ids: Sequence, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
                       chunk_tokens, texts: Sequence[str] | None = None) -> None:
-        """`add_arrays`, a document whose id is already indexed replacing it (the stores' write)."""
-        self.delete([str(i) for i in ids])
-        self.add_arrays(ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char, chunk_tokens, texts)
+        """`add_arrays`, a document whose id is already indexed replacing it (the stores' write). A
+        batch refused (its shapes, its own duplicate ids) leaves the index as it was."""
+        b = check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
+                        chunk_tokens, texts, self.store_text)
+        self.delete(b.ids)
+        self._append(b)
 
     def delete(self, ids: Sequence) -> int:
         """Remove the documents ``ids`` (ids not indexed are ignored); returns how many were removed."""
@@ -160,13 +171,13 @@ class DiceIndex(EncoderSlot):
         self._graphs, self._graph_files, self._read_only = {}, {}, set()  # rebuilt when next needed
         return len(gone)
 
-    def restore(self, ids: list[str], arrays: dict, texts: tuple | None, graph_files: dict) -> None:
+    def restore(self, ids: list[str], arrays: dict, texts: TextColumn | None, graph_files: dict) -> None:
         """Install contents read by `dice_fast.index.folder.load` (checked there): ids, the arrays by
-        attribute name, (text blob, offsets) or None, and {over: saved graph file}."""
+        attribute name, the texts or None, and {over: saved graph file}."""
         for name, array in arrays.items():
             setattr(self, name, array)
         self.ids, self._id_set = ids, set(ids)
-        self.texts = TextColumn(*texts) if texts is not None else None
+        self.texts = texts
         self._graphs, self._graph_files, self._read_only = {}, dict(graph_files), set()
 
     def __len__(self) -> int:
@@ -195,7 +206,8 @@ class DiceIndex(EncoderSlot):
 
         scoring: "maxsim" (best chunk; the default, measured best: RESULTS.md §5), "dice" (document
         vector; evidence = the hit's best chunk) or "hybrid" (``alpha * dice + (1 - alpha) * maxsim``), see `dice_fast.scoring`. Exact unless
-        ``approximate`` (faiss proposes ``candidates`` documents per query, scored exactly).
+        ``approximate`` (faiss proposes documents from at least ``candidates`` vectors per query,
+        widened until ``k`` documents are proposed, and they are scored exactly: module docstring).
         """
         sc.check_scoring(scoring)
         alpha = sc.check_alpha(alpha)
@@ -232,32 +244,55 @@ class DiceIndex(EncoderSlot):
     def _exact_top(self, q: np.ndarray, k: int, scoring: str, alpha: float) -> list[list[tuple[int, float]]]:
         n_q = len(q)
         best_s = np.full((n_q, 0), -np.inf, np.float64)
-        best_d = np.zeros((n_q, 0), np.int64)
+        best_d = np.zeros((n_q, 0), np.int64)  # columns stay in document order: a tie keeps the first
         for d0, d1 in self._blocks(n_q):
             s = self._score_range(q, d0, d1, scoring, alpha).astype(np.float64)
+            s[np.isnan(s)] = -np.inf  # (only from overflowing vectors) ranks last
             s = np.concatenate([best_s, s], axis=1)
             d = np.concatenate([best_d, np.broadcast_to(np.arange(d0, d1), (n_q, d1 - d0))], axis=1)
             if s.shape[1] > k:
-                keep = np.argpartition(-s, k - 1, axis=1)[:, :k]
-                s, d = np.take_along_axis(s, keep, 1), np.take_along_axis(d, keep, 1)
+                keep = _top_mask(s, k)
+                s, d = s[keep].reshape(n_q, k), d[keep].reshape(n_q, k)
             best_s, best_d = s, d
         return [_sorted(best_d[i], best_s[i]) for i in range(n_q)]
 
     def _approximate_top(self, q, k: int, scoring: str, alpha: float, candidates: int):
         if candidates < 1:
             raise ValueError(f"candidates must be a positive integer, got {candidates}")
-        over = "documents" if scoring == "dice" else "chunks"
-        graph = self._faiss_graph(over)
-        _, found = graph.search(np.ascontiguousarray(q, np.float32), min(candidates, graph.ntotal))
+        proposed = self._proposed(q, k, "documents" if scoring == "dice" else "chunks", candidates)
+        short = [i for i, docs in enumerate(proposed) if docs is None]
+        exact = dict(zip(short, self._exact_top(q[short], k, scoring, alpha))) if short else {}
         out = []
-        for i, row in enumerate(found):
-            row = row[row >= 0]
-            docs = row if over == "documents" else np.searchsorted(self.cu_doc_chunks, row, side="right") - 1
-            docs = np.unique(docs)
+        for i, docs in enumerate(proposed):
+            if docs is None:
+                out.append(exact[i])
+                continue
             s = np.array([self._score_range(q[i : i + 1], d, d + 1, scoring, alpha)[0, 0] for d in docs])
             order = np.argsort(-s, kind="stable")[:k]
             out.append(_sorted(docs[order], s[order]))
         return out
+
+    def _proposed(self, q, k: int, over: str, candidates: int) -> list:
+        """Per query the sorted distinct documents the graph over ``over`` proposes among its nearest
+        ``max(candidates, k)`` vectors, the search widened (doubling) until they are ``min(k, n)``
+        documents; None for a query still short when the search spans the whole graph."""
+        graph = self._faiss_graph(over)
+        want, cu = min(k, len(self)), self.cu_doc_chunks
+        found: list = [None] * len(q)
+        todo, width = list(range(len(q))), max(candidates, k)
+        while todo and graph.ntotal:
+            width = min(width, graph.ntotal)
+            _, rows = graph.search(np.ascontiguousarray(q[todo], np.float32), width)
+            for i, row in zip(todo, rows):
+                row = row[row >= 0]
+                found[i] = np.unique(row if over == "documents" else np.searchsorted(cu, row, side="right") - 1)
+            todo = [i for i in todo if len(found[i]) < want]
+            if width == graph.ntotal:
+                break
+            width *= 2
+        for i in todo:
+            found[i] = None
+        return found
 
     def _faiss_graph(self, over: str):
         if over not in self._graphs:
@@ -287,8 +322,9 @@ class DiceIndex(EncoderSlot):
 
     # ---------------------------------------------------------------------------------------------
     def _new_ids(self, ids, n: int) -> list[str]:
-        if ids is None:
-            ids = [str(len(self) + i) for i in range(n)]
+        if ids is None:  # "0", "1", ... from len(self) on, skipping ids taken (after a delete)
+            free = (str(j) for j in itertools.count(len(self)) if str(j) not in self._id_set)
+            ids = list(itertools.islice(free, n))
         else:
             ids = [str(i) for i in ids]
             if len(ids) != n:
@@ -314,6 +350,15 @@ class DiceIndex(EncoderSlot):
         from .folder import load
 
         return load(cls, path, encoder, mmap=mmap, device=device)
+
+
+def _top_mask(s: np.ndarray, k: int) -> np.ndarray:
+    """(n_q, m) bool: per row the k highest of ``s`` (n_q, m > k, no NaN), ties going to the first
+    columns; linear in m (a partition, no sort)."""
+    kth = np.partition(s, s.shape[1] - k, axis=1)[:, s.shape[1] - k : s.shape[1] - k + 1]
+    above, tied = s > kth, s == kth
+    room = k - above.sum(axis=1, keepdims=True)
+    return above | (tied & (np.cumsum(tied, axis=1) <= room))
 
 
 def _sorted(docs: np.ndarray, scores: np.ndarray) -> list[tuple[int, float]]:

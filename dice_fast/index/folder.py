@@ -31,22 +31,30 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InputError
+from .common import short_repr
+from .texts import TextColumn
+
 FORMAT = "dice_fast.index/2"
 LEGACY = "dice_fast.index/1"
 _ARRAYS = ("documents", "chunks", "cu_doc_chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens")
 _TEXT_ARRAYS = ("text_blob", "text_offsets")
-_OURS = re.compile(r"^(?:(?:documents|chunks|cu_doc_chunks|chunk_start_char|chunk_end_char|chunk_tokens|text_blob"
-                   r"|text_offsets|ids|graph_documents|graph_chunks)\.([0-9a-f]{12})\.(?:npy|json|faiss)"
-                   r"|\.index\.json\.tmp|(?:documents|chunks|cu_doc_chunks|chunk_start_char|chunk_end_char"
-                   r"|chunk_tokens)\.npy|ids\.json|texts\.json)$")
+_GENERATION_FILE = re.compile(r"^(?:documents|chunks|cu_doc_chunks|chunk_start_char|chunk_end_char|chunk_tokens"
+                              r"|text_blob|text_offsets|ids|graph_documents|graph_chunks)"
+                              r"\.([0-9a-f]{12})\.(?:npy|json|faiss)$")
+_TMP = ".index.json.tmp"
+_LEGACY_FILES = {*(f"{name}.npy" for name in _ARRAYS), "ids.json", "texts.json"}
+
+
+class _Gone(ValueError):
+    """A file index.json names is missing (a save may have switched generations since it was read)."""
 
 
 def save(index, path) -> None:
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} exists and is not a folder")
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / "index.json").exists():
-        raise ValueError(f"{folder} is a non-empty folder that holds no dice_fast index; refusing to write into it")
+    previous = _previous_format(folder)
     folder.mkdir(parents=True, exist_ok=True)
     gen = uuid.uuid4().hex[:12]
     arrays = {name: getattr(index, name) for name in _ARRAYS}
@@ -66,18 +74,54 @@ def save(index, path) -> None:
     meta = {"format": FORMAT, "generation": gen, "dim": index.dim, "n_documents": len(index),
             "n_chunks": index.n_chunks, "chunk_dtype": index.chunk_dtype, "store_text": index.store_text,
             "model": index.model, "encoder_options": index.encoder_options, "files": files, "graphs": graphs}
-    tmp = folder / ".index.json.tmp"
+    tmp = folder / _TMP
     _write(tmp, _json_writer(meta))
     os.replace(tmp, folder / "index.json")  # the switch: before it the old index, after it the new one
     _fsync_folder(folder)
     for stale in folder.iterdir():
-        m = _OURS.match(stale.name)
-        if m and stale.name != "index.json" and m.group(1) != gen:
+        m = _GENERATION_FILE.match(stale.name)
+        if (m and m.group(1) != gen) or (previous == LEGACY and stale.name in _LEGACY_FILES):
             stale.unlink(missing_ok=True)
+
+
+def _previous_format(folder: Path) -> str | None:
+    """The format of the index in ``folder`` (None: no index.json). Refuses a folder that holds
+    something else: an index.json not ours, or other files than a save cut off before its switch."""
+    meta_path = folder / "index.json"
+    if meta_path.exists():
+        try:
+            text = meta_path.read_text(encoding="utf-8")
+            meta = json.loads(text)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{meta_path} is not a dice_fast index ({exc}); refusing to overwrite {folder}") from None
+        found = meta.get("format") if isinstance(meta, dict) else None
+        if found not in (FORMAT, LEGACY):
+            raise InputError(f"{meta_path} is not a dice_fast index (it holds {short_repr(text)}); refusing to "
+                             f"overwrite {folder}")
+        return found
+    foreign = [p.name for p in folder.iterdir() if not (_GENERATION_FILE.match(p.name) or p.name == _TMP)] \
+        if folder.is_dir() else []
+    if foreign:
+        raise InputError(f"{folder} is a non-empty folder that holds no dice_fast index (it holds {foreign[0]!r}); "
+                         "refusing to write into it")
+    return None
 
 
 def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = None):
     folder = Path(path)
+    meta = _read_meta(folder)
+    try:
+        index = _read_generation(cls, folder, meta, mmap)
+    except _Gone:  # a save switched generations after index.json was read and removed this one: read the new one
+        newer = _read_meta(folder)
+        if newer.get("generation") == meta.get("generation"):
+            raise
+        index = _read_generation(cls, folder, newer, mmap)
+    index.attach_encoder(encoder, device=device, where=str(folder))
+    return index
+
+
+def _read_meta(folder: Path) -> dict:
     meta_path = folder / "index.json"
     if not meta_path.is_file():
         raise ValueError(f"{folder} is not a dice_fast index (no index.json)")
@@ -85,6 +129,12 @@ def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = Non
     if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, LEGACY):
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"{meta_path}: format {found!r} is not {FORMAT!r}")
+    return meta
+
+
+def _read_generation(cls, folder: Path, meta: dict, mmap: bool):
+    """The index of the files ``meta`` (index.json) names, each checked; `_Gone` when one is missing."""
+    meta_path = folder / "index.json"
     try:
         dim, n_docs, n_chunks = int(meta["dim"]), int(meta["n_documents"]), int(meta["n_chunks"])
         store_text = bool(meta["store_text"])
@@ -98,12 +148,12 @@ def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = Non
     for name in _ARRAYS[3:]:
         want[name] = ((n_chunks,), "int64")
     loaded = {}
-    for name in (*_ARRAYS, *(_TEXT_ARRAYS if store_text else ())):
+    for name in (*_ARRAYS, *(_TEXT_ARRAYS if store_text and "texts" not in files else ())):
         file = folder / files[name]
         try:
             array = np.load(file, allow_pickle=False, mmap_mode="r" if mmap else None)
         except (OSError, ValueError, EOFError) as exc:
-            raise ValueError(f"{file}: unreadable ({exc})") from None
+            raise _unreadable(file, exc) from None
         shape, dtype = want.get(name, ((None,), "uint8"))
         if (shape != (None,) and array.shape != shape) or array.ndim != len(shape) or str(array.dtype) != dtype:
             raise ValueError(f"{file}: shape {array.shape} {array.dtype}, expected {shape} {dtype} as index.json says")
@@ -115,16 +165,18 @@ def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = Non
     if not isinstance(ids, list) or len(ids) != n_docs or not all(isinstance(i, str) for i in ids) or len(set(ids)) != n_docs:
         raise ValueError(f"{folder / files['ids']}: expected {n_docs} distinct string ids")
     texts = None
-    if store_text:
-        if "texts" in files:  # legacy: one JSON list
-            listed = _read_json(folder / files["texts"])
-            if not isinstance(listed, list) or len(listed) != n_docs or not all(isinstance(t, str) for t in listed):
-                raise ValueError(f"{folder / files['texts']}: expected {n_docs} texts")
-            loaded["text_blob"], loaded["text_offsets"] = _texts_arrays(listed)
-        texts = (loaded.pop("text_blob"), loaded.pop("text_offsets"))
+    if store_text and "texts" in files:  # legacy: one JSON list
+        listed = _read_json(folder / files["texts"])
+        if not isinstance(listed, list) or len(listed) != n_docs or not all(isinstance(t, str) for t in listed):
+            raise ValueError(f"{folder / files['texts']}: expected {n_docs} texts")
+        texts = TextColumn.from_texts(listed)
+    elif store_text:
+        try:
+            texts = TextColumn(loaded.pop("text_blob"), loaded.pop("text_offsets"))
+        except ValueError as exc:
+            raise ValueError(f"{folder / files['text_offsets']}: {exc}") from None
     graphs = {over: folder / name for over, name in (meta.get("graphs") or {}).items()}
     index.restore(ids, loaded, texts, graphs)
-    index.attach_encoder(encoder, device=device, where=str(folder))
     return index
 
 
@@ -153,12 +205,6 @@ def _file_names(meta: dict, store_text: bool) -> dict:
     return names
 
 
-def _texts_arrays(texts):
-    from .texts import TextColumn
-
-    return TextColumn.from_texts(texts).arrays()
-
-
 def _write(path: Path, write) -> None:
     with open(path, "wb") as f:
         write(f)
@@ -185,4 +231,8 @@ def _read_json(path: Path):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: unreadable ({exc})") from None
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: Path, exc: Exception) -> ValueError:
+    return (_Gone if isinstance(exc, FileNotFoundError) else ValueError)(f"{path}: unreadable ({exc})")

@@ -16,29 +16,31 @@ def push(output, store, *, resume: bool = False, progress: bool = True) -> dict:
     """Write the encode output ``output`` (a .parquet file or a shard folder) into ``store``.
 
     Returns {"documents": written, "skipped": documents in shards skipped by ``resume``, "shards": n}.
-    ValueError when the store holds documents and ``resume`` is False, or when its recorded model
-    and options differ from the job's (checked when the store was opened with them).
+    ValueError when the store holds documents and ``resume`` is False, when its recorded model
+    and options differ from the job's (checked when the store was opened with them), or when two rows
+    of the output hold one id (named with both files and rows), before anything is written.
     """
     import pyarrow.parquet as pq
     from tqdm.auto import tqdm
 
+    from .common import check_shard_ids
     from .corpus_output import corpus_files, read_corpus_file
 
     files = corpus_files(output)
     if len(store) and not resume:
         raise ValueError(f"{store.where} already holds {len(store)} documents: pass --resume (resume=True) to "
                          "continue a push into it, or choose another collection")
-    total = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    shard_ids = [[str(i) for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()] for f in files]
+    check_shard_ids(files, shard_ids)  # a repeated id would be written twice, the second copy replacing the first
+    total = sum(len(ids) for ids in shard_ids)
     bar = tqdm(total=total, unit="doc", desc=f"push to {store.where}", disable=not progress, dynamic_ncols=True)
     written = skipped = 0
     try:
-        for file in files:
-            if resume:
-                ids = [str(i) for i in pq.read_table(file, columns=["id"]).column("id").to_pylist()]
-                if all(store.contains(ids)):
-                    skipped += len(ids)
-                    bar.update(len(ids))
-                    continue
+        for file, ids in zip(files, shard_ids):
+            if resume and all(store.contains(ids)):
+                skipped += len(ids)
+                bar.update(len(ids))
+                continue
             ids, documents, chunks, chunk_document, start, end, tokens = read_corpus_file(Path(file))
             store.upsert_arrays(ids, documents, chunks, chunk_document, start, end, tokens)
             written += len(ids)

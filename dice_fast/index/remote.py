@@ -20,7 +20,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from .. import scoring as sc
-from .common import DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, check_k, evidence_hit
+from .common import DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, check_k, evidence_hit, short_repr
 from .encoder_match import model_id, vector_options
 
 DEFAULT_BATCH = 256  # documents per write
@@ -75,14 +75,14 @@ class RemoteStore(EncoderSlot):
         keys = ("dim", "store_text", "model") if explicit else ("dim", "store_text")
         for key in keys:
             if found.get(key) != mine[key]:
-                raise ValueError(f"{where} holds vectors with {key} {_short(found.get(key))}, not "
-                                 f"{_short(mine[key])}; choose another name or delete it")
+                raise ValueError(f"{where} holds vectors with {key} {short_repr(found.get(key))}, not "
+                                 f"{short_repr(mine[key])}; choose another name or delete it")
         theirs = dict(found.get("encoder_options") or {})
         if explicit and theirs != mine["encoder_options"]:
             names = sorted(k for k in set(theirs) | set(mine["encoder_options"])
                            if theirs.get(k) != mine["encoder_options"].get(k))
             raise ValueError(f"{where} holds vectors made with other options ({', '.join(names)}: "
-                             f"{_short({k: theirs.get(k) for k in names})}); choose another name or delete it")
+                             f"{short_repr({k: theirs.get(k) for k in names})}); choose another name or delete it")
         self.model, self.encoder_options = found.get("model"), theirs
 
     # ---------------------------------------------------------------------------------------------
@@ -135,13 +135,13 @@ class RemoteStore(EncoderSlot):
             best = float(sc.chunk_scores(qv[None, :], c.chunks)[0].max()) if len(c.chunks) else float("-inf")
             s = {"dice": dice, "maxsim": best}.get(scoring)
             if s is None:
-                s = float(np.float32(alpha) * np.float32(dice) + np.float32(1 - alpha) * np.float32(best))
+                s = float(sc.blend(alpha, np.float32(dice), np.float32(best)))
             scored.append((-s, position, c))
         scored.sort(key=lambda t: (t[0], t[1]))
         return [evidence_hit(c.id, -s, qv, c.chunks, c.start, c.end, c.text) for s, _, c in scored[:k]]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._where}, {len(self)} documents, dim={self.dim})"
+        return f"{type(self).__name__}({self.where}, {len(self)} documents, dim={self.dim})"
 
 
 def require(module: str, extra: str):
@@ -158,8 +158,3 @@ def _slice(b: Batch, d0: int, d1: int) -> Batch:
     c0, c1 = int(b.cu[d0]), int(b.cu[d1])
     return Batch(b.ids[d0:d1], b.documents[d0:d1], b.chunks[c0:c1], b.cu[d0 : d1 + 1] - c0, b.start[c0:c1],
                  b.end[c0:c1], b.tokens[c0:c1], None if b.texts is None else b.texts[d0:d1])
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
