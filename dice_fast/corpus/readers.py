@@ -5,9 +5,9 @@ Formats (by extension, or ``fmt`` for every file and for stdin):
 * ``.txt``: one document per line; the id is the line number (1-based).
 * ``.jsonl`` / ``.ndjson``: one JSON object per line, the text in ``text_field``; the id is the value
   of ``id_field`` (a string or an integer) when given, else the line number.
-* ``.parquet``: the text in column ``text_field`` (strings, or a dictionary of strings); the id in
-  column ``id_field`` (strings, UTF-8 bytes, integers, or a dictionary of those) when given, else the
-  row number (1-based, like line numbers). Read in record batches, never whole.
+* ``.parquet``: the text in column ``text_field`` (strings, string views, or a dictionary of strings);
+  the id in column ``id_field`` (strings, UTF-8 bytes, integers, or a dictionary of those) when given,
+  else the row number (1-based, like line numbers). Read in record batches, never whole.
 
 Blank lines (empty or only whitespace) are skipped in ``.txt`` and ``.jsonl`` alike and counted in
 ``Corpus.blank_lines``; line numbers, and so the ids, still count them, so an id always points at its
@@ -265,7 +265,7 @@ def _open_parquet(path: Path, text_field: str, id_field: str | None):
 def _is_string(kind) -> bool:
     import pyarrow as pa
 
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
 
 
 def _is_utf8(raw: bytes) -> bool:

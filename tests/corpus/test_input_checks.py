@@ -59,3 +59,10 @@ def test_categorical_parquet_text_column_is_read_as_strings(tmp_path):
                    row_group_size=2)
     assert list(open_corpus(str(p), text_field="cat").records()) == [("1", "a b"), ("2", "c d"), ("3", "a b")]
     assert [t for _, t in open_corpus(str(p), text_field="large").records()] == ["a b", "c d", "a b"]
+
+
+def test_string_view_parquet_columns_are_read_as_strings(tmp_path):
+    p = tmp_path / "v.parquet"  # pyarrow and polars write string_view columns
+    pq.write_table(pa.table({"text": pa.array(["a b", "c d"], pa.string_view()),
+                             "id": pa.array(["x", "y"], pa.string_view())}), p)
+    assert list(open_corpus(str(p), id_field="id").records()) == [("x", "a b"), ("y", "c d")]
