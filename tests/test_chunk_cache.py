@@ -191,6 +191,36 @@ def test_the_size_bound_holds_and_least_recently_used_go_first(tmp_path):
     assert_close(np.stack([got[i] for i in range(300)]), groups[2][2], 0.0, what="stored vectors")
 
 
+def _open_at(folder, barrier, errors):
+    barrier.wait()
+    try:
+        ChunkCache(folder).close()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        errors.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_processes_creating_one_cache_at_once_all_open_it(tmp_path):
+    """Four processes open one new cache folder at the same moment, 25 times: each opens it. Before the folder
+    guard, one saw the other's half-made database (header written, schema not committed) and refused it as
+    not a chunk cache, or failed its switch to WAL with 'database is locked' (3 of 40 pairs)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    errors = ctx.Queue()
+    for round_ in range(25):
+        barrier = ctx.Barrier(4)
+        procs = [ctx.Process(target=_open_at, args=(tmp_path / f"c{round_}", barrier, errors)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert all(p.exitcode == 0 for p in procs)
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert not found, found
+
+
 _WRITER = r"""
 import sys, time, numpy as np
 sys.path.insert(0, {tests!r})

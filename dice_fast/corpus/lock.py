@@ -36,6 +36,8 @@ import stat
 import sys
 from pathlib import Path
 
+from ..folder_guard import folder_guard
+
 _SPLIT_LOCK = re.compile(r"^\.dice-fast(?:-(\d+)of(\d+))?\.lock$")
 
 
@@ -87,7 +89,7 @@ class OutputLock:
 
     # -----------------------------------------------------------------------------------------
     def acquire(self) -> "OutputLock":
-        with _folder_guard(self.folder):
+        with folder_guard(self.folder):
             for rival in self.rivals(self.folder):
                 holder = _holder_if_live(rival)
                 if holder is not None:
@@ -113,7 +115,7 @@ class OutputLock:
     def release(self) -> None:
         if self.fd is None:
             return
-        with _folder_guard(self.folder, missing_ok=True):
+        with folder_guard(self.folder, missing_ok=True):
             with contextlib.suppress(OSError):
                 self.path.unlink()
             os.close(self.fd)  # closing releases the flock
@@ -193,20 +195,3 @@ def _holder_if_live(path: Path) -> dict | None:
 def is_held(path: Path) -> bool:
     """Whether a live process holds lock file ``path`` (for tests and diagnostics)."""
     return _holder_if_live(Path(path)) is not None
-
-
-@contextlib.contextmanager
-def _folder_guard(folder: Path, missing_ok: bool = False):
-    """A short exclusive flock on the folder itself (blocking: held only for a few system calls)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if not missing_ok:
-            raise
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)

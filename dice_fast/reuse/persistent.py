@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ArgumentTypeError, CacheError, OptionError
+from ..folder_guard import folder_guard
 from .cache_files import check_meta, is_cache, private_database, private_folder, tighten, unusable
 
 FORMAT = 1  # bump when what a stored vector means changes
@@ -96,19 +97,22 @@ class ChunkCache:
         folder = Path(folder).expanduser()
         private_folder(folder, CACHE_FILE)
         self.folder, self.path = folder, folder / CACHE_FILE
-        if private_database(self.path):
-            is_cache(self.path, _MAGIC, FORMAT)  # read-only: a foreign file is refused untouched
-        tighten(self.path)
         self.max_bytes = None if max_gb is None else int(max_gb * 1e9)
         self._lock = threading.Lock()
         self.broken: str | None = None
         self._touched: dict[int, int] = {}  # rows hit since the last write (key -> ns), for recency
-        try:
-            self._con = sqlite3.connect(self.path, timeout=_BUSY_MS / 1000, isolation_level=None,
-                                        check_same_thread=False)
-            self._open()
-        except sqlite3.DatabaseError as exc:
-            raise CacheError(unusable(self.path, exc)) from None
+        # one opener at a time, across processes: a database another process is still creating (header
+        # written, schema not yet committed) was refused as foreign, or its WAL switch failed as locked
+        with folder_guard(folder):
+            if private_database(self.path):
+                is_cache(self.path, _MAGIC, FORMAT)  # read-only: a foreign file is refused untouched
+            tighten(self.path)
+            try:
+                self._con = sqlite3.connect(self.path, timeout=_BUSY_MS / 1000, isolation_level=None,
+                                            check_same_thread=False)
+                self._open()
+            except sqlite3.DatabaseError as exc:
+                raise CacheError(unusable(self.path, exc)) from None
 
     def _open(self) -> None:
         con = self._con
@@ -136,7 +140,7 @@ class ChunkCache:
                             "ident BLOB NOT NULL, vec BLOB NOT NULL, chk INTEGER NOT NULL, used INTEGER NOT NULL)")
                 con.execute("CREATE INDEX IF NOT EXISTS chunks_used ON chunks(used)")
         meta = dict(con.execute("SELECT name, value FROM meta").fetchall()) if not tables or "meta" in tables else {}
-        check_meta(self.path, meta, _MAGIC, FORMAT)  # another process may have made the file since is_cache
+        check_meta(self.path, meta, _MAGIC, FORMAT)  # what is_cache read is what this connection opened
 
     @contextlib.contextmanager
     def _write(self):

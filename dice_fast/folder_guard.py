@@ -1,0 +1,31 @@
+"""A short exclusive ``flock`` on a folder itself, so that a few file-system steps in it are one step
+across processes and threads (flock locks belong to an open file description: two opens in one
+process exclude each other too). Used where "look, then create" must not interleave: a corpus job
+taking its output lock (`dice_fast.corpus.lock`), a process creating the chunk cache's database
+(`dice_fast.reuse.persistent`). Blocking, and held only for a few system calls; needs a file system
+with working ``flock`` (local disks)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def folder_guard(folder: Path, missing_ok: bool = False):
+    """Hold an exclusive flock on ``folder`` for the ``with`` block (nothing when ``missing_ok`` and it
+    does not exist)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
