@@ -6,8 +6,8 @@
 
 Rows: sentence-transformers with PyTorch fp32, ONNX Runtime fp32, ONNX Runtime dynamic int8
 (avx512_vnni; and avx2 beside it on a CPU without VNNI), OpenVINO (default precision) and OpenVINO
-static int8 (NNCF, calibrated on the first half of the bundled prose); dice_fast float32, bfloat16, compiled (where the ``compile`` option
-exists), float32 and bfloat16 on OpenVINO (``runtime="openvino"``, where the option exists) and int8. Every path encodes the same ``--chunks`` texts of 254 tokens (256 with [CLS] and
+static int8 (NNCF, calibrated on the first half of the bundled prose); dice_fast float32, bfloat16, compiled float32 and
+bfloat16 (where the ``compile`` option exists), float32 and bfloat16 on OpenVINO (``runtime="openvino"``, where the option exists) and int8. Every path encodes the same ``--chunks`` texts of 254 tokens (256 with [CLS] and
 [SEP]: one full window, one chunk each) cut from the held-out second half of the bundled prose. Runs
 are interleaved (each repeat runs every path once, order rotated per repeat), seconds are medians
 of ``--repeats``, after one warm-up call per path (64 texts). Agreement: cosine of every text's vector against
@@ -116,6 +116,7 @@ def dice_paths(skip, variants=()) -> tuple[dict, dict]:
     flags = cpu_flags()
     wanted = {"dice_fp32": {"dtype": "float32"}, "dice_bf16": {"dtype": "bfloat16"},
               "dice_compiled": {"dtype": "float32", "compile": "on"},
+              "dice_bf16_compiled": {"dtype": "bfloat16", "compile": "on"},
               "dice_ov_fp32": {"dtype": "float32", "runtime": "openvino"},
               "dice_ov_bf16": {"dtype": "bfloat16", "runtime": "openvino"}, "dice_int8": {"dtype": "int8"}}
     encoders, skipped = {}, {}
