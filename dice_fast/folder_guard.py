@@ -3,20 +3,28 @@ across processes and threads (flock locks belong to an open file description: tw
 process exclude each other too). Used where "look, then create" must not interleave: a corpus job
 taking its output lock (`dice_fast.corpus.lock`), a process creating the chunk cache's database
 (`dice_fast.reuse.persistent`). Blocking, and held only for a few system calls; needs a file system
-with working ``flock`` (local disks)."""
+with working ``flock`` (local disks). Where the platform has no ``fcntl`` (Windows) it guards nothing:
+the chunk cache then opens as it did before the guard (the corpus lock needs ``fcntl`` anyway)."""
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 
 @contextlib.contextmanager
 def folder_guard(folder: Path, missing_ok: bool = False):
     """Hold an exclusive flock on ``folder`` for the ``with`` block (nothing when ``missing_ok`` and it
     does not exist)."""
+    if fcntl is None:
+        yield
+        return
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:

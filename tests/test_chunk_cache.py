@@ -202,7 +202,9 @@ def _open_at(folder, barrier, errors):
 def test_processes_creating_one_cache_at_once_all_open_it(tmp_path):
     """Four processes open one new cache folder at the same moment, 25 times: each opens it. Before the folder
     guard, one saw the other's half-made database (header written, schema not committed) and refused it as
-    not a chunk cache, or failed its switch to WAL with 'database is locked' (3 of 40 pairs)."""
+    not a chunk cache, or failed its switch to WAL with 'database is locked' (3 of 40 pairs); with the guard
+    but before `is_cache` read again once the log was gone, one in about eight runs of this test refused a
+    cache whose creator's close had checkpointed and deleted the log between is_cache's two reads."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")

@@ -14,7 +14,9 @@ clients' text), so:
   file that is not SQLite, or an SQLite database not in WAL mode, as every chunk cache is, is refused
   from the header alone), then the schema and the ``meta`` table without locking or creating any file
   (SQLite's ``immutable`` open), and only if the answer may sit in an existing ``-wal`` file through
-  an ordinary read-only connection.
+  an ordinary read-only connection; with no ``-wal`` file it reads once more the immutable way (a
+  writer's last connection may have checkpointed the log into the main file and deleted it between
+  the first read and the look for the log: the file was then refused as foreign).
 """
 
 from __future__ import annotations
@@ -91,8 +93,11 @@ def is_cache(path: Path, magic: str, fmt: int) -> None:
     meta = None
     with contextlib.suppress(sqlite3.DatabaseError):  # e.g. a page being checkpointed meanwhile: read again below
         meta = _meta(f"{uri}?mode=ro&immutable=1")
-    if meta is None or (meta.get("magic") != magic and Path(f"{path}-wal").exists()):
-        meta = _meta(f"{uri}?mode=ro", path)  # what the main file lacks may be in the write-ahead log
+    if meta is None or meta.get("magic") != magic:
+        if Path(f"{path}-wal").exists():
+            meta = _meta(f"{uri}?mode=ro", path)  # what the main file lacks may be in the write-ahead log
+        else:  # no log (any more): a writer's last close may have checkpointed it into the main file since the
+            meta = _meta(f"{uri}?mode=ro&immutable=1", path)  # first read, then deleted it; the file is whole now
     check_meta(path, meta, magic, fmt)
 
 
