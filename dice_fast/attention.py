@@ -391,10 +391,12 @@ def groups_attention(q, k, v, groups, causal, scale, band=None, band_masks=None)
         vs = v[start:end].reshape(n, length, hkv, d).transpose(1, 2)
         mask = _band_mask(band_masks, length, band, causal, q.device) if band is not None and length > band + 1 else None
         is_causal = causal and length > 1 and mask is None
+        dst = out[start:end].view(n, length, hq, d).transpose(1, 2)
         if cpu:
-            o = cpu_attention.cpu_attend(qs, ks, vs, is_causal, scale, gqa, mask)
+            o = cpu_attention.cpu_attend(qs, ks, vs, is_causal, scale, gqa, mask, out=dst)
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=is_causal, scale=scale,
                                                enable_gqa=gqa)
-        out[start:end].view(n, length, hq, d).copy_(o.transpose(1, 2))
+        if o is not dst:
+            dst.copy_(o)
     return out

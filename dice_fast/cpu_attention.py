@@ -1,13 +1,16 @@
 """CPU attention, run the way the machine that runs it measured fastest.
 
 CPU attention of half-precision inputs (the bf16 engine on a CPU) can run in the input dtype or
-in float32, through SDPA or, for short runs of equal-length chunks, a plain batched matmul. Which
+in float32, through SDPA or, for short runs of equal-length chunks, a plain batched matmul; bf16 on
+a CPU with AMX also through dice_fast's own AMX kernel (``csrc/attention_cpu_amx.cpp``: K and V
+packed once per head into tile layout, scores and softmax per 16 query rows in L1; 1.39x torch's
+bf16 SDPA on a (16, 12, 256, 32) run of the AMX Xeon, benchmarks/RESULTS.md §20). Which
 is fastest depends on the CPU: a 2-core AMD EPYC with avx512_bf16 runs SDPA faster in float32; an
 Intel Xeon with AMX runs bf16 SDPA about 2x faster than float32; an EPYC without any bf16
 instructions (AVX2 only) runs bf16 matmuls emulated, far slower than float32. So the choice is measured,
 not hard-coded:
 
-    cpu_attention.cpu_attention(torch.bfloat16, head_dim=64)   # -> CpuAttention(dtype, matmul_max_len, source)
+    cpu_attention.cpu_attention(torch.bfloat16, head_dim=64)   # -> CpuAttention(dtype, matmul_max_len, source, kernel)
     cpu_attention.cpu_attend(q, k, v, causal, scale, enable_gqa) # one run, attended the chosen way
 
 The first call for a (dtype, head size) runs a micro-benchmark (well under a second, bounded by
@@ -21,11 +24,19 @@ Environment overrides (no benchmark is run when they decide):
 * ``DICE_FAST_CPU_ATTENTION_DTYPE`` = ``auto`` (default, measured) | ``float32`` (half inputs are
   attended in float32) | ``input`` (attended in their own dtype; ``bfloat16`` / ``float16`` are
   accepted as aliases). Float32 inputs are always attended in float32.
-* ``DICE_FAST_CPU_ATTENTION_KERNEL`` = ``auto`` (measured) | ``sdpa`` (never the matmul kernel).
+* ``DICE_FAST_CPU_ATTENTION_KERNEL`` = ``auto`` (measured) | ``sdpa`` (never the matmul or AMX
+  kernel) | ``amx`` (bf16 runs the AMX kernel wherever it applies; refused where the CPU has no AMX
+  or the C++ extension cannot be built).
+
+The AMX kernel lives in the ``dice_fast_C`` extension (`dice_fast.ops.native`), built on first need
+(~11 s with ninja, cached on disk) only on CPUs that have AMX bf16; it runs runs of chunks up to
+1,024 tokens with head size 32 or 64, no mask, not causal, no GQA (anything else goes to SDPA).
 
 Exactness: float32 attention is at least as exact as the plain model's; attention in bf16 is what
 the plain Hugging Face model itself does in bf16 (SDPA accumulates in float32), so both stay within
-the engine's bf16 tolerance. The matmul kernel always computes in float32.
+the engine's bf16 tolerance. The matmul kernel always computes in float32. The AMX kernel computes
+as torch's bf16 flash kernel does (float32 scores and softmax, P rounded to bf16, float32
+accumulation, one rounding of the output); tests/test_cpu_attention_amx.py holds it to float32 SDPA.
 """
 
 from __future__ import annotations
@@ -56,15 +67,18 @@ class CpuAttention:
     """How CPU attention of one input dtype runs.
 
     dtype: what SDPA computes in; matmul_max_len: runs of chunks no longer than this use the float32
-    batched-matmul kernel (0: never); source: "measured", "cache" or "env".
+    batched-matmul kernel (0: never); source: "measured", "cache" or "env"; kernel: "sdpa", or "amx"
+    (bf16 runs the AMX kernel where it applies, `amx_applies`).
     """
 
     dtype: torch.dtype
     matmul_max_len: int
     source: str
+    kernel: str = "sdpa"
 
 
 _LOCK = threading.Lock()
+_LOCK_AMX = threading.Lock()
 _MEMO: dict[tuple, CpuAttention] = {}
 
 
@@ -82,10 +96,12 @@ def decisions() -> dict[str, CpuAttention]:
 
 def describe(dtype: torch.dtype) -> str:
     """A short label of how CPU attention of ``dtype`` inputs ran in this process ("" when it has not):
-    the compute dtype, plus ``mm<=L`` when short runs used the matmul kernel, e.g. ``"bf16"``, ``"fp32 mm<=16"``."""
+    the compute dtype, plus ``mm<=L`` when short runs used the matmul kernel and ``amx`` when bf16 ran
+    the AMX kernel, e.g. ``"bf16"``, ``"fp32 mm<=16"``, ``"bf16 amx"``."""
     short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    found = sorted({(short.get(c.dtype, str(c.dtype)), c.matmul_max_len) for k, c in list(_MEMO.items()) if k[0] == dtype})
-    return ", ".join(d + (f" mm<={m}" if m else "") for d, m in found)
+    found = sorted({(short.get(c.dtype, str(c.dtype)), c.matmul_max_len, c.kernel)
+                    for k, c in list(_MEMO.items()) if k[0] == dtype})
+    return ", ".join(d + (f" mm<={m}" if m else "") + (" amx" if kern == "amx" else "") for d, m, kern in found)
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,19 +128,66 @@ def cpu_attention(dtype: torch.dtype, head_dim: int = 64) -> CpuAttention:
 
 
 def cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-               enable_gqa: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+               enable_gqa: bool = False, mask: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one run of equal-length chunks on the CPU, the way this machine does it fastest.
 
     q: (n, Hq, L, D); k, v: (n, Hkv, L, D), any strides, same dtype; mask: None or (L, L) bool, True
-    where attention is allowed (a sliding-window band; ``causal`` is then False). Returns
-    (n, Hq, L, D) in the dtype it was computed in (the caller copies it into its output, rounding once).
+    where attention is allowed (a sliding-window band; ``causal`` is then False); out: None or an
+    (n, Hq, L, D) tensor of q's dtype (any strides) a kernel may write into. Returns (n, Hq, L, D) in
+    the dtype it was computed in: ``out`` itself when a kernel wrote it, else a new tensor (the caller
+    copies it into its output, rounding once).
     """
     choice = cpu_attention(q.dtype, q.shape[-1])
     if mask is None and q.shape[2] <= choice.matmul_max_len:
         return matmul_attention(q.float(), k.float(), v.float(), causal, scale)
+    if choice.kernel == "amx" and amx_applies(q, k, v, causal, enable_gqa, mask):
+        if out is None or out.stride(-1) != 1:
+            out = torch.empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype).transpose(1, 2)
+        torch.ops.dice_fast_C.amx_attention(q, k, v, out, scale)
+        return out
     work = choice.dtype
     return F.scaled_dot_product_attention(q.to(work), k.to(work), v.to(work), attn_mask=mask, is_causal=causal,
                                           scale=scale, enable_gqa=enable_gqa)
+
+
+AMX_HEAD_DIMS = (32, 64)
+AMX_MAX_LEN = 1024
+
+
+def amx_applies(q, k, v, causal: bool, enable_gqa: bool, mask) -> bool:
+    """Whether the AMX kernel runs this run (else SDPA does): bf16, head size 32 or 64, at most
+    `AMX_MAX_LEN` tokens, no mask, not causal, as many K/V heads as query heads, head dims contiguous."""
+    return (q.dtype == torch.bfloat16 and mask is None and not causal and not enable_gqa
+            and q.shape[-1] in AMX_HEAD_DIMS and 0 < q.shape[2] <= AMX_MAX_LEN and q.shape == k.shape == v.shape
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+
+
+_AMX: dict[str, object] = {}  # "ok": bool, "why": str (once per process)
+
+
+def amx_kernel() -> tuple[bool, str]:
+    """(whether the AMX attention kernel can run here, why not). Checks the CPU's flags first, so a
+    CPU without AMX bf16 never builds the C++ extension; on one with it, builds (or loads the cached
+    build of) ``dice_fast_C`` and asks the kernel, which also asks Linux for the tile-data permission."""
+    with _LOCK_AMX:
+        if not _AMX:
+            _AMX.update(zip(("ok", "why"), _probe_amx()))
+        return bool(_AMX["ok"]), str(_AMX["why"])
+
+
+def _probe_amx() -> tuple[bool, str]:
+    has = [getattr(torch.cpu, f"_is_{f}_supported", lambda: False)() for f in ("amx_tile", "avx512_bf16")]
+    if not all(has):
+        return False, "this CPU has no AMX bf16 (amx_tile and avx512_bf16)"
+    from .ops import native
+    try:
+        native.build()
+    except RuntimeError as e:
+        return False, f"the dice_fast C++ extension did not build: {e}"
+    if not torch.ops.dice_fast_C.amx_attention_supported():
+        return False, "the OS refused AMX tile data to this process (Linux arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return True, ""
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
@@ -162,29 +225,42 @@ def _env_dtype(dtype: torch.dtype) -> torch.dtype | None:
     raise OptionError(f"{ENV_DTYPE} must be auto, float32 or input (bfloat16 / float16), got {raw!r}")
 
 
-def _env_sdpa_only() -> bool:
+def _env_kernel() -> str:
     raw = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
-    if raw not in ("auto", "sdpa"):
-        raise OptionError(f"{ENV_KERNEL} must be auto or sdpa, got {raw!r}")
-    return raw == "sdpa"
+    if raw not in ("auto", "sdpa", "amx"):
+        raise OptionError(f"{ENV_KERNEL} must be auto, sdpa or amx, got {raw!r}")
+    return raw
 
 
 def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:
     env = _env_dtype(dtype)  # read for float32 inputs too, so a bad value is refused whatever the dtype
     forced = torch.float32 if dtype == torch.float32 else env
-    kernel_forced = _env_sdpa_only()
-    if forced is not None and kernel_forced:
+    kernel_env = _env_kernel()
+    if kernel_env == "amx":
+        ok, why = amx_kernel()
+        if not ok:
+            raise OptionError(f"{ENV_KERNEL}=amx, but the AMX attention kernel cannot run here: {why}")
+        if dtype == torch.bfloat16 and forced in (None, dtype):
+            return CpuAttention(dtype, 0, "env", "amx")
+    if forced is not None and kernel_env != "auto":
         return CpuAttention(forced, 0, "env")
     entry, source = cached_entry(f"{_dtype_name(dtype)}/d{head_dim}", _valid,
                                  lambda: measure_cpu_attention(dtype, head_dim))
     work = forced if forced is not None else getattr(torch, entry["dtype"])
-    matmul = 0 if kernel_forced else int(entry["matmul_max_len"])
-    return CpuAttention(work, matmul, "env" if forced is not None and dtype != torch.float32 else source)
+    matmul = 0 if kernel_env != "auto" else int(entry["matmul_max_len"])
+    kernel = entry["kernel"] if kernel_env == "auto" and work == entry_dtype(entry) else "sdpa"
+    if kernel == "amx" and not amx_kernel()[0]:  # a cache shared with another machine, or a failed build
+        kernel = "sdpa"
+    return CpuAttention(work, matmul, "env" if forced is not None and dtype != torch.float32 else source, kernel)
+
+
+def entry_dtype(entry: dict) -> torch.dtype:
+    return getattr(torch, entry["dtype"])
 
 
 def _valid(entry) -> bool:
     return (isinstance(entry, dict) and entry.get("dtype") in ("float32", "bfloat16", "float16")
-            and isinstance(entry.get("matmul_max_len"), int))
+            and isinstance(entry.get("matmul_max_len"), int) and entry.get("kernel") in ("sdpa", "amx"))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -193,12 +269,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: float = BUDGET_S) -> dict:
     """Time the CPU attention candidates for ``dtype`` inputs; returns the cache entry:
-    {"dtype": winner's name, "matmul_max_len": int, "ms": {case: milliseconds}, "date": ...}.
+    {"dtype": winner's name, "matmul_max_len": int, "kernel": "sdpa" | "amx", "ms": {case: milliseconds},
+    "date": ...}.
 
     Cases (12 heads of ``head_dim``, inputs as strided views of packed (tokens, heads, dim)
     projections, output copied back into a packed buffer of ``dtype`` as the engine does):
     ``long``: 2 chunks of 256 tokens, SDPA in float32 (inputs cast) vs in ``dtype`` (half inputs only);
-    ``short<L>``: 16 chunks of L tokens, SDPA in the winner's dtype vs the float32 matmul kernel.
+    ``long16``: bf16 on a CPU where the AMX kernel runs (`amx_kernel`): 16 chunks of 256 tokens,
+    SDPA in the winner's dtype vs the AMX kernel;
+    ``short<L>``: 16 chunks of L tokens, the chosen kernel (named ``_sdpa``) vs the float32 matmul kernel.
     Each candidate is timed best-of-k, interleaved, within ``budget_s`` (`cpu_tuning.race`: a
     candidate that stays over 8x the fastest on its first timed calls is dropped, as bf16 matmuls
     without bf16 instructions are). ``busy`` is set when the load average says other processes competed for the cores (the entry is then
@@ -229,26 +308,38 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
             out.copy_(o.transpose(1, 2))
         return run
 
+    def amx(case):
+        (q, k, v), out = case
+        return lambda: torch.ops.dice_fast_C.amx_attention(q, k, v, out.transpose(1, 2), head_dim**-0.5)
+
+    # before the clock starts: the first call on an AMX CPU builds the C++ extension (~11 s, once per machine)
+    amx_ok = dtype == torch.bfloat16 and head_dim in AMX_HEAD_DIMS and amx_kernel()[0]
     deadline = time.perf_counter() + budget_s
-    work, ms = torch.float32, {}
+    work, ms, kernel = torch.float32, {}, "sdpa"
     if dtype != torch.float32:
         long_case = packed(2, 256)
         low = f"long_{_dtype_name(dtype)}"
         ms = race({"long_float32": sdpa_in(torch.float32, long_case), low: sdpa_in(dtype, long_case)},
                    deadline - budget_s / 2)
         work = dtype if ms[low] < _MARGIN * ms["long_float32"] else torch.float32
+        if amx_ok:
+            wide = packed(16, 256)  # the engine's CPU batch: the kernel's per-head packing is amortised there
+            got = race({"long16_sdpa": sdpa_in(work, wide), "long16_amx": amx(wide)}, deadline - budget_s / 4)
+            ms.update(got)
+            kernel = "amx" if got["long16_amx"] < _MARGIN * got["long16_sdpa"] else "sdpa"
     matmul_max_len = 0
     for length in _MATMUL_LENGTHS:
         if time.perf_counter() > deadline:
             break
         case = packed(16, length)
-        got = race({f"short{length}_sdpa": sdpa_in(work, case), f"short{length}_matmul": mm(case)}, deadline)
+        chosen = amx(case) if kernel == "amx" else sdpa_in(work, case)
+        got = race({f"short{length}_sdpa": chosen, f"short{length}_matmul": mm(case)}, deadline)
         ms.update(got)
         if got.get(f"short{length}_matmul", float("inf")) < _MARGIN * got.get(f"short{length}_sdpa", float("inf")):
             matmul_max_len = length
         else:
             break
     load = measured_load()
-    return {"dtype": _dtype_name(work), "matmul_max_len": matmul_max_len, "ms": {k: round(v, 4) for k, v in ms.items()},
+    return {"dtype": _dtype_name(work), "matmul_max_len": matmul_max_len, "kernel": kernel, "ms": {k: round(v, 4) for k, v in ms.items()},
             "threads": torch.get_num_threads(), "load": load, "busy": busy(load),
             "date": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -67,7 +67,7 @@ def test_measured_once_then_cached(monkeypatch):
 def test_cache_decides_and_is_per_machine(monkeypatch):
     path = cpu_tuning.cache_path()
     path.parent.mkdir(parents=True)
-    entry = {"dtype": "bfloat16", "matmul_max_len": 64, "ms": {}, "race": cpu_tuning.RACE_VERSION}
+    entry = {"dtype": "bfloat16", "matmul_max_len": 64, "kernel": "sdpa", "ms": {}, "race": cpu_tuning.RACE_VERSION}
     older = dict(entry, race=cpu_tuning.RACE_VERSION - 1)  # timed by an older `race`: measured again
     path.write_text(json.dumps({cpu_tuning.machine_key(): {"bfloat16/d64": entry, "bfloat16/d32": older},
                                 "another machine": {"bfloat16/d64": dict(entry, dtype="float32")}}))
