@@ -27,6 +27,7 @@ import torch
 
 from .chunk_queue import ChunkQueue
 from .chunking import EncodingPlan, TokenizedDocuments, check_texts, plan_chunks, plan_windows, tokenize
+from . import cpu_attention
 from .config import DiceConfig
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .errors import ArgumentTypeError, OptionError, TextError
@@ -181,8 +182,12 @@ class DiceEncoder:
         )
 
     def _speed_label(self) -> str:
-        """", compile=on (compiled in 12.3 s)" and ", path=bf16 (measured, ...)" where they apply."""
+        """", compile=on (compiled in 12.3 s)", ", path=bf16 (measured, ...)" and, once CPU attention of
+        the model's dtype has run, ", cpu_attention=bf16 amx" (`cpu_attention.describe`) where they apply."""
         out = ""
+        if self.device.type == "cpu" and getattr(self.runner, "identity", None) is None:  # not OpenVINO's forward
+            ran = cpu_attention.describe(self.dtype)
+            out += f", cpu_attention={ran}" if ran else ""
         if self.runner.compiled is not None:
             took = self.runner.compiled.compile_seconds
             out += ", compile=on" + (f" (compiled in {took:.1f} s)" if took is not None else "")

@@ -217,7 +217,7 @@ def test_bf16_engine_with_the_kernel_within_plain_model_error(amx, monkeypatch, 
     plain, _ = reference_encode(copy.deepcopy(model).bfloat16(), tok, texts, **ref)
     enc = DiceEncoder(copy.deepcopy(model), tok, chunk_size=K, max_batch_tokens=40, dtype="bfloat16")
     got = enc.encode_documents(texts)
-    assert tuning.describe(torch.bfloat16) == "bf16 amx"
+    assert tuning.describe(torch.bfloat16) == "bf16 amx" and "cpu_attention=bf16 amx" in repr(enc)
     assert_within_plain_error(got, plain, oracle, torch.bfloat16, what=f"bf16 engine, AMX attention, d={head_dim}")
 
 
