@@ -33,6 +33,11 @@ WEIGHT_DTYPES = {**TORCH_DTYPES, "int8": torch.float32, "auto": torch.float32}
 # token budget of one packed forward when max_batch_tokens is None (why 4096 on a CPU: benchmarks/RESULTS.md,
 # "Figures moved out of docstrings (issue 23)")
 DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
+# bf16 / fp16 on a CPU with AMX: its tile GEMMs and dice_fast's AMX attention leave each forward's fixed
+# cost (Python, per-op dispatch) a larger share, which 8192 halves: MiniLM on the 2-core AMX Xeon, 500
+# texts of 254 tokens, 8 interleaved rounds, 42,950 against 40,525 tokens/s, every round ahead (float32
+# is slower there at 8192: 9,217 against 10,227; RESULTS §20)
+AMX_HALF_BATCH_TOKENS = 8192
 # the OpenVINO runtime (int8, float; CPU): a batch's sub-batches run one per OpenVINO stream; 8192 gives each of 2 streams 16 chunks of
 # 256 tokens and halves the batch barriers (1.05-1.4x 4096 on the loaded 2-core Zen 4, RESULTS §15)
 OPENVINO_BATCH_TOKENS = 8192
@@ -194,7 +199,7 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
         normalize_chunks=spec.normalizes if cfg.normalize_chunks is None else cfg.normalize_chunks,
         causal=_CAUSAL[cfg.attention],
         max_batch_tokens=cfg.max_batch_tokens or (OPENVINO_BATCH_TOKENS if cfg.openvino else
-                                                  default_batch_tokens(device, spec.flops_per_token)),
+                                                  default_batch_tokens(device, spec.flops_per_token, dtype)),
         backend=choose_backend(cfg.attention_backend, device, dtype), pooling_impl=pooling_impl,
         pipeline=cfg.pipeline == "on" or (cfg.pipeline == "auto" and device.type == "cuda"),
     )
@@ -214,14 +219,21 @@ def check_strategy(strategy) -> str:
     return strategy
 
 
-def default_batch_tokens(device: torch.device, flops_per_token: float) -> int:
+def default_batch_tokens(device: torch.device, flops_per_token: float, dtype: torch.dtype = torch.float32) -> int:
     """The token budget of a batch when ``max_batch_tokens`` is None: `DEFAULT_BATCH_TOKENS` (4096 on a
-    CPU), on CUDA by the model's FLOPs per token (`CUDA_BATCH_FLOP`, within `CUDA_BATCH_TOKENS`)."""
+    CPU; `AMX_HALF_BATCH_TOKENS` for bf16 / fp16 on a CPU with AMX), on CUDA by the model's FLOPs per
+    token (`CUDA_BATCH_FLOP`, within `CUDA_BATCH_TOKENS`)."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and _cpu_has_amx():
+        return AMX_HALF_BATCH_TOKENS
     if device.type != "cuda" or flops_per_token <= 0:
         return DEFAULT_BATCH_TOKENS.get(device.type, OTHER_DEVICE_BATCH_TOKENS)
     lo, hi = CUDA_BATCH_TOKENS
     want = 1 << max(0, int(np.ceil(np.log2(CUDA_BATCH_FLOP / flops_per_token))))
     return int(min(hi, max(lo, want)))
+
+
+def _cpu_has_amx() -> bool:
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def placement(config: DiceConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
@@ -260,4 +272,4 @@ def _overhead(wrap) -> int:
     return len(wrap[0]) + len(wrap[1])
 
 
-__all__ = ["Chunking", "check_strategy", "LATE_MAX_WINDOW", "TORCH_DTYPES", "WEIGHT_DTYPES", "DEFAULT_BATCH_TOKENS", "default_batch_tokens", "Settings", "placement", "pretrained_placement", "resolve", "weight_dtype"]
+__all__ = ["Chunking", "check_strategy", "LATE_MAX_WINDOW", "TORCH_DTYPES", "WEIGHT_DTYPES", "DEFAULT_BATCH_TOKENS", "AMX_HALF_BATCH_TOKENS", "default_batch_tokens", "Settings", "placement", "pretrained_placement", "resolve", "weight_dtype"]

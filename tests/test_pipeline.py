@@ -6,6 +6,7 @@ dedup, with an out-of-memory split, with a cancellation and with a packing error
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import dice_fast.chunk_queue as chunk_queue
 import dice_fast.engine as engine
-from dice_fast import DiceEncoder
+from dice_fast import DiceEncoder, settings
 from dice_fast.config import DiceConfig
 from dice_fast.errors import OptionError
 from dice_fast.packing import PackedBatch
@@ -245,6 +246,10 @@ def test_the_option_and_the_cuda_budget_rule():
     assert _encoder("auto").settings.pipeline is False and _encoder("on").settings.pipeline is True
     cuda = torch.device("cuda")
     assert default_batch_tokens(torch.device("cpu"), 21e6) == 4096
+    for amx, want in ((True, 8192), (False, 4096)):  # bf16 on a CPU with AMX: the larger budget
+        with mock.patch.object(settings, "_cpu_has_amx", lambda amx=amx: amx):
+            assert default_batch_tokens(torch.device("cpu"), 21e6, torch.bfloat16) == want
+            assert default_batch_tokens(torch.device("cpu"), 21e6, torch.float32) == 4096
     assert default_batch_tokens(cuda, 0.0) == 65536  # unknown FLOPs: the old default
     assert default_batch_tokens(cuda, 21.2e6) == 524288  # MiniLM-L6: capped
     assert default_batch_tokens(cuda, 170e6) == 131072  # BERT-base
