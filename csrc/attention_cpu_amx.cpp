@@ -14,9 +14,10 @@
 // L up to 1024. out (n, H, L, D) bf16, written in place (a view of the engine's packed output).
 // Accumulation is float32 everywhere; exp is a float32 polynomial (relative error ~2e-7).
 //
-// Compiled into dice_fast_C on x86-64 with GCC or Clang for every machine (the AMX code is behind
-// function target attributes); `amx_attention_supported` says at run time whether this CPU and
-// kernel (Linux's permission for the tile data) can run it, and the op refuses to run where not.
+// Compiled into dice_fast_C for every machine; the AMX code only on x86-64 Linux with GCC or Clang
+// (behind function target attributes, so the library builds for any vector ISA). At run time
+// `amx_attention_supported` says whether this CPU and kernel (Linux's permission for the tile data)
+// can run it, and the op refuses to run where not.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -25,10 +26,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(_WIN32)
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
 #define DICE_FAST_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -113,6 +115,16 @@ struct Scratch {
   std::vector<uint16_t> qpad;   // [rows][D] bf16 bits: a last query block shorter than the others
 };
 
+// query rows [m0, m0 + rows) of a block of ``block`` rows as a tile source (base, row stride in bytes):
+// the head's own rows when the block is full, else a copy in ``qpad`` with zero rows after them
+std::pair<const char*, int64_t> query_block(const HeadTask& t, int64_t m0, int64_t rows, int64_t block, int64_t d,
+                                            std::vector<uint16_t>& qpad) {
+  if (rows == block) return {reinterpret_cast<const char*>(t.q + m0 * t.q_row), t.q_row * 2};
+  std::fill(qpad.begin(), qpad.end(), uint16_t{0});
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(qpad.data() + i * d, t.q + (m0 + i) * t.q_row, d * 2);
+  return {reinterpret_cast<const char*>(qpad.data()), d * 2};
+}
+
 // K's B tiles: tile (kb, ds), row r, column c = the bf16 pair K[16kb + c][32ds + 2r : 32ds + 2r + 2],
 // one 16-lane gather per row (keys past len read as 0)
 AMX_TARGET void pack_k(const HeadTask& t, int64_t len, int64_t dsteps, uint32_t* kp) {
@@ -157,7 +169,8 @@ AMX_TARGET void pack_v(const HeadTask& t, int64_t len, int64_t lk, int64_t dbloc
   }
 }
 
-// softmax of ``nrows`` score rows (scale folded into the exponent): P rows as bf16 (0 past len), 1 / sum per row
+// softmax of ``nrows`` score rows (scale folded into the exponent): P rows as bf16, 0 past len up to lk (the
+// pad block of the last 32-key step), and 1 / sum per row
 AMX_TARGET void softmax_rows(float* scores, uint16_t* probs, int64_t nrows, int64_t len, int64_t lk, float scale,
                              float* inv_sum) {
   const int64_t full = len / 16 * 16;
@@ -190,49 +203,60 @@ AMX_TARGET void softmax_rows(float* scores, uint16_t* probs, int64_t nrows, int6
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + full), (__m256i)_mm512_cvtneps_pbh(e));
     }
     inv_sum[i] = 1.0f / _mm512_reduce_add_ps(sum);
+    if (lk - (full + (tail ? 16 : 0)) == 16) std::fill_n(prow + lk - 16, 16, uint16_t{0});
   }
 }
 
 // tiles: 0-1 Q's d steps (then P's key step), 2-3 B operands (K or V), 4-7 products
-#define DF_QK_BLOCK(C, B, KB)                                              \
-  do {                                                                     \
-    _tile_loadd(B, s.kp.data() + ((KB) * dsteps) * 256, 64);              \
-    _tile_dpbf16ps(C, 0, B);                                               \
-    if (dsteps > 1) {                                                      \
-      _tile_loadd(B, s.kp.data() + ((KB) * dsteps + 1) * 256, 64);        \
-      _tile_dpbf16ps(C, 1, B);                                             \
-    }                                                                      \
+// the output block: product tiles 4-7 into acc (as [row half][d block][16][16] float32, ``dblocks`` d
+// blocks per half), times 1 / sum, two d blocks rounded to bf16 per instruction, into rows m0.. of out
+AMX_TARGET void store_output(const HeadTask& t, int64_t m0, int64_t rows, int64_t dblocks, const float* inv_sum,
+                             float* acc) {
+  _tile_stored(4, acc, 64);
+  _tile_stored(5, acc + 256, 64);
+  _tile_stored(6, acc + 512, 64);
+  _tile_stored(7, acc + 768, 64);
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[i]);
+    const float* row = acc + (i / 16) * dblocks * 256 + (i % 16) * 16;
+    c10::BFloat16* orow = t.o + (m0 + i) * t.o_row;
+    for (int64_t db = 0; db < dblocks; db += 2) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(row + db * 256), inv);
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(row + (db + 1) * 256), inv);
+      _mm512_storeu_si512(orow + db * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// tile C += Q (tiles 0-1, two d steps) times K's key block KB, through B tile B
+#define DF_QK_BLOCK(C, B, KB)                                  \
+  do {                                                         \
+    _tile_loadd(B, s.kp.data() + (KB) * 2 * 256, 64);         \
+    _tile_dpbf16ps(C, 0, B);                                   \
+    _tile_loadd(B, s.kp.data() + ((KB) * 2 + 1) * 256, 64);   \
+    _tile_dpbf16ps(C, 1, B);                                   \
   } while (0)
 
 // D = 64: blocks of 16 query rows; Q takes tiles 0-1 (two d steps), the four d blocks of the output
 // accumulate in tiles 4-7 (four independent chains)
 AMX_TARGET void attend_head_d64(const HeadTask& t, int64_t len, float scale, Scratch& s) {
-  const int64_t d = 64;
   const int64_t key_blocks = (len + 15) / 16;
   const int64_t lk = (len + 31) / 32 * 32;  // keys padded to the PV reduction step (32)
-  const int64_t dsteps = d / 32, dblocks = d / 16;
-  s.kp.resize(key_blocks * dsteps * 256);
-  s.vp.resize(lk / 32 * dblocks * 256);
-  pack_k(t, len, dsteps, s.kp.data());
-  pack_v(t, len, lk, dblocks, s.vp.data());
+  s.kp.resize(key_blocks * 2 * 256);
+  s.vp.resize(lk / 32 * 4 * 256);
+  pack_k(t, len, 2, s.kp.data());
+  pack_v(t, len, lk, 4, s.vp.data());
   s.scores.resize(16 * lk);
   s.probs.resize(16 * lk);
-  s.acc.resize(dblocks * 256);
-  s.qpad.resize(16 * d);
+  s.acc.resize(4 * 256);
+  s.qpad.resize(16 * 64);
   float inv_sum[16];
 
   for (int64_t m0 = 0; m0 < len; m0 += 16) {
     const int64_t rows = std::min<int64_t>(16, len - m0);
-    const char* qb = reinterpret_cast<const char*>(t.q + m0 * t.q_row);
-    int64_t qstride = t.q_row * 2;
-    if (rows < 16) {
-      std::fill(s.qpad.begin(), s.qpad.end(), 0);
-      for (int64_t i = 0; i < rows; ++i) std::memcpy(s.qpad.data() + i * d, t.q + (m0 + i) * t.q_row, d * 2);
-      qb = reinterpret_cast<const char*>(s.qpad.data());
-      qstride = d * 2;
-    }
+    const auto [qb, qstride] = query_block(t, m0, rows, 16, 64, s.qpad);
     _tile_loadd(0, qb, qstride);
-    if (dsteps > 1) _tile_loadd(1, qb + 64, qstride);
+    _tile_loadd(1, qb + 64, qstride);
     // scores = Q K^T, four key blocks at a time into tiles 4-7
     int64_t kb = 0;
     for (; kb + 4 <= key_blocks; kb += 4) {
@@ -252,39 +276,21 @@ AMX_TARGET void attend_head_d64(const HeadTask& t, int64_t len, float scale, Scr
       _tile_stored(4, s.scores.data() + kb * 16, lk * 4);
     }
     softmax_rows(s.scores.data(), s.probs.data(), 16, len, lk, scale, inv_sum);
-    if (lk > key_blocks * 16)  // the pad block of the last key step: P is 0 there
-      for (int64_t i = 0; i < 16; ++i) std::fill_n(s.probs.data() + i * lk + key_blocks * 16, 16, uint16_t{0});
     // out = P V: each key step's P into tile 0, V's tiles alternating 2 / 3, d blocks accumulate in 4-7
-    _tile_zero(4); _tile_zero(5);
-    if (dblocks > 2) { _tile_zero(6); _tile_zero(7); }
+    _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
     for (int64_t ks = 0; ks < lk / 32; ++ks) {
-      const uint32_t* vt = s.vp.data() + ks * dblocks * 256;
+      const uint32_t* vt = s.vp.data() + ks * 4 * 256;
       _tile_loadd(0, s.probs.data() + ks * 32, lk * 2);
       _tile_loadd(2, vt, 64);
       _tile_dpbf16ps(4, 0, 2);
       _tile_loadd(3, vt + 256, 64);
       _tile_dpbf16ps(5, 0, 3);
-      if (dblocks > 2) {
-        _tile_loadd(2, vt + 512, 64);
-        _tile_dpbf16ps(6, 0, 2);
-        _tile_loadd(3, vt + 768, 64);
-        _tile_dpbf16ps(7, 0, 3);
-      }
+      _tile_loadd(2, vt + 512, 64);
+      _tile_dpbf16ps(6, 0, 2);
+      _tile_loadd(3, vt + 768, 64);
+      _tile_dpbf16ps(7, 0, 3);
     }
-    _tile_stored(4, s.acc.data(), 64);
-    _tile_stored(5, s.acc.data() + 256, 64);
-    if (dblocks > 2) {
-      _tile_stored(6, s.acc.data() + 512, 64);
-      _tile_stored(7, s.acc.data() + 768, 64);
-    }
-    for (int64_t i = 0; i < rows; ++i) {
-      const __m512 inv = _mm512_set1_ps(inv_sum[i]);
-      c10::BFloat16* orow = t.o + (m0 + i) * t.o_row;
-      for (int64_t db = 0; db < dblocks; ++db) {
-        const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + db * 256 + i * 16), inv);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + db * 16), (__m256i)_mm512_cvtneps_pbh(o));
-      }
-    }
+    store_output(t, m0, rows, 4, inv_sum, s.acc.data());
   }
 }
 #undef DF_QK_BLOCK
@@ -308,14 +314,7 @@ AMX_TARGET void attend_head_d32(const HeadTask& t, int64_t len, float scale, Scr
 
   for (int64_t m0 = 0; m0 < len; m0 += 32) {
     const int64_t rows = std::min<int64_t>(32, len - m0);
-    const char* qb = reinterpret_cast<const char*>(t.q + m0 * t.q_row);
-    int64_t qstride = t.q_row * 2;
-    if (rows < 32) {
-      std::fill(s.qpad.begin(), s.qpad.end(), 0);
-      for (int64_t i = 0; i < rows; ++i) std::memcpy(s.qpad.data() + i * 32, t.q + (m0 + i) * t.q_row, 64);
-      qb = reinterpret_cast<const char*>(s.qpad.data());
-      qstride = 64;
-    }
+    const auto [qb, qstride] = query_block(t, m0, rows, 32, 32, s.qpad);
     _tile_loadd(0, qb, qstride);
     _tile_loadd(1, qb + 16 * qstride, qstride);
     // scores = Q K^T: two key blocks at a time, each against both row halves
@@ -342,8 +341,6 @@ AMX_TARGET void attend_head_d32(const HeadTask& t, int64_t len, float scale, Scr
       _tile_stored(5, lower + kb * 16, lk * 4);
     }
     softmax_rows(s.scores.data(), s.probs.data(), 32, len, lk, scale, inv_sum);
-    if (lk > key_blocks * 16)  // the pad block of the last key step: P is 0 there
-      for (int64_t i = 0; i < 32; ++i) std::fill_n(s.probs.data() + i * lk + key_blocks * 16, 16, uint16_t{0});
     // out = P V: P's row halves in tiles 0-1, V's two d blocks in 2-3, products (half, d block) in 4-7
     _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
     for (int64_t ks = 0; ks < lk / 32; ++ks) {
@@ -357,17 +354,7 @@ AMX_TARGET void attend_head_d32(const HeadTask& t, int64_t len, float scale, Scr
       _tile_dpbf16ps(6, 1, 2);
       _tile_dpbf16ps(7, 1, 3);
     }
-    _tile_stored(4, s.acc.data(), 64);
-    _tile_stored(5, s.acc.data() + 256, 64);
-    _tile_stored(6, s.acc.data() + 512, 64);
-    _tile_stored(7, s.acc.data() + 768, 64);
-    for (int64_t i = 0; i < rows; ++i) {
-      const __m512 inv = _mm512_set1_ps(inv_sum[i]);
-      const float* acc = s.acc.data() + (i / 16) * 512 + (i % 16) * 16;
-      c10::BFloat16* orow = t.o + (m0 + i) * t.o_row;
-      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(acc), inv), hi = _mm512_mul_ps(_mm512_loadu_ps(acc + 256), inv);
-      _mm512_storeu_si512(orow, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+    store_output(t, m0, rows, 2, inv_sum, s.acc.data());
   }
 }
 

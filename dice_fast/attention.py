@@ -369,8 +369,7 @@ def groups_attention(q, k, v, groups, causal, scale, band=None, band_masks=None)
     band_masks = {} if band_masks is None else band_masks
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     gqa = hq != hkv
-    # written in place, run by run: one copy of the output instead of a copy per run plus a cat
-    # (MiniLM on the 2-core CPU: the cat was ~10% of the forward)
+    # written in place, run by run (by the kernel itself where it can): a cat of runs was ~10% of MiniLM's CPU forward
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # On the CPU the dtype and kernel are measured per machine (`dice_fast.cpu_attention`): bf16 SDPA is
     # slower than fp32 on an EPYC (a (60,12,256,32) run 116 vs 97 ms) but ~2x faster on an AMX Xeon.
@@ -395,8 +394,7 @@ def groups_attention(q, k, v, groups, causal, scale, band=None, band_masks=None)
         if cpu:
             o = cpu_attention.cpu_attend(qs, ks, vs, is_causal, scale, gqa, mask, out=dst)
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                               enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
         if o is not dst:
             dst.copy_(o)
     return out

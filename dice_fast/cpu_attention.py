@@ -104,6 +104,12 @@ def describe(dtype: torch.dtype) -> str:
     return ", ".join(d + (f" mm<={m}" if m else "") + (" amx" if kern == "amx" else "") for d, m, kern in found)
 
 
+def label(dtype: torch.dtype) -> str:
+    """`describe` as the encoder's repr shows it: ``", cpu_attention=bf16 amx"``, or "" before any ran."""
+    ran = describe(dtype)
+    return f", cpu_attention={ran}" if ran else ""
+
+
 # --------------------------------------------------------------------------------------------
 # what the engine calls
 # --------------------------------------------------------------------------------------------

@@ -25,9 +25,9 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from . import cpu_attention
 from .chunk_queue import ChunkQueue
 from .chunking import EncodingPlan, TokenizedDocuments, check_texts, plan_chunks, plan_windows, tokenize
-from . import cpu_attention
 from .config import DiceConfig
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .errors import ArgumentTypeError, OptionError, TextError
@@ -182,15 +182,11 @@ class DiceEncoder:
         )
 
     def _speed_label(self) -> str:
-        """", compile=on (compiled in 12.3 s)", ", path=bf16 (measured, ...)" and, once CPU attention of
-        the model's dtype has run, ", cpu_attention=bf16 amx" (`cpu_attention.describe`) where they apply."""
-        out = ""
-        if self.device.type == "cpu" and getattr(self.runner, "identity", None) is None:  # not OpenVINO's forward
-            ran = cpu_attention.describe(self.dtype)
-            out += f", cpu_attention={ran}" if ran else ""
+        """Where they apply: ", cpu_attention=bf16 amx" (`cpu_attention.label`, on PyTorch's CPU forward once
+        attention ran), ", compile=on (compiled in 12.3 s)", ", path=bf16 (measured, ...)"."""
+        out = cpu_attention.label(self.dtype) if self.device.type == "cpu" and getattr(self.runner, "identity", None) is None else ""
         if self.runner.compiled is not None:
-            took = self.runner.compiled.compile_seconds
-            out += ", compile=on" + (f" (compiled in {took:.1f} s)" if took is not None else "")
+            out += ", compile=on" + (f" (compiled in {t:.1f} s)" if (t := self.runner.compiled.compile_seconds) is not None else "")
         if self.path_choice is not None:
             out += f", path={self.path_choice}"
         return out
@@ -370,8 +366,7 @@ class DiceEncoder:
 
 # --------------------------------------------------------------------------------------------
 def _check_option_names(options: dict) -> None:
-    unknown = set(options) - set(DiceConfig.field_names())
-    if unknown:
+    if unknown := set(options) - set(DiceConfig.field_names()):
         raise ArgumentTypeError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(DiceConfig.field_names())}")
 
 

@@ -15,26 +15,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
 from dice_fast import DiceEncoder
 from dice_fast import cpu_attention as tuning
-from dice_fast import cpu_tuning
 from oracle import K, corpus
 from reference import reference_encode
+from test_cpu_attention import _isolated  # noqa: F401 - the autouse fixture: own cache folder, no overrides
 from test_gpu import assert_within_plain_error
-from tiny_models import ARCHS, make_tokenizer
-
-
-@pytest.fixture(autouse=True)
-def _isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(tuning.ENV_DTYPE, raising=False)
-    monkeypatch.delenv(tuning.ENV_KERNEL, raising=False)
-    monkeypatch.setattr(cpu_tuning, "sample_others", lambda: None)
-    tuning.reset()
-    yield
-    tuning.reset()
+from tiny_models import tiny
 
 
 @pytest.fixture(scope="module")
@@ -190,27 +178,14 @@ def test_amx_override_refused_where_the_kernel_cannot_run(monkeypatch):
         tuning.cpu_attention(torch.bfloat16, 32)
 
 
-def _tiny_bert(head_dim):
-    """A tiny BERT whose heads are ``head_dim`` wide (the shared tiny models' are 8: not the kernel's)."""
-    cls_name, kwargs, prefix, suffix, first = ARCHS["bert"]
-    config = getattr(transformers, cls_name)(**{**kwargs, "hidden_size": 2 * head_dim, "num_attention_heads": 2,
-                                                "intermediate_size": 4 * head_dim})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(99)
-    model = transformers.AutoModel.from_config(config).eval().requires_grad_(False)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    return model, make_tokenizer(prefix, suffix), prefix, suffix, first
-
-
 @pytest.mark.parametrize("head_dim", [32, 64])
 def test_bf16_engine_with_the_kernel_within_plain_model_error(amx, monkeypatch, head_dim):
     """The whole bf16 engine, its attention forced to the AMX kernel, against the float64 per-chunk oracle:
     within twice the plain bf16 per-chunk model's own error (test_gpu.py's bound)."""
     monkeypatch.setenv(tuning.ENV_KERNEL, "amx")
-    model, tok, prefix, suffix, first = _tiny_bert(head_dim)
+    # the shared tiny BERT's heads are 8 wide, not the kernel's
+    model, tok, prefix, suffix, first = tiny("bert", hidden_size=2 * head_dim, num_attention_heads=2,
+                                             intermediate_size=4 * head_dim)
     texts = corpus()
     ref = dict(prefix=prefix, suffix=suffix, first_position=first, chunk_size=K, pooling="mean")
     oracle, _ = reference_encode(copy.deepcopy(model).double(), tok, texts, **ref)

@@ -71,10 +71,11 @@ def make_tokenizer(prefix: tuple[int, ...], suffix: tuple[int, ...]):
 
 
 @functools.lru_cache(maxsize=None)
-def tiny(arch: str):
+def tiny(arch: str, **config):
     """(model float32 eval on CPU, tokenizer, prefix ids, suffix ids, first position) for ``arch``
-    (a key of `ARCHS` or `FALLBACK_ARCHS`)."""
+    (a key of `ARCHS` or `FALLBACK_ARCHS`); ``config``: config fields to override (e.g. wider heads)."""
     cls_name, kwargs, prefix, suffix, first, model_cls = (*ARCHS[arch], None) if arch in ARCHS else FALLBACK_ARCHS[arch]
+    kwargs = {**kwargs, **config}
     torch.manual_seed(1234)
     model = None
     for implementation in ("sdpa", "eager"):  # MPNet and DeBERTa-v2 have only their own (eager) attention
