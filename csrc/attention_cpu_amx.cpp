@@ -3,34 +3,38 @@
 // Why: on an AMX Xeon, torch's CPU flash attention runs bf16 with head size 32 through one small
 // oneDNN gemm call per (query block, key block) and a softmax pass between them; at MiniLM's shapes
 // (n x 12 heads x 256 tokens x 32) it is ~31% of the bf16 forward (benchmarks/RESULTS.md §19). Here
-// a (chunk, head) is one task: K and V are packed once into AMX's tile layouts, then per block of 16
-// query rows the scores (16 x L, float32) are one row of tile products, the softmax runs on them in
-// L1 in float32, and P (rounded to bf16, as torch's flash kernel does) times V is a second row of tile
-// products; the output row is scaled by 1 / sum and rounded once to bf16.
+// a (chunk, head) is one task: K and V are packed once into AMX's tile layouts, then per block of 32
+// query rows (16 at D = 64) the scores (rows x L, float32) are one row of tile products, the softmax
+// runs on them in L1 in float32, and P (rounded to bf16, as torch's flash kernel does) times V is a
+// second row of tile products; each output row is scaled by 1 / sum and rounded once to bf16.
 //
 // Semantics are SDPA's without mask, dropout or causality: q, k, v (n, H, L, D) bf16, any strides
 // with the last one 1; D 32 or 64 (AMX's bf16 tile holds 32 of the reduction dim; MiniLM has 32,
-// BERT-base and MPNet 64);
-// L up to 1024. out (n, H, L, D) bf16, written in place (a view of the engine's packed output).
-// Accumulation is float32 everywhere; exp is a float32 polynomial (relative error ~2e-7).
+// BERT-base and MPNet 64); L up to 1024; scale > 0. out (n, H, L, D) bf16, written in place (a view
+// of the engine's packed output; it may not overlap itself or the inputs). Accumulation is float32
+// everywhere; exp is a float32 polynomial (relative error 2.7e-6).
 //
-// Compiled into dice_fast_C for every machine; the AMX code only on x86-64 Linux with GCC or Clang
-// (behind function target attributes, so the library builds for any vector ISA). At run time
-// `amx_attention_supported` says whether this CPU and kernel (Linux's permission for the tile data)
-// can run it, and the op refuses to run where not.
+// Compiled into dice_fast_C for every machine; the AMX code only on x86-64 Linux with GCC 11+ or
+// Clang 12+ (behind function target attributes, so the library builds for any vector ISA). At run
+// time `amx_attention_supported` says whether this CPU and kernel (Linux's permission for the tile
+// data) can run it, and the op refuses to run where not.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <utility>
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+// AMX intrinsics and __builtin_cpu_supports("amx-bf16") need GCC 11 / Clang 12 or newer
+#if defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define DICE_FAST_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -81,6 +85,25 @@ AMX_TARGET void configure_tiles() {
   }
   _tile_loadconfig(&cfg);
 }
+
+// this thread's tiles configured for the kernel while in scope (exceptions included). Another
+// library's kernels (oneDNN, inductor) may keep the thread's tile configuration between their calls,
+// so it is put back as found; tile data is never kept across calls, only the palette.
+struct TileScope {
+  TileConfig saved;
+  AMX_TARGET TileScope() {
+    _tile_storeconfig(&saved);
+    configure_tiles();
+  }
+  AMX_TARGET ~TileScope() {
+    if (saved.palette_id != 0)
+      _tile_loadconfig(&saved);
+    else
+      _tile_release();
+  }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
 
 // 2^t for float32 lanes (t <= 0, or -inf / NaN in lanes the caller masks off): 2^n * 2^f with n the
 // nearest integer and f in [-0.5, 0.5], 2^f by a degree-4 polynomial fitted for relative error on that
@@ -366,11 +389,7 @@ AMX_TARGET void attend_tasks(const at::Tensor& q, const at::Tensor& k, const at:
   const auto* kd = k.const_data_ptr<c10::BFloat16>();
   const auto* vd = v.const_data_ptr<c10::BFloat16>();
   auto* od = out.data_ptr<c10::BFloat16>();
-  // another library's kernels (oneDNN, inductor) may keep this thread's tile configuration between
-  // their calls: it is put back as found (tile data is never kept across calls, only the palette)
-  TileConfig saved;
-  _tile_storeconfig(&saved);
-  configure_tiles();
+  TileScope tiles;
   Scratch scratch;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / heads, h = task % heads;
@@ -382,14 +401,12 @@ AMX_TARGET void attend_tasks(const at::Tensor& q, const at::Tensor& k, const at:
     else
       attend_head_d64(t, len, scale, scratch);
   }
-  if (saved.palette_id != 0)
-    _tile_loadconfig(&saved);
-  else
-    _tile_release();
 }
 #endif  // DICE_FAST_AMX
 
-void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out) {
+void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, double scale) {
+  // the softmax subtracts scale * max(x): right for a positive scale only
+  TORCH_CHECK(scale > 0 && std::isfinite(scale), "amx_attention: scale must be positive and finite, got ", scale);
   const std::pair<const char*, const at::Tensor*> named[] = {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
   for (const auto& [name, t] : named) {
     TORCH_CHECK(t->dim() == 4, "amx_attention: ", name, " must be (n, heads, length, head_dim), got ", t->sizes());
@@ -401,6 +418,12 @@ void check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const int64_t len = q.size(2), d = q.size(3);
   TORCH_CHECK(d == 32 || d == kMaxHead, "amx_attention: head_dim must be 32 or 64, got ", d);
   TORCH_CHECK(len <= kMaxLen, "amx_attention: length must be at most ", kMaxLen, ", got ", len);
+  // K's rows are gathered with 32-bit byte offsets of up to 15 rows
+  TORCH_CHECK(k.stride(2) < (int64_t{1} << 26), "amx_attention: k's row stride must be under 2^26 elements, got ",
+              k.stride(2));
+  // out's rows are written by several threads: none may share memory with another or with an input
+  at::assert_no_internal_overlap(out);
+  for (const at::Tensor* input : {&q, &k, &v}) at::assert_no_partial_overlap(out, *input);
 }
 
 bool amx_attention_supported() {
@@ -412,7 +435,7 @@ bool amx_attention_supported() {
 }
 
 void amx_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out, double scale) {
-  check_args(q, k, v, out);
+  check_args(q, k, v, out, scale);
   TORCH_CHECK(amx_attention_supported(),
               "amx_attention: this CPU (or the OS's permission for AMX tile data) cannot run AMX bf16 tiles");
 #ifdef DICE_FAST_AMX

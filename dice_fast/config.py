@@ -115,7 +115,7 @@ class DiceConfig:
         "position table")
     max_batch_tokens: int | None = option(
         None, "token budget of one packed forward",
-        default_help="4096 on CPU (8192 for bf16 / fp16 on a CPU with AMX, and on OpenVINO: dtype int8 or runtime openvino); on CUDA 65,536 to 524,288 by the model's FLOPs per token",
+        default_help="4096 on CPU (8192 for bf16 on a CPU with AMX, and on OpenVINO: dtype int8 or runtime openvino); on CUDA 65,536 to 524,288 by the model's FLOPs per token",
         detail="On CUDA the default gives a batch about 16 TFLOP of work (a power of two of tokens, "
         "see [gpu.md](gpu.md)): 524,288 tokens for MiniLM-L6, 131,072 for BERT-base, 65,536 from ~0.25 "
         "GFLOP per token up.")

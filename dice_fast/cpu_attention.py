@@ -147,8 +147,8 @@ def cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
     choice = cpu_attention(q.dtype, q.shape[-1])
     if mask is None and q.shape[2] <= choice.matmul_max_len:
         return matmul_attention(q.float(), k.float(), v.float(), causal, scale)
-    if choice.kernel == "amx" and amx_applies(q, k, v, causal, enable_gqa, mask):
-        if out is None or out.stride(-1) != 1:
+    if choice.kernel == "amx" and amx_applies(q, k, v, causal, enable_gqa, mask, scale):
+        if out is None or out.stride(-1) != 1 or out.dtype != q.dtype or out.shape != q.shape:
             out = torch.empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype).transpose(1, 2)
         torch.ops.dice_fast_C.amx_attention(q, k, v, out, scale)
         return out
@@ -161,12 +161,13 @@ AMX_HEAD_DIMS = (32, 64)
 AMX_MAX_LEN = 1024
 
 
-def amx_applies(q, k, v, causal: bool, enable_gqa: bool, mask) -> bool:
+def amx_applies(q, k, v, causal: bool, enable_gqa: bool, mask, scale: float = 1.0) -> bool:
     """Whether the AMX kernel runs this run (else SDPA does): bf16, head size 32 or 64, at most
-    `AMX_MAX_LEN` tokens, no mask, not causal, as many K/V heads as query heads, head dims contiguous."""
-    return (q.dtype == torch.bfloat16 and mask is None and not causal and not enable_gqa
+    `AMX_MAX_LEN` tokens, no mask, not causal, as many K/V heads as query heads, head dims contiguous,
+    K's rows under 2^26 elements apart, a positive scale."""
+    return (q.dtype == torch.bfloat16 and mask is None and not causal and not enable_gqa and scale > 0
             and q.shape[-1] in AMX_HEAD_DIMS and 0 < q.shape[2] <= AMX_MAX_LEN and q.shape == k.shape == v.shape
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride(2) < 1 << 26)
 
 
 _AMX: dict[str, object] = {}  # "ok": bool, "why": str (once per process)
@@ -187,12 +188,13 @@ def _probe_amx() -> tuple[bool, str]:
     if not all(has):
         return False, "this CPU has no AMX bf16 (amx_tile and avx512_bf16)"
     from .ops import native
-    try:
+    try:  # any failure (no compiler, a read-only cache folder, a bad DICE_FAST_CPU_CAPABILITY) leaves SDPA
         native.build()
-    except RuntimeError as e:
-        return False, f"the dice_fast C++ extension did not build: {e}"
-    if not torch.ops.dice_fast_C.amx_attention_supported():
-        return False, "the OS refused AMX tile data to this process (Linux arch_prctl ARCH_REQ_XCOMP_PERM)"
+        if not torch.ops.dice_fast_C.amx_attention_supported():
+            return False, ("the kernel found no AMX bf16 on this CPU, or the OS refused AMX tile data to this "
+                           "process (Linux arch_prctl ARCH_REQ_XCOMP_PERM)")
+    except Exception as e:  # noqa: BLE001 - reported by amx_kernel(), never raised into an encode
+        return False, f"the dice_fast C++ extension did not build or load: {type(e).__name__}: {e}"
     return True, ""
 
 
@@ -242,12 +244,13 @@ def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:
     env = _env_dtype(dtype)  # read for float32 inputs too, so a bad value is refused whatever the dtype
     forced = torch.float32 if dtype == torch.float32 else env
     kernel_env = _env_kernel()
-    if kernel_env == "amx":
+    if kernel_env == "amx" and dtype == torch.bfloat16:  # other dtypes never run it: SDPA as with "sdpa"
+        if forced not in (None, dtype):
+            raise OptionError(f"{ENV_KERNEL}=amx attends bf16 in bf16; {ENV_DTYPE}=float32 contradicts it")
         ok, why = amx_kernel()
         if not ok:
             raise OptionError(f"{ENV_KERNEL}=amx, but the AMX attention kernel cannot run here: {why}")
-        if dtype == torch.bfloat16 and forced in (None, dtype):
-            return CpuAttention(dtype, 0, "env", "amx")
+        return CpuAttention(dtype, 0, "env", "amx")
     if forced is not None and kernel_env != "auto":
         return CpuAttention(forced, 0, "env")
     entry, source = cached_entry(f"{_dtype_name(dtype)}/d{head_dim}", _valid,
@@ -319,7 +322,8 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
         return lambda: torch.ops.dice_fast_C.amx_attention(q, k, v, out.transpose(1, 2), head_dim**-0.5)
 
     # before the clock starts: the first call on an AMX CPU builds the C++ extension (~11 s, once per machine)
-    amx_ok = dtype == torch.bfloat16 and head_dim in AMX_HEAD_DIMS and amx_kernel()[0]
+    amx_ok = (dtype == torch.bfloat16 and head_dim in AMX_HEAD_DIMS and _env_kernel() != "sdpa"
+              and amx_kernel()[0])
     deadline = time.perf_counter() + budget_s
     work, ms, kernel = torch.float32, {}, "sdpa"
     if dtype != torch.float32:
@@ -328,7 +332,7 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
         ms = race({"long_float32": sdpa_in(torch.float32, long_case), low: sdpa_in(dtype, long_case)},
                    deadline - budget_s / 2)
         work = dtype if ms[low] < _MARGIN * ms["long_float32"] else torch.float32
-        if amx_ok:
+        if amx_ok and work == dtype:  # the kernel attends bf16 in bf16: not a candidate where float32 won
             wide = packed(16, 256)  # the engine's CPU batch: the kernel's per-head packing is amortised there
             got = race({"long16_sdpa": sdpa_in(work, wide), "long16_amx": amx(wide)}, deadline - budget_s / 4)
             ms.update(got)

@@ -33,7 +33,7 @@ WEIGHT_DTYPES = {**TORCH_DTYPES, "int8": torch.float32, "auto": torch.float32}
 # token budget of one packed forward when max_batch_tokens is None (why 4096 on a CPU: benchmarks/RESULTS.md,
 # "Figures moved out of docstrings (issue 23)")
 DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
-# bf16 / fp16 on a CPU with AMX: its tile GEMMs and dice_fast's AMX attention leave each forward's fixed
+# bf16 on a CPU with AMX (fp16 not measured): its tile GEMMs and dice_fast's AMX attention leave each forward's fixed
 # cost (Python, per-op dispatch) a larger share, which 8192 halves: MiniLM on the 2-core AMX Xeon, 500
 # texts of 254 tokens, 8 interleaved rounds, 42,950 against 40,525 tokens/s, every round ahead (float32
 # is slower there at 8192: 9,217 against 10,227; RESULTS §20)
@@ -221,9 +221,9 @@ def check_strategy(strategy) -> str:
 
 def default_batch_tokens(device: torch.device, flops_per_token: float, dtype: torch.dtype = torch.float32) -> int:
     """The token budget of a batch when ``max_batch_tokens`` is None: `DEFAULT_BATCH_TOKENS` (4096 on a
-    CPU; `AMX_HALF_BATCH_TOKENS` for bf16 / fp16 on a CPU with AMX), on CUDA by the model's FLOPs per
+    CPU; `AMX_HALF_BATCH_TOKENS` for bf16 on a CPU with AMX), on CUDA by the model's FLOPs per
     token (`CUDA_BATCH_FLOP`, within `CUDA_BATCH_TOKENS`)."""
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and _cpu_has_amx():
+    if device.type == "cpu" and dtype == torch.bfloat16 and _cpu_has_amx():
         return AMX_HALF_BATCH_TOKENS
     if device.type != "cuda" or flops_per_token <= 0:
         return DEFAULT_BATCH_TOKENS.get(device.type, OTHER_DEVICE_BATCH_TOKENS)

@@ -9,6 +9,7 @@ argument checks wherever the C++ extension builds."""
 from __future__ import annotations
 
 import copy
+import json
 import threading
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from dice_fast import DiceEncoder
 from dice_fast import cpu_attention as tuning
+from dice_fast import cpu_tuning
 from oracle import K, corpus
 from reference import reference_encode
 from test_cpu_attention import _isolated  # noqa: F401 - the autouse fixture: own cache folder, no overrides
@@ -66,8 +68,8 @@ def _errors(q, k, v, got, scale):
 
 # lengths: one token, under / at / over a 16-row block and a 32-key step, the engine's 256, the limit
 @pytest.mark.parametrize("n,heads,length,d", [
-    (2, 3, 1, 32), (2, 3, 15, 32), (2, 3, 16, 32), (2, 3, 17, 32), (3, 2, 31, 64), (3, 2, 33, 64),
-    (1, 12, 256, 32), (2, 4, 257, 64), (1, 2, 1024, 32), (1, 2, 1024, 64),
+    (2, 3, 1, 32), (2, 3, 15, 32), (2, 3, 16, 32), (2, 3, 17, 32), (3, 2, 31, 64), (3, 2, 33, 64), (2, 2, 47, 32),
+    (1, 12, 256, 32), (2, 4, 257, 64), (1, 3, 300, 32), (1, 2, 1024, 32), (1, 2, 1024, 64),
 ])
 def test_kernel_within_bf16_sdpa_error(amx, n, heads, length, d):
     q, k, v, out = _packed(n, heads, length, d, seed=length)
@@ -141,6 +143,16 @@ def test_kernel_refuses_bad_input_by_name(built):
         op(big, big, big, big.clone(), 1.0)
     with pytest.raises(RuntimeError, match=r"out must be \(n, heads, length, head_dim\)"):
         op(q, k, v, out, 1.0)
+    with pytest.raises(RuntimeError, match="scale must be positive and finite"):
+        op(q, k, v, dst, -0.2)
+    with pytest.raises(RuntimeError, match="scale must be positive and finite"):
+        op(q, k, v, dst, float("nan"))
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):  # rows sharing memory
+        op(q, k, v, torch.zeros(1, 1, 1, 32, dtype=torch.bfloat16).expand(1, 2, 8, 32), 1.0)
+    base = torch.zeros(9 * 2 * 32, dtype=torch.bfloat16)  # out one token past q in the same buffer
+    shifted = [base[o:o + 8 * 2 * 32].view(1, 8, 2, 32).transpose(1, 2) for o in (0, 64)]
+    with pytest.raises(RuntimeError, match="input tensor and the written-to tensor refer to a single memory location"):
+        op(shifted[0], k, v, shifted[1], 1.0)
 
 
 def test_cpu_attend_uses_the_kernel_only_where_it_applies(amx, monkeypatch):
@@ -149,6 +161,9 @@ def test_cpu_attend_uses_the_kernel_only_where_it_applies(amx, monkeypatch):
     q, k, v, out = _packed(2, 4, 24, 32)
     dst = out.view(2, 24, 4, 32).transpose(1, 2)
     assert tuning.cpu_attend(q, k, v, False, 0.2, out=dst) is dst  # written in place
+    for other in (None, dst.float(), torch.empty(2, 4, 32, 24, dtype=torch.bfloat16).transpose(2, 3)):
+        got = tuning.cpu_attend(q, k, v, False, 0.2, out=other)  # no out, or one it cannot take: a tensor of its own
+        assert got is not other and torch.equal(got, dst)
     sdpa = lambda **kw: F.scaled_dot_product_attention(q, k, v, scale=0.2, **kw)  # noqa: E731
     assert torch.equal(tuning.cpu_attend(q, k, v, True, 0.2), sdpa(is_causal=True))
     band = torch.ones(24, 24, dtype=torch.bool).tril(3).triu(-3)
@@ -176,6 +191,43 @@ def test_amx_override_refused_where_the_kernel_cannot_run(monkeypatch):
     monkeypatch.setenv(tuning.ENV_KERNEL, "amx")
     with pytest.raises(ValueError, match="DICE_FAST_CPU_ATTENTION_KERNEL=amx.*no AMX bf16"):
         tuning.cpu_attention(torch.bfloat16, 32)
+    assert tuning.cpu_attention(torch.float32, 32).kernel == "sdpa"  # float32 never runs it: not refused
+    monkeypatch.setenv(tuning.ENV_DTYPE, "float32")
+    with pytest.raises(ValueError, match="DICE_FAST_CPU_ATTENTION_DTYPE=float32 contradicts it"):
+        tuning.cpu_attention(torch.bfloat16, 32)
+
+
+def test_cached_amx_choice_falls_back_where_the_kernel_cannot_run(monkeypatch):
+    """A cache shared with an AMX machine (or written before the extension stopped building): SDPA runs."""
+    entry = {"dtype": "bfloat16", "matmul_max_len": 0, "kernel": "amx", "ms": {}, "race": cpu_tuning.RACE_VERSION}
+    path = cpu_tuning.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({cpu_tuning.machine_key(): {"bfloat16/d32": entry}}))
+    monkeypatch.setattr(tuning, "_AMX", {"ok": False, "why": "the dice_fast C++ extension did not build"})
+    got = tuning.cpu_attention(torch.bfloat16, 32)
+    assert (got.source, got.kernel, got.dtype) == ("cache", "sdpa", torch.bfloat16)
+
+
+def test_probe_failures_never_raise(monkeypatch):
+    """Whatever the build raises (a read-only cache folder: PermissionError), bf16 keeps SDPA."""
+    from dice_fast.ops import native
+
+    def refuse(*a, **k):
+        raise PermissionError("[Errno 13] Permission denied: '/root/.cache/dice_fast'")
+
+    monkeypatch.setattr(tuning, "_AMX", {})
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(native, "build", refuse)
+    ok, why = tuning.amx_kernel()
+    assert not ok and "PermissionError" in why
+
+
+def _spy_amx(monkeypatch) -> list:
+    """The answers of `cpu_attention.amx_applies` from here on (True: the kernel ran that run)."""
+    answers, real = [], tuning.amx_applies
+    monkeypatch.setattr(tuning, "amx_applies", lambda *a, **k: answers.append(real(*a, **k)) or answers[-1])
+    return answers
 
 
 @pytest.mark.parametrize("head_dim", [32, 64])
@@ -183,6 +235,7 @@ def test_bf16_engine_with_the_kernel_within_plain_model_error(amx, monkeypatch, 
     """The whole bf16 engine, its attention forced to the AMX kernel, against the float64 per-chunk oracle:
     within twice the plain bf16 per-chunk model's own error (test_gpu.py's bound)."""
     monkeypatch.setenv(tuning.ENV_KERNEL, "amx")
+    ran = _spy_amx(monkeypatch)
     # the shared tiny BERT's heads are 8 wide, not the kernel's
     model, tok, prefix, suffix, first = tiny("bert", hidden_size=2 * head_dim, num_attention_heads=2,
                                              intermediate_size=4 * head_dim)
@@ -192,7 +245,7 @@ def test_bf16_engine_with_the_kernel_within_plain_model_error(amx, monkeypatch, 
     plain, _ = reference_encode(copy.deepcopy(model).bfloat16(), tok, texts, **ref)
     enc = DiceEncoder(copy.deepcopy(model), tok, chunk_size=K, max_batch_tokens=40, dtype="bfloat16")
     got = enc.encode_documents(texts)
-    assert tuning.describe(torch.bfloat16) == "bf16 amx" and "cpu_attention=bf16 amx" in repr(enc)
+    assert True in ran and "cpu_attention=bf16 amx" in repr(enc)  # the kernel really ran
     assert_within_plain_error(got, plain, oracle, torch.bfloat16, what=f"bf16 engine, AMX attention, d={head_dim}")
 
 
@@ -204,10 +257,11 @@ def test_bundled_model_same_vectors_either_kernel(amx, monkeypatch):
 
     enc = DiceEncoder.from_pretrained(device="cpu", dtype="bfloat16")
     texts = held_out_texts(enc.tokenizer, 24, 254)
-    got = {}
+    got, ran = {}, _spy_amx(monkeypatch)
     for kernel in ("sdpa", "amx"):
         monkeypatch.setenv(tuning.ENV_KERNEL, kernel)
         got[kernel] = np.asarray(enc.encode_documents(texts), dtype=np.float64)
+    assert True in ran
     cos = (got["sdpa"] * got["amx"]).sum(1) / np.linalg.norm(got["sdpa"], axis=1) / np.linalg.norm(got["amx"], axis=1)
     assert cos.min() >= 0.9995, cos.min()
     assert default_model_path()  # the bundled model, not a hub download
