@@ -3,8 +3,8 @@
 CPU attention of half-precision inputs (the bf16 engine on a CPU) can run in the input dtype or
 in float32, through SDPA or, for short runs of equal-length chunks, a plain batched matmul; bf16 on
 a CPU with AMX also through dice_fast's own AMX kernel (``csrc/attention_cpu_amx.cpp``: K and V
-packed once per head into tile layout, scores and softmax per 16 query rows in L1; 1.39x torch's
-bf16 SDPA on a (16, 12, 256, 32) run of the AMX Xeon, benchmarks/RESULTS.md §20). Which
+packed once per head into tile layout, scores and softmax per block of 32 query rows (16 at head size
+64) in L1; 1.4-1.55x torch's bf16 SDPA on a (16, 12, 256, 32) run of the AMX Xeon, RESULTS §20). Which
 is fastest depends on the CPU: a 2-core AMD EPYC with avx512_bf16 runs SDPA faster in float32; an
 Intel Xeon with AMX runs bf16 SDPA about 2x faster than float32; an EPYC without any bf16
 instructions (AVX2 only) runs bf16 matmuls emulated, far slower than float32. So the choice is measured,
@@ -29,7 +29,7 @@ Environment overrides (no benchmark is run when they decide):
   or the C++ extension cannot be built).
 
 The AMX kernel lives in the ``dice_fast_C`` extension (`dice_fast.ops.native`), built on first need
-(~11 s with ninja, cached on disk) only on CPUs that have AMX bf16; it runs runs of chunks up to
+(~11 s with ninja, cached on disk) only on CPUs that have AMX bf16; it attends runs of chunks up to
 1,024 tokens with head size 32 or 64, no mask, not causal, no GQA (anything else goes to SDPA).
 
 Exactness: float32 attention is at least as exact as the plain model's; attention in bf16 is what
