@@ -77,13 +77,20 @@ struct alignas(64) TileConfig {
 };
 
 // every tile 16 rows x 64 bytes: A (16 x 32 bf16), B (16 row-pairs x 16 columns of bf16 pairs), C (16 x 16 fp32)
+// ldtilecfg / sttilecfg with the whole 64-byte configuration as the memory operand: GCC 12's
+// _tile_loadconfig / _tile_storeconfig declare only its first 8 bytes, so the stores of the rows and
+// column widths were dead to the optimizer and could be dropped (they were, once a helper was split
+// out: tileloadd then raised SIGILL on an unconfigured palette)
+AMX_TARGET inline void load_tile_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" ::"m"(cfg)); }
+AMX_TARGET inline void store_tile_config(TileConfig& cfg) { __asm__ volatile("sttilecfg %0" : "=m"(cfg)); }
+
 AMX_TARGET void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // this thread's tiles configured for the kernel while in scope (exceptions included). Another
@@ -92,12 +99,12 @@ AMX_TARGET void configure_tiles() {
 struct TileScope {
   TileConfig saved;
   AMX_TARGET TileScope() {
-    _tile_storeconfig(&saved);
+    store_tile_config(saved);
     configure_tiles();
   }
   AMX_TARGET ~TileScope() {
     if (saved.palette_id != 0)
-      _tile_loadconfig(&saved);
+      load_tile_config(saved);
     else
       _tile_release();
   }
