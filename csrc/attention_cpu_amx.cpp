@@ -238,6 +238,23 @@ AMX_TARGET void softmax_rows(float* scores, uint16_t* probs, int64_t nrows, int6
 }
 
 // tiles: 0-1 Q's d steps (then P's key step), 2-3 B operands (K or V), 4-7 products
+// one head's set-up, whatever its width ``d``: K and V packed into their tiles, the scratch sized for
+// query blocks of ``block_rows``; returns (key blocks of 16, keys padded to the P V reduction step of 32)
+AMX_TARGET std::pair<int64_t, int64_t> prepare_head(const HeadTask& t, int64_t len, int64_t d, int64_t block_rows,
+                                                    Scratch& s) {
+  const int64_t key_blocks = (len + 15) / 16;
+  const int64_t lk = (len + 31) / 32 * 32;
+  s.kp.resize(key_blocks * (d / 32) * 256);
+  s.vp.resize(lk / 32 * (d / 16) * 256);
+  pack_k(t, len, d / 32, s.kp.data());
+  pack_v(t, len, lk, d / 16, s.vp.data());
+  s.scores.resize(block_rows * lk);
+  s.probs.resize(block_rows * lk);
+  s.acc.resize(4 * 256);
+  s.qpad.resize(block_rows * d);
+  return {key_blocks, lk};
+}
+
 // the output block: product tiles 4-7 into acc (as [row half][d block][16][16] float32, ``dblocks`` d
 // blocks per half), times 1 / sum, two d blocks rounded to bf16 per instruction, into rows m0.. of out
 AMX_TARGET void store_output(const HeadTask& t, int64_t m0, int64_t rows, int64_t dblocks, const float* inv_sum,
@@ -270,16 +287,7 @@ AMX_TARGET void store_output(const HeadTask& t, int64_t m0, int64_t rows, int64_
 // D = 64: blocks of 16 query rows; Q takes tiles 0-1 (two d steps), the four d blocks of the output
 // accumulate in tiles 4-7 (four independent chains)
 AMX_TARGET void attend_head_d64(const HeadTask& t, int64_t len, float scale, Scratch& s) {
-  const int64_t key_blocks = (len + 15) / 16;
-  const int64_t lk = (len + 31) / 32 * 32;  // keys padded to the PV reduction step (32)
-  s.kp.resize(key_blocks * 2 * 256);
-  s.vp.resize(lk / 32 * 4 * 256);
-  pack_k(t, len, 2, s.kp.data());
-  pack_v(t, len, lk, 4, s.vp.data());
-  s.scores.resize(16 * lk);
-  s.probs.resize(16 * lk);
-  s.acc.resize(4 * 256);
-  s.qpad.resize(16 * 64);
+  const auto [key_blocks, lk] = prepare_head(t, len, 64, 16, s);
   float inv_sum[16];
 
   for (int64_t m0 = 0; m0 < len; m0 += 16) {
@@ -329,16 +337,7 @@ AMX_TARGET void attend_head_d64(const HeadTask& t, int64_t len, float scale, Scr
 // four products in flight (tiles 4-7) are independent chains: 16-row blocks left the AMX unit waiting
 // on one accumulation chain per d block (perf: the P V loop was ~18% of the kernel, stalled on it)
 AMX_TARGET void attend_head_d32(const HeadTask& t, int64_t len, float scale, Scratch& s) {
-  const int64_t key_blocks = (len + 15) / 16;
-  const int64_t lk = (len + 31) / 32 * 32;
-  s.kp.resize(key_blocks * 256);
-  s.vp.resize(lk / 32 * 2 * 256);
-  pack_k(t, len, 1, s.kp.data());
-  pack_v(t, len, lk, 2, s.vp.data());
-  s.scores.resize(32 * lk);
-  s.probs.resize(32 * lk);
-  s.acc.resize(4 * 256);
-  s.qpad.resize(32 * 32);
+  const auto [key_blocks, lk] = prepare_head(t, len, 32, 32, s);
   float* lower = s.scores.data() + 16 * lk;  // score rows 16-31
   float inv_sum[32];
 
