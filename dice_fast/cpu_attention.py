@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cpu_tuning import BUDGET_S, busy, cached_entry, measured_load, race
+from .cpu_tuning import BUDGET_S, busy, cached_entry, has_amx_bf16, measured_load, race
 from .errors import OptionError
 
 ENV_DTYPE = "DICE_FAST_CPU_ATTENTION_DTYPE"
@@ -184,9 +184,8 @@ def amx_kernel() -> tuple[bool, str]:
 
 
 def _probe_amx() -> tuple[bool, str]:
-    has = [getattr(torch.cpu, f"_is_{f}_supported", lambda: False)() for f in ("amx_tile", "avx512_bf16")]
-    if not all(has):
-        return False, "this CPU has no AMX bf16 (amx_tile and avx512_bf16)"
+    if not has_amx_bf16():
+        return False, "this CPU has no AMX bf16 (amx_tile, amx_bf16 and avx512_bf16)"
     from .ops import native
     try:  # any failure (no compiler, a read-only cache folder, a bad DICE_FAST_CPU_CAPABILITY) leaves SDPA
         native.build()
@@ -255,16 +254,13 @@ def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:
         return CpuAttention(forced, 0, "env")
     entry, source = cached_entry(f"{_dtype_name(dtype)}/d{head_dim}", _valid,
                                  lambda: measure_cpu_attention(dtype, head_dim))
-    work = forced if forced is not None else getattr(torch, entry["dtype"])
+    measured = getattr(torch, entry["dtype"])
+    work = forced if forced is not None else measured
     matmul = 0 if kernel_env != "auto" else int(entry["matmul_max_len"])
-    kernel = entry["kernel"] if kernel_env == "auto" and work == entry_dtype(entry) else "sdpa"
+    kernel = entry["kernel"] if kernel_env == "auto" and work == measured else "sdpa"
     if kernel == "amx" and not amx_kernel()[0]:  # a cache shared with another machine, or a failed build
         kernel = "sdpa"
     return CpuAttention(work, matmul, "env" if forced is not None and dtype != torch.float32 else source, kernel)
-
-
-def entry_dtype(entry: dict) -> torch.dtype:
-    return getattr(torch, entry["dtype"])
 
 
 def _valid(entry) -> bool:

@@ -132,6 +132,13 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def has_amx_bf16() -> bool:
+    """Whether the CPU has AMX bf16 tiles (amx_tile, amx_bf16) and avx512_bf16, by `cpu_flags`: what the
+    AMX attention kernel (`dice_fast.cpu_attention`) and the bf16 batch budget on AMX (`dice_fast.settings`)
+    need."""
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags()
+
+
 def machine_key() -> str:
     """CPU model, the ISA flags that matter, threads and torch version: a cache entry is reused only there."""
     model = cpu_model()

@@ -21,6 +21,7 @@ import torch
 
 from .attention import choose_backend
 from .config import DEFAULT_CHUNK_SIZE, STRATEGIES, DiceConfig
+from .cpu_tuning import has_amx_bf16
 from .errors import OptionError
 from .matryoshka import check_dim
 from .models import ModelSpec
@@ -37,7 +38,7 @@ DEFAULT_BATCH_TOKENS = {"cpu": 4096, "cuda": 65536}
 # cost (Python, per-op dispatch) a larger share, which 8192 halves: MiniLM on the 2-core AMX Xeon, 500
 # texts of 254 tokens, 8 interleaved rounds, 42,950 against 40,525 tokens/s, every round ahead (float32
 # is slower there at 8192: 9,217 against 10,227; RESULTS §20)
-AMX_HALF_BATCH_TOKENS = 8192
+AMX_BF16_BATCH_TOKENS = 8192
 # the OpenVINO runtime (int8, float; CPU): a batch's sub-batches run one per OpenVINO stream; 8192 gives each of 2 streams 16 chunks of
 # 256 tokens and halves the batch barriers (1.05-1.4x 4096 on the loaded 2-core Zen 4, RESULTS §15)
 OPENVINO_BATCH_TOKENS = 8192
@@ -221,19 +222,15 @@ def check_strategy(strategy) -> str:
 
 def default_batch_tokens(device: torch.device, flops_per_token: float, dtype: torch.dtype = torch.float32) -> int:
     """The token budget of a batch when ``max_batch_tokens`` is None: `DEFAULT_BATCH_TOKENS` (4096 on a
-    CPU; `AMX_HALF_BATCH_TOKENS` for bf16 on a CPU with AMX), on CUDA by the model's FLOPs per
+    CPU; `AMX_BF16_BATCH_TOKENS` for bf16 on a CPU with AMX), on CUDA by the model's FLOPs per
     token (`CUDA_BATCH_FLOP`, within `CUDA_BATCH_TOKENS`)."""
-    if device.type == "cpu" and dtype == torch.bfloat16 and _cpu_has_amx():
-        return AMX_HALF_BATCH_TOKENS
+    if device.type == "cpu" and dtype == torch.bfloat16 and has_amx_bf16():
+        return AMX_BF16_BATCH_TOKENS
     if device.type != "cuda" or flops_per_token <= 0:
         return DEFAULT_BATCH_TOKENS.get(device.type, OTHER_DEVICE_BATCH_TOKENS)
     lo, hi = CUDA_BATCH_TOKENS
     want = 1 << max(0, int(np.ceil(np.log2(CUDA_BATCH_FLOP / flops_per_token))))
     return int(min(hi, max(lo, want)))
-
-
-def _cpu_has_amx() -> bool:
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def placement(config: DiceConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
@@ -272,4 +269,4 @@ def _overhead(wrap) -> int:
     return len(wrap[0]) + len(wrap[1])
 
 
-__all__ = ["Chunking", "check_strategy", "LATE_MAX_WINDOW", "TORCH_DTYPES", "WEIGHT_DTYPES", "DEFAULT_BATCH_TOKENS", "AMX_HALF_BATCH_TOKENS", "default_batch_tokens", "Settings", "placement", "pretrained_placement", "resolve", "weight_dtype"]
+__all__ = ["Chunking", "check_strategy", "LATE_MAX_WINDOW", "TORCH_DTYPES", "WEIGHT_DTYPES", "DEFAULT_BATCH_TOKENS", "AMX_BF16_BATCH_TOKENS", "default_batch_tokens", "Settings", "placement", "pretrained_placement", "resolve", "weight_dtype"]

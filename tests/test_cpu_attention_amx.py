@@ -187,7 +187,7 @@ def test_measured_choice_and_overrides(amx, monkeypatch):
 
 
 def test_amx_override_refused_where_the_kernel_cannot_run(monkeypatch):
-    monkeypatch.setattr(tuning, "_AMX", {"ok": False, "why": "this CPU has no AMX bf16 (amx_tile and avx512_bf16)"})
+    monkeypatch.setattr(tuning, "_AMX", {"ok": False, "why": "this CPU has no AMX bf16 (amx_tile, amx_bf16 and avx512_bf16)"})
     monkeypatch.setenv(tuning.ENV_KERNEL, "amx")
     with pytest.raises(ValueError, match="DICE_FAST_CPU_ATTENTION_KERNEL=amx.*no AMX bf16"):
         tuning.cpu_attention(torch.bfloat16, 32)
@@ -216,8 +216,7 @@ def test_probe_failures_never_raise(monkeypatch):
         raise PermissionError("[Errno 13] Permission denied: '/root/.cache/dice_fast'")
 
     monkeypatch.setattr(tuning, "_AMX", {})
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(tuning, "has_amx_bf16", lambda: True)
     monkeypatch.setattr(native, "build", refuse)
     ok, why = tuning.amx_kernel()
     assert not ok and "PermissionError" in why

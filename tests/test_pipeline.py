@@ -247,7 +247,7 @@ def test_the_option_and_the_cuda_budget_rule():
     cuda = torch.device("cuda")
     assert default_batch_tokens(torch.device("cpu"), 21e6) == 4096
     for amx, want in ((True, 8192), (False, 4096)):  # bf16 on a CPU with AMX: the larger budget
-        with mock.patch.object(settings, "_cpu_has_amx", lambda amx=amx: amx):
+        with mock.patch.object(settings, "has_amx_bf16", lambda amx=amx: amx):
             assert default_batch_tokens(torch.device("cpu"), 21e6, torch.bfloat16) == want
             assert default_batch_tokens(torch.device("cpu"), 21e6, torch.float32) == 4096
     assert default_batch_tokens(cuda, 0.0) == 65536  # unknown FLOPs: the old default
