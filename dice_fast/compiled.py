@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from . import cpu_linear
+from . import cpu_fusion, cpu_linear
 
 CUDA_MODE = "default"  # torch.compile mode on CUDA: unmeasured (see the module docstring)
 BACKEND = "inductor"  # the compiler (tests trace with "aot_eager": the same graph, no code generation)
@@ -80,6 +80,7 @@ class CompiledForward:
         # the eager forward's CPU linear kernel (dice_fast.cpu_linear), kept as an opaque op in the graph
         self.linear = cpu_linear.model_kernel(model)
         self._linear_op = cpu_linear.traced_linear() if self.linear == "onednn" else None
+        self._gelu = cpu_fusion.gelu_linears(model) if self.linear == "onednn" else {}
         self._kwargs = {"use_cache": False} if takes_cache else {}
         if backend != "sdpa_groups":
             self._kwargs["dice_backend"] = backend
@@ -90,7 +91,7 @@ class CompiledForward:
 
     def _forward(self, input_ids, position_ids, cu, groups, causal):
         batch = {"dice_groups": groups} if self.backend == "sdpa_groups" else {"dice_max_len": groups}
-        with cpu_linear.linear_mode(self.linear, self._linear_op):
+        with cpu_linear.linear_mode(self.linear, self._linear_op, self._gelu):
             out = self.shadow(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
                               cu_seq_lens_q=cu, cu_seq_lens_k=cu, dice_causal=causal, **batch, **self._kwargs)
         return out.last_hidden_state[0]

@@ -97,16 +97,25 @@ def measure(dtype: torch.dtype, budget_s: float = tuning.BUDGET_S) -> dict:
             "load": load, "busy": tuning.busy(load), "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` through oneDNN: x (..., in), weight (out, in), bias (out,) or None."""
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  gelu: str | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through oneDNN: x (..., in), weight (out, in), bias (out,) or None;
+    ``gelu`` ("none" / "tanh": F.gelu's ``approximate``) applies a GELU to the float32 accumulators
+    before the output is written (oneDNN's post-op; `dice_fast.cpu_fusion`)."""
+    post, algorithm = ("gelu", gelu) if gelu is not None else ("none", "")
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, post, [], algorithm)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class _OneDnnLinear(TorchFunctionMode):
-    def __init__(self, linear):
+    """``F.linear`` through ``linear``; a linear in ``gelu`` ({id(weight): approximate}) with the GELU
+    that follows it fused, and that GELU's own call then handed its input back (`dice_fast.cpu_fusion`
+    guarantees it is the only reader of the linear's output)."""
+
+    def __init__(self, linear, gelu: dict[int, str]):
         super().__init__()
-        self.linear = linear
+        self.linear, self.gelu = linear, gelu
+        self._activated = None  # (output of the last fused linear, its approximate) until its GELU runs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -115,7 +124,17 @@ class _OneDnnLinear(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if (x.device.type == "cpu" and x.dtype == weight.dtype in (torch.float32, torch.bfloat16)
                     and weight.dim() == 2 and _plain_bias(bias, weight)):
-                return self.linear(x, weight, bias)
+                approximate = self.gelu.get(id(weight))
+                if approximate is None:
+                    return self.linear(x, weight, bias)
+                y = self.linear(x, weight, bias, approximate)
+                self._activated = (y, approximate)
+                return y
+        elif func is F.gelu and self._activated is not None:
+            y, approximate = self._activated
+            if args[0] is y and len(args) == 1 and kwargs.get("approximate", "none") == approximate:
+                self._activated = None
+                return y
         return func(*args, **kwargs)
 
 
@@ -137,21 +156,22 @@ def traced_linear():
     with _LOCK:
         if not _TRACED:
             @torch.library.custom_op("dice_fast::onednn_linear", mutates_args=())
-            def op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-                return onednn_linear(x, weight, bias)
+            def op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   gelu: str | None = None) -> torch.Tensor:
+                return onednn_linear(x, weight, bias, gelu)
 
             @op.register_fake
-            def _(x, weight, bias):
+            def _(x, weight, bias, gelu=None):
                 return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
             _TRACED.append(op)
     return _TRACED[0]
 
 
-def linear_mode(name: str, linear=None):
+def linear_mode(name: str, linear=None, gelu: dict[int, str] | None = None):
     """A context in which ``F.linear`` runs through kernel ``name`` ("onednn"; "torch": nothing changes):
     ``linear`` (default `onednn_linear`; a compiled forward passes `traced_linear()`, made outside the
-    traced code)."""
+    traced code); ``gelu`` the linears to fuse with the GELU after them (`dice_fast.cpu_fusion.gelu_linears`)."""
     if name != "onednn":
         return contextlib.nullcontext()
-    return _OneDnnLinear(linear or onednn_linear)
+    return _OneDnnLinear(linear or onednn_linear, gelu or {})

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import attention as attn
-from . import cpu_linear, cpu_paths
+from . import cpu_fusion, cpu_linear, cpu_paths
 from .nosync import sync_free_kwargs
 from .ops import pool_chunks
 from .packing import PackedBatch, pack
@@ -69,6 +69,7 @@ class ModelRunner:
         self.model, self.spec, self.causal = model, spec, causal
         self.compiled = None  # a dice_fast.compiled.CompiledForward when the packed forward is compiled
         self._linear: str | None = None  # the CPU linear kernel (dice_fast.cpu_linear), chosen at the first forward
+        self._gelu_linears: dict[int, str] = {}  # the linears fused with their GELU (dice_fast.cpu_fusion), found then
         self.pooling, self.pooling_impl, self.max_batch_tokens = pooling, pooling_impl, max_batch_tokens
         param = next(model.parameters())
         self.device = param.device
@@ -136,10 +137,13 @@ class ModelRunner:
 
     def linear_mode(self):
         """The context the eager forward runs its linears in: oneDNN's kernel where it was measured faster
-        on this CPU for the model's dtype (`dice_fast.cpu_linear`), else torch's own."""
+        on this CPU for the model's dtype (`dice_fast.cpu_linear`), with each linear that feeds only a GELU
+        fused with it (`dice_fast.cpu_fusion`); else torch's own."""
         if self._linear is None:
-            self._linear = cpu_linear.model_kernel(self.model)
-        return cpu_linear.linear_mode(self._linear)
+            kernel = cpu_linear.model_kernel(self.model)
+            self._gelu_linears = cpu_fusion.gelu_linears(self.model) if kernel == "onednn" else {}
+            self._linear = kernel
+        return cpu_linear.linear_mode(self._linear, gelu=self._gelu_linears)
 
     def _compiled_hidden(self, batch: PackedBatch, cu: torch.Tensor) -> torch.Tensor:
         from .attention_op import group_table, max_len_tensor
