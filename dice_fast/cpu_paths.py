@@ -50,7 +50,7 @@ AGREEMENT_CHUNKS = 32
 ROUNDS = 3
 _KEY = "paths"  # the cache file's section (beside the attention choices)
 # the measurement's version, in its cache slot: bump it when `measure_paths` or a path's forward changes
-PATHS_VERSION = 2
+PATHS_VERSION = 3
 # DiceConfig fields that change neither the chunk vectors `measure_paths` compares nor how fast they are made;
 # every other field (chunk size, pooling, attention, prefixes, batch budget, ...) keys the measurement
 # (`run_batch`'s chunk vectors come before chunk normalisation; the measured windows are one chunk each, so
