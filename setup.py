@@ -60,7 +60,8 @@ setup(
         # Parquet corpus input and sharded output of `dice-fast encode`
         "pyarrow>=14",
         # builds csrc/ on first need (dice_fast.ops.native): the bf16 attention kernel on CPUs with AMX
-        # (dice_fast.cpu_attention) runs only from there
+        # (dice_fast.cpu_attention) and the bf16 LayerNorm on CPUs with avx512_bf16
+        # (dice_fast.cpu_layer_norm) run only from there
         "ninja",
     ],
     extras_require={

@@ -25,15 +25,14 @@ inside the engine's float32 tolerance against the plain model.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import threading
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import cpu_layer_norm
 from . import cpu_tuning as tuning
 from .errors import OptionError
 
@@ -89,12 +88,8 @@ def measure(dtype: torch.dtype, budget_s: float = tuning.BUDGET_S) -> dict:
     g = torch.Generator().manual_seed(0)
     m, k, n = _SHAPE
     x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((m, k), (n, k), (n,)))
-    ms = tuning.race({"torch": lambda: F.linear(x, w, b), "onednn": lambda: onednn_linear(x, w, b)},
-                     time.perf_counter() + budget_s)
-    load = tuning.measured_load()
-    return {"kernel": "onednn" if ms["onednn"] < _MARGIN * ms["torch"] else "torch",
-            "ms": {key: round(v, 4) for key, v in ms.items()}, "threads": torch.get_num_threads(),
-            "load": load, "busy": tuning.busy(load), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    return tuning.kernel_race({"torch": lambda: F.linear(x, w, b), "onednn": lambda: onednn_linear(x, w, b)},
+                              "onednn", "torch", _MARGIN, budget_s)
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -107,19 +102,20 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class _OneDnnLinear(TorchFunctionMode):
-    """``F.linear`` through ``linear``; a linear in ``gelu`` ({id(weight): approximate}) with the GELU
-    that follows it fused, and that GELU's own call then handed its input back (`dice_fast.cpu_fusion`
-    guarantees it is the only reader of the linear's output)."""
+class _CpuForward(TorchFunctionMode):
+    """The forward's CPU kernels: ``F.linear`` through ``linear`` (None: torch's); a linear in ``gelu``
+    ({id(weight): approximate}) with the GELU that follows it fused, and that GELU's own call then handed
+    its input back (`dice_fast.cpu_fusion` guarantees it is the only reader of the linear's output);
+    ``F.layer_norm`` through ``layer_norm`` (None: torch's) where `cpu_layer_norm.applies`."""
 
-    def __init__(self, linear, gelu: dict[int, str]):
+    def __init__(self, linear, gelu: dict[int, str], layer_norm):
         super().__init__()
-        self.linear, self.gelu = linear, gelu
+        self.linear, self.gelu, self.layer_norm = linear, gelu, layer_norm
         self._activated = None  # (output of the last fused linear, its approximate) until its GELU runs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear:
+        if func is F.linear and self.linear is not None:
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if (x.device.type == "cpu" and x.dtype == weight.dtype in (torch.float32, torch.bfloat16)
@@ -135,6 +131,12 @@ class _OneDnnLinear(TorchFunctionMode):
             if args[0] is y and len(args) == 1 and kwargs.get("approximate", "none") == approximate:
                 self._activated = None
                 return y
+        elif func is F.layer_norm and self.layer_norm is not None:
+            names = ("input", "normalized_shape", "weight", "bias", "eps")
+            call = {**dict(zip(names, args)), **kwargs}
+            x, shape, weight, bias = (call.get(n) for n in names[:4])
+            if cpu_layer_norm.applies(x, shape, weight, bias):
+                return self.layer_norm(x, weight, bias, call.get("eps", 1e-5))
         return func(*args, **kwargs)
 
 
@@ -168,10 +170,13 @@ def traced_linear():
     return _TRACED[0]
 
 
-def linear_mode(name: str, linear=None, gelu: dict[int, str] | None = None):
-    """A context in which ``F.linear`` runs through kernel ``name`` ("onednn"; "torch": nothing changes):
+def linear_mode(name: str, linear=None, gelu: dict[int, str] | None = None, layer_norm=None):
+    """A context in which ``F.linear`` runs through kernel ``name`` ("onednn"; "torch": torch's own):
     ``linear`` (default `onednn_linear`; a compiled forward passes `traced_linear()`, made outside the
-    traced code); ``gelu`` the linears to fuse with the GELU after them (`dice_fast.cpu_fusion.gelu_linears`)."""
-    if name != "onednn":
+    traced code); ``gelu`` the linears to fuse with the GELU after them (`dice_fast.cpu_fusion.gelu_linears`,
+    oneDNN only); ``layer_norm`` a bf16 LayerNorm to run where it applies (`dice_fast.cpu_layer_norm`).
+    Nothing is entered when nothing changes."""
+    if name != "onednn" and layer_norm is None:
         return contextlib.nullcontext()
-    return _OneDnnLinear(linear or onednn_linear, gelu or {})
+    onednn = name == "onednn"
+    return _CpuForward((linear or onednn_linear) if onednn else None, (gelu or {}) if onednn else {}, layer_norm)

@@ -1,8 +1,9 @@
 """The per-machine tuning cache, and the timing every CPU speed choice is made with.
 
 The CPU choices that are measured rather than assumed (the attention kernel, `dice_fast.cpu_attention`;
-the linear kernel, `dice_fast.cpu_linear`; the ``dtype="auto"`` path, `dice_fast.cpu_paths`) time
-their candidates with `race` (or their own rounds, sampling the machine's load with `sample_others`)
+the linear kernel, `dice_fast.cpu_linear`; the bf16 LayerNorm, `dice_fast.cpu_layer_norm`; the
+``dtype="auto"`` path, `dice_fast.cpu_paths`) time their candidates with `race` (two kernels:
+`kernel_race`), or their own rounds, sampling the machine's load with `sample_others`,
 and keep the answer in one JSON file per user, under this machine's key:
 
     entry, source = cpu_tuning.cached_entry("linear/float32", valid, measure)  # cached, else measured and kept
@@ -23,6 +24,7 @@ and keep the answer in one JSON file per user, under this machine's key:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import threading
@@ -107,6 +109,16 @@ def race(fns: dict, deadline: float, max_rounds: int = 7) -> dict:
         for name, fn in alive.items():
             best[name] = min(best[name], _timed(fn))
     return {n: t * 1e3 for n, t in best.items()}
+
+
+def kernel_race(fns: dict, challenger: str, incumbent: str, margin: float, budget_s: float = BUDGET_S) -> dict:
+    """`race` two kernels ({name: fn}) and return the cache entry {"kernel", "ms", "threads", "load",
+    "busy", "date"}: ``challenger`` where its time is under ``margin`` x ``incumbent``'s, else ``incumbent``."""
+    ms = race(fns, time.perf_counter() + budget_s)
+    load = measured_load()
+    return {"kernel": challenger if ms[challenger] < margin * ms[incumbent] else incumbent,
+            "ms": {key: round(v, 4) for key, v in ms.items()}, "threads": torch.get_num_threads(),
+            "load": load, "busy": busy(load), "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
 # --------------------------------------------------------------------------------------------

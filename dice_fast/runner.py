@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import attention as attn
-from . import cpu_fusion, cpu_linear, cpu_paths
+from . import cpu_fusion, cpu_layer_norm, cpu_linear, cpu_paths
 from .nosync import sync_free_kwargs
 from .ops import pool_chunks
 from .packing import PackedBatch, pack
@@ -70,6 +70,7 @@ class ModelRunner:
         self.compiled = None  # a dice_fast.compiled.CompiledForward when the packed forward is compiled
         self._linear: str | None = None  # the CPU linear kernel (dice_fast.cpu_linear), chosen at the first forward
         self._gelu_linears: dict[int, str] = {}  # the linears fused with their GELU (dice_fast.cpu_fusion), found then
+        self._layer_norm = None  # dice_fast.cpu_layer_norm.layer_norm where it runs a bf16 model's LayerNorms, decided then
         self.pooling, self.pooling_impl, self.max_batch_tokens = pooling, pooling_impl, max_batch_tokens
         param = next(model.parameters())
         self.device = param.device
@@ -138,12 +139,16 @@ class ModelRunner:
     def linear_mode(self):
         """The context the eager forward runs its linears in: oneDNN's kernel where it was measured faster
         on this CPU for the model's dtype (`dice_fast.cpu_linear`), with each linear that feeds only a GELU
-        fused with it (`dice_fast.cpu_fusion`); else torch's own."""
+        fused with it (`dice_fast.cpu_fusion`); else torch's own. A bf16 model's LayerNorms run on
+        dice_fast's kernel where it was measured faster (`dice_fast.cpu_layer_norm`)."""
         if self._linear is None:
             kernel = cpu_linear.model_kernel(self.model)
             self._gelu_linears = cpu_fusion.gelu_linears(self.model) if kernel == "onednn" else {}
+            param = next(self.model.parameters())
+            if param.device.type == "cpu" and param.dtype == torch.bfloat16 and cpu_layer_norm.kernel() == "native":
+                self._layer_norm = cpu_layer_norm.layer_norm
             self._linear = kernel
-        return cpu_linear.linear_mode(self._linear, gelu=self._gelu_linears)
+        return cpu_linear.linear_mode(self._linear, gelu=self._gelu_linears, layer_norm=self._layer_norm)
 
     def _compiled_hidden(self, batch: PackedBatch, cu: torch.Tensor) -> torch.Tensor:
         from .attention_op import group_table, max_len_tensor

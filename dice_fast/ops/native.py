@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 LIB_NAME = "dice_fast_C"
-CPU_SOURCES = ("register.cpp", "segment_pool_cpu.cpp", "attention_cpu_amx.cpp")
+CPU_SOURCES = ("register.cpp", "segment_pool_cpu.cpp", "attention_cpu_amx.cpp", "layer_norm_cpu.cpp")
 CUDA_SOURCES = ("segment_pool_cuda.cu",)
 HEADERS = ("segment_pool.h",)
 
