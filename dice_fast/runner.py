@@ -150,6 +150,15 @@ class ModelRunner:
             self._linear = kernel
         return cpu_linear.linear_mode(self._linear, gelu=self._gelu_linears, layer_norm=self._layer_norm)
 
+    def cpu_label(self) -> str:
+        """The CPU kernels the eager forward chose, as the encoder's repr shows them: ``", cpu_linear=onednn
+        (6 with gelu), cpu_layer_norm=native"``; "" before the first forward, or off the CPU."""
+        if self._linear is None or self.device.type != "cpu":
+            return ""
+        fused = f" ({len(self._gelu_linears)} with gelu)" if self._gelu_linears else ""
+        native_ln = self._layer_norm is not None and self.compiled is None  # compiled: inductor's LayerNorm
+        return f", cpu_linear={self._linear}{fused}" + (", cpu_layer_norm=native" if native_ln else "")
+
     def _compiled_hidden(self, batch: PackedBatch, cu: torch.Tensor) -> torch.Tensor:
         from .attention_op import group_table, max_len_tensor
 

@@ -130,6 +130,7 @@ def test_engine_fused_matches_the_per_chunk_oracle(monkeypatch, arch):
     monkeypatch.setattr(cpu_linear, "onednn_linear", lambda *a: calls.append(a[3:]) or real(*a))
     enc, _ = check(arch)
     assert len(enc.runner._gelu_linears) == 2 and calls.count(("none",)) >= 2
+    assert "cpu_linear=onednn (2 with gelu)" in repr(enc)
 
 
 @needs_onednn

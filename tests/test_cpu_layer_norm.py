@@ -150,6 +150,7 @@ def test_engine_bf16_with_the_kernel(fresh, monkeypatch):
         enc = DiceEncoder(copy.deepcopy(model), tok, chunk_size=16, dtype="bfloat16")
         out[name] = enc.encode_documents(texts)
         assert (len(calls) > 0) == (name == "native"), (name, len(calls))
+        assert ("cpu_layer_norm=native" in repr(enc)) == (name == "native")
     assert float((out["native"] * out["torch"]).sum(1).min()) > 0.999
     calls.clear()
     DiceEncoder(model, tok, chunk_size=16).encode_documents(texts)  # float32
