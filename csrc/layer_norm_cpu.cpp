@@ -4,11 +4,12 @@
 // pass, each converting bf16 to float and back through 8-lane vectors); at MiniLM's width (384) the
 // 13 LayerNorms are ~7 % of the bf16 forward on an AMX Xeon (benchmarks/RESULTS.md §21). Here a row is
 // read three times from L1 with 16-lane AVX-512 (sum, centred sum of squares, normalise) and written
-// once, rounded to bf16 by one instruction per 32 values.
+// once, rounded to bf16 by one instruction per 16 values.
 //
 // Semantics are F.layer_norm's over the last dimension: y = (x - mean) * rstd * weight + bias with the
 // biased variance, rstd = 1 / sqrt(var + eps); mean and variance in float32 by two passes (no
-// cancellation), each output rounded once to bf16 (round to nearest even). x (..., H) bf16 contiguous;
+// cancellation), each output rounded once to bf16 (round to nearest even; vcvtneps2bf16 flushes
+// float32 denormals to zero, outputs below 1.2e-38 in magnitude). x (..., H) bf16 contiguous;
 // weight (H,) and bias (H,) or None, each bf16 or float32, contiguous; any H >= 1 (a masked tail).
 //
 // Compiled into dice_fast_C for every machine; the AVX-512 code only on x86-64 with GCC 11+ or Clang 12+

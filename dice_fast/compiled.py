@@ -80,7 +80,7 @@ class CompiledForward:
         # the eager forward's CPU linear kernel (dice_fast.cpu_linear), kept as an opaque op in the graph
         self.linear = cpu_linear.model_kernel(model)
         self._linear_op = cpu_linear.traced_linear() if self.linear == "onednn" else None
-        self._gelu = cpu_fusion.gelu_linears(model) if self.linear == "onednn" else {}
+        self._gelu = cpu_fusion.active(cpu_fusion.gelu_pairs(model)) if self.linear == "onednn" else {}
         self._kwargs = {"use_cache": False} if takes_cache else {}
         if backend != "sdpa_groups":
             self._kwargs["dice_backend"] = backend

@@ -21,6 +21,7 @@ the residual add before it.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -86,11 +87,15 @@ def measure(budget_s: float = tuning.BUDGET_S) -> dict:
                                "native": lambda: layer_norm(x, w, b, 1e-12)}, "native", "torch", _MARGIN, budget_s)
 
 
-def applies(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+def applies(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None, bias: torch.Tensor | None,
+            eps: float = 1e-5) -> bool:
     """Whether ``F.layer_norm(x, normalized_shape, weight, bias, eps)`` can run on the kernel: x bf16 on
     the CPU and contiguous, normalised over its last dimension, weight (and bias, if any) contiguous
-    vectors of that size in bf16 or float32."""
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() == 0 or not x.is_contiguous():
+    vectors of that size in bf16 or float32, eps a finite number >= 0."""
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() == 0 \
+            or not x.is_contiguous():
+        return False
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         return False
     h = x.shape[-1]
     if tuple(normalized_shape) != (h,) or h == 0:

@@ -104,39 +104,44 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 class _CpuForward(TorchFunctionMode):
     """The forward's CPU kernels: ``F.linear`` through ``linear`` (None: torch's); a linear in ``gelu``
-    ({id(weight): approximate}) with the GELU that follows it fused, and that GELU's own call then handed
-    its input back (`dice_fast.cpu_fusion` guarantees it is the only reader of the linear's output);
-    ``F.layer_norm`` through ``layer_norm`` (None: torch's) where `cpu_layer_norm.applies`."""
+    ({id(weight): (weight, approximate)}, `dice_fast.cpu_fusion.active`) with the GELU that follows it
+    fused, and that GELU's own call then handed its input back; ``F.layer_norm`` through ``layer_norm``
+    (None: torch's) where `cpu_layer_norm.applies`."""
 
-    def __init__(self, linear, gelu: dict[int, str], layer_norm):
+    def __init__(self, linear, gelu: dict, layer_norm):
         super().__init__()
         self.linear, self.gelu, self.layer_norm = linear, gelu, layer_norm
         self._activated = None  # (output of the last fused linear, its approximate) until its GELU runs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._activated is not None:  # the fused linear's output: only its GELU may read it
+            y, approximate = self._activated
+            self._activated = None
+            if (func is F.gelu and len(args) == 1 and args[0] is y and set(kwargs) <= {"approximate"}
+                    and kwargs.get("approximate", "none") == approximate):
+                return y
+            raise RuntimeError(
+                f"dice_fast fused a linear with the GELU after it (dice_fast.cpu_fusion), but {func!r} read the "
+                "linear's output first; set DICE_FAST_CPU_FUSION=off to run this model (and report it)")
         if func is F.linear and self.linear is not None:
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if (x.device.type == "cpu" and x.dtype == weight.dtype in (torch.float32, torch.bfloat16)
                     and weight.dim() == 2 and _plain_bias(bias, weight)):
-                approximate = self.gelu.get(id(weight))
-                if approximate is None:
+                fused = self.gelu.get(id(weight))
+                if fused is None or fused[0] is not weight:
                     return self.linear(x, weight, bias)
-                y = self.linear(x, weight, bias, approximate)
-                self._activated = (y, approximate)
-                return y
-        elif func is F.gelu and self._activated is not None:
-            y, approximate = self._activated
-            if args[0] is y and len(args) == 1 and kwargs.get("approximate", "none") == approximate:
-                self._activated = None
+                y = self.linear(x, weight, bias, fused[1])
+                self._activated = (y, fused[1])
                 return y
         elif func is F.layer_norm and self.layer_norm is not None:
             names = ("input", "normalized_shape", "weight", "bias", "eps")
             call = {**dict(zip(names, args)), **kwargs}
-            x, shape, weight, bias = (call.get(n) for n in names[:4])
-            if cpu_layer_norm.applies(x, shape, weight, bias):
-                return self.layer_norm(x, weight, bias, call.get("eps", 1e-5))
+            x, shape, weight, bias, eps = (call.get(n) for n in names)
+            eps = 1e-5 if eps is None else eps
+            if cpu_layer_norm.applies(x, shape, weight, bias, eps):
+                return self.layer_norm(x, weight, bias, eps)
         return func(*args, **kwargs)
 
 
@@ -170,10 +175,10 @@ def traced_linear():
     return _TRACED[0]
 
 
-def linear_mode(name: str, linear=None, gelu: dict[int, str] | None = None, layer_norm=None):
+def linear_mode(name: str, linear=None, gelu: dict | None = None, layer_norm=None):
     """A context in which ``F.linear`` runs through kernel ``name`` ("onednn"; "torch": torch's own):
     ``linear`` (default `onednn_linear`; a compiled forward passes `traced_linear()`, made outside the
-    traced code); ``gelu`` the linears to fuse with the GELU after them (`dice_fast.cpu_fusion.gelu_linears`,
+    traced code); ``gelu`` the linears to fuse with the GELU after them (`dice_fast.cpu_fusion.active`,
     oneDNN only); ``layer_norm`` a bf16 LayerNorm to run where it applies (`dice_fast.cpu_layer_norm`).
     Nothing is entered when nothing changes."""
     if name != "onednn" and layer_norm is None:

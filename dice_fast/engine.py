@@ -182,11 +182,9 @@ class DiceEncoder:
         )
 
     def _speed_label(self) -> str:
-        """Where they apply: ", cpu_attention=bf16 amx" (`cpu_attention.label`, on PyTorch's CPU forward once
-        attention ran), ", cpu_linear=onednn (6 with gelu), cpu_layer_norm=native" (`ModelRunner.cpu_label`),
-        ", compile=on (compiled in 12.3 s)", ", path=bf16 (measured, ...)"."""
+        """Where they apply: ", cpu_attention=bf16 amx, cpu_linear=onednn (6 with gelu)" (CPU forward), ", compile=on (...)", ", path=..."."""
         torch_cpu = self.device.type == "cpu" and getattr(self.runner, "identity", None) is None
-        out = cpu_attention.label(self.dtype) + self.runner.cpu_label() if torch_cpu else ""
+        out = (cpu_attention.label(self.dtype) + self.runner.cpu_label()) if torch_cpu else ""
         if self.runner.compiled is not None:
             out += ", compile=on" + (f" (compiled in {t:.1f} s)" if (t := self.runner.compiled.compile_seconds) is not None else "")
         if self.path_choice is not None:

@@ -69,7 +69,7 @@ class ModelRunner:
         self.model, self.spec, self.causal = model, spec, causal
         self.compiled = None  # a dice_fast.compiled.CompiledForward when the packed forward is compiled
         self._linear: str | None = None  # the CPU linear kernel (dice_fast.cpu_linear), chosen at the first forward
-        self._gelu_linears: dict[int, str] = {}  # the linears fused with their GELU (dice_fast.cpu_fusion), found then
+        self._gelu_pairs: tuple = ()  # the linears fused with their GELU (dice_fast.cpu_fusion), found then
         self._layer_norm = None  # dice_fast.cpu_layer_norm.layer_norm where it runs a bf16 model's LayerNorms, decided then
         self.pooling, self.pooling_impl, self.max_batch_tokens = pooling, pooling_impl, max_batch_tokens
         param = next(model.parameters())
@@ -143,21 +143,21 @@ class ModelRunner:
         dice_fast's kernel where it was measured faster (`dice_fast.cpu_layer_norm`)."""
         if self._linear is None:
             kernel = cpu_linear.model_kernel(self.model)
-            self._gelu_linears = cpu_fusion.gelu_linears(self.model) if kernel == "onednn" else {}
+            self._gelu_pairs = cpu_fusion.gelu_pairs(self.model) if kernel == "onednn" else ()
             param = next(self.model.parameters())
             if param.device.type == "cpu" and param.dtype == torch.bfloat16 and cpu_layer_norm.kernel() == "native":
                 self._layer_norm = cpu_layer_norm.layer_norm
             self._linear = kernel
-        return cpu_linear.linear_mode(self._linear, gelu=self._gelu_linears, layer_norm=self._layer_norm)
+        return cpu_linear.linear_mode(self._linear, gelu=cpu_fusion.active(self._gelu_pairs),
+                                      layer_norm=self._layer_norm)
 
     def cpu_label(self) -> str:
         """The CPU kernels the eager forward chose, as the encoder's repr shows them: ``", cpu_linear=onednn
         (6 with gelu), cpu_layer_norm=native"``; "" before the first forward, or off the CPU."""
         if self._linear is None or self.device.type != "cpu":
             return ""
-        fused = f" ({len(self._gelu_linears)} with gelu)" if self._gelu_linears else ""
-        native_ln = self._layer_norm is not None and self.compiled is None  # compiled: inductor's LayerNorm
-        return f", cpu_linear={self._linear}{fused}" + (", cpu_layer_norm=native" if native_ln else "")
+        fused = f" ({len(self._gelu_pairs)} with gelu)" if self._gelu_pairs else ""
+        return f", cpu_linear={self._linear}{fused}" + (", cpu_layer_norm=native" if self._layer_norm else "")
 
     def _compiled_hidden(self, batch: PackedBatch, cu: torch.Tensor) -> torch.Tensor:
         from .attention_op import group_table, max_len_tensor

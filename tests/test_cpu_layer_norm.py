@@ -92,6 +92,8 @@ def test_applies_only_to_what_the_kernel_takes():
     assert not cpu_layer_norm.applies(x, (32,), None, b)  # no weight
     assert not cpu_layer_norm.applies(x.t().contiguous().t(), (32,), w, b)  # strided rows
     assert not cpu_layer_norm.applies(x, (32,), w.double(), b)
+    for eps in (-1.0, float("nan"), float("inf")):  # torch computes something; the kernel would refuse
+        assert not cpu_layer_norm.applies(x, (32,), w, b, eps)
 
 
 def test_env_decides_and_refuses_nonsense(fresh, monkeypatch):
