@@ -17,8 +17,10 @@ the parent or anything under it, or a global one, keeps the pair apart (checked 
 forward). Anything else (a GLU, a GELU written in Python, a dropout between) is left as it is.
 `dice_fast.cpu_linear`'s mode then runs the linear with the post-op and hands the GELU call that must
 follow its input back; if anything else reads the fused output first (a module called from outside
-its parent, the weight used by a functional call), the mode raises instead of returning wrong vectors.
-Nothing in the model changes.
+its parent, the weight used by a functional call, the output leaving the forward), the mode raises a
+``ModelError`` instead of returning wrong vectors. (A parent that keeps the linear's output in a Python
+attribute, with no torch call, would keep the activated tensor: no such module is known.) Nothing in the
+model changes; the search runs only parents with no state of their own.
 
 Agreement: the GELU is computed from the float32 accumulator instead of the bf16-rounded output,
 one rounding fewer than the plain forward (MiniLM bf16 against float32: cos min 0.99992 fused,
@@ -51,7 +53,7 @@ def enabled() -> bool:
     return raw == "on"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GeluPair:
     """A linear whose output feeds only a GELU: its ``parent`` module, the linear's ``weight`` (the tensor
     object `dice_fast.cpu_linear`'s mode recognises) and the GELU's ``approximate``."""
@@ -110,9 +112,10 @@ def _linear_then_gelu(parent: nn.Module) -> tuple[nn.Linear, str] | None:
     """(the linear, approximate) when ``parent`` computes exactly ``gelu(linear(x))``, else None."""
     children = list(parent.children())
     linears = [c for c in children if type(c) is nn.Linear]
-    if len(linears) != 1 or any(next(c.parameters(), None) is not None or next(c.buffers(), None) is not None
-                                for c in children if c is not linears[0]):
-        return None  # only modules of one linear plus parameter-free parts (an activation) are run
+    others = [c for c in children if c is not linears[0]] if len(linears) == 1 else []
+    if len(linears) != 1 or any(next(m.parameters(recurse=m is not parent), None) is not None
+                                or next(m.buffers(recurse=m is not parent), None) is not None for m in (parent, *others)):
+        return None  # only modules of one linear plus state-free parts (an activation) are run: no side effects
     linear = linears[0]
     x = torch.zeros(1, 2, linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device)
     recorder = _Recorder()
@@ -135,10 +138,13 @@ def _linear_then_gelu(parent: nn.Module) -> tuple[nn.Linear, str] | None:
 
 
 def _hooked(parent: nn.Module) -> bool:
-    """Whether a forward hook or pre-hook could see the linear's output: one on ``parent`` or any module
-    under it, or a global one (`nn.modules.module.register_module_forward_hook`)."""
-    from torch.nn.modules import module as torch_module
+    """Whether a hook could see the linear's output: a forward or backward hook (or pre-hook) on ``parent``
+    or any module under it, or a global one. nn.Module leaves its fast path for any of them, and a
+    backward hook's set-up reads the output's ``requires_grad``."""
+    from torch.nn.modules import module as tm
 
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+    if (tm._global_forward_hooks or tm._global_forward_pre_hooks or tm._global_backward_hooks
+            or tm._global_backward_pre_hooks):
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in parent.modules())
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in parent.modules())

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import cpu_layer_norm
 from . import cpu_tuning as tuning
-from .errors import OptionError
+from .errors import ModelError, OptionError
 
 ENV_KERNEL = "DICE_FAST_CPU_LINEAR"
 KERNELS = ("torch", "onednn")
@@ -121,9 +121,7 @@ class _CpuForward(TorchFunctionMode):
             if (func is F.gelu and len(args) == 1 and args[0] is y and set(kwargs) <= {"approximate"}
                     and kwargs.get("approximate", "none") == approximate):
                 return y
-            raise RuntimeError(
-                f"dice_fast fused a linear with the GELU after it (dice_fast.cpu_fusion), but {func!r} read the "
-                "linear's output first; set DICE_FAST_CPU_FUSION=off to run this model (and report it)")
+            raise ModelError(_unfused_read(repr(func)))
         if func is F.linear and self.linear is not None:
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -143,6 +141,17 @@ class _CpuForward(TorchFunctionMode):
             if cpu_layer_norm.applies(x, shape, weight, bias, eps):
                 return self.layer_norm(x, weight, bias, eps)
         return func(*args, **kwargs)
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        pending, self._activated = self._activated, None
+        super().__exit__(exc_type, exc_value, traceback)
+        if pending is not None and exc_type is None:  # the fused output left the forward without its GELU
+            raise ModelError(_unfused_read("the forward's caller"))
+
+
+def _unfused_read(reader: str) -> str:
+    return (f"dice_fast fused a linear with the GELU after it (dice_fast.cpu_fusion), but {reader} read the "
+            "linear's output first; set DICE_FAST_CPU_FUSION=off to run this model (and report it)")
 
 
 def _plain_bias(bias, weight) -> bool:

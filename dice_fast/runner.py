@@ -157,7 +157,8 @@ class ModelRunner:
         if self._linear is None or self.device.type != "cpu":
             return ""
         fused = f" ({len(self._gelu_pairs)} with gelu)" if self._gelu_pairs else ""
-        return f", cpu_linear={self._linear}{fused}" + (", cpu_layer_norm=native" if self._layer_norm else "")
+        native_ln = "" if self._layer_norm is None else ", cpu_layer_norm=native" + (" (eager batches)" if self.compiled else "")
+        return f", cpu_linear={self._linear}{fused}{native_ln}"
 
     def _compiled_hidden(self, batch: PackedBatch, cu: torch.Tensor) -> torch.Tensor:
         from .attention_op import group_table, max_len_tensor

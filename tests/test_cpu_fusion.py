@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dice_fast import DiceEncoder, cpu_fusion, cpu_linear
-from dice_fast.errors import OptionError
+from dice_fast.errors import ModelError, OptionError
 
 from oracle import check
 from tiny_models import tiny
@@ -193,10 +193,67 @@ def test_a_fused_linear_read_by_anything_but_its_gelu_raises():
     x = torch.randn(2, 3, 24)
     gelu = cpu_fusion.active(cpu_fusion.gelu_pairs(outer))
     assert len(gelu) == 1
-    with pytest.raises(RuntimeError, match=cpu_fusion.ENV), cpu_linear.linear_mode("onednn", gelu=gelu):
+    with pytest.raises(ModelError, match=cpu_fusion.ENV), cpu_linear.linear_mode("onednn", gelu=gelu):
         outer(x)
     with cpu_linear.linear_mode("onednn", gelu={}):  # apart, it runs
         torch.testing.assert_close(outer(x), F.gelu(outer.inter.dense(x)) + outer.inter.dense(x))
+
+
+class Tail(nn.Module):
+    """Returns its block's linear output last, with no torch call after it inside the mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.inter = Block(nn.GELU())
+
+    def forward(self, x):
+        return self.inter(x), self.inter.dense(x)
+
+
+@needs_onednn
+def test_a_fused_output_leaving_the_forward_raises():
+    tail = Tail()
+    gelu = cpu_fusion.active(cpu_fusion.gelu_pairs(tail))
+    with pytest.raises(ModelError, match=cpu_fusion.ENV), cpu_linear.linear_mode("onednn", gelu=gelu):
+        tail(torch.randn(2, 24))
+
+
+@needs_onednn
+@pytest.mark.parametrize("hook", ["backward", "global backward"])
+def test_a_backward_hook_keeps_its_pair_apart(hook):
+    """nn.Module takes its slow path for a backward hook too, which reads the output's requires_grad."""
+    block = Block(nn.GELU())
+    pairs = cpu_fusion.gelu_pairs(block)
+    assert len(pairs) == 1
+    handle = (block.dense.register_full_backward_hook(lambda *a: None) if hook == "backward"
+              else nn.modules.module.register_module_full_backward_hook(lambda *a: None))
+    try:
+        assert cpu_fusion.active(pairs) == {}
+        assert (found(Block(nn.GELU())) == {}) == (hook == "global backward")  # a new search sees the global one
+        x = torch.randn(4, 24)
+        with torch.inference_mode(), cpu_linear.linear_mode("onednn", gelu=cpu_fusion.active(pairs)):
+            got = block(x)
+        torch.testing.assert_close(got, F.gelu(F.linear(x, block.dense.weight, block.dense.bias)), atol=1e-5, rtol=1e-5)
+    finally:
+        handle.remove()
+
+
+class Stateful(nn.Module):
+    """A parent with a buffer of its own that its forward updates: never run by the search."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(24, 40)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return F.gelu(self.dense(x))
+
+
+def test_a_parent_with_state_is_never_run():
+    module = Stateful()
+    assert found(module) == {} and module.calls.item() == 0
 
 
 @needs_onednn
@@ -248,7 +305,7 @@ def test_finding_pairs_does_not_disturb_other_threads():
     t.start()
     try:
         for _ in range(200):
-            found(nn.Sequential(Block(), Block(nn.GELU())))
+            assert len(found(nn.Sequential(Block(), Block(nn.GELU())))) == 2  # this thread's calls only
     finally:
         stop.set()
         t.join()

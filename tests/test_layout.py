@@ -148,9 +148,10 @@ THIRD_PARTY_PRIVATE = {
     "_actions",  # argparse's list of a parser's actions (the only way to walk its flags)
     "_flash_attention_forward",  # torch's flash kernel: GQA unrepeated where varlen_attn has no enable_gqa (2.11)
     "_linear_pointwise",  # torch's oneDNN linear (what inductor emits): 2.4x MKL's fp32 sgemm on AMD (cpu_linear)
-    # torch's forward-hook registries (no public way to ask whether a module has hooks): a hook that
-    # could see a linear's output keeps it out of the GELU fusion (cpu_fusion)
+    # torch's hook registries (no public way to ask whether a module has hooks): a hook that could see
+    # a linear's output keeps it out of the GELU fusion (cpu_fusion)
     "_forward_hooks", "_forward_pre_hooks", "_global_forward_hooks", "_global_forward_pre_hooks",
+    "_backward_hooks", "_backward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks",
 }
 ROOT = PACKAGE.parent
 # a GPU preflight inspects the Triton kernels' launch internals and attention's probes by design
