@@ -19,7 +19,10 @@ The mode changes no model: it intercepts ``torch.nn.functional.linear`` (what ``
 for the duration of a forward, in the calling thread only; linears that call ``addmm`` themselves
 (GPT-2's ``Conv1D``) keep torch's kernel. Exactness: both kernels compute in the input's dtype with
 float accumulation; they differ by summation order only (MiniLM's chunk vectors: max abs 2.2e-7),
-inside the engine's float32 tolerance against the plain model.
+inside the engine's float32 tolerance against the plain model. The same mode (one per forward, so
+each torch call pays one Python dispatch) also runs a linear that feeds only a GELU with the GELU
+fused in (`dice_fast.cpu_fusion`) and a bf16 model's LayerNorms on the measured kernel
+(`dice_fast.cpu_layer_norm`).
 """
 
 from __future__ import annotations
