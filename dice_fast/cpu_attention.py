@@ -41,7 +41,6 @@ accumulation, one rounding of the output); tests/test_cpu_attention_amx.py holds
 
 from __future__ import annotations
 
-import datetime
 import os
 import threading
 import time
@@ -50,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cpu_tuning import BUDGET_S, busy, cached_entry, has_amx_bf16, measured_load, race
+from .cpu_tuning import BUDGET_S, cached_entry, decision_entry, has_amx_bf16, race
 from .errors import OptionError
 
 ENV_DTYPE = "DICE_FAST_CPU_ATTENTION_DTYPE"
@@ -187,14 +186,9 @@ def _probe_amx() -> tuple[bool, str]:
     if not has_amx_bf16():
         return False, "this CPU has no AMX bf16 (amx_tile, amx_bf16 and avx512_bf16)"
     from .ops import native
-    try:  # any failure (no compiler, a read-only cache folder, a bad DICE_FAST_CPU_CAPABILITY) leaves SDPA
-        native.build()
-        if not torch.ops.dice_fast_C.amx_attention_supported():
-            return False, ("the kernel found no AMX bf16 on this CPU, or the OS refused AMX tile data to this "
-                           "process (Linux arch_prctl ARCH_REQ_XCOMP_PERM)")
-    except Exception as e:  # noqa: BLE001 - reported by amx_kernel(), never raised into an encode
-        return False, f"the dice_fast C++ extension did not build or load: {type(e).__name__}: {e}"
-    return True, ""
+
+    return native.probe_kernel("amx_attention_supported", "the kernel found no AMX bf16 on this CPU, or the OS "
+                               "refused AMX tile data to this process (Linux arch_prctl ARCH_REQ_XCOMP_PERM)")
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
@@ -345,7 +339,4 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
             matmul_max_len = length
         else:
             break
-    load = measured_load()
-    return {"dtype": _dtype_name(work), "matmul_max_len": matmul_max_len, "kernel": kernel, "ms": {k: round(v, 4) for k, v in ms.items()},
-            "threads": torch.get_num_threads(), "load": load, "busy": busy(load),
-            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    return decision_entry(ms, dtype=_dtype_name(work), matmul_max_len=matmul_max_len, kernel=kernel)

@@ -49,16 +49,12 @@ def ready() -> tuple[bool, str]:
 
 
 def _probe() -> tuple[bool, str]:
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= tuning.cpu_flags():
+    if not tuning.has_avx512_bf16():
         return False, "this CPU has no AVX-512 bf16 (avx512f, avx512bw, avx512vl, avx512_bf16)"
     from .ops import native
-    try:  # any failure (no compiler, a read-only cache folder) leaves torch's LayerNorm
-        native.build()
-        if not torch.ops.dice_fast_C.layer_norm_bf16_supported():
-            return False, "the extension was built without AVX-512 bf16 code (a compiler older than GCC 11 / Clang 12)"
-    except Exception as e:  # noqa: BLE001 - reported by ready(), never raised into an encode
-        return False, f"the dice_fast C++ extension did not build or load: {type(e).__name__}: {e}"
-    return True, ""
+
+    return native.probe_kernel("layer_norm_bf16_supported",
+                               "the extension was built without AVX-512 bf16 code (a compiler older than GCC 11 / Clang 12)")
 
 
 def kernel() -> str:

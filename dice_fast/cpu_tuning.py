@@ -112,12 +112,17 @@ def race(fns: dict, deadline: float, max_rounds: int = 7) -> dict:
 
 
 def kernel_race(fns: dict, challenger: str, incumbent: str, margin: float, budget_s: float = BUDGET_S) -> dict:
-    """`race` two kernels ({name: fn}) and return the cache entry {"kernel", "ms", "threads", "load",
-    "busy", "date"}: ``challenger`` where its time is under ``margin`` x ``incumbent``'s, else ``incumbent``."""
+    """`race` two kernels ({name: fn}) and return the cache entry (`decision_entry` with "kernel"):
+    ``challenger`` where its time is under ``margin`` x ``incumbent``'s, else ``incumbent``."""
     ms = race(fns, time.perf_counter() + budget_s)
+    return decision_entry(ms, kernel=challenger if ms[challenger] < margin * ms[incumbent] else incumbent)
+
+
+def decision_entry(ms: dict, **decision) -> dict:
+    """A measured decision as the cache keeps it: the ``decision`` fields, then "ms" (``ms`` rounded),
+    "threads", "load", "busy" (other processes held the cores: `cached_entry` will not keep it), "date"."""
     load = measured_load()
-    return {"kernel": challenger if ms[challenger] < margin * ms[incumbent] else incumbent,
-            "ms": {key: round(v, 4) for key, v in ms.items()}, "threads": torch.get_num_threads(),
+    return {**decision, "ms": {key: round(v, 4) for key, v in ms.items()}, "threads": torch.get_num_threads(),
             "load": load, "busy": busy(load), "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
@@ -149,6 +154,12 @@ def has_amx_bf16() -> bool:
     AMX attention kernel (`dice_fast.cpu_attention`) and the bf16 batch budget on AMX (`dice_fast.settings`)
     need."""
     return {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags()
+
+
+def has_avx512_bf16() -> bool:
+    """Whether the CPU has AVX-512 (f, bw, vl) with bf16 conversions (avx512_bf16), by `cpu_flags`: what
+    the bf16 LayerNorm kernel (`dice_fast.cpu_layer_norm`) needs."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
 
 
 def machine_key() -> str:

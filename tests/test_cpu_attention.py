@@ -78,7 +78,7 @@ def test_cache_decides_and_is_per_machine(monkeypatch):
 
 
 def test_busy_measurements_are_not_cached(monkeypatch):
-    monkeypatch.setattr(tuning, "measured_load", lambda: 5.0)
+    monkeypatch.setattr(cpu_tuning, "measured_load", lambda: 5.0)  # the entry is stamped there (decision_entry)
     assert tuning.cpu_attention(torch.bfloat16, 16).source == "measured"
     assert not cpu_tuning.cache_path().exists()
 

@@ -40,6 +40,7 @@ __all__ = [
     "is_loaded",
     "has_cuda_kernels",
     "csrc_dir",
+    "probe_kernel",
     "pool_chunks_native",
     "aggregate_documents_native",
 ]
@@ -252,6 +253,20 @@ def build(verbose: bool = False, with_cuda: bool | None = None) -> str:
         raise RuntimeError(f"the dice_fast C++ extension was built at {path} but its ops did not register")
     _BUILT.update(path=str(path), with_cuda=bool(with_cuda), cpu_capability=cap, build_dir=str(build_dir))
     return str(path)
+
+
+def probe_kernel(supported_op: str, unsupported_why: str) -> tuple[bool, str]:
+    """(whether a CPU kernel of ``dice_fast_C`` runs here, why not): builds (or loads) the library and calls
+    its op ``supported_op`` (e.g. "amx_attention_supported"); ``unsupported_why`` is the answer when that
+    says no. Any failure to build or load (no compiler, a read-only cache folder, a bad
+    ``DICE_FAST_CPU_CAPABILITY``) is an answer too, never raised: the caller keeps torch's kernel."""
+    try:
+        build()
+        if not getattr(torch.ops.dice_fast_C, supported_op)():
+            return False, unsupported_why
+    except Exception as e:  # noqa: BLE001 - reported by the caller's probe, never raised into an encode
+        return False, f"the dice_fast C++ extension did not build or load: {type(e).__name__}: {e}"
+    return True, ""
 
 
 def _require(device: torch.device) -> None:
