@@ -224,6 +224,7 @@ def main(argv=None) -> int:
                      "path": name, "chunks": len(texts), "tokens": tokens, "repeats": args.repeats,
                      "seconds_median": float(np.median(seconds[name])), "tokens_per_s": tps,
                      "x_st_fp32": tps / base, "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
+                     "tokens_per_s_each": "/".join(f"{tokens / s:.0f}" for s in seconds[name]),  # per round
                      "load_start": round(load0[0], 2), "load_end": round(load1[0], 2),
                      "versions": json.dumps(peer_versions if name.startswith("st_") else ours, sort_keys=True)})
     for name, why in {**peer_skipped, **dice_skipped}.items():

@@ -1,0 +1,59 @@
+"""benchmarks/cpu_check.py's verdict: issue 25's targets judged from a run's CSV rows (the measuring
+steps run only on a quiet machine, never in the suite), and bench_peers.py's per-round column read back."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import cpu_check  # noqa: E402
+
+
+def _peer(path, tps, cos_min, each=""):
+    return {"path": path, "tokens_per_s": str(tps), "cos_min": str(cos_min), "tokens_per_s_each": each}
+
+
+PEERS = [_peer("st_torch_fp32", 5000, 1.0), _peer("st_openvino_int8_static", 20000, 0.9925, "19000/21000"),
+         _peer("st_openvino", 15000, 0.99997)]
+MIXED = [{"path": "dice_fast", "dtype": "float32", "tokens_per_s": "5000"},
+         {"path": "dice_fast", "dtype": "bfloat16", "tokens_per_s": "12000"},
+         {"path": "padded_sorted", "dtype": "bfloat16", "tokens_per_s": "99999"}]
+
+
+def test_best_path_is_the_fastest_at_the_peers_agreement():
+    ours = [_peer("dice_fp32", 6000, 1.0), _peer("dice_compiled", 6300, 1.0),
+            _peer("dice_int8", 40000, 0.99),  # faster, but below the peer's cos min: not the best path
+            _peer("dice_bf16", 25000, 0.9999, "24000/26000")]
+    lines = cpu_check.verdict(PEERS + ours, MIXED)
+    best = next(line for line in lines if line.startswith("best path"))
+    assert "dice_bf16" in best and "st_openvino_int8_static" in best and "1.250x" in best and "target 1.2x: met" in best
+    assert "per round 1.24-1.26x" in best
+    assert any("at any agreement: dice_int8" in line for line in lines)
+    assert any("compiled float32" in line and "1.050x" in line and ": met" in line for line in lines)
+    assert any("mixed corpus" in line and "2.40x" in line and ": met" in line for line in lines)
+
+
+def test_each_target_can_fail_and_missing_rows_are_named():
+    ours = [_peer("dice_fp32", 6000, 1.0), _peer("dice_compiled", 5900, 1.0), _peer("dice_bf16", 21000, 0.9999)]
+    lines = cpu_check.verdict(PEERS + ours, [MIXED[0], {**MIXED[1], "tokens_per_s": "8000"}])
+    assert any(line.startswith("best path dice_bf16") and "1.050x" in line and "NOT met" in line for line in lines)
+    assert any("compiled float32" in line and "NOT met" in line for line in lines)
+    assert any("mixed corpus" in line and "1.60x" in line and "NOT met" in line for line in lines)
+    low = cpu_check.verdict(PEERS + [_peer("dice_int8", 40000, 0.98)], [])
+    assert any("no dice_fast path reaches" in line for line in low)
+    assert any("dice_compiled row is missing" in line for line in low)
+    assert any("mixed corpus" in line and "missing" in line for line in low)
+    assert cpu_check.verdict([], [])[0].startswith("best path: no peer or no dice_fast rows")
+
+
+def test_verdict_of_a_run_folder(tmp_path, capsys):
+    from dice_fast.runinfo import append_csv
+
+    append_csv(PEERS + [_peer("dice_bf16", 30000, 0.9999, "29000/31000")], tmp_path / "peers.csv")
+    append_csv(MIXED, tmp_path / "mixed.csv")
+    assert cpu_check.main(["--verdict", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1.500x" in out and "per round 1.48-1.53x" in out and "2.40x" in out
