@@ -2,7 +2,7 @@
 not measured yet (or measured before the latest kernels) runs, and pastes into benchmarks/RESULTS.md.
 
     bash benchmarks/peers_env.sh         # once per machine: the peers' own venv ($DICE_PEERS_VENV)
-    python benchmarks/cpu_check.py       # ~17 min on 2 quiet cores: run nothing else meanwhile
+    python benchmarks/cpu_check.py       # ~10 min on 2 quiet cores (AMX Xeon): run nothing else
     python benchmarks/cpu_check.py --verdict benchmarks/logs/cpu_check_20261205_0300   # re-read a run
 
 Steps, each in its own process (no thread pool, OpenVINO or tuning state carries over):
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     out = args.out or HERE / "logs" / f"cpu_check_{datetime.datetime.now():%Y%m%d_%H%M}"
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    if load > 0.5:
+    if load > 1.0:
         print(f"warning: load average {load:.1f} before the run: is something else running?", flush=True)
     py = sys.executable
     status = {
