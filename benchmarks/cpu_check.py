@@ -85,20 +85,21 @@ def verdict(peer_rows: list[dict], mixed_rows: list[dict]) -> list[str]:
     else:
         lines.append("best path: no peer or no dice_fast rows (see the peers step's log)")
     by_path = {r["path"]: float(r["tokens_per_s"]) for r in ours}
-    if "dice_fp32" in by_path and "dice_compiled" in by_path:
-        ratio = by_path["dice_compiled"] / by_path["dice_fp32"]
-        lines.append(f"compiled float32 {by_path['dice_compiled']:,.0f} against eager {by_path['dice_fp32']:,.0f} "
-                     f"tokens/s: {ratio:.3f}x; target >= {TARGET_COMPILED}x: {'met' if ratio >= TARGET_COMPILED else 'NOT met'}")
-    else:
-        lines.append("compiled float32 >= eager: the dice_fp32 or dice_compiled row is missing")
+    lines.append(_against("compiled float32 against eager", by_path, "dice_compiled", "dice_fp32", TARGET_COMPILED,
+                          "the dice_fp32 or dice_compiled row is missing"))
     engine = {r["dtype"]: float(r["tokens_per_s"]) for r in mixed_rows if r.get("path") == "dice_fast"}
-    if "float32" in engine and "bfloat16" in engine:
-        ratio = engine["bfloat16"] / engine["float32"]
-        lines.append(f"mixed corpus: bf16 {engine['bfloat16']:,.0f} against float32 {engine['float32']:,.0f} "
-                     f"tokens/s: {ratio:.2f}x; target {TARGET_BF16_MIXED}x: {'met' if ratio >= TARGET_BF16_MIXED else 'NOT met'}")
-    else:
-        lines.append("mixed corpus: the engine's float32 or bf16 row is missing (see the mixed step's log)")
+    lines.append(_against("mixed corpus, bf16 against float32", engine, "bfloat16", "float32", TARGET_BF16_MIXED,
+                          "the engine's float32 or bf16 row is missing (see the mixed step's log)"))
     return lines
+
+
+def _against(what: str, rates: dict, fast: str, slow: str, target: float, missing: str) -> str:
+    """One target's line: ``rates[fast] / rates[slow]`` (tokens/s) against ``target``; ``missing`` without both."""
+    if fast not in rates or slow not in rates:
+        return f"{what}: {missing}"
+    ratio = rates[fast] / rates[slow]
+    return (f"{what}: {rates[fast]:,.0f} against {rates[slow]:,.0f} tokens/s, {ratio:.3f}x; target {target}x: "
+            f"{'met' if ratio >= target else 'NOT met'}")
 
 
 def _step(name: str, cmd: list[str], out: Path) -> int:
