@@ -9,6 +9,7 @@ Steps, each in its own process (no thread pool, OpenVINO or tuning state carries
 1. the peer table: ``bench_peers.py --chunks 500 --repeats 5`` (sentence-transformers with PyTorch, ONNX
    Runtime and OpenVINO against dice_fast's float32, bf16, compiled and int8 paths; interleaved);
 2. the mixed-length corpus: ``dice-fast bench --corpus mixed``, the engine in float32 against bf16;
+   (float32 alone on a CPU without bf16 units, where the bf16 target does not apply);
 3. ``dtype="auto"``: the path this machine picks (``print(encoder)``).
 
 The verdict (also in verdict.txt), against the targets the issue states for a Zen 4-like CPU:
@@ -124,11 +125,16 @@ def main(argv=None) -> int:
     if load > 1.0:
         print(f"warning: load average {load:.1f} before the run: is something else running?", flush=True)
     py = sys.executable
+    sys.path.insert(0, str(HERE.parent))
+    from dice_fast.cpu_tuning import cpu_flags
+
+    # without bf16 units, bf16 matmuls are emulated (~6x slower than fp32, RESULTS §18.13): fp32 alone
+    dtypes = ["float32"] + (["bfloat16"] if cpu_flags() & {"avx512_bf16", "amx_bf16"} else [])
     status = {
         "peers": _step("peers", [py, str(HERE / "bench_peers.py"), "--chunks", str(args.chunks), "--repeats",
                                  str(args.repeats), "--csv", str(out / "peers.csv")], out),
         "mixed": _step("mixed", [py, "-m", "dice_fast.cli", "bench", "--corpus", "mixed", "--docs", "40", "--longest",
-                                 "8192", "--dtypes", "float32", "bfloat16", "--repeats", "3", "--no-sentence-transformers",
+                                 "8192", "--dtypes", *dtypes, "--repeats", "3", "--no-sentence-transformers",
                                  "--budget-s", "90", "--csv", str(out / "mixed.csv")], out),
         "auto": _step("auto", [py, "-c", "from dice_fast import DiceEncoder; "
                                "print(DiceEncoder.from_pretrained(device='cpu', dtype='auto'))"], out),
