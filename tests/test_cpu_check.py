@@ -49,6 +49,14 @@ def test_each_target_can_fail_and_missing_rows_are_named():
     assert cpu_check.verdict([], [])[0].startswith("best path: no peer or no dice_fast rows")
 
 
+def test_the_bf16_target_does_not_apply_without_bf16_units():
+    avx2 = [{**row, "isa": "avx2"} for row in PEERS + [_peer("dice_fp32", 6000, 1.0)]]
+    lines = cpu_check.verdict(avx2, MIXED[:1])
+    assert any("mixed corpus" in line and "does not apply" in line and "avx2" in line for line in lines)
+    bf16 = [{**row, "isa": "avx2,avx512_bf16,avx512f"} for row in avx2]  # a bf16 CPU whose bf16 row is missing
+    assert any("mixed corpus" in line and "missing" in line for line in cpu_check.verdict(bf16, MIXED[:1]))
+
+
 def test_verdict_of_a_run_folder(tmp_path, capsys):
     from dice_fast.runinfo import append_csv
 
