@@ -2,7 +2,7 @@
 not measured yet (or measured before the latest kernels) runs, and pastes into benchmarks/RESULTS.md.
 
     bash benchmarks/peers_env.sh         # once per machine: the peers' own venv ($DICE_PEERS_VENV)
-    python benchmarks/cpu_check.py       # ~10 min on 2 quiet cores (AMX Xeon): run nothing else
+    python benchmarks/cpu_check.py       # 10 min on 2 quiet AMX Xeon cores, 23-26 on a Zen 2: run nothing else
     python benchmarks/cpu_check.py --verdict benchmarks/logs/cpu_check_20261205_0300   # re-read a run
 
 Steps, each in its own process (no thread pool, OpenVINO or tuning state carries over):
