@@ -111,9 +111,9 @@ def int8_variant(spec: str):
 def dice_paths(skip, variants=()) -> tuple[dict, dict]:
     """(name -> DiceEncoder, name -> why skipped) for dice_fast's CPU paths (and int8 ``variants``)."""
     from dice_fast import DiceConfig, DiceEncoder
-    from dice_fast.cpu_tuning import cpu_flags
+    from dice_fast.cpu_paths import bf16_units
 
-    flags = cpu_flags()
+    no_bf16 = bf16_units()  # None where the CPU has bf16 dot products
     wanted = {"dice_fp32": {"dtype": "float32"}, "dice_bf16": {"dtype": "bfloat16"},
               "dice_compiled": {"dtype": "float32", "compile": "on"},
               "dice_bf16_compiled": {"dtype": "bfloat16", "compile": "on"},
@@ -123,7 +123,7 @@ def dice_paths(skip, variants=()) -> tuple[dict, dict]:
     for name, opts in wanted.items():
         if name in skip:
             continue
-        if "bf16" in name and not flags & {"avx512_bf16", "amx_bf16"}:
+        if "bf16" in name and no_bf16 is not None:
             skipped[name] = "no avx512_bf16 / AMX: bf16 matmuls are emulated here (MiniLM ~6x slower than fp32, RESULTS §18.13)"
             continue
         if not set(opts) <= set(DiceConfig.field_names()):
