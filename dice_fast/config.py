@@ -27,8 +27,15 @@ RUNTIMES = ("torch", "openvino")
 PIPELINE_MODES = ("auto", "on", "off")
 
 
+# what an option changes (`option`'s ``role``): "vector", what a vector is (chunking, pooling, prefixes
+# ...: an index pins these); "precision", where and at what precision the forward runs (the same vectors
+# up to that precision's rounding: an index does not pin these, a resumed corpus job does); "speed", how
+# fast the vectors come (the same vectors, bit for bit or to float32 rounding: nothing pins these)
+ROLES = ("vector", "precision", "speed")
+
+
 def option(default, help: str, *, default_help: str | None = None, detail: str = "", choices=None,
-           metavar: str | None = None):
+           metavar: str | None = None, role: str = "vector"):
     """A `DiceConfig` field with its documentation, the one place an option is described.
 
     help: one line (plain text) saying what the option does; the flag's ``--help`` and the first part
@@ -38,10 +45,12 @@ def option(default, help: str, *, default_help: str | None = None, detail: str =
         refuses others). metavar: the flag's value name in ``--help``.
     The flag's form follows the field: ``--name-with-dashes VALUE``; for a bool that defaults to
     True ``--no-name`` (its help then reads "do not <help>": phrase a bool's help as an action), to
-    False ``--name``, to None ``--name/--no-name``.
+    False ``--name``, to None ``--name/--no-name``. role: what the option changes, one of `ROLES`.
     """
+    if role not in ROLES:
+        raise OptionError(f"role must be one of {ROLES}, got {role!r}")
     meta = {"help": help, "default_help": default_help, "detail": detail,
-            "choices": None if choices is None else tuple(choices), "metavar": metavar}
+            "choices": None if choices is None else tuple(choices), "metavar": metavar, "role": role}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -102,7 +111,7 @@ class DiceConfig:
         "auto", "varlen attention implementation", choices=ATTENTION_BACKENDS, default_help="best available",
         detail='`"flash_attn"`, `"torch_varlen"`, `"sdpa_groups"` run packed; `"padded"` is the exact fallback '
         '(dense padded batches with the model\'s own attention), chosen by `"auto"` for models that cannot '
-        'run packed.')
+        'run packed.', role="speed")
     document_prefix: str = option("", 'text put after the special prefix of every chunk, e.g. "passage: "',
                                   default_help="none")
     query_prefix: str = option("", 'text put after the special prefix of every query, e.g. "query: "',
@@ -118,9 +127,9 @@ class DiceConfig:
         default_help="4096 on CPU (8192 for bf16 on a CPU with AMX, and on OpenVINO: dtype int8 or runtime openvino); on CUDA 65,536 to 524,288 by the model's FLOPs per token",
         detail="On CUDA the default gives a batch about 16 TFLOP of work (a power of two of tokens, "
         "see [gpu.md](gpu.md)): 524,288 tokens for MiniLM-L6, 131,072 for BERT-base, 65,536 from ~0.25 "
-        "GFLOP per token up.")
+        "GFLOP per token up.", role="speed")
     device: str | None = option(None, "where the model runs: cpu, cuda, cuda:1 ...",
-                                default_help="cuda if available, else cpu")
+                                default_help="cuda if available, else cpu", role="precision")
     dtype: str | None = option(
         None, "model precision; auto (CPU): the fastest forward on this machine whose vectors agree with "
         "float32 (cos >= auto_agreement, 0.999, on held-out prose), measured once and cached", choices=DTYPES,
@@ -130,50 +139,53 @@ class DiceConfig:
         '(and int8 when `auto_agreement` is below 0.999), once per machine and model; '
         '`print(encoder)` shows the choice. '
         'See [cpu.md](cpu.md). `"int8"`: static int8 on a CPU with VNNI or AMX (OpenVINO + NNCF, the `int8` '
-        'extra), calibrated on text; not exact: its agreement with float32 is stated in [int8.md](int8.md).')
+        'extra), calibrated on text; not exact: its agreement with float32 is stated in [int8.md](int8.md).',
+        role="precision")
     auto_agreement: float = option(
         0.999, "dtype auto / compile auto: least cosine to float32 eager (every measured chunk) a path must "
         "keep to be chosen",
         detail="Measured on held-out prose chunks of the encoder's chunk size. At the default (bf16 rounding) only "
         "the float paths can qualify; set below it, the int8 path (the `int8` extra, a CPU with VNNI or AMX, "
         "calibrated on the bundled prose) is measured too and chosen if it is the fastest path that keeps the "
-        "bound (int8 MiniLM: cos min 0.995, so `0.99` admits it). See [cpu.md](cpu.md).")
+        "bound (int8 MiniLM: cos min 0.995, so `0.99` admits it). See [cpu.md](cpu.md).",
+        role="precision")
     runtime: str | None = option(
         None, "what runs the forward: torch (PyTorch, dice_fast's packed forward) or openvino (the model "
         "exported to OpenVINO's fused CPU graph, one stream per core)", choices=RUNTIMES,
         default_help="openvino for dtype int8, else torch",
         detail='`"openvino"` (CPU, the `int8` extra) runs dtype `"float32"`, `"bfloat16"` (a CPU with '
         'avx512_bf16 or AMX) or `"int8"`, strategies dice and single; not bit-exact with PyTorch: its '
-        'agreement is stated in [cpu.md](cpu.md). `dtype="auto"` measures it too where OpenVINO is installed.')
+        'agreement is stated in [cpu.md](cpu.md). `dtype="auto"` measures it too where OpenVINO is installed.',
+        role="precision")
     calibration: str | None = option(
         None, "dtype int8 only: a UTF-8 text file (a sample of your corpus) to calibrate the int8 model on",
-        default_help="the first half of the bundled prose", metavar="FILE")
+        default_help="the first half of the bundled prose", metavar="FILE", role="precision")
     pooling_impl: str = option(
         "auto", "segment pooling implementation (dice_fast.ops)", choices=IMPLS,
         detail='`"triton"` (CUDA), `"native"` (the C++ extension), `"torch"` (vectorised PyTorch, the CPU '
         'default without the extension), `"reference"` / `"ref"` (the float64 spec; tests only). '
-        'See [ops.md](ops.md).')
+        'See [ops.md](ops.md).', role="speed")
     dedup: bool = option(
         True, "reuse chunk vectors: identical chunks run once, and the persistent cache serves known ones",
         detail="Off runs every chunk (the baseline of `benchmarks/bench_cache.py`); the vectors are the same "
-        "either way. See [reuse.md](reuse.md).")
+        "either way. See [reuse.md](reuse.md).", role="speed")
     compile: str = option(
         "off", "run the packed forward under torch.compile (inductor), compiled once per encoder at construction",
         choices=COMPILE_MODES,
         detail='`"on"`: compiled (refused for a model on the padded fallback); `"auto"`: compiled and eager '
         'forwards are both candidates of `dtype="auto"` (with an explicit dtype: the fastest of its forwards, '
         'OpenVINO\'s included where installed and `runtime` is not "torch"). '
-        'See [cpu.md](cpu.md).')
+        'See [cpu.md](cpu.md).', role="speed")
     pipeline: str = option(
         "auto", "select, pack and copy the next batch to the device in a producer thread while the current "
         "one runs", choices=PIPELINE_MODES, default_help="on for CUDA, off elsewhere",
         detail="Two batches in flight, one host-to-device copy per batch from a persistent pinned buffer; "
-        "the batches and vectors are those of the serial loop, bit for bit. See [gpu.md](gpu.md).")
+        "the batches and vectors are those of the serial loop, bit for bit. See [gpu.md](gpu.md).", role="speed")
     cuda_graphs: bool = option(
         False, "replay small packed batches (serving, queries) as CUDA graphs, one per token-count bucket",
         detail="CUDA with `flash_attn` or `torch_varlen` only; batches up to 4,096 tokens are padded with dummy chunks "
         "to their bucket (vectors unchanged: attention is block-diagonal); larger ones run as before. See "
-        "[gpu.md](gpu.md).")
+        "[gpu.md](gpu.md).", role="speed")
 
     def __post_init__(self):
         _choice("strategy", self.strategy, STRATEGIES)
@@ -249,6 +261,14 @@ class DiceConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def options_of(cls, *roles: str) -> tuple[str, ...]:
+        """The fields whose `option` role is one of ``roles`` (see `ROLES`), in field order."""
+        unknown = set(roles) - set(ROLES)
+        if unknown:
+            raise OptionError(f"unknown role {sorted(unknown)[0]!r}; allowed: {', '.join(ROLES)}")
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["role"] in roles)
 
 
 def _choice(name: str, value, allowed) -> None:

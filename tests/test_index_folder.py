@@ -190,6 +190,10 @@ def test_load_restores_the_recorded_encoder_and_refuses_another(tmp_path, model_
     same = DiceEncoder.from_pretrained(model_folder, device="cpu", chunk_size=4, query_prefix="query: ",
                                        max_batch_tokens=64)  # machine options are free
     assert DiceIndex.load(tmp_path / "ix", same).search(queries, 3) == index.search(queries, 3)
+    # every option of role "precision" or "speed" is free: the pipeline, the compiled forward, the runtime
+    faster = DiceEncoder.from_pretrained(model_folder, device="cpu", chunk_size=4, query_prefix="query: ",
+                                         pipeline="on", dedup=False, auto_agreement=0.99)
+    assert DiceIndex.load(tmp_path / "ix", faster).search(queries, 3) == index.search(queries, 3)
 
 
 def test_a_missing_model_is_named_and_vectors_still_search(tmp_path, model_folder):

@@ -148,7 +148,8 @@ class EncodeJob:
         enc = load_encoder(args)
         resolved = {**requested, **_resolved(enc)}
         if self.resume_from is not None:
-            compare_settings(self.resume_from, resolved, ("model", "config"), self.out / manifest_name(self.tag))
+            compare_settings(_pinned(self.resume_from), _pinned(resolved), ("model", "config"),
+                             self.out / manifest_name(self.tag))
         records = corpus.records()
         if self.split[1] > 1:
             records = _take_split(records, *self.split)
@@ -243,8 +244,8 @@ class EncodeJob:
         mine = out / manifest_name(self.tag)
         if args.resume and mine.exists():
             self.resume_from = read_manifest(mine)
-            compare_settings(self.resume_from, requested, ("format", "dice_fast", "kind", "split", "shard_rows", "input",
-                                                   "options"), mine)
+            compare_settings(_pinned(self.resume_from), _pinned(requested), ("format", "dice_fast", "kind", "split",
+                                                                        "shard_rows", "input", "options"), mine)
             for shard in self.resume_from["shards"]:
                 p = out / shard["file"]
                 if not p.is_file() or p.stat().st_size != shard["bytes"]:
@@ -334,8 +335,21 @@ def _resolved(enc) -> dict:
 
     config = asdict(enc.config)
     config["device"] = enc.device.type
-    config.pop("dedup")  # changes no vector: a job may resume with it either way
     return {"model": {"name": enc.spec.name, "label": model_label(enc.spec.name), "dim": enc.dim}, "config": config}
+
+
+def _pinned(manifest: dict) -> dict:
+    """``manifest`` (or this run's settings) without the options a resumed job may change: those that
+    change only how fast the vectors come (`DiceConfig.options_of("speed")`: a job that ran out of
+    memory resumes with a smaller ``--max-batch-tokens``). Precision options stay pinned."""
+    from ..config import DiceConfig
+
+    speed = set(DiceConfig.options_of("speed"))
+    pinned = dict(manifest)
+    for key in ("options", "config"):
+        if isinstance(manifest.get(key), dict):
+            pinned[key] = {k: v for k, v in manifest[key].items() if k not in speed}
+    return pinned
 
 
 def _chunk_summary(before: dict, after: dict) -> dict:

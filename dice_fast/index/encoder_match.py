@@ -15,9 +15,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from ..config import DiceConfig
+
 BUNDLED = "(bundled all-MiniLM-L6-v2)"  # the name `dice-fast encode` records for the bundled model too
-# options an index does not pin: where and how fast the model runs, never what a vector is
-MACHINE_OPTIONS = ("device", "dtype", "max_batch_tokens", "pooling_impl", "attention_backend", "dedup")
+# options an index does not pin: where, at what precision and how fast the model runs, never what a vector is
+MACHINE_OPTIONS = DiceConfig.options_of("precision", "speed")
 
 
 def model_id(encoder) -> str:
@@ -48,7 +50,7 @@ def check_encoder(encoder, model: str | None, options: dict, where: str) -> None
     """Refuse ``encoder`` unless its model is ``model`` (None: not recorded, any model) and its vector
     options equal ``options`` (a recorded ``chunk_size`` of None means the model's default, resolved
     the way the encoder resolves it). ``where`` names the index in the message."""
-    from ..config import DEFAULT_CHUNK_SIZE, DiceConfig
+    from ..config import DEFAULT_CHUNK_SIZE
 
     problems = []
     mine = model_id(encoder)

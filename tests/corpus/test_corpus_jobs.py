@@ -88,6 +88,7 @@ def test_resume_continues_after_the_last_committed_shard(done, tmp_path, capsys)
     (["--shard-rows", "8", "--aggregation", "max"], "options.aggregation is 'max', was 'mean'"),
     (["--shard-rows", "4"], "shard_rows is 4, was 8"),
     (["--shard-rows", "8", "--queries"], "kind is 'queries', was 'documents'"),
+    (["--shard-rows", "8", "--dtype", "bfloat16"], "options.dtype is 'bfloat16', was None"),  # precision: pinned
 ])
 def test_resume_with_other_options_is_refused(done, tmp_path, capsys, extra, message):
     src, ref, _ = done
@@ -98,6 +99,21 @@ def test_resume_with_other_options_is_refused(done, tmp_path, capsys, extra, mes
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot resume" in err and message in err, err
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_resume_may_change_what_changes_only_speed(done, tmp_path, capsys):
+    """A job that ran out of memory resumes with a smaller batch budget (what its error advises), and
+    with or without dedup or the compiled forward: options of role "speed" change no vector."""
+    src, ref, (ids, vecs) = done
+    out = tmp_path / "out"
+    interrupted_copy(ref, out)
+    capsys.readouterr()
+    assert _run(src, out, "--shard-rows", "8", "--resume", "--max-batch-tokens", "64", "--no-dedup",
+                "--pooling-impl", "torch", "--pipeline", "off") == 0
+    assert "already committed (resumed)" in capsys.readouterr().out
+    got_ids, got = load_embeddings(out)
+    assert got_ids == ids
+    np.testing.assert_allclose(got, vecs, atol=1e-5, rtol=0)
 
 
 def test_resume_with_a_changed_input_is_refused(done, tmp_path, capsys):
