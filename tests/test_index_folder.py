@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -153,6 +154,50 @@ def test_graphs_are_saved_and_read_back(tmp_path):
     for target in (index, back):  # all candidates: the grown graph and the rebuilt one hold every chunk
         assert_hits_equal(target.search(queries, 5, "maxsim", approximate=True, candidates=n * 5), want)
     assert back._read_only == set()
+
+
+def test_a_loaded_graph_survives_saving_twice_into_its_folder(tmp_path):
+    """The second save of a loaded index into its own folder had lost the graph: the first save removed
+    the file the index would read it from."""
+    pytest.importorskip("faiss")
+    index, queries = _random_index()
+    index.build_graph("maxsim")
+    index.save(tmp_path / "ix")
+    back = DiceIndex.load(tmp_path / "ix")
+    for _ in range(3):
+        back.save(tmp_path / "ix")
+        assert len(list((tmp_path / "ix").glob("graph_chunks.*.faiss"))) == 1
+        assert set(back.graphs()) == {"chunks"}
+    again = DiceIndex.load(tmp_path / "ix")
+    assert set(again.graphs()) == {"chunks"}
+    want = index.search(queries, 5, "maxsim", approximate=True, candidates=20)
+    assert again.search(queries, 5, "maxsim", approximate=True, candidates=20) == want
+    assert again._read_only == {"chunks"}  # read from the file, not rebuilt
+
+
+def test_saves_into_one_folder_take_turns(tmp_path, monkeypatch):
+    """A second writer saving while the first is between its switch and its clean-up waits for it: it
+    used to delete the first one's files, or the first one deleted the second's, leaving an index.json
+    naming files that are gone."""
+    old, new = _two_indexes()
+    target = tmp_path / "ix"
+    real = folder._fsync_folder
+    other = []
+
+    def after_switch(path):  # another thread saves while this save holds the folder
+        real(path)
+        if not other:
+            other.append(threading.Thread(target=new.save, args=(target,)))
+            other[0].start()
+            other[0].join(0.5)
+            assert other[0].is_alive()  # waiting for this save to finish
+
+    monkeypatch.setattr(folder, "_fsync_folder", after_switch)
+    old.save(target)
+    other[0].join(60)
+    assert not other[0].is_alive()
+    assert _contents(DiceIndex.load(target)) == _contents(new)
+    assert len(list(target.glob("documents.*.npy"))) == 1
 
 
 @pytest.fixture

@@ -315,6 +315,13 @@ class DiceIndex(EncoderSlot):
         not read yet (still current: it is dropped when documents are added)}."""
         return {**{over: Path(f) for over, f in self._graph_files.items() if Path(f).is_file()}, **self._graphs}
 
+    def follow_saved_graphs(self, files: dict) -> None:
+        """After `save` wrote ``files`` ({over: Path}): a saved graph not read yet is read from its new
+        file from now on (the save removes the file it was loaded from)."""
+        for over, file in files.items():
+            if over in self._graph_files:
+                self._graph_files[over] = file
+
     def _hit(self, qv: np.ndarray, d: int, score: float, scoring: str) -> Hit:
         c0, c1 = int(self.cu_doc_chunks[d]), int(self.cu_doc_chunks[d + 1])
         return evidence_hit(self.ids[d], score, qv, self.chunks[c0:c1], self.chunk_start_char[c0:c1],

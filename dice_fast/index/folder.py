@@ -15,7 +15,8 @@
 **Atomic saves.** A save writes every file of a new generation ``G`` (a random id) beside the old
 ones, fsyncs them, then replaces ``index.json`` in one rename: a reader sees the old index or the
 new one, never a mix, whenever the writer dies. Files of other generations are removed after the
-switch (one writer per folder at a time). `load` opens only the files ``index.json`` names, checks
+switch; saves into one folder take turns (an exclusive ``flock`` on the folder, `dice_fast.folder_guard`:
+threads and processes on a local disk). `load` opens only the files ``index.json`` names, checks
 each one's shape and dtype and the offsets' consistency, and refuses a damaged or foreign folder
 naming the file. ``mmap=True`` maps the vector files instead of reading them (pages come in as
 search touches them). Folders of format ``dice_fast.index/1`` (plain names) still load.
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from ..folder_guard import folder_guard
 from .common import short_repr
 from .texts import TextColumn
 
@@ -54,8 +56,13 @@ def save(index, path) -> None:
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} exists and is not a folder")
-    previous = _previous_format(folder)
+    _previous_format(folder)  # refuse a foreign folder before creating anything
     folder.mkdir(parents=True, exist_ok=True)
+    with folder_guard(folder):  # saves into one folder, by threads or processes, run one after the other
+        _save_generation(index, folder, _previous_format(folder))
+
+
+def _save_generation(index, folder: Path, previous: str | None) -> None:
     gen = uuid.uuid4().hex[:12]
     arrays = {name: getattr(index, name) for name in _ARRAYS}
     if index.store_text:
@@ -78,6 +85,7 @@ def save(index, path) -> None:
     _write(tmp, _json_writer(meta))
     os.replace(tmp, folder / "index.json")  # the switch: before it the old index, after it the new one
     _fsync_folder(folder)
+    index.follow_saved_graphs({over: folder / name for over, name in graphs.items()})  # the old files go next
     for stale in folder.iterdir():
         m = _GENERATION_FILE.match(stale.name)
         if (m and m.group(1) != gen) or (previous == LEGACY and stale.name in _LEGACY_FILES):
