@@ -124,7 +124,7 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype) -> 
             "torch_varlen": "it needs a CUDA device and torch.nn.attention.varlen (torch >= 2.9)",
         }[requested]
         raise OptionError(f"attention backend {requested!r} is not available on {device}: {how}")
-    if not half:
+    if not half and requested != "sdpa_groups":  # SDPA runs any dtype: the float32 default on the CPU
         raise OptionError(
             f"attention backend {requested!r} supports only float16/bfloat16, not {dtype}; "
             "use dtype='bfloat16' or attention_backend='sdpa_groups'"

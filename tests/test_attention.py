@@ -164,3 +164,10 @@ def test_gqa_goes_unrepeated_to_the_flash_kernel_on_meta(causal, band, monkeypat
         assert out.shape == q.shape and attn._DIRECT_GQA[0]
     finally:
         attn._torch_varlen_params.cache_clear()
+
+
+def test_sdpa_groups_is_chosen_explicitly_in_float32():
+    """"sdpa_groups" runs any dtype (it is the float32 default on the CPU): naming it with float32 was
+    refused as if it were a flash backend (test_gpu checks those still refuse float32)."""
+    assert attn.choose_backend("sdpa_groups", torch.device("cpu"), torch.float32) == "sdpa_groups"
+    assert attn.choose_backend("auto", torch.device("cpu"), torch.float32) == "sdpa_groups"
