@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cpu_tuning import BUDGET_S, cached_entry, decision_entry, has_amx_bf16, race
+from .cpu_tuning import BUDGET_S, cached_entry, decision_entry, has_amx_bf16, overrides, race
 from .errors import OptionError
 
 ENV_DTYPE = "DICE_FAST_CPU_ATTENTION_DTYPE"
@@ -246,7 +246,8 @@ def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:
         return CpuAttention(dtype, 0, "env", "amx")
     if forced is not None and kernel_env != "auto":
         return CpuAttention(forced, 0, "env")
-    entry, source = cached_entry(f"{_dtype_name(dtype)}/d{head_dim}", _valid,
+    name = f"{_dtype_name(dtype)}/d{head_dim}" + (f" ({overrides()})" if overrides() else "")
+    entry, source = cached_entry(name, _valid,
                                  lambda: measure_cpu_attention(dtype, head_dim))
     measured = getattr(torch, entry["dtype"])
     work = forced if forced is not None else measured

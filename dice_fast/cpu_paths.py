@@ -205,7 +205,8 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
     """The fastest path whose cos min is >= ``bound`` (see the module docstring).
 
     encoder_for(options) -> a `DiceEncoder` running a copy of the model with ``options`` (an
-    ``OptionError`` leaves that path out); measure(encoders {name: encoder}, reference encoder) ->
+    ``OptionError`` leaves that path out; any other failure to build it too, and the measurement is then
+    used but not cached); measure(encoders {name: encoder}, reference encoder) ->
     ({name: tokens/s}, {name: cos min}, busy) (default `measure_paths`; tests inject their own).
     Cached under ``model_key`` (default: the model's fingerprint) and ``options_key`` (`options_key`
     of the encoder's settings).
@@ -223,16 +224,20 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
 
         model_key = model_fingerprint(model)
     names = ",".join(p.name for p in paths)
-    slot = f"{model_key}|{names}|held-out|{options_key}|{versions()}"  # the measurement; the bound applies below
+    # the measurement (the bound applies below); one under a DICE_FAST_CPU_* override is kept apart
+    slot = f"{model_key}|{names}|held-out|{options_key}|{versions()}|{cpu_tuning.overrides()}"
     entry = cpu_tuning.cached(_KEY, slot)
     source = "cache"
     if not _valid(entry, paths):
-        encoders, refused = {}, {}
+        encoders, refused, failed = {}, {}, False
         for p in paths:
             try:
                 encoders[p.name] = encoder_for(p.options)
             except OptionError as exc:  # this path cannot run the other options: left out, the reason kept
                 refused[p.name] = str(exc)
+            except Exception as exc:  # noqa: BLE001 - a build that failed here (a broken compiler, an export):
+                refused[p.name] = f"failed to build: {type(exc).__name__}: {str(exc).strip()[:300]}"  # not cached
+                failed = True
         rates, agreement, busy = {}, {}, False
         if encoders:  # (every candidate refused: nothing to measure, and no reference to build)
             reference = encoders.get(REFERENCE) or encoder_for(PATHS[0].options)
@@ -242,7 +247,7 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
                  "cos_min": {n: c if _finite(c) else -1.0 for n, c in agreement.items()},
                  "refused": refused, "date": datetime.datetime.now().isoformat(timespec="seconds")}
         source = "measured"
-        if not busy:
+        if not busy and not failed:
             cpu_tuning.store(entry, _KEY, slot)  # beside the candidates' attention and linear choices made since
     refused = entry.get("refused", {})
     runs = [p for p in paths if p.name not in refused]

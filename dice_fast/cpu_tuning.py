@@ -170,6 +170,14 @@ def machine_key() -> str:
     return f"{model} | {','.join(isa) or 'no-isa-flags'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
 
 
+def overrides() -> str:
+    """The ``DICE_FAST_CPU_*`` variables set in this process, as "NAME=value,..." ("" when none): a
+    decision measured under an override (an A/B run with one kernel switched off) is kept under a name of
+    its own, so it never decides for the defaults."""
+    return ",".join(f"{k}={v.strip()}" for k, v in sorted(os.environ.items())
+                    if k.startswith("DICE_FAST_CPU_") and v.strip())
+
+
 def cached_entry(name: str, valid, measure) -> tuple[dict, str]:
     """(entry, source) of the decision ``name`` on this machine: the cached entry where ``valid(entry)``
     ("cache"), else ``measure()``'s ("measured"), kept in the cache unless its ``busy`` flag says other

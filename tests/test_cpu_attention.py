@@ -104,6 +104,22 @@ def test_environment_overrides(monkeypatch):
         tuning.cpu_attention(torch.bfloat16)
 
 
+def test_a_measurement_under_a_kernel_override_never_decides_for_auto(monkeypatch):
+    """A run with DICE_FAST_CPU_ATTENTION_KERNEL=sdpa measures without the AMX kernel; it used to store
+    that under the auto decision's name, switching the AMX kernel off for good on that machine."""
+    monkeypatch.setattr(tuning, "amx_kernel", lambda: (True, ""))  # as on an AMX Xeon, with its timings
+    times = {"long_float32": 10.0, "long_bfloat16": 5.0, "long16_sdpa": 5.0, "long16_amx": 3.6}
+    monkeypatch.setattr(tuning, "race", lambda fns, deadline, max_rounds=7: {n: times.get(n, 1.0) for n in fns})
+    monkeypatch.setenv(tuning.ENV_KERNEL, "sdpa")
+    assert tuning.cpu_attention(torch.bfloat16, 32).kernel == "sdpa"
+    monkeypatch.delenv(tuning.ENV_KERNEL)
+    tuning.reset()
+    auto = tuning.cpu_attention(torch.bfloat16, 32)
+    assert (auto.kernel, auto.source) == ("amx", "measured")
+    names = set(json.loads(cpu_tuning.cache_path().read_text())[cpu_tuning.machine_key()])
+    assert names == {"bfloat16/d32", f"bfloat16/d32 ({tuning.ENV_KERNEL}=sdpa)"}
+
+
 def test_micro_benchmark_is_short_and_well_formed():
     import time
 

@@ -296,6 +296,42 @@ def test_a_candidate_that_refuses_the_options_is_left_out(monkeypatch):
     assert again.path_choice.source == "cache" and again.path_choice.refused and len(calls) == 1
 
 
+def test_a_candidate_that_fails_to_build_is_left_out_and_not_cached(monkeypatch):
+    """A failure that is not a refusal of the options (a broken C++ compiler under the compiled forward,
+    a failed export) leaves that path out for this encoder instead of failing dtype="auto"; the
+    measurement is not cached, so the path is tried again once the machine is fixed."""
+    calls = []
+    monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": 180.0}, {"fp32": 1.0, "bf16": 1.0},
+                                                          calls=calls))
+    built = DiceEncoder.__init__
+
+    def init(self, model, tok, config=None, **kw):
+        if config is not None and config.dtype == "bfloat16":
+            raise RuntimeError("the C++ compiler crashed (test)\nmore lines")
+        built(self, model, tok, config=config, **kw)
+
+    monkeypatch.setattr(DiceEncoder, "__init__", init)
+    enc = _encoder(dtype="auto")
+    assert enc.path_choice.name == "fp32" and calls == [["fp32"]]
+    assert enc.path_choice.refused == {"bf16": "failed to build: RuntimeError: the C++ compiler crashed (test)\nmore lines"}
+    monkeypatch.setattr(DiceEncoder, "__init__", built)
+    again = _encoder(dtype="auto")  # measured again, the repaired path now among them
+    assert again.path_choice.source == "measured" and again.path_choice.name == "bf16" and calls[-1] == ["bf16", "fp32"]
+
+
+def test_a_measurement_under_a_kernel_override_is_kept_apart(monkeypatch):
+    """An A/B run with a DICE_FAST_CPU_* override measures other kernels: its decision must not decide
+    for the defaults (nor theirs for it)."""
+    calls = []
+    monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": 180.0}, {"fp32": 1.0, "bf16": 1.0},
+                                                          calls=calls))
+    monkeypatch.setenv("DICE_FAST_CPU_LINEAR", "torch")
+    assert _encoder(dtype="auto").path_choice.source == "measured"
+    monkeypatch.delenv("DICE_FAST_CPU_LINEAR")
+    assert _encoder(dtype="auto").path_choice.source == "measured"
+    assert _encoder(dtype="auto").path_choice.source == "cache" and len(calls) == 2
+
+
 def test_auto_with_an_attention_override_leaves_openvino_out():
     """The reviewer's case: a decoder forced bidirectional with OpenVINO installed. OpenVINO's paths refuse
     the override; auto runs PyTorch's instead of failing on an option the user never set."""
