@@ -83,21 +83,19 @@ class ModelRunner:
         # chunks longer than a sliding window run packed where the backend applies the window itself
         self.packed_limit = None if attn.supports_sliding_window(backend) else sliding_window(model.config)
         self.fallback_reason: str | None = None
-        if backend == PADDED:
-            self.backend = PADDED
-            return
-        attn.install(model)
-        self.fallback_reason = self._probe(backend)
-        if self.fallback_reason is not None:
-            attn.uninstall(model)
-            if causal is not None and causal != spec.is_causal:
-                raise OptionError(
-                    f"attention={'causal' if causal else 'bidirectional'} needs the packed path, but this model runs "
-                    f"on the padded fallback ({self.fallback_reason}); use the model's own attention"
-                )
-            self.backend = PADDED
-        else:
-            self.backend = backend
+        if backend != PADDED:
+            attn.install(model)
+            self.fallback_reason = self._probe(backend)
+            if self.fallback_reason is not None:
+                attn.uninstall(model)
+        self.backend = PADDED if backend == PADDED or self.fallback_reason is not None else backend
+        # the padded path runs the model's own attention mask: a forced mode would be silently ignored
+        if self.backend == PADDED and causal is not None and causal != spec.is_causal:
+            raise OptionError(
+                f"attention={'causal' if causal else 'bidirectional'} needs the packed path, but this model runs "
+                f"on the padded fallback ({self.fallback_reason or 'attention_backend=padded'}); use the model's "
+                "own attention"
+            )
         if compile:
             self._compile()
 

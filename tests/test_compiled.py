@@ -45,6 +45,9 @@ def test_padded_fallback_is_refused():
     model, tok, *_ = tiny("mpnet")
     with pytest.raises(ValueError, match="padded"):
         DiceEncoder(model, tok, chunk_size=8, compile="on")
+    bert, bert_tok, *_ = tiny("bert")  # the padded backend chosen: refused too (it was accepted and ignored)
+    with pytest.raises(ValueError, match="compile='on' compiles the packed forward.*runs on padded"):
+        DiceEncoder(bert, bert_tok, chunk_size=8, compile="on", attention_backend="padded")
     with pytest.raises(ValueError, match="compile"):
         DiceEncoder(model, tok, chunk_size=8, compile="yes")
 

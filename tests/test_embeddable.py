@@ -67,6 +67,15 @@ def test_forced_attention_mode_on_a_fallback_model_is_refused():
         DiceEncoder(model, tok, attention="causal")
 
 
+@pytest.mark.parametrize("arch,mode", [("bert", "causal"), ("llama", "bidirectional")])
+def test_forced_attention_mode_with_the_padded_backend_is_refused(arch, mode):
+    """attention_backend='padded' runs the model's own mask: a forced mode used to be accepted, ignored
+    (vectors off by 0.2-0.3) and cached under the forced mode's key."""
+    model, tok, *_ = tiny(arch)
+    with pytest.raises(ValueError, match=r"needs the packed path.*attention_backend=padded"):
+        DiceEncoder(model, tok, attention=mode, attention_backend="padded")
+
+
 # ---------------------------------------------------------------------------------------------
 # the caller's model keeps computing what it computed before
 # ---------------------------------------------------------------------------------------------
