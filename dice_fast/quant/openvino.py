@@ -85,11 +85,22 @@ def recipe_hash() -> str:
     return hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode()).hexdigest()
 
 
-def cache_key(fingerprint: str, calibration_digest: str, versions: dict | None = None) -> str:
-    """The folder name of one quantized model: (model fingerprint, calibration hash, recipe, versions)."""
+def cache_key(fingerprint: str, calibration_digest: str, versions: dict | None = None,
+              attention: str | None = None) -> str:
+    """The folder name of one quantized model: (model fingerprint, calibration hash, recipe, versions, and
+    the export's attention where `export_attention` sets one)."""
     blob = json.dumps({"model": fingerprint, "calibration": calibration_digest, "recipe": RECIPE,
-                       **(versions or _versions())}, sort_keys=True)
+                       **(versions or _versions()), **({"attention": attention} if attention else {})}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def export_attention(model) -> str | None:
+    """The attention implementation the export gives ``model`` where it is not the model's own: "eager"
+    for a model with a sliding window (OpenVINO's SDPA turns a padded position whose window holds no real
+    key into NaN, and the next layer spreads it to the row's real tokens), else None."""
+    from ..runner import sliding_window
+
+    return "eager" if sliding_window(model.config) is not None else None
 
 
 class _Dense(torch.nn.Module):
@@ -125,6 +136,8 @@ def _export(model, takes_positions: bool, ids: np.ndarray, pos: np.ndarray):
     twin = copy.deepcopy(model).float().eval()  # the caller's model is never touched
     if attn.installed(twin):
         attn.uninstall(twin)
+    if export_attention(twin):
+        twin.set_attn_implementation(export_attention(twin))
     names = ["input_ids", "attention_mask"] + (["position_ids"] if takes_positions else [])
     ids, pos = (torch.from_numpy(np.repeat(np.asarray(a, np.int64), 2, axis=0)) for a in (ids, pos))
     mask = torch.ones_like(ids)
@@ -226,12 +239,14 @@ def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_pos
         raise InputError("int8 calibration needs at least one chunk of text")
     versions = _versions()
     digest = calibration_hash(calibration)
-    folder = Path(cache_root) / "int8" / cache_key(fingerprint, digest, versions)
+    attention = export_attention(model)
+    folder = Path(cache_root) / "int8" / cache_key(fingerprint, digest, versions, attention)
     units = "+".join(int8_dot_instructions()) or "emulated"  # VNNI / AMX or not: vectors differ (cos 0.995 / 0.985)
 
     def name(rest):
         return (f"int8 (openvino {versions['openvino']}, nncf {versions['nncf']}, float parts {rest}, {units}, "
-                f"recipe {recipe_hash()[:8]}, model {fingerprint[:12]}, calibration {digest[:12]})")
+                f"recipe {recipe_hash()[:8]}, model {fingerprint[:12]}, calibration {digest[:12]}"
+                + (f", {attention} attention" if attention else "") + ")")
 
     return _load(folder, lambda out: _export_and_quantize(model, calibration, takes_positions, out),
                  compile_properties(threads, streams, hints), width, name)
@@ -252,13 +267,16 @@ def float_model(model, precision: str, cache_root: Path, fingerprint: str, takes
         raise InputError(f"OpenVINO float precision must be one of {', '.join(FLOAT_PRECISIONS)}, got {precision!r}")
     versions = _float_versions()
     version = versions["openvino"]
-    key = hashlib.sha256(json.dumps({"model": fingerprint, **versions, "export": "float"},
+    attention = export_attention(model)
+    key = hashlib.sha256(json.dumps({"model": fingerprint, **versions, "export": "float",
+                                     **({"attention": attention} if attention else {})},
                                     sort_keys=True).encode()).hexdigest()[:32]
     folder = Path(cache_root) / "openvino" / key
     hint = FLOAT_PRECISIONS[precision]
     compiled = _load(folder, lambda out: _export_float(model, takes_positions, out),
                      compile_properties(threads, streams, {"INFERENCE_PRECISION_HINT": hint}), width,
-                     lambda rest: f"{precision} (openvino {version}, runs {rest}, model {fingerprint[:12]})")
+                     lambda rest: f"{precision} (openvino {version}, runs {rest}, model {fingerprint[:12]}"
+                     + (f", {attention} attention" if attention else "") + ")")
     if compiled.runs != hint:
         raise InputError(f"OpenVINO would run {precision} as {compiled.runs} on this CPU (bfloat16 needs "
                          "avx512_bf16 or AMX); use dtype='float32'")
