@@ -178,9 +178,11 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
     doc_wrap = _wrap_ids(tokenizer, spec, cfg.document_prefix)
     query_wrap = _wrap_ids(tokenizer, spec, cfg.query_prefix)
     doc_overhead = specials + len(doc_wrap[0]) - len(spec.special_prefix)
-    if window - doc_overhead < 1:
-        raise OptionError(f"the model window of {window} tokens leaves no room for text beside {doc_overhead} "
-                          "special/prefix tokens")
+    for name, wrap in (("document_prefix", doc_wrap), ("query_prefix", query_wrap)):
+        overhead = specials + len(wrap[0]) - len(spec.special_prefix)
+        if window - overhead < 1:
+            raise OptionError(f"the model window of {window} tokens (max_length) leaves no room for text beside "
+                              f"{overhead} special and {name} tokens")
     if cfg.chunk_size is None:
         size = min(DEFAULT_CHUNK_SIZE, window - doc_overhead)
         if cfg.overlap >= size:
@@ -235,7 +237,24 @@ def default_batch_tokens(device: torch.device, flops_per_token: float, dtype: to
 
 def placement(config: DiceConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
     """Where a model now on ``device`` in ``dtype`` runs under ``config`` (``None`` options: where it is)."""
-    return torch.device(config.device) if config.device is not None else device, weight_dtype(config, dtype)
+    return parse_device(config.device) if config.device is not None else device, weight_dtype(config, dtype)
+
+
+def parse_device(value) -> torch.device:
+    """``value`` ("cpu", "cuda", "cuda:1", a torch.device) as a device this process can use; `OptionError`
+    naming ``device`` for a malformed one or a GPU this torch cannot reach."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise OptionError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise OptionError(f"device={value!r}, but this torch sees no CUDA device (torch {torch.__version__}); "
+                              "use device='cpu'")
+        if device.index is not None and device.index >= count:
+            raise OptionError(f"device={value!r}, but this torch sees {count} CUDA device(s)")
+    return device
 
 
 def weight_dtype(config: DiceConfig, current: torch.dtype) -> torch.dtype:
@@ -252,7 +271,7 @@ def pretrained_placement(device=None, dtype=None, runtime=None) -> tuple[torch.d
     (CPU whenever OpenVINO runs it: dtype int8 or ``runtime`` "openvino"); a given ``device`` /
     ``dtype`` (a name or a ``torch.dtype``) is kept."""
     on_cpu = str(dtype) == "int8" or runtime == "openvino"
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() and not on_cpu else "cpu"))
+    device = parse_device(device or ("cuda" if torch.cuda.is_available() and not on_cpu else "cpu"))
     dtype = str(dtype or ("bfloat16" if device.type == "cuda" else "float32")).replace("torch.", "")
     if dtype not in WEIGHT_DTYPES:
         raise OptionError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")

@@ -82,7 +82,7 @@ def check_aggregation(aggregation: str, top_k: int = 1, temperature: float = 1.0
     if aggregation == "topk_norm" and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise OptionError(f"top_k must be an integer >= 1 for aggregation='topk_norm', got {top_k!r}")
     if aggregation == "softmax_norm":
-        t = float(temperature)
+        t = float(temperature) if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) else -1.0
         if not (t > 0.0 and t < float("inf")):
             raise OptionError(f"temperature must be a finite number > 0 for aggregation='softmax_norm', got {temperature!r}")
     return AGGREGATIONS.index(aggregation)
