@@ -25,7 +25,7 @@ from .cpu_tuning import has_amx_bf16
 from .errors import OptionError
 from .matryoshka import check_dim
 from .models import ModelSpec
-from .ops import resolve_impl
+from .ops import resolve_impl, unavailable
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the torch dtype of the model's weights per dtype option: "int8" keeps the float32 model (dice_fast.quant
@@ -171,6 +171,10 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
     positions, a truncate_dim over its width, an attention backend missing on the device)."""
     cfg = config
     pooling_impl = resolve_impl(cfg.pooling_impl, device)
+    why = unavailable(pooling_impl, device)
+    if why:
+        raise OptionError(f"pooling_impl={cfg.pooling_impl!r} cannot run on {device}: {why}; or use "
+                          "pooling_impl='auto'")
     window = cfg.max_length if cfg.max_length is not None else spec.window
     if window > spec.position_limit:
         raise OptionError(f"max_length {window} exceeds the model's {spec.position_limit} positions")

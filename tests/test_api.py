@@ -175,3 +175,16 @@ def test_dtype_option_casts_the_model():
     base = DiceEncoder(model, tok, chunk_size=8).encode_documents(["the cat sat on the mat " * 5])
     low = enc.encode_documents(["the cat sat on the mat " * 5])
     assert float((base * low).sum()) > 0.99  # cosine of unit vectors
+
+
+def test_an_explicit_pooling_impl_that_cannot_run_is_refused_when_the_encoder_is_built(monkeypatch):
+    """It used to be accepted and fail at the first batch with a RuntimeError."""
+    from dice_fast.ops import native
+
+    model, tok, *_ = tiny("bert")
+    monkeypatch.setattr(native, "is_loaded", lambda: False)
+    with pytest.raises(ValueError, match=r"pooling_impl='native' cannot run on cpu: the C\+\+ extension is not built"):
+        DiceEncoder(model, tok, pooling_impl="native")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="pooling_impl='triton' cannot run on cpu: the Triton kernels need"):
+        DiceEncoder(model, tok, pooling_impl="triton")

@@ -23,6 +23,7 @@ Triton or builds the extension until a call needs it.
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 
@@ -70,6 +71,26 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     from . import native
 
     return "native" if native.is_loaded() and device.type == "cpu" else "torch"
+
+
+def unavailable(impl: str, device: torch.device) -> str | None:
+    """Why the concrete implementation ``impl`` cannot run on ``device`` in this process (None: it can),
+    so that an encoder refuses an explicit choice when it is built, not at its first batch."""
+    device = torch.device(device)
+    if impl == "triton":
+        from . import triton_pool
+
+        if not triton_pool.available() or (device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+            return ("the Triton kernels need triton and a CUDA device (on the CPU: TRITON_INTERPRET=1 set before "
+                    "triton is imported)")
+    if impl == "native":
+        from . import native
+
+        if not native.is_loaded():
+            return "the C++ extension is not built in this process: call dice_fast.ops.native.build() first"
+        if device.type == "cuda" and not native.has_cuda_kernels():
+            return "the C++ extension was built without CUDA kernels"
+    return None
 
 
 def implementation(op: str, impl: str):
