@@ -27,7 +27,7 @@ from ..chunking import check_texts
 from ..output import DiceOutput
 from ..chunk_queue import Job
 from .errors import DeadlineExceeded, Overloaded, RequestTooLarge, ShuttingDown, Unhealthy
-from .planning import check_chars, plan_request
+from .planning import check_chars, input_name, plan_request
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,13 @@ class Embeddings:
 @dataclass(frozen=True)
 class Part:
     """One part of a call: ``texts`` as ``kind`` ("documents" / "queries") with ``aggregation`` (None:
-    the encoder's), keeping chunk vectors when ``return_chunks``; ``field`` names it in errors."""
+    the encoder's), keeping chunk vectors when ``return_chunks``; ``field`` names it in errors, text i
+    as ``field[i]``, or as ``field`` alone when ``scalar`` (a field holding one string, e.g. ``query``).
+
+    What the caller returns of it counts against ``max_response_floats``: with ``numbers`` None, its
+    vectors (``width`` floats each) and, with ``return_chunks``, its chunk vectors; with ``numbers`` n,
+    n numbers per text instead (e.g. ``/v1/evidence``'s rows; its chunk vectors only feed the caller's
+    scoring and are not charged)."""
 
     texts: object
     kind: str
@@ -55,6 +61,12 @@ class Part:
     return_chunks: bool = False
     field: str = "input"
     strategy: str | None = None  # documents: one of dice_fast.config.STRATEGIES (None: the encoder's)
+    scalar: bool = False
+    numbers: int | None = None
+
+    def name(self, index: int) -> str:
+        """How errors name text ``index`` of this part."""
+        return input_name(self.field, index, self.scalar)
 
 
 @dataclass(eq=False)
@@ -68,7 +80,12 @@ class QueuedRequest:
     keys: object = None  # the plan's chunk keys, computed off the event loop
     cancelled: bool = False
     keep_chunks: bool = False
+    part: Part | None = None  # names its texts in errors (None: "input[i]")
     submitted: float = field(default_factory=time.perf_counter)
+
+    def name(self, index: int) -> str:
+        """How errors name text ``index`` of this request (e.g. an input that ran out of memory)."""
+        return self.part.name(index) if self.part is not None else input_name("input", index)
 
 
 class Lease:
@@ -147,13 +164,13 @@ class RequestSide:
             if len(t) > self.max_inputs_per_request:
                 raise RequestTooLarge(f"{len(t)} inputs in one request; the limit is {self.max_inputs_per_request} "
                                       "(max_inputs_per_request)", param=p.field)
-        self._check_response(width, sum(len(t) for t in texts), 0)
+        self._check_response(width, parts, texts, None)
         if not any(texts):
             return [Embeddings(np.zeros((0, self.dim), np.float32), np.zeros(0, np.int64)) for _ in parts]
         if self.tokens_held >= self.max_queue_tokens:  # full already: do not spend time tokenizing
             raise self._queue_full(0)
         for p, t in zip(parts, texts):
-            check_chars(t, self.max_input_chars, p.field)
+            check_chars(t, self.max_input_chars, p.field, p.scalar)
         abandoned = threading.Event()
 
         def plan_all():  # in one worker thread: tokenize part after part, check sizes, key the chunks
@@ -162,16 +179,15 @@ class RequestSide:
                 if not t:
                     done.append((None, (), None))
                     continue
-                check = self._size_check(p.field, before)
+                check = self._size_check(p, before)
                 plan, truncated = plan_request(self.encoder, t, p.kind, piece_chars=self._piece_chars,
                                                auto_truncate=self.auto_truncate, check_sizes=check,
-                                               abandoned=abandoned, field=p.field,
+                                               abandoned=abandoned, field=p.field, scalar=p.scalar,
                                                strategy=p.strategy if p.kind == "documents" else None)
                 check(plan.document_tokens)
                 before += int(plan.document_tokens.sum())
                 done.append((plan, truncated, self._queue.keys_for(plan)))
-            chunks = sum(plan.n_chunks for (plan, _, _), p in zip(done, parts) if plan is not None and p.return_chunks)
-            self._check_response(width, sum(len(t) for t in texts), chunks)
+            self._check_response(width, parts, texts, [0 if plan is None else plan.n_chunks for plan, _, _ in done])
             return done
 
         try:
@@ -181,7 +197,7 @@ class RequestSide:
             raise
         requests = [None if plan is None else
                     QueuedRequest(plan, p.aggregation, int(plan.document_tokens.sum()), loop, loop.create_future(),
-                             keys=keys, keep_chunks=p.return_chunks)
+                             keys=keys, keep_chunks=p.return_chunks, part=p)
                     for p, (plan, _, keys) in zip(parts, planned)]
         queued = [r for r in requests if r is not None]
         self._submit(queued)
@@ -221,32 +237,49 @@ class RequestSide:
             raise DeadlineExceeded(f"the request did not finish within {self.request_timeout:g} s "
                                    "(request_timeout); its chunks that had not run were dropped") from None
 
-    def _check_response(self, width: int, inputs: int, chunks: int) -> None:
-        """`RequestTooLarge` when a response of ``inputs`` vectors and ``chunks`` chunk vectors of
-        ``width`` floats passes ``max_response_floats``."""
-        floats = width * (inputs + chunks)
-        if floats > self.max_response_floats:
-            sizes = f"{inputs} inputs" + (f" + {chunks} chunks" if chunks else "")
-            raise RequestTooLarge(f"the response would hold ({sizes}) x {width} floats = {floats} floats; the "
-                                  f"limit is {self.max_response_floats} (max_response_floats); send fewer inputs"
-                                  + (" or no return_chunks" if chunks else ""), param="input")
+    def _check_response(self, width: int, parts: list[Part], texts: list[list[str]],
+                        chunks: list[int] | None) -> None:
+        """`RequestTooLarge` naming the largest share when what the caller returns of ``parts`` (see
+        `Part`; ``texts`` per part, ``chunks`` the chunks per part, None before tokenizing) passes
+        ``max_response_floats``, with vectors of ``width`` floats."""
+        inputs = chunked = 0
+        terms, shares = [], []  # shares: (floats, field) per part
+        for i, (p, t) in enumerate(zip(parts, texts)):
+            if p.numbers is None:
+                c = chunks[i] if chunks is not None and p.return_chunks else 0
+                inputs, chunked = inputs + len(t), chunked + c
+                shares.append((width * (len(t) + c), p.field))
+            elif p.numbers and t:
+                terms.append(f"{len(t)} {p.field} x {p.numbers} numbers")
+                shares.append((p.numbers * len(t), p.field))
+        floats = sum(n for n, _ in shares)
+        if floats <= self.max_response_floats:
+            return
+        if inputs:
+            terms.insert(0, f"({inputs} inputs" + (f" + {chunked} chunks" if chunked else "") + f") x {width} floats")
+        param = max(reversed(shares), key=lambda share: share[0])[1]  # the largest; the later part on a tie
+        fewer = "fewer inputs" + ("" if param == "input" else f" in '{param}'")
+        raise RequestTooLarge(f"the response would hold {' + '.join(terms)} = {floats} floats; the limit is "
+                              f"{self.max_response_floats} (max_response_floats); send {fewer}"
+                              + (" or no return_chunks" if chunked else ""), param=param)
 
-    def _size_check(self, name: str, before: int):
-        """``check(tokens, at_least=False)`` refusing a part named ``name`` of ``tokens`` (n,) per input
-        (``at_least``: lower bounds found so far) after ``before`` tokens of earlier parts."""
+    def _size_check(self, part: Part, before: int):
+        """``check(tokens, at_least=False)`` refusing ``part`` of ``tokens`` (n,) per input (``at_least``:
+        lower bounds found so far) after ``before`` tokens of earlier parts."""
 
         def check(tokens: np.ndarray, at_least: bool = False) -> None:
             limit = self.max_tokens_per_document
             if limit and (over := np.flatnonzero(tokens > limit)).size:
                 i = int(over[0])
                 n = f"more than {limit}" if at_least else int(tokens[i])
-                raise RequestTooLarge(f"{name}[{i}] has {n} tokens; the limit is {limit} tokens per input, special "
-                                      "tokens included (max_tokens_per_document)", param=f"{name}[{i}]")
+                raise RequestTooLarge(f"{part.name(i)} has {n} tokens; the limit is {limit} tokens per input, special "
+                                      "tokens included (max_tokens_per_document)", param=part.name(i))
             total = before + int(tokens.sum())
             if total > self.max_queue_tokens:
                 n = f"more than {self.max_queue_tokens}" if at_least else total
                 raise RequestTooLarge(f"the request has {n} tokens, more than the {self.max_queue_tokens} tokens the "
-                                      "queue holds (max_queue_tokens); split it into smaller requests", param=name)
+                                      "queue holds (max_queue_tokens); split it into smaller requests",
+                                      param=part.field)
 
         return check
 

@@ -18,12 +18,14 @@ cannot send the key).
 Status codes: 200; 400 a Host header the server does not answer to; 401 (with ``WWW-Authenticate:
 Bearer``) no key or the wrong one; 408 a body slower than ``read_timeout``; 413 a request over a size
 limit (body bytes, inputs, characters, tokens, response floats); 415 a body not declared as JSON; 422 a
-malformed body; 429 (with ``Retry-After``) the queue or the concurrency limit is full; 503 shutting
-down; 499 is logged (never sent) when the client went away and its unstarted chunks were dropped; 503
-``out_of_memory`` (naming the input) when one of its chunks ran out of memory alone, 503 ``unhealthy``
-when the worker has stopped; 504 past ``request_timeout``; 500 only for another failure of the model
-itself. Error bodies are OpenAI's ``{"error": {"message", "type", "param", "code"}}``; an error sent
-before the body was read whole also closes the connection (the rest of the body is never read).
+malformed body; 429 (with ``Retry-After``) the queue or the concurrency limit is full; 503
+``shutting_down`` while shutting down (also for a request still in flight past the server's graceful
+timeout, with ``Connection: close``); 499 is logged (never sent) when the client went away and its
+unstarted chunks were dropped; 503 ``out_of_memory`` (naming the input) when one of its chunks ran out
+of memory alone, 503 ``unhealthy`` when the worker has stopped; 504 past ``request_timeout``; 500 only
+for another failure of the model itself. Error bodies are OpenAI's ``{"error": {"message", "type",
+"param", "code"}}``; an error sent before the body was read whole also closes the connection (the rest
+of the body is never read).
 
 This module imports fastapi; ``dice_fast.serve`` imports it only when `create_app` is first used.
 """
@@ -152,6 +154,11 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
             return error(exc, request)
         except ClientDisconnect:  # gone while sending the body
             result = None
+        except asyncio.CancelledError:
+            _release(lease)
+            if not core.draining:
+                raise
+            return shut_down(labels[0])
         except BaseException as exc:
             _release(lease)
             if not isinstance(exc, Exception):
@@ -166,6 +173,19 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
         content, inputs, tokens = result
         metrics.observe_request(labels[0], 200, time.perf_counter() - start, inputs, tokens)
         return LeasedResponse(content, lease)
+
+    def shut_down(label: str) -> Response:
+        """The answer to a request cancelled because the server is shutting down (uvicorn cancels the
+        requests still in flight past its graceful timeout) before its response started: 503
+        ``shutting_down``, closing the connection. The cancellation has done its work (the request's
+        unrun chunks are dropped, its share released); the response is sent in its place."""
+        task = asyncio.current_task()
+        if task is not None and hasattr(task, "uncancel"):  # Python 3.11+
+            task.uncancel()
+        metrics.observe_request(label, 503)
+        exc = ShuttingDown("the server is shutting down and the request did not finish within its graceful "
+                           "timeout; retry")
+        return JSONResponse(exc.body(), status_code=503, headers={"Connection": "close"})
 
     async def serialise(make, floats: int, *args) -> bytes:
         """``make(*args)``, in a worker thread when the response holds more than `_OFF_LOOP_FLOATS` floats."""

@@ -69,8 +69,10 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
       request_timeout          seconds a call may take; past it, it raises `DeadlineExceeded` and its
                                chunks that have not run are dropped. 0 = no deadline.
       max_response_floats      floats of one call's result, width x (inputs + chunks returned with
-                               ``return_chunks``); more raises `RequestTooLarge` naming the sizes, before
-                               the forward (before tokenizing when the inputs alone pass it).
+                               ``return_chunks``), or the numbers per document a caller of
+                               `embed_query_and_documents` returns instead; more raises `RequestTooLarge`
+                               naming the sizes, before the forward (before tokenizing when the inputs
+                               alone pass it).
     A call holds a share (`Lease`, see `dice_fast.serve.admission`) from its start until it returns,
     or, with ``lease=`` given, until that lease is released (the HTTP app: when the response is sent).
     max_batch_tokens: token budget of one forward (default: the encoder's).
@@ -177,6 +179,11 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
         return self._closing
 
     @property
+    def draining(self) -> bool:
+        """Whether `drain` or `close` was called: the server is shutting down."""
+        return self._draining or self._closing
+
+    @property
     def health(self) -> tuple[str, str | None]:
         """(state, detail): "ok"; "starting" until a forward has run; "draining" after `drain` or
         `close`; "unhealthy" when the worker has stopped (detail says why). Only "ok" is ready."""
@@ -223,16 +230,25 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
         (out,) = await self._embed([Part(texts, "queries", "mean")], lease, width)
         return out
 
-    async def embed_query_and_documents(self, queries: Iterable[str], documents: Iterable[str],
+    async def embed_query_and_documents(self, queries: Iterable[str] | str, documents: Iterable[str],
                                         return_chunks: bool = False, *, lease: Lease | None = None,
                                         fields: tuple[str, str] = ("query", "documents"),
-                                        strategy: str | None = None) -> tuple[Embeddings, Embeddings]:
+                                        strategy: str | None = None,
+                                        numbers_per_document: int | None = None) -> tuple[Embeddings, Embeddings]:
         """(`embed_queries` of ``queries``, `embed_documents` of ``documents``) as one call: one share,
         queries tokenized first (refused: the documents are never tokenized), one check of the
         limits and the queue bound for both, and the first to fail cancels the other's unrun chunks.
-        fields: the names of the two parts in error messages."""
-        return tuple(await self._embed([Part(queries, "queries", "mean", False, fields[0]),
-                                        Part(documents, "documents", None, return_chunks, fields[1], strategy)],
+        queries: a list, or one str (one query, named ``fields[0]`` in errors rather than
+        ``fields[0][0]``: a field holding one string); fields: the names of the two parts in errors.
+        numbers_per_document: when given, the caller returns that many numbers per document and no
+        vectors (``/v1/evidence``'s rows): that is what counts against ``max_response_floats``, and the
+        vectors, chunk vectors included, are only for the caller's own use (its scoring)."""
+        scalar = isinstance(queries, str)
+        rows = numbers_per_document is not None
+        return tuple(await self._embed([Part([queries] if scalar else queries, "queries", "mean", False, fields[0],
+                                             scalar=scalar, numbers=0 if rows else None),
+                                        Part(documents, "documents", None, return_chunks, fields[1], strategy,
+                                             numbers=numbers_per_document)],
                                        lease, None))
 
     def add_batch_listener(self, listener: Callable[[BatchStats], None]) -> None:

@@ -3,8 +3,9 @@ and the passage that matched (localisation here, retrieval elsewhere).
 
 The query and the documents are encoded by the shared core as one call
 (`AsyncDiceEncoder.embed_query_and_documents`: one share, one admission, the query tokenized first, the
-first error cancelling the rest; the documents keep their chunk vectors), so the route obeys the same
-limits as ``/v1/embeddings``; scoring is `dice_fast.scoring`.
+first error cancelling the rest; the documents keep their chunk vectors for the scoring), so the route
+obeys the same limits as ``/v1/embeddings``, its response counted as `ROW_NUMBERS` numbers per document
+(no vectors); scoring is `dice_fast.scoring`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from fastapi import Request
 from .. import scoring as sc
 from .schemas import evidence_response, parse_evidence_request
 from .transport import unless_disconnected
+
+# The numbers of one row (index, score, chunk, start_char, end_char, chunk_score): what a document costs
+# against max_response_floats here. The response holds no vectors; the chunk vectors only feed the scoring.
+ROW_NUMBERS = 6
 
 
 def evidence_rows(req, query_vector, out) -> list[dict]:
@@ -49,15 +54,16 @@ def add_evidence_route(app, core, model_name: str, read_request, answer, seriali
     async def evidence(request: Request):
         async def handle(_labels, lease):
             req = await read_request(request, parse_evidence_request)
-            work = core.embed_query_and_documents([req.query], req.documents, return_chunks=True, lease=lease,
-                                                  strategy=req.strategy)
+            work = core.embed_query_and_documents(req.query, req.documents, return_chunks=True, lease=lease,
+                                                  strategy=req.strategy, numbers_per_document=ROW_NUMBERS)
             done = await unless_disconnected(request, work)
             if done is None:
                 return None
             query, docs = done
             rows = evidence_rows(req, query.vectors, docs.chunks)
             tokens = int(query.tokens.sum() + docs.tokens.sum())
-            content = await serialise(evidence_response, len(rows) * 8, rows, req.scoring, tokens, model_name)
+            content = await serialise(evidence_response, len(rows) * ROW_NUMBERS, rows, req.scoring, tokens,
+                                      model_name)
             return content, len(req.documents), tokens
 
         return await answer(request, "evidence", handle)

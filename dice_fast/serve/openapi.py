@@ -13,8 +13,12 @@ from .schemas import ENCODING_FORMATS, INPUT_TYPES
 STRATEGY = {"enum": [*STRATEGIES, None], "description": "how documents are encoded (default: the server's); queries "
             "are one window under every strategy"}
 
-# a text with a character that str.strip() keeps (Python's \s is str.isspace, which \x1c-\x1f are in)
-TEXT_PATTERN = "[^\\s\\x1c-\\x1f]"
+# a text with a character that str.strip() keeps: every character but those str.isspace() calls
+# whitespace, spelled out, since ECMA-262's \s (JSON Schema's dialect) is another set (it lacks \x1c-\x1f
+# and \x85, and has \ufeff); tests/serve/test_serve_openapi.py checks it against str.strip() for every
+# code point
+TEXT_PATTERN = ("[^\\x09-\\x0d\\x1c-\\x20\\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f"
+                "\\u205f\\u3000]")
 
 
 def request_schemas(core) -> tuple[dict, dict]:

@@ -26,24 +26,33 @@ def piece_chars(encoder) -> int | None:
     return PIECE_CHARS if encoder.cuts_are_exact() else None
 
 
-def check_chars(texts: list[str], limit: int, field: str = "input") -> None:
-    """`RequestTooLarge` naming the first text (``field[i]``) of more than ``limit`` characters."""
+def input_name(field: str, index: int, scalar: bool = False) -> str:
+    """How errors name text ``index`` of ``field``: ``field[index]``, or ``field`` alone when ``scalar``
+    (a field that holds one string, such as ``/v1/evidence``'s ``query``)."""
+    return field if scalar else f"{field}[{index}]"
+
+
+def check_chars(texts: list[str], limit: int, field: str = "input", scalar: bool = False) -> None:
+    """`RequestTooLarge` naming the first text (`input_name`) of more than ``limit`` characters."""
     for i, text in enumerate(texts):
         if len(text) > limit:
-            raise RequestTooLarge(f"{field}[{i}] has {len(text)} characters; the limit is {limit} per input "
-                                  "(max_input_chars)", param=f"{field}[{i}]")
+            name = input_name(field, i, scalar)
+            raise RequestTooLarge(f"{name} has {len(text)} characters; the limit is {limit} per input "
+                                  "(max_input_chars)", param=name)
 
 
 def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | None, auto_truncate: bool,
                  check_sizes: Callable[..., None], abandoned: threading.Event,
-                 field: str = "input", strategy: str | None = None) -> tuple[EncodingPlan, tuple[int, ...]]:
+                 field: str = "input", scalar: bool = False,
+                 strategy: str | None = None) -> tuple[EncodingPlan, tuple[int, ...]]:
     """(plan, indices of queries cut to the window) of ``texts`` as ``kind`` ("documents" / "queries").
 
     Between tokenizer calls, ``check_sizes(tokens, at_least=True)`` gets (n,) lower bounds of the tokens
     per text the model will run and refuses by raising; a query over the window raises
     `RequestTooLarge` naming it unless ``auto_truncate``; ``abandoned`` set stops the work (`Abandoned`).
     A text that is not valid Unicode raises `InvalidRequest`, a ``positions="global"`` document needing
-    more positions than the model has `RequestTooLarge`, each naming ``field[i]``; a ``strategy`` (documents:
+    more positions than the model has `RequestTooLarge`, each naming its text (`input_name` of ``field``,
+    ``scalar``); a ``strategy`` (documents:
     one of `STRATEGIES`, None the encoder's) the encoder's options cannot take `InvalidRequest` naming
     "strategy", before any tokenizing. Runs in any thread.
     """
@@ -53,12 +62,16 @@ def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | Non
         raise InvalidRequest(str(exc), param="strategy") from None
     refuse_long = kind == "queries" and not auto_truncate
 
+    def name(i: int) -> str:
+        return input_name(field, i, scalar)
+
     def refuse_long_queries(counts: np.ndarray) -> None:
         if refuse_long and (over := np.flatnonzero(counts > used)).size:
             i = int(over[0])
-            raise RequestTooLarge(f"{field}[{i}] is a query of more than {used} tokens, more than the model window "
-                                  f"({encoder.window} tokens with special tokens) holds; shorten it, or let the "
-                                  "server cut it (auto_truncate, dice-fast serve --auto-truncate)", param=f"{field}[{i}]")
+            raise RequestTooLarge(f"{name(i)} has more than {used} tokens, more than the model window "
+                                  f"({encoder.window} tokens with special tokens) holds for a query; shorten it, "
+                                  "or let the server cut it (auto_truncate, dice-fast serve --auto-truncate)",
+                                  param=name(i))
 
     def check(counts: np.ndarray) -> None:
         if abandoned.is_set():
@@ -70,7 +83,8 @@ def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | Non
         tokens = encoder.tokenize_bounded(texts, piece_chars=piece_chars, check=check,
                                           enough=used if kind == "queries" else None, what=field)
     except TextError as exc:  # not valid Unicode
-        raise InvalidRequest(str(exc), param=f"{field}[{exc.index}]") from None
+        raise InvalidRequest(_renamed(str(exc), f"{field}[{exc.index}]", name(exc.index)),
+                             param=name(exc.index)) from None
     refuse_long_queries(tokens.lengths)
     truncated = ()
     if kind == "queries" and (over := np.flatnonzero(tokens.lengths > used)).size:
@@ -79,7 +93,12 @@ def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | Non
     try:
         return encoder.plan_tokens(tokens, kind, strategy), truncated
     except TextError as exc:  # positions="global": more positions than the model has
-        raise RequestTooLarge(f"{field}[{exc.index}]: {exc}", param=f"{field}[{exc.index}]") from None
+        raise RequestTooLarge(f"{name(exc.index)}: {exc}", param=name(exc.index)) from None
+
+
+def _renamed(message: str, core_name: str, name: str) -> str:
+    """``message`` of the core, which names the text ``core_name``, naming it ``name`` instead."""
+    return name + message[len(core_name):] if message.startswith(core_name) else message
 
 
 def keep_first(tokens: TokenizedDocuments, n: int) -> TokenizedDocuments:

@@ -179,14 +179,14 @@ class WorkerLoop:
                         _settle(job.tag, value=_result(job))
                     elif not job.cancelled or job.error is not None:
                         self._queue.fail(job, exc)
-                        _settle(job.tag, exc=_client_error(job.error))
+                        _settle(job.tag, exc=_client_error(job.error, job.tag))
             return
         self._ran = True
         seconds = time.perf_counter() - start
         for job in finished:
             _settle(job.tag, value=_result(job))
         for job in failed:
-            _settle(job.tag, exc=_client_error(job.error))
+            _settle(job.tag, exc=_client_error(job.error, job.tag))
         tokens = batch.packed.n_tokens
         rate = tokens / max(seconds, 1e-6)
         self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
@@ -198,9 +198,11 @@ class WorkerLoop:
                 log.exception("dice_fast.serve: batch listener %r failed", listener)
 
 
-def _client_error(error: BaseException) -> BaseException:
-    """What the client of a failed request gets: `OutOfMemory` naming its input, else the error."""
+def _client_error(error: BaseException, request) -> BaseException:
+    """What the client of a failed ``request`` (a `QueuedRequest`) gets: `OutOfMemory` naming its input
+    as the request's field names it (``documents[1]``, ``query``), else the error."""
     if isinstance(error, InputOutOfMemory):
+        error = error.renamed(request.name(error.index))
         return OutOfMemory(str(error), param=error.name)
     return error
 

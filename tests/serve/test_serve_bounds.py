@@ -93,6 +93,44 @@ def test_the_response_budget_refuses_before_any_work(tiny_encoder, monkeypatch):
         assert r.status_code == 200 and embeddings_of(r.json()).shape == (40, 16)
 
 
+def test_evidence_is_charged_for_its_rows_not_for_the_chunk_vectors_it_scores(tiny_encoder, monkeypatch):
+    """/v1/evidence returns a row per document and no vectors: the chunk vectors it scores with are not
+    response floats (a document of 25 chunks passes a budget of 10 vectors), its rows are (6 numbers
+    each: a 413 naming ``documents``, before any tokenizing), and its other limits still hold."""
+    proxy = ProxyEncoder(tiny_encoder)  # 32 floats per vector
+    doc = word_texts(1, 400, 400, seed=54)[0]  # 25 chunks, 450 tokens with [CLS]/[SEP]
+    app = create_app(proxy, max_response_floats=32 * 10, max_inputs_per_request=60, max_tokens_per_document=500,
+                     max_queue_tokens=1000)
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
+        r = http.post("/v1/embeddings", json={"input": [doc], "return_chunks": True})  # chunk vectors returned
+        assert r.status_code == 413 and "(1 inputs + 25 chunks) x 32 floats" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "input"
+        r = http.post("/v1/evidence", json={"query": "word another", "documents": [doc, "the cat"]})
+        assert r.status_code == 200, r.text
+        assert [row["index"] for row in r.json()["data"]] == [0, 1] and r.json()["data"][0]["text"] in doc
+
+        ran, counting = len(proxy.batches), CountingTokenizer(tiny_encoder.tokenizer)
+        monkeypatch.setattr(tiny_encoder, "tokenizer", counting)  # the engine tokenizes through it
+        r = http.post("/v1/evidence", json={"query": "word", "documents": ["the cat"] * 54})  # 324 numbers
+        err = r.json()["error"]
+        assert r.status_code == 413 and err["param"] == "documents" and err["code"] == "request_too_large", r.text
+        assert "54 documents x 6 numbers = 324 floats" in err["message"] and "in 'documents'" in err["message"]
+        assert "return_chunks" not in err["message"]  # the route has no such field
+        assert counting.calls == 0 and len(proxy.batches) == ran
+        monkeypatch.undo()
+        # bounded by its other limits: inputs, tokens per document, tokens per request
+        refusals = [({"query": "q", "documents": ["the cat"] * 61}, "documents", "max_inputs_per_request"),
+                    ({"query": "q", "documents": [doc + " " + doc]}, "documents[0]", "max_tokens_per_document"),
+                    ({"query": "q", "documents": [doc] * 3}, "documents", "max_queue_tokens")]
+        for body, param, limit in refusals:
+            r = http.post("/v1/evidence", json=body)
+            assert r.status_code == 413 and r.json()["error"]["param"] == param, r.text
+            assert limit in r.json()["error"]["message"], r.text
+        assert len(proxy.batches) == ran, "a refused request ran a forward"
+        assert app.state.core.requests_in_flight == 0 and app.state.core.tokens_held == 0
+
+
 def test_one_evidence_request_is_one_request(tiny_encoder, monkeypatch):
     """With one request at a time allowed, /v1/evidence is served; a query refused (over the window)
     is refused before its documents are tokenized or run."""
@@ -108,7 +146,7 @@ def test_one_evidence_request_is_one_request(tiny_encoder, monkeypatch):
         monkeypatch.setattr(tiny_encoder, "tokenizer", counting)  # the engine tokenizes through it
         long_query = word_texts(1, 300, 300, seed=52)[0]
         r = http.post("/v1/evidence", json={"query": long_query, "documents": docs})
-        assert r.status_code == 413 and r.json()["error"]["param"] == "query[0]"
+        assert r.status_code == 413 and r.json()["error"]["param"] == "query"  # one string: no index
         assert len(proxy.batches) == ran, "the refused request's documents ran"
         assert counting.calls == 1, "the documents of a refused query were tokenized"
         assert app.state.core.requests_in_flight == 0 and app.state.core.tokens_held == 0

@@ -87,6 +87,20 @@ def test_bad_evidence_requests_name_the_field(tiny_server, body, param):
     assert "input" not in r.json()["error"]["message"].split(";")[0], r.text  # named as this route names it
 
 
+@pytest.mark.parametrize("body,param,limit", [
+    ({"query": word_texts(1, 200, 200, seed=33)[0], "documents": ["a b"]}, "query", "model window"),
+    ({"query": "x" * 3300, "documents": ["a b"]}, "query", "max_input_chars"),
+    ({"query": "q", "documents": ["a b", "y " * 1700]}, "documents[1]", "max_input_chars"),
+    ({"query": "q", "documents": [word_texts(1, 400, 400, seed=34)[0]]}, "documents[0]", "max_tokens_per_document"),
+])
+def test_evidence_refusals_name_the_query_without_an_index(tiny_server, body, param, limit):
+    """``query`` holds one string: a refusal names it ``query``, never ``query[0]``; documents by index."""
+    r = tiny_server.post("/v1/evidence", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 413 and err["param"] == param and limit in err["message"], r.text
+    assert err["message"].startswith(f"{param} has "), r.text
+
+
 def test_bad_return_chunks_is_named(tiny_server):
     for body in ({"input": ["a"], "return_chunks": "yes"}, {"input": ["a"], "return_chunks": True, "input_type": "query"}):
         r = tiny_server.post("/v1/embeddings", json=body)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -262,3 +264,70 @@ def test_request_timeout_option_and_flag(tiny_encoder):
 
     assert run(main()).vectors.shape == (1, tiny_encoder.dim)
     assert issubclass(DeadlineExceeded, Exception)
+
+
+def test_out_of_memory_names_the_text_as_the_route_does(tiny_encoder):
+    """On /v1/evidence a text whose chunk runs out of memory alone is named as that route names it:
+    ``documents[i]``, or ``query`` (one string, no index); on /v1/embeddings ``input[i]``."""
+    texts = word_texts(3, 5, 30, seed=37)
+    with ServerThread(create_app(tiny_encoder)) as server, failing_forward(tiny_encoder.model, has_poison), \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
+        answers = [http.post("/v1/evidence", json={"query": "the cat", "documents": [texts[0], poisoned(texts[1])]}),
+                   http.post("/v1/evidence", json={"query": poisoned("the cat sat on"), "documents": texts}),
+                   http.post("/v1/embeddings", json={"input": [texts[2], poisoned(texts[1])]})]
+        fine = http.post("/v1/evidence", json={"query": "the cat sat", "documents": texts})
+    for r, name in zip(answers, ["documents[1]", "query", "input[1]"]):
+        err = r.json()["error"]
+        assert r.status_code == 503 and err["code"] == "out_of_memory" and err["param"] == name, r.text
+        assert err["message"].startswith(f"out of memory encoding {name}: "), r.text
+    assert fine.status_code == 200, fine.text
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_requests_in_flight_past_the_graceful_timeout_get_503_shutting_down(tiny_encoder):
+    """Shut down while forwards are held past uvicorn's graceful timeout: the requests still waiting get
+    OpenAI's 503 ``shutting_down`` with ``Connection: close`` (not uvicorn's plain-text 500), their share
+    is released, and nothing is logged with a traceback."""
+    import uvicorn
+
+    from dice_fast.serve.server import draining_server
+
+    proxy = ProxyEncoder(tiny_encoder)
+    app = create_app(proxy, cache_memory_mb=0)
+    server, records = ServerThread(app, graceful_timeout=1.0), _Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "dice_fast.serve")]
+    for logger in loggers:  # after uvicorn's Config has set up its logging
+        logger.addHandler(records)
+    try:
+        with server, ThreadPoolExecutor(2) as pool:
+            core = app.state.core
+            wait_until(lambda: core.health[0] == "ok", what="the warm-up")
+            proxy.running.clear()
+            proxy.gate.clear()  # the forwards are held past the graceful timeout
+            sent = [pool.submit(httpx.post, server.url + "/v1/embeddings", json={"input": [t]}, timeout=30)
+                    for t in word_texts(2, 30, 60, seed=38)]
+            wait_until(lambda: proxy.running.is_set() and core.requests_in_flight == 2, what="both requests held")
+            draining_server(core)(uvicorn.Config(app)).handle_exit(signal.SIGTERM, None)  # marks the core draining
+            server.server.should_exit = True
+            try:
+                answers = [f.result(timeout=30) for f in sent]
+            finally:
+                proxy.gate.set()  # let the worker finish, so that the core closes
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
+    for r in answers:
+        assert r.status_code == 503 and r.headers["connection"] == "close", r.text
+        assert r.json()["error"]["code"] == "shutting_down" and r.json()["error"]["type"] == "server_error"
+    assert core.requests_in_flight == 0 and core.tokens_held == 0
+    assert not [r for r in records.records if r.exc_info], [r.getMessage() for r in records.records]
+    assert not any("Exception in ASGI application" in r.getMessage() for r in records.records)

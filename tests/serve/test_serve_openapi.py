@@ -6,6 +6,7 @@ the real schemathesis, with every one of its checks on, finds nothing against a 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from dice_fast.serve import create_app
 from dice_fast.serve.guards import allowed_hosts
+from dice_fast.serve.openapi import TEXT_PATTERN
 from serve_testing import ServerThread, wait_until
 
 KEY = "fuzz-key"
@@ -50,6 +52,16 @@ def test_the_openapi_document_lists_bodies_statuses_and_types(server):
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert set(paths["/health"]["get"]["responses"]) == {"200", "400", "503"}  # never behind the key
     assert "401" in paths["/v1/models"]["get"]["responses"]
+
+
+def test_the_text_pattern_keeps_exactly_what_str_strip_keeps():
+    """A client checks the schema's pattern with ECMA-262 regexes, where \\s is not Python's: the set is
+    spelled out (escapes both dialects read alike) and agrees with str.strip() on every code point."""
+    assert "\\s" not in TEXT_PATTERN and "\\S" not in TEXT_PATTERN
+    pattern = re.compile(TEXT_PATTERN)
+    disagree = [hex(c) for c in range(sys.maxunicode + 1) if bool(pattern.search(chr(c))) != bool(chr(c).strip())]
+    assert not disagree
+    assert pattern.search("\ufeff") and not pattern.search("\x85\x1c\u3000 \t")
 
 
 def test_schemathesis_with_every_check_finds_nothing(server, tmp_path):
