@@ -1,4 +1,4 @@
-"""Reading line-oriented text inputs with errors that name the file and line."""
+"""Reading line-oriented text inputs, and the text and id of a JSON record, with errors that name the file and line."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def parse_json_object(line: str, where: str) -> dict:
         raise InputError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
     except RecursionError:
         raise InputError(f"{where}: malformed JSON (nested too deeply)") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise InputError(f"{where}: unreadable JSON ({str(exc).split(';')[0]})") from None
     if not isinstance(record, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
     return record
@@ -38,6 +40,37 @@ def check_unicode(value: str, where: str, what: str) -> str:
     except UnicodeEncodeError as exc:
         raise InputError(f"{where}: {what} is not valid Unicode: a lone surrogate "
                          f"(\\u{ord(value[exc.start]):04x}) at character {exc.start}") from None
+    return value
+
+
+def record_text(record: dict, field: str, where: str, unicode: bool = True) -> str:
+    """The text in ``field`` of a JSON ``record``; InputError naming ``where`` if the field is missing, not
+    a string or (``unicode``: checked) not valid Unicode."""
+    if field not in record:
+        raise InputError(f"{where}: no field {field!r} (fields: {', '.join(map(str, record)) or 'none'})")
+    text = record[field]
+    if not isinstance(text, str):
+        raise InputError(f"{where}: field {field!r} is {type(text).__name__}, expected a string")
+    return check_unicode(text, where, f"field {field!r}") if unicode else text
+
+
+def record_id(record: dict, id_field: str, where: str, unicode: bool = True) -> str:
+    """The id in ``id_field`` of a JSON ``record`` as a string (see `check_id`); InputError naming
+    ``where`` if the field is missing or (``unicode``: checked) the id is not valid Unicode."""
+    if id_field not in record:
+        raise InputError(f"{where}: no id field {id_field!r} (fields: {', '.join(map(str, record)) or 'none'})")
+    doc_id = check_id(record[id_field], where)
+    return check_unicode(doc_id, where, f"id field {id_field!r}") if unicode else doc_id
+
+
+def check_id(value, where: str) -> str:
+    """An id value (a string or an integer, not a bool) as a string without line breaks; InputError
+    naming ``where`` otherwise (a null, a float, a list ... is never turned into an id)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InputError(f"{where}: id {value!r} is {type(value).__name__}, expected a string or an integer")
+    value = str(value)
+    if "\n" in value or "\r" in value:
+        raise InputError(f"{where}: id {value!r} contains a line break")
     return value
 
 

@@ -59,19 +59,25 @@ def _snapshot(folder):
     return {p.name: (_mode(p), hashlib.sha256(p.read_bytes()).hexdigest()) for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("kind", ["rollback journal", "write-ahead log", "not sqlite", "damaged header"])
+@pytest.mark.parametrize("kind", ["rollback journal", "write-ahead log", "write-ahead log, a view only",
+                                  "write-ahead log, other tables", "not sqlite", "damaged header"])
 def test_a_foreign_or_damaged_file_is_refused_untouched(tmp_path, kind):
     """Refused from its header or a read-only look at its schema: no byte, mode or side file changes
     (before, a foreign database was switched to WAL mode before being refused)."""
     folder = tmp_path / "c"
     folder.mkdir()
     path = folder / CACHE_FILE
-    if kind in ("rollback journal", "write-ahead log"):
+    if kind.startswith(("rollback journal", "write-ahead log")):
         con = sqlite3.connect(path)
-        if kind == "write-ahead log":
+        if kind.startswith("write-ahead log"):
             con.execute("PRAGMA journal_mode=WAL")
-        con.execute("CREATE TABLE meta(name TEXT, value TEXT)")  # even a table of the cache's name
-        con.execute("INSERT INTO meta VALUES('magic', 'someone else')")
+        if kind.endswith("other tables"):  # not an empty database (which a cut-off creation leaves): refused
+            con.execute("CREATE TABLE users(name TEXT)")
+        elif kind.endswith("a view only"):
+            con.execute("CREATE VIEW v AS SELECT 1")
+        else:
+            con.execute("CREATE TABLE meta(name TEXT, value TEXT)")  # even a table of the cache's name
+            con.execute("INSERT INTO meta VALUES('magic', 'someone else')")
         con.commit()
         con.close()
     elif kind == "not sqlite":

@@ -1,7 +1,8 @@
 """The chunk cache under faults that can really happen: the file damaged under an open connection (one
 warning, right vectors), another connection holding the write lock (a warning per refused write, right
-vectors, writes resume once it lets go), and a process killed inside the real commit (the database keeps
-its last committed state and its stored byte count still equals its rows)."""
+vectors, writes resume once it lets go), a process killed inside the real commit (the database keeps
+its last committed state and its stored byte count still equals its rows) or while creating a new cache
+(the next opener makes it), and a full disk (one warning, reads go on, nothing called damaged)."""
 
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ begun = [0]
 def hook(sql):  # inside the real ChunkCache._commit: its transaction's own statements
     if sql == "BEGIN IMMEDIATE":
         begun[0] += 1
-    if begun[0] == at and (sql == "COMMIT" if where == "commit" else sql.startswith("DELETE FROM chunks")):
+    statement = {"commit": "COMMIT", "eviction": "DELETE FROM chunks", "schema": "CREATE TABLE"}[where]
+    if begun[0] == at and sql.startswith(statement):
         gate.write_text(where)
         threading.Event().wait()  # killed here
 
@@ -162,3 +164,69 @@ def test_a_process_killed_inside_the_real_commit_leaves_counts_that_match_the_ro
     space.put(keys, [k.to_bytes(8, "little") * 8 for k in keys], np.ones((25, 64), np.float32))
     cache.close()
     assert _consistent(folder / CACHE_FILE)[1] >= set(keys)
+
+
+@pytest.mark.parametrize("where", ["schema", "commit"])
+def test_a_process_killed_while_creating_a_new_cache_leaves_one_the_next_opener_makes(tmp_path, where):
+    """Killed after the WAL switch wrote the header and before the schema committed (at its first CREATE
+    TABLE, or at its COMMIT): the file is an SQLite database with no tables, which the next opener
+    takes as new, not as a foreign file to delete."""
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_IN_COMMIT)
+    gate, folder = tmp_path / "gate", tmp_path / "c"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    assert kill_at_gate([sys.executable, str(script), str(gate), str(folder), "1", where], gate, env, "the hook") == ""
+    with sqlite3.connect(f"{(folder / CACHE_FILE).as_uri()}?mode=ro", uri=True) as con:
+        assert con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0  # what the kill left
+    cache = ChunkCache(folder)
+    space = cache.bind({"test": 1}, 4)
+    assert space.put([1, 2], [b"a", b"b"], np.ones((2, 4), np.float32)) == 2 and len(space.get([1, 2], [b"a", b"b"])[0]) == 2
+    assert cache._con.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # INCREMENTAL, as a cache made in one go
+    cache.close()
+
+
+def test_a_full_disk_warns_once_and_reads_go_on(tmp_path):
+    """SQLITE_FULL (a full disk; a read-only or failing file system alike) is not damage: one warning
+    saying new chunks are not stored, rows already stored are still served, and no lock stays held."""
+    cache = ChunkCache(tmp_path / "c")
+    space = cache.bind({"test": 1}, 4)
+    space.put([1], [b"a"], np.ones((1, 4), np.float32))
+    pages = cache._con.execute("PRAGMA page_count").fetchone()[0]
+    cache._con.execute(f"PRAGMA max_page_count={pages}")  # the next write that needs a page fails as a full disk does
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert space.put(list(range(2, 400)), [bytes(600)] * 398, np.ones((398, 4), np.float32)) == 0
+        assert space.put([500], [b"z"], np.ones((1, 4), np.float32)) == 0  # not tried again: no second warning
+        got, damaged = space.get([1, 2], [b"a", bytes(600)])
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "could not write (database or disk is full); continuing without storing new chunks" \
+        in messages[0] and "damaged" not in messages[0] and "Delete" not in messages[0], messages
+    assert cache.broken is None and cache.unwritable == "database or disk is full"
+    assert list(got) == [0] and damaged == 0
+    with sqlite3.connect(tmp_path / "c" / CACHE_FILE, isolation_level=None, timeout=0) as other:
+        other.execute("BEGIN IMMEDIATE")  # the failed transaction was rolled back: its write lock is free
+        other.execute("ROLLBACK")
+    cache.close()
+
+
+def test_sqlite_errors_are_told_apart_by_code_and_by_message(tmp_path):
+    from dice_fast.reuse.cache_files import sqlite_failure, unusable
+
+    path = tmp_path / "d.sqlite"
+    with sqlite3.connect(path) as con:
+        con.execute("CREATE TABLE t(x)")
+    ro = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+    with pytest.raises(sqlite3.OperationalError) as readonly:
+        ro.execute("INSERT INTO t VALUES(1)")
+    ro.close()
+    (tmp_path / "junk.sqlite").write_bytes(b"junk" * 1024)
+    with pytest.raises(sqlite3.DatabaseError) as notadb:
+        sqlite3.connect(tmp_path / "junk.sqlite").execute("SELECT * FROM sqlite_master")
+    assert sqlite_failure(readonly.value) == "unwritable" and sqlite_failure(notadb.value) == "damaged"
+    assert unusable(path, readonly.value).startswith(f"cannot open the chunk cache {path} (attempt to write a readonly")
+    assert "delete it" not in unusable(path, readonly.value) and "delete it" in unusable(path, notadb.value)
+    for message, kind in [("database or disk is full", "unwritable"), ("attempt to write a readonly database", "unwritable"),
+                          ("disk I/O error", "unwritable"), ("unable to open database file", "unwritable"),
+                          ("database is locked", "busy"), ("database disk image is malformed", "damaged"),
+                          ("file is not a database", "damaged"), ("no such table: chunks", "failed")]:
+        assert sqlite_failure(sqlite3.OperationalError(message)) == kind, message  # no error code: by message

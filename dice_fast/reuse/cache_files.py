@@ -16,7 +16,12 @@ clients' text), so:
   (SQLite's ``immutable`` open), and only if the answer may sit in an existing ``-wal`` file through
   an ordinary read-only connection; with no ``-wal`` file it reads once more the immutable way (a
   writer's last connection may have checkpointed the log into the main file and deleted it between
-  the first read and the look for the log: the file was then refused as foreign).
+  the first read and the look for the log: the file was then refused as foreign). A WAL database with
+  no tables at all is a new cache whose creator was killed after the WAL switch wrote the header and
+  before the schema committed: it is accepted, and the opener (holding the folder guard) makes it.
+* `sqlite_failure`: what an SQLite error means for the cache: a lock held by another connection, a
+  file that cannot be written (full disk, read-only, I/O error, permissions: the file is fine), or a
+  damaged file.
 """
 
 from __future__ import annotations
@@ -80,9 +85,10 @@ def tighten(path: Path) -> None:
                 os.chmod(side, 0o600)
 
 
-def is_cache(path: Path, magic: str, fmt: int) -> None:
+def is_cache(path: Path, magic: str, fmt: int) -> bool:
     """Refuse (`CacheError`) an existing, non-empty ``path`` that is not a chunk cache of ``magic`` and
-    format ``fmt``, reading only (see module)."""
+    format ``fmt``, reading only (see module). Returns False for a WAL database with no tables at all
+    (a creation cut off before its schema committed: a new cache, made by the caller), True for a cache."""
     with open(path, "rb") as f:
         head = f.read(100)
     if len(head) < 100 or not head.startswith(_HEADER):
@@ -98,7 +104,10 @@ def is_cache(path: Path, magic: str, fmt: int) -> None:
             meta = _meta(f"{uri}?mode=ro", path)  # what the main file lacks may be in the write-ahead log
         else:  # no log (any more): a writer's last close may have checkpointed it into the main file since the
             meta = _meta(f"{uri}?mode=ro&immutable=1", path)  # first read, then deleted it; the file is whole now
+    if meta is _NO_TABLES:
+        return False
     check_meta(path, meta, magic, fmt)
+    return True
 
 
 def check_meta(path: Path, meta: dict, magic: str, fmt: int) -> None:
@@ -112,17 +121,64 @@ def check_meta(path: Path, meta: dict, magic: str, fmt: int) -> None:
 
 
 def unusable(path: Path, why) -> str:
-    """The message of a `CacheError` for a cache file at ``path`` that cannot be used because of ``why``."""
+    """The message of a `CacheError` for a cache file at ``path`` that cannot be used because of ``why``
+    (an SQLite error that says the file cannot be written or reached gets no advice to delete it)."""
+    kind = sqlite_failure(why) if isinstance(why, sqlite3.Error) else None
+    if kind == "unwritable":
+        return f"cannot open the chunk cache {path} ({why}); check the free space and permissions of {path.parent}"
+    if kind == "busy":
+        return f"cannot open the chunk cache {path} ({why}): another process holds it locked; try again"
     return f"{path} is not a usable dice_fast chunk cache ({why}); delete it or choose another --cache folder"
 
 
+def sqlite_failure(exc: sqlite3.Error) -> str:
+    """What ``exc`` says about a cache file: "busy" (another connection holds a lock past the busy timeout),
+    "unwritable" (no space, read-only, an I/O error, no permission: the file itself is fine),
+    "damaged" (SQLITE_CORRUPT, SQLITE_NOTADB) or "failed" (anything else). By SQLite's primary error
+    code (Python 3.11+), else by its message."""
+    name = getattr(exc, "sqlite_errorname", None)
+    if name:
+        primary = "_".join(name.split("_")[:2])  # SQLITE_IOERR_SHORT_READ -> SQLITE_IOERR
+    else:
+        text = str(exc).lower()
+        primary = next((code for code, words in _MESSAGES.items() if words in text), "")
+    for kind, codes in _KINDS.items():
+        if primary in codes:
+            return kind
+    return "failed"
+
+
+def failure_warning(path: Path, kind: str, what: str, exc) -> str:
+    """The warning for an SQLite error ``exc`` of `sqlite_failure` ``kind`` while trying to ``what``."""
+    if kind == "busy":
+        return f"dice_fast: chunk cache {path}: could not {what} ({exc}); continuing"
+    if kind == "unwritable":
+        return f"dice_fast: chunk cache {path}: could not {what} ({exc}); continuing without storing new chunks"
+    state, advice = ("is damaged", " Delete the file to start a new cache.") if kind == "damaged" else ("failed", "")
+    return (f"dice_fast: chunk cache {path} {state} ({exc} while trying to {what}); this process continues "
+            f"without it, computing every chunk.{advice}")
+
+
+# SQLite's primary error codes by what they mean for the cache, and their messages (older Pythons)
+_KINDS = {"busy": ("SQLITE_BUSY", "SQLITE_LOCKED"), "damaged": ("SQLITE_CORRUPT", "SQLITE_NOTADB"),
+          "unwritable": ("SQLITE_FULL", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_CANTOPEN", "SQLITE_PERM")}
+_MESSAGES = {"SQLITE_BUSY": "database is locked", "SQLITE_LOCKED": "table is locked", "SQLITE_FULL": "is full",
+             "SQLITE_READONLY": "readonly database", "SQLITE_IOERR": "disk i/o error",
+             "SQLITE_CANTOPEN": "unable to open database file", "SQLITE_PERM": "access permission denied",
+             "SQLITE_CORRUPT": "malformed", "SQLITE_NOTADB": "not a database"}
+_NO_TABLES: dict = {}  # what `_meta` returns for a database with no tables at all (compared by identity)
+
+
 def _meta(uri: str, path: Path | None = None) -> dict:
-    """The ``meta`` table of the database at ``uri`` ({} if it has none); sqlite3.DatabaseError, or
-    `CacheError` naming ``path`` when given."""
+    """The ``meta`` table of the database at ``uri`` ({} if it has none, `_NO_TABLES` if it has no tables at
+    all); sqlite3.DatabaseError, or `CacheError` naming ``path`` when given."""
     try:
         con = sqlite3.connect(uri, uri=True, timeout=10)
         try:
-            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            schema = con.execute("SELECT type, name FROM sqlite_master").fetchall()
+            if not schema:
+                return _NO_TABLES
+            tables = {name for kind, name in schema if kind == "table"}
             return dict(con.execute("SELECT name, value FROM meta").fetchall()) if "meta" in tables else {}
         finally:
             con.close()

@@ -29,7 +29,8 @@ import numpy as np
 
 from ..errors import ArgumentTypeError, CacheError, OptionError
 from ..folder_guard import folder_guard
-from .cache_files import check_meta, is_cache, private_database, private_folder, tighten, unusable
+from .cache_files import (check_meta, failure_warning, is_cache, private_database, private_folder, sqlite_failure,
+                          tighten, unusable)
 
 FORMAT = 1  # bump when what a stored vector means changes
 CACHE_FILE = "chunks.sqlite"
@@ -88,7 +89,8 @@ class ChunkCache:
     that is not a dice_fast chunk cache raises `CacheError` before anything is written to it. The folder
     is 0700 and its files 0600 whatever the umask (`dice_fast.reuse.cache_files`: they hold every chunk's token
     ids, i.e. the text). If the database turns out damaged while in use, a warning is issued and this
-    process continues without it (vectors are computed, never wrong).
+    process continues without it (vectors are computed, never wrong); if it cannot be written (a full
+    disk, a read-only or failing file system: ``unwritable``), one warning, and reads go on without writes.
     """
 
     def __init__(self, folder, max_gb: float | None = None):
@@ -99,7 +101,8 @@ class ChunkCache:
         self.folder, self.path = folder, folder / CACHE_FILE
         self.max_bytes = None if max_gb is None else int(max_gb * 1e9)
         self._lock = threading.Lock()
-        self.broken: str | None = None
+        self.broken: str | None = None  # why this process no longer uses the cache (damaged, or another failure)
+        self.unwritable: str | None = None  # why this process no longer writes to it (reads go on)
         self._touched: dict[int, int] = {}  # rows hit since the last write (key -> ns), for recency
         # one opener at a time, across processes: a database another process is still creating (header
         # written, schema not yet committed) was refused as foreign, or its WAL switch failed as locked
@@ -148,11 +151,11 @@ class ChunkCache:
         self._con.execute("BEGIN IMMEDIATE")
         try:
             yield
+            self._con.execute("COMMIT")  # a COMMIT that fails (a full disk) is rolled back: no lock stays held
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
                 self._con.execute("ROLLBACK")
             raise
-        self._con.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
@@ -170,7 +173,7 @@ class ChunkCache:
         row = None
         with self._lock, self._guard("open a namespace"):
             row = self._con.execute("SELECT id FROM namespaces WHERE description=?", (text,)).fetchone()
-            if row is None:
+            if row is None and not self.unwritable:
                 with self._write():
                     self._con.execute("INSERT OR IGNORE INTO namespaces(description) VALUES(?)", (text,))
                 row = self._con.execute("SELECT id FROM namespaces WHERE description=?", (text,)).fetchone()
@@ -192,8 +195,9 @@ class ChunkCache:
         if row is not None and row[0] == files:
             return row[1]
         fp = model_fingerprint(model)
-        with self._lock, self._guard("remember a model fingerprint"), self._write():
-            self._con.execute("INSERT OR REPLACE INTO models VALUES(?, ?, ?, ?)", (path, dtype, files, fp))
+        if not self.unwritable:
+            with self._lock, self._guard("remember a model fingerprint"), self._write():
+                self._con.execute("INSERT OR REPLACE INTO models VALUES(?, ?, ?, ?)", (path, dtype, files, fp))
         return fp
 
     # ----------------------------------------------------------------------------------------
@@ -225,7 +229,9 @@ class ChunkCache:
                 for i in where[key]:
                     found[i] = v
                 self._touched[key] = ns
-            if len(self._touched) >= 4096:  # a long run of hits: record their recency now and then
+            if self.unwritable:
+                self._touched.clear()  # nothing is written: no recency to keep
+            elif len(self._touched) >= 4096:  # a long run of hits: record their recency now and then
                 with self._guard("write"):
                     self._commit([])
         return found, damaged
@@ -233,7 +239,7 @@ class ChunkCache:
     def put(self, ns: int, keys: list[int], idents: list[bytes], vectors: np.ndarray) -> int:
         """Store float32 ``vectors`` (n, dim) for chunks (keys, idents) in one transaction, refresh the
         recency of rows read since the last write, drop damaged rows, and evict to the bound. Returns rows written."""
-        if self.broken:
+        if self.broken or self.unwritable:
             return 0
         vectors = np.ascontiguousarray(vectors, "<f4")
         rows = [(k, ns, ident, v.tobytes()) for k, ident, v in zip(keys, idents, vectors)]
@@ -244,7 +250,7 @@ class ChunkCache:
 
     def flush(self) -> None:
         """Write the recency of rows read (and drop damaged rows found) since the last write."""
-        if self._touched and not self.broken:
+        if self._touched and not self.broken and not self.unwritable:
             with self._lock, self._guard("write"):
                 self._commit([])
 
@@ -316,24 +322,19 @@ class ChunkCache:
 
     @contextlib.contextmanager
     def _guard(self, what: str):
-        """Turn a damaged or unreadable database into a warning and a cache that is no longer used."""
+        """Turn an SQLite error into a warning (`dice_fast.reuse.cache_files.sqlite_failure` tells which): a
+        lock held elsewhere skips this write; a file that cannot be written (full disk, read-only, I/O
+        error) stops this process's writes, reads go on; a damaged file (or any other error) stops its use."""
         try:
             yield
-        except sqlite3.OperationalError as exc:
-            if "locked" in str(exc) or "busy" in str(exc):
-                warnings.warn(f"dice_fast: chunk cache {self.path}: could not {what} ({exc}); continuing",
-                              RuntimeWarning, stacklevel=4)
-                return
-            self._disable(what, exc)
         except sqlite3.DatabaseError as exc:
-            self._disable(what, exc)
-
-    def _disable(self, what: str, exc) -> None:
-        if self.broken is None:
-            self.broken = str(exc)
-            warnings.warn(f"dice_fast: chunk cache {self.path} is damaged ({exc} while trying to {what}); this "
-                          "process continues without it, computing every chunk. Delete the file to start a new "
-                          "cache.", RuntimeWarning, stacklevel=5)
+            kind = sqlite_failure(exc)
+            if kind == "busy" or (self.unwritable if kind == "unwritable" else self.broken) is None:  # once
+                warnings.warn(failure_warning(self.path, kind, what, exc), RuntimeWarning, stacklevel=4)
+            if kind == "unwritable":
+                self.unwritable = self.unwritable or str(exc)
+            elif kind != "busy":
+                self.broken = self.broken or str(exc)
 
 
 @dataclass(frozen=True)
