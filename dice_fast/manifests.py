@@ -10,17 +10,45 @@ from pathlib import Path
 from .errors import InputError
 
 MANIFEST_FORMAT = "dice_fast.embeddings/1"
+# the keys every manifest a job writes has and its readers index, with their types
+_SHAPE = {"status": str, "rows": int, "split": {"index": int, "count": int}, "model": {"dim": int},
+          "shards": [{"file": str, "rows": int, "bytes": int, "sha256": str}]}
 
 
 def read_manifest(path: Path) -> dict:
-    """The manifest at ``path``; InputError naming it when it is unreadable or not ours."""
+    """The manifest at ``path``; InputError naming it when it is unreadable, not ours, or damaged (a key
+    its readers need is missing or of another type, or a shard is named by a path, not a file name)."""
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: malformed JSON, or bytes that are not UTF-8
         raise InputError(f"cannot read {path}: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise InputError(f"{path} is not a dice_fast manifest (format {MANIFEST_FORMAT})")
+    _check_shape(path, manifest, _SHAPE, "")
+    for i, shard in enumerate(manifest["shards"]):
+        if shard["file"] != Path(shard["file"]).name or shard["file"] in ("", ".", ".."):
+            raise InputError(f"{path}: damaged manifest: shards[{i}].file {shard['file']!r} is not a file name")
     return manifest
+
+
+def _check_shape(path: Path, value, shape, key: str) -> None:
+    """InputError naming ``path`` and the key unless ``value`` has ``shape`` (a type, a dict of keys'
+    shapes, or a one-item list: a list of items of that shape)."""
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            raise InputError(f"{path}: damaged manifest: {key} is {type(value).__name__}, expected an object")
+        for name, inner in shape.items():
+            where = f"{key}.{name}" if key else name
+            if name not in value:
+                raise InputError(f"{path}: damaged manifest: no key {where!r}")
+            _check_shape(path, value[name], inner, where)
+    elif isinstance(shape, list):
+        if not isinstance(value, list):
+            raise InputError(f"{path}: damaged manifest: {key} is {type(value).__name__}, expected a list")
+        for i, item in enumerate(value):
+            _check_shape(path, item, shape[0], f"{key}[{i}]")
+    elif isinstance(value, bool) or not isinstance(value, shape):
+        raise InputError(f"{path}: damaged manifest: {key} is {type(value).__name__}, expected {shape.__name__}")
 
 
 def finished_manifests(folder: Path, allow_incomplete: bool = False) -> list[dict]:

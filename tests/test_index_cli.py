@@ -53,3 +53,29 @@ def test_search_prints_the_planted_passage(tmp_path, capsys, loaded_once):
     assert hit["id"] == str(planted_id) and PLANTED in hit["text"]
     assert main(["search", str(tmp_path), "q"]) == 2
     assert "no index.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"id": 5, "text": "b"}', None),
+    ('{"text": "b"}', "d.jsonl:2: no id field 'id' (fields: text)"),
+    ('{"id": null, "text": "b"}', "d.jsonl:2: id None is NoneType, expected a string or an integer"),
+    ('{"id": 1.5, "text": "b"}', "d.jsonl:2: id 1.5 is float, expected a string or an integer"),
+    ('{"id": true, "text": "b"}', "d.jsonl:2: id True is bool, expected a string or an integer"),
+    ('{"id": "x\\ud800", "text": "b"}', "d.jsonl:2: id field 'id' is not valid Unicode: a lone surrogate"),
+    ('{"id": "y", "text": "b \\udc00"}', "d.jsonl:2: field 'text' is not valid Unicode: a lone surrogate"),
+    ('{"id": "y", "body": "b"}', "d.jsonl:2: no field 'text' (fields: id, body)"),
+])
+def test_index_ids_are_checked_as_encode_checks_them(tmp_path, capsys, line, message):
+    """An id is never invented: a record without the id field, a null, a float or a bool id stops
+    `dice-fast index` naming file:line, before any model is loaded, as `dice-fast encode` does."""
+    from dice_fast.index.cli import _read_input
+
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"id": "a", "text": "first"}\n' + line + "\n", encoding="utf-8")
+    if message is None:
+        assert _read_input(str(src), "text", "id") == (["first", "b"], ["a", "5"])
+        return
+    assert main(["index", str(src), "-o", str(tmp_path / "ix"), "--id-field", "id"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{src.parent}/{message}" in err, err
+    assert not (tmp_path / "ix").exists()

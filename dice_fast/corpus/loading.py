@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import InputError, one_line
 from ..manifests import finished_manifests
 from .outputs import IDS_RECORD, file_sha256, ids_path_for
 
@@ -22,7 +24,8 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
 
     Raises ValueError naming the files when ids and vectors do not agree: an ids file that is not the
     one committed with its ``.npy`` (row count and sha256 recorded in its first line), or a shard with
-    another row count than its manifest lists.
+    another row count than its manifest lists; `InputError` naming the file for one that cannot be read
+    (a truncated or damaged shard, a manifest without the keys a job writes).
     """
     path = Path(path)
     if path.suffix.lower() == ".npy":
@@ -61,7 +64,10 @@ def _read_npy(path: Path) -> tuple[list[str], np.ndarray]:
     if not ids_path.is_file():
         raise FileNotFoundError(f"{path} has no ids file {ids_path.name} beside it (a job stopped before "
                                 "committing it? encode again with --overwrite)")
-    lines = ids_path.read_text(encoding="utf-8").split("\n")[:-1]
+    try:
+        lines = ids_path.read_text(encoding="utf-8").split("\n")[:-1]
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{ids_path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     record = IDS_RECORD.match(lines[0]) if lines else None
     if record is not None:
         ids, rows, digest = lines[1:], int(record.group(1)), record.group(2)
@@ -75,7 +81,10 @@ def _read_npy(path: Path) -> tuple[list[str], np.ndarray]:
             raise ValueError(f"{ids_path.name} records {rows} rows but lists {len(ids)} ids (edited after commit?)")
     else:  # an ids file without a record (written by hand or by an older version): counts only
         ids = lines
-    vectors = np.load(path)
+    try:
+        vectors = np.load(path)
+    except (ValueError, OSError, EOFError) as exc:  # truncated, damaged, or an array of objects
+        raise InputError(f"{path}: not a readable .npy file ({one_line(exc)})") from None
     if vectors.ndim != 2 or len(vectors) != len(ids):
         raise ValueError(f"{path.name} holds {vectors.shape[0] if vectors.ndim else 0} rows (shape "
                          f"{tuple(vectors.shape)}) but {ids_path.name} lists {len(ids)} ids; they are not one pair")
@@ -87,7 +96,8 @@ def _read_shards(folder: Path, manifest: dict, dim: int) -> tuple[list[str], np.
 
     files = [folder / s["file"] for s in manifest["shards"]]
     for f, shard in zip(files, manifest["shards"]):
-        rows = pq.ParquetFile(f).metadata.num_rows
+        with _reading(f):
+            rows = pq.ParquetFile(f).metadata.num_rows
         if rows != shard["rows"]:
             raise ValueError(f"{f}: {rows} rows, but its manifest lists {shard['rows']} (replaced after commit?)")
     return _read_parquet(files, dim)
@@ -95,15 +105,36 @@ def _read_shards(folder: Path, manifest: dict, dim: int) -> tuple[list[str], np.
 
 def _read_parquet(files: list[Path], dim: int = 0) -> tuple[list[str], np.ndarray]:
     """Ids and vectors of ``files`` in order; ``dim``: the width of no rows (the files' own when they have any)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     ids: list[str] = []
     blocks = []
     for f in files:
-        table = pq.read_table(f)
+        with _reading(f):
+            pf = pq.ParquetFile(f)
+        kinds = {name: pf.schema_arrow.field(name).type for name in pf.schema_arrow.names}
+        if "id" not in kinds or not pa.types.is_fixed_size_list(kinds.get("embedding", pa.null())):
+            raise InputError(f"{f}: not an output of dice-fast encode (no id column, or no embedding column of "
+                             f"fixed-size lists; columns: {', '.join(kinds) or 'none'})")
+        with _reading(f):
+            table = pf.read(columns=["id", "embedding"])
         ids.extend(table.column("id").to_pylist())
         emb = table.column("embedding").combine_chunks()
         dim = emb.type.list_size
         blocks.append(emb.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim))
     vectors = np.concatenate(blocks) if blocks else np.zeros((0, dim), np.float32)
     return ids, vectors.astype(np.float32, copy=False)
+
+
+@contextlib.contextmanager
+def _reading(f: Path):
+    """Turn pyarrow's failure to open or read ``f`` (missing, truncated, damaged) into an InputError naming it."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except FileNotFoundError:
+        raise InputError(f"{f}: missing (its manifest lists it)") from None
+    except (pa.ArrowException, OSError) as exc:
+        raise InputError(f"{f}: not a readable Parquet file, damaged or truncated ({one_line(exc)})") from None

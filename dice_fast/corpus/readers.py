@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..errors import InputError
-from ..textio import check_unicode, decode_line, parse_json_object
+from ..textio import check_id, decode_line, parse_json_object, record_id, record_text
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 KNOWN = ("known input types: .txt (one document per line), .jsonl/.ndjson (JSON lines), .parquet, a folder of them, "
@@ -110,24 +110,14 @@ class Corpus:
             if fmt == "txt":
                 yield line_id, line
                 continue
-            record = parse_json_object(line, f"{where}:{number}")
-            if field_ not in record:
-                fields = ", ".join(map(str, record)) or "none"
-                raise ValueError(f"{where}:{number}: no field {field_!r} (fields: {fields})")
-            text = record[field_]
-            if not isinstance(text, str):
-                raise ValueError(f"{where}:{number}: field {field_!r} is {type(text).__name__}, expected a string")
+            at = f"{where}:{number}"
+            record = parse_json_object(line, at)
             escaped = "\\u" in line  # only a \u escape can make a lone surrogate (not valid Unicode)
-            if escaped:
-                check_unicode(text, f"{where}:{number}", f"field {field_!r}")
+            text = record_text(record, field_, at, unicode=escaped)
             if id_field is None:
                 yield line_id, text
                 continue
-            if id_field not in record:
-                raise ValueError(f"{where}:{number}: no id field {id_field!r} (fields: {', '.join(map(str, record))})")
-            doc_id = _check_id(record[id_field], f"{where}:{number}")
-            if escaped:
-                check_unicode(doc_id, f"{where}:{number}", f"id field {id_field!r}")
+            doc_id = record_id(record, id_field, at, unicode=escaped)
             yield doc_id, text
 
     def _parquet(self, name: str | None, path: Path):
@@ -136,7 +126,7 @@ class Corpus:
         pf = _open_parquet(path, self.text_field, self.id_field)
         columns = [self.text_field] + ([self.id_field] if self.id_field is not None else [])
         size, total_rows, row = path.stat().st_size, max(pf.metadata.num_rows, 1), 0
-        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
+        for batch in _batches(pf, path, columns, lambda: row):
             if self.stop.is_set():
                 raise Stopped("reading stopped")
             texts = batch.column(0)
@@ -145,7 +135,7 @@ class Corpus:
             if texts.null_count:
                 bad = row + 1 + texts.is_null().to_pylist().index(True)
                 raise ValueError(f"{path}: row {bad}: column {self.text_field!r} is null")
-            texts = texts.to_pylist()
+            texts = _pylist(texts, path, row, f"column {self.text_field!r}")
             if self.id_field is None:
                 ids = [str(r) if name is None else f"{name}:{r}" for r in range(row + 1, row + 1 + len(texts))]
             else:
@@ -159,7 +149,8 @@ class Corpus:
                     except pa.ArrowInvalid:  # bytes that are not UTF-8
                         bad = row + 1 + next(i for i, v in enumerate(col.to_pylist()) if not _is_utf8(v))
                         raise InputError(f"{path}: row {bad}: id column {self.id_field!r} is not valid UTF-8") from None
-                ids = [_check_id(v, f"{path}: row {row + 1 + i}") for i, v in enumerate(col.to_pylist())]
+                ids = [check_id(v, f"{path}: row {row + 1 + i}")
+                       for i, v in enumerate(_pylist(col, path, row, f"id column {self.id_field!r}"))]
             row += len(texts)
             self.bytes_read += size * len(texts) // total_rows
             yield from zip(ids, texts)
@@ -221,15 +212,6 @@ def update_input_hash(h, doc_id: str, digest: bytes) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-def _check_id(value, where: str) -> str:
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise ValueError(f"{where}: id {value!r} is {type(value).__name__}, expected a string or an integer")
-    value = str(value)
-    if "\n" in value or "\r" in value:
-        raise ValueError(f"{where}: id {value!r} contains a line break")
-    return value
-
-
 def _walk(root: Path) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -260,6 +242,49 @@ def _open_parquet(path: Path, text_field: str, id_field: str | None):
                 or pa.types.is_integer(value)):
             raise InputError(f"{path}: id column {id_field!r} is {kind}, expected strings or integers")
     return pf
+
+
+def _batches(pf, path: Path, columns: list[str], rows_read) -> Iterator:
+    """``pf``'s record batches; InputError naming ``path`` and the rows of the first row group that cannot
+    be read or decoded (a damaged file whose footer is intact), searched from row ``rows_read()`` + 1."""
+    import pyarrow as pa
+
+    batches = pf.iter_batches(batch_size=_PARQUET_BATCH, columns=columns)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as exc:
+            first, why = rows_read() + 1, " ".join(str(exc).split())
+            where = f"row {first}: cannot read the rows from here on"
+            start = 0
+            for group in range(pf.metadata.num_row_groups):  # a batch spans row groups: find the damaged one
+                end = start + pf.metadata.row_group(group).num_rows
+                if end >= first:
+                    try:
+                        pf.read_row_group(group, columns=columns)
+                    except (pa.ArrowException, OSError) as again:
+                        where = f"row {max(start + 1, first)}: cannot read row group {group} (rows {start + 1}-{end})"
+                        why = " ".join(str(again).split())
+                        break
+                start = end
+            raise InputError(f"{path}: {where}, the file is damaged ({why})") from None
+        yield batch
+
+
+def _pylist(column, path: Path, row: int, what: str) -> list:
+    """``column``'s values as Python objects; InputError naming the row (``row`` + 1 + index) of the first
+    string that is not valid UTF-8 (Parquet files written by other tools may hold such bytes)."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        for i in range(len(column)):
+            try:
+                column[i].as_py()
+            except UnicodeDecodeError:
+                raise InputError(f"{path}: row {row + 1 + i}: {what} is not valid UTF-8") from None
+        raise
 
 
 def _is_string(kind) -> bool:

@@ -143,17 +143,16 @@ def _search(args) -> int:
 
 
 def _read_input(path: str, field: str, id_field: str | None) -> tuple[list[str], list[str]]:
-    """(texts, ids) of a .txt (one per non-blank line) or .jsonl file; errors name file:line."""
-    from ..textio import read_json_objects, read_lines
+    """(texts, ids) of a .txt (one per non-blank line) or .jsonl file; errors name file:line, and ids are
+    checked as ``dice-fast encode`` checks them (a record without the id field, a null or a float id,
+    an id that is not valid Unicode is refused, never replaced)."""
+    from ..textio import read_json_objects, read_lines, record_id, record_text
 
     texts, ids = [], []
     if path.endswith((".jsonl", ".ndjson")):
         for where, record in read_json_objects(path):
-            text = record.get(field)
-            if not isinstance(text, str):
-                raise ValueError(f"{where}: field {field!r} is missing or not a string")
-            texts.append(text)
-            ids.append(str(record[id_field]) if id_field and id_field in record else where.rsplit(":", 1)[1])
+            texts.append(record_text(record, field, where))
+            ids.append(where.rsplit(":", 1)[1] if id_field is None else record_id(record, id_field, where))
     elif path.endswith(".txt"):
         for where, line in read_lines(path):
             if line.strip():

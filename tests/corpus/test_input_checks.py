@@ -66,3 +66,54 @@ def test_string_view_parquet_columns_are_read_as_strings(tmp_path):
     pq.write_table(pa.table({"text": pa.array(["a b", "c d"], pa.string_view()),
                              "id": pa.array(["x", "y"], pa.string_view())}), p)
     assert list(open_corpus(str(p), id_field="id").records()) == [("x", "a b"), ("y", "c d")]
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input that the libraries underneath report without a place: each error names the file and line/row
+
+
+def test_a_json_integer_too_long_to_convert_names_the_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "fine"}\n{"text": "a", "n": ' + "1" * 5000 + "}\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"d\.jsonl:2: unreadable JSON \(Exceeds the limit \(4300 digits\)"):
+        list(open_corpus(str(p)).records())
+
+
+def _invalid_utf8(values):  # a string column holding bytes that are not UTF-8, as other writers may leave
+    return pa.array(values, pa.binary()).view(pa.string())
+
+
+@pytest.mark.parametrize("column,what", [("text", "column 'text'"), ("id", "id column 'id'")])
+def test_parquet_strings_that_are_not_utf8_name_the_row(tmp_path, column, what):
+    p = tmp_path / "d.parquet"
+    cols = {"text": pa.array(["a", "b", "c"]), "id": pa.array(["x", "y", "z"])}
+    cols[column] = _invalid_utf8([b"ok", b"fine", b"\xff\xfe bad"])
+    pq.write_table(pa.table(cols), p, row_group_size=2)
+    with pytest.raises(InputError, match=rf"d\.parquet: row 3: {what} is not valid UTF-8"):
+        list(open_corpus(str(p), id_field="id").records())
+
+
+def test_a_damaged_parquet_page_names_the_file_and_its_row_group(tmp_path):
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": [f"document number {i} " * 5 for i in range(5000)]}), p,
+                   compression="snappy", row_group_size=1000)
+    meta = pq.ParquetFile(p).metadata
+    start = meta.row_group(3).column(0).data_page_offset  # the footer stays intact: the file opens
+    raw = bytearray(p.read_bytes())
+    for i in range(start + 40, start + 400):
+        raw[i] ^= 0x5A
+    p.write_bytes(bytes(raw))
+    with pytest.raises(InputError, match=r"d\.parquet: row 3001: cannot read row group 3 \(rows 3001-4000\), "
+                       r"the file is damaged \(.+\)"):
+        list(open_corpus(str(p)).records())
+
+
+def test_damaged_input_stops_the_cli_with_one_line(tmp_path, capsys, cached_encoders):
+    from dice_fast.cli import main
+
+    src = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": _invalid_utf8([b"ok", b"\xff"])}), src)
+    assert main(["encode", str(src), "-o", str(tmp_path / "o.npy"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{src}: row 2: column 'text' is not valid UTF-8" in err, err
+    assert not (tmp_path / "o.npy").exists()

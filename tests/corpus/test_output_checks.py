@@ -4,7 +4,9 @@ and `finished_manifests` refuses unfinished outputs (for `load_embeddings` and t
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 
 import pytest
 
@@ -84,3 +86,42 @@ def test_finished_manifests_refuse_unfinished_outputs(tmp_path, cached_encoders)
         load_embeddings(tmp_path / "split")
     with pytest.raises(ValueError, match="no manifest"):
         load_embeddings(tmp_path / "nothing")
+
+
+def test_damaged_outputs_are_refused_naming_the_file(tmp_path, capsys, cached_encoders):
+    """A truncated shard, .npy or single Parquet file, and a manifest without a key its readers need,
+    give an InputError naming the file (and key), and one line from the command line."""
+    from dice_fast.errors import InputError
+
+    src = write_jsonl(tmp_path / "c.jsonl", corpus_docs(6, seed=5))
+    for out in ("shards", "v.npy", "v.parquet"):
+        assert main(["encode", str(src), "-o", str(tmp_path / out), "--shard-rows", "4", *OPTS]) == 0
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    for name in ("shards/part-00001.parquet", "v.npy", "v.parquet"):
+        data = (tmp_path / name).read_bytes()
+        (tmp_path / name).write_bytes(data[: len(data) // 2])
+        if name == "v.npy":  # the ids file records the vectors' sha256: record the cut file's
+            ids = (tmp_path / "v.ids.txt").read_text().split("\n")
+            cut = hashlib.sha256(data[: len(data) // 2]).hexdigest()
+            ids[0] = ids[0].split("vectors_sha256=")[0] + "vectors_sha256=" + cut
+            (tmp_path / "v.ids.txt").write_text("\n".join(ids))
+        with pytest.raises(InputError, match=re.escape(f"{tmp_path / name}: not a readable")):
+            load_embeddings(tmp_path / name.split("/")[0])
+    (tmp_path / "shards" / "part-00001.parquet").unlink()
+    with pytest.raises(InputError, match=r"part-00001\.parquet: missing \(its manifest lists it\)"):
+        load_embeddings(tmp_path / "shards")
+    path = tmp_path / "shards" / "manifest.json"
+    for damaged, message in [({k: v for k, v in manifest.items() if k != "status"}, "no key 'status'"),
+                             ({**manifest, "split": {"index": 0}}, "no key 'split.count'"),
+                             ({**manifest, "model": {"dim": "384"}}, "model.dim is str, expected int"),
+                             ({**manifest, "shards": [{**manifest["shards"][0], "rows": None}]},
+                              "shards[0].rows is NoneType, expected int"),
+                             ({**manifest, "shards": [{**manifest["shards"][0], "file": "../c.jsonl"}]},
+                              "shards[0].file '../c.jsonl' is not a file name")]:
+        path.write_text(json.dumps(damaged), encoding="utf-8")
+        with pytest.raises(InputError, match=re.escape(f"{path}: damaged manifest: {message}")):
+            load_embeddings(tmp_path / "shards")
+    capsys.readouterr()
+    assert main(["index", str(tmp_path / "shards"), "-o", str(tmp_path / "ix")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path}: damaged manifest" in err, err
