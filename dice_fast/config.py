@@ -70,7 +70,8 @@ class DiceConfig:
         None, "token -> chunk pooling", choices=POOLINGS,
         default_help="the model's sentence-transformers setting, else mean",
         detail='`"mean"`: all tokens of the wrapped chunk, specials included, as sentence-transformers does; '
-        '`"cls"`: the first token; `"last"`: the last token.')
+        '`"cls"`: the first token; `"last"`: the last token. A model whose sentence-transformers pooling is '
+        'another (max, weighted mean, several concatenated) is refused until `pooling` is given.')
     aggregation: str = option(
         "mean", "chunk -> document", choices=AGGREGATIONS,
         detail='`"mean"`; `"weighted_mean"` (by the chunk\'s token count, specials included); `"max"` '

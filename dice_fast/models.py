@@ -50,6 +50,10 @@ class ModelSpec:
     hidden_size: int
     name: str
     flops_per_token: float = 0.0  # of a forward, about: 2 x the weights of its linear layers (0: unknown)
+    # the sentence-transformers pooling when dice_fast cannot compute it ("max_tokens", "cls_token+mean_tokens"
+    # ...): the encoder then needs an explicit ``pooling``; and the pipeline's modules it does not apply
+    unsupported_pooling: str | None = None
+    skipped_modules: tuple[str, ...] = ()
 
 
 def default_model_path() -> str:
@@ -122,6 +126,8 @@ def inspect_model(model, tokenizer, path: str | None = None) -> ModelSpec:
         hidden_size=int(config.hidden_size),
         name=str(getattr(config, "_name_or_path", "") or config.model_type),
         flops_per_token=linear_flops_per_token(model),
+        unsupported_pooling=st.get("unsupported_pooling"),
+        skipped_modules=tuple(st.get("skipped_modules", ())),
     )
 
 
@@ -181,20 +187,34 @@ def _sentence_transformers_facts(path) -> dict:
         facts["max_seq_length"] = cfg["max_seq_length"]
     modules = _read_json(root / "modules.json", default=[])
     for m in modules if isinstance(modules, list) else []:
-        kind = str(m.get("type", ""))
+        kind = str(m.get("type", "")) if isinstance(m, dict) else ""
         if kind.endswith("Normalize"):
             facts["normalizes"] = True
-        if kind.endswith("Pooling"):
-            pcfg = _read_json(root / m.get("path", "") / "config.json")
-            if pcfg.get("pooling_mode_cls_token"):
-                facts["pooling"] = "cls"
-            elif pcfg.get("pooling_mode_lasttoken"):
-                facts["pooling"] = "last"
-            elif pcfg.get("pooling_mode_mean_tokens"):
-                facts["pooling"] = "mean"
-            elif pcfg.get("pooling_mode"):
-                facts["pooling"] = {"cls": "cls", "lasttoken": "last", "mean": "mean"}.get(pcfg["pooling_mode"], "mean")
+        elif kind.endswith("Pooling"):
+            modes = _pooling_modes(_read_json(root / str(m.get("path", "")) / "config.json"))
+            if len(modes) == 1 and modes[0] in _ST_POOLINGS:
+                facts["pooling"] = _ST_POOLINGS[modes[0]]
+            elif modes:
+                facts["unsupported_pooling"] = "+".join(modes)
+        elif kind and not kind.endswith("Transformer"):  # Dense, LayerNorm, WordEmbeddings ...
+            facts.setdefault("skipped_modules", []).append(f"{kind.rsplit('.', 1)[-1]} ({m.get('path', '')})")
     return facts
+
+
+# sentence-transformers pooling modes dice_fast computes (its own names); the others are refused unless
+# ``pooling`` is given (max_tokens, mean_sqrt_len_tokens, weightedmean_tokens, or several at once)
+_ST_POOLINGS = {"cls_token": "cls", "mean_tokens": "mean", "lasttoken": "last"}
+_ST_MODE_NAMES = {"cls": "cls_token", "mean": "mean_tokens", "max": "max_tokens", "mean_sqrt_len_tokens":
+                  "mean_sqrt_len_tokens", "weightedmean": "weightedmean_tokens", "lasttoken": "lasttoken"}
+
+
+def _pooling_modes(pcfg: dict) -> list[str]:
+    """The pooling modes a sentence-transformers Pooling config turns on (``pooling_mode_<name>`` flags,
+    or the ``pooling_mode`` string its constructor takes), by their flag names."""
+    modes = [k[len("pooling_mode_"):] for k, v in pcfg.items() if k.startswith("pooling_mode_") and v is True]
+    if not modes and isinstance(pcfg.get("pooling_mode"), str):
+        modes = [_ST_MODE_NAMES.get(pcfg["pooling_mode"], pcfg["pooling_mode"])]
+    return modes
 
 
 def _read_json(path: Path, default=None):

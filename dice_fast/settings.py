@@ -13,6 +13,7 @@ device and dtype (`placement`, `pretrained_placement`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -200,6 +201,13 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
             f"positions; allowed: chunk_size <= {spec.position_limit - doc_overhead}"
         )
     check_dim(cfg.truncate_dim, spec.hidden_size)
+    if cfg.pooling is None and spec.unsupported_pooling:
+        raise OptionError(f"this model's sentence-transformers pooling is {spec.unsupported_pooling!r}, which dice_fast "
+                          "does not compute; pass pooling='mean', 'cls' or 'last' to choose the chunk pooling")
+    if spec.skipped_modules:
+        warnings.warn(f"the model's sentence-transformers pipeline has {', '.join(spec.skipped_modules)} after its "
+                      "pooling, which dice_fast does not apply: its vectors are the pooled transformer outputs, not "
+                      "the pipeline's", UserWarning, stacklevel=4)
     settings = Settings(
         config=cfg, spec=spec, device=device, dtype=dtype, window=window, document_wrap=doc_wrap,
         query_wrap=query_wrap, pooling=cfg.pooling or spec.pooling,

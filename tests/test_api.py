@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import json
+import re
 import subprocess
 import sys
 import warnings
@@ -188,3 +191,47 @@ def test_an_explicit_pooling_impl_that_cannot_run_is_refused_when_the_encoder_is
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="pooling_impl='triton' cannot run on cpu: the Triton kernels need"):
         DiceEncoder(model, tok, pooling_impl="triton")
+
+
+def _st_folder(tmp_path, modules, pooling_config):
+    """A model folder with a sentence-transformers pipeline: ``modules`` (type names after the
+    Transformer) and the Pooling module's config."""
+    model, tok, *_ = tiny("bert")
+    copy.deepcopy(model).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    listed = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+    for i, kind in enumerate(modules, 1):
+        listed.append({"idx": i, "name": str(i), "path": f"{i}_{kind}", "type": f"sentence_transformers.models.{kind}"})
+        (tmp_path / f"{i}_{kind}").mkdir()
+        if kind == "Pooling":
+            (tmp_path / f"{i}_{kind}" / "config.json").write_text(json.dumps(pooling_config))
+    (tmp_path / "modules.json").write_text(json.dumps(listed))
+    return tmp_path
+
+
+@pytest.mark.parametrize("pooling_config,found", [
+    ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, "cls"),
+    ({"pooling_mode_lasttoken": True}, "last"),
+    ({"pooling_mode": "mean"}, "mean"),
+    ({"pooling_mode_max_tokens": True}, "'max_tokens'"),
+    ({"pooling_mode": "max"}, "'max_tokens'"),
+    ({"pooling_mode_weightedmean_tokens": True}, "'weightedmean_tokens'"),
+    ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}, "'cls_token+mean_tokens'"),
+])
+def test_sentence_transformers_pooling_is_followed_or_refused(tmp_path, pooling_config, found):
+    """A pooling dice_fast does not compute (max, weighted mean, several concatenated) used to become
+    mean (or cls) silently; it is now refused until ``pooling`` is chosen explicitly."""
+    folder = _st_folder(tmp_path, ["Pooling", "Normalize"], pooling_config)
+    if found.startswith("'"):
+        with pytest.raises(ValueError, match=f"sentence-transformers pooling is {re.escape(found)}.*pass pooling="):
+            DiceEncoder.from_pretrained(folder, device="cpu")
+        assert DiceEncoder.from_pretrained(folder, device="cpu", pooling="mean").settings.pooling == "mean"
+    else:
+        enc = DiceEncoder.from_pretrained(folder, device="cpu")
+        assert enc.settings.pooling == found and enc.settings.spec.normalizes
+
+
+def test_sentence_transformers_modules_not_applied_are_named(tmp_path):
+    folder = _st_folder(tmp_path, ["Pooling", "Dense", "Normalize"], {"pooling_mode_mean_tokens": True})
+    with pytest.warns(UserWarning, match=r"has Dense \(2_Dense\) after its pooling, which dice_fast does not apply"):
+        DiceEncoder.from_pretrained(folder, device="cpu")
