@@ -220,6 +220,9 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
     )
     if cfg.strategy == "late":
         settings.late_windows()  # refuse what late chunking cannot take now, not at the first document
+    if cfg.openvino and cfg.attention_backend not in ("auto", "padded"):  # it runs padded rows through its own
+        raise OptionError(f"attention_backend={cfg.attention_backend!r} cannot run with {cfg.openvino}: OpenVINO runs "
+                          "dense padded rows through its own attention; use attention_backend='auto'")
     if cfg.openvino and settings.causal is not None and settings.causal != spec.is_causal:
         raise OptionError(f"attention={cfg.attention!r} cannot run with {cfg.openvino}: the exported model keeps the "
                           f"model's own ({'causal' if spec.is_causal else 'bidirectional'}) attention; use the torch "

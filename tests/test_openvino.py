@@ -283,6 +283,8 @@ def test_options_it_cannot_take_are_refused(monkeypatch):
     model, tok, *_ = tiny("bert")
     with pytest.raises(OptionError, match="strategy='late' cannot run with runtime='openvino'"):
         DiceEncoder(model, tok, runtime="openvino", chunk_size=K, strategy="late")
+    with pytest.raises(OptionError, match="attention_backend='sdpa_groups' cannot run with runtime='openvino'"):
+        DiceEncoder(model, tok, runtime="openvino", chunk_size=K, attention_backend="sdpa_groups")
     decoder, dtok, *_ = tiny("llama")
     for culprit in ({"runtime": "openvino"}, {"dtype": "int8"}):  # the export keeps the model's own attention
         with pytest.raises(OptionError, match="attention='bidirectional' cannot run with"):
