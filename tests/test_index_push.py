@@ -88,6 +88,43 @@ def test_push_equals_the_index_of_the_same_output(tmp_path, corpus_output, capsy
         assert "wrote 0 documents, skipped 240" in capsys.readouterr().err
 
 
+def test_a_resumed_push_of_a_re_encoded_corpus_updates_what_changed(tmp_path, corpus_output, model_folder,  # noqa: F811
+                                                                    capsys):
+    """A shard whose ids are all stored was skipped by --resume whatever it held now: an edited, re-encoded
+    corpus kept the old vectors and spans under the same ids. Only shards stored as they are are skipped."""
+    src = tmp_path / "in.jsonl"
+    lines = src.read_text(encoding="utf-8").splitlines()
+    edited = json.loads(lines[45])  # in the second shard
+    edited["text"] = "  a brand new text about the blue song  "
+    lines[45] = json.dumps(edited)
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    again = tmp_path / "out2"
+    assert main(["encode", str(tmp_path / "v2" / "in.jsonl"), "-o", f"{again}/", "--chunks", "--chunk-size", "8",
+                 "--model", str(model_folder), "--device", "cpu", "--shard-rows", str(SHARD_ROWS), "--id-field", "id",
+                 "--quiet"]) == 0
+    want = DiceIndex.from_corpus(again)
+    for url in _urls(tmp_path):
+        assert main(["index", "push", str(corpus_output), "--to", url, "--quiet"]) == 0
+        capsys.readouterr()
+        assert main(["index", "push", str(again), "--to", url, "--resume", "--quiet"]) == 0
+        assert f"wrote {SHARD_ROWS} documents, skipped {N_DOCS - SHARD_ROWS}" in capsys.readouterr().err
+        store = open_store(url)
+        assert store.holds(*_arrays(want, [45])) and not store.holds(*_arrays(DiceIndex.from_corpus(corpus_output), [45]))
+        hit = store.search(np.asarray(want.documents[45:46]), 1, "dice")[0][0]
+        assert (hit.id, hit.start_char, hit.end_char) == ("d045", 2, 38)  # the new text's span
+
+
+def _arrays(index, rows):
+    """(ids, documents, chunks, chunk_document, start, end, tokens) of the documents ``rows`` of ``index``."""
+    cu = np.asarray(index.cu_doc_chunks)
+    take = np.concatenate([np.arange(cu[r], cu[r + 1]) for r in rows])
+    doc_of = np.repeat(np.arange(len(rows)), [cu[r + 1] - cu[r] for r in rows])
+    return ([index.ids[r] for r in rows], np.asarray(index.documents)[rows], np.asarray(index.chunks)[take], doc_of,
+            np.asarray(index.chunk_start_char)[take], np.asarray(index.chunk_end_char)[take],
+            np.asarray(index.chunk_tokens)[take])
+
+
 @pytest.mark.parametrize("which", [0, 1], ids=["qdrant", "lancedb"])
 def test_a_push_killed_midway_resumes_to_every_document_once(tmp_path, corpus_output, capsys, which):
     url = _urls(tmp_path)[which]

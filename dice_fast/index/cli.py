@@ -24,7 +24,8 @@ push (write a corpus job's output into a vector database, shard by shard):
   dice-fast index push OUT --to qdrant://HOST:PORT/COLLECTION | qdrant+path://DIR/COLLECTION
                               | lancedb://DIR/TABLE  [--resume]
   OUT is an `encode --chunks` output; writes replace documents by id; into a store that already
-  holds documents only with --resume, which skips shards already written (a killed push resumes).
+  holds documents only with --resume, which skips shards stored as they are (a killed push resumes; a
+  re-encoded corpus updates the documents that changed).
 
 The index is a folder (documents.npy, chunks.npy, spans, ids.json, texts.json, index.json). Texts
 are stored by default so `dice-fast search` can print the evidence passage; --no-store-text keeps
@@ -52,7 +53,7 @@ def register_cli(subparsers) -> None:
     pushing = build.add_argument_group("push OUT --to URL")
     pushing.add_argument("--to", metavar="URL", help="the store: qdrant://HOST:PORT/COLLECTION, "
                          "qdrant+path://DIR/COLLECTION or lancedb://DIR/TABLE")
-    pushing.add_argument("--resume", action="store_true", help="continue a push: skip shards already stored")
+    pushing.add_argument("--resume", action="store_true", help="continue (or update) a push: skip the shards stored as they are, write the others")
     pushing.add_argument("--batch-size", type=int, default=None, help="documents per write (default 256)")
     pushing.add_argument("--quiet", action="store_true", help="no progress bar")
     add_encoder_arguments(build)

@@ -136,6 +136,16 @@ class LanceStore(RemoteStore):
             found.update(rows["id"].to_pylist())
         return [i in found for i in ids]
 
+    def fetch(self, ids: Sequence) -> dict:
+        """{id: `Candidate`} of the documents of ``ids`` the table holds (ids not stored are left out)."""
+        found = {}
+        ids = [str(i) for i in ids]
+        for i in range(0, len(ids), 512):
+            part = ids[i : i + 512]
+            for record in self._candidates(self.table.search().where(_in_list(part)).limit(len(part)).to_arrow()):
+                found[record.id] = record
+        return found
+
     def __len__(self) -> int:
         return int(self.table.count_rows())
 

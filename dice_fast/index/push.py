@@ -2,9 +2,11 @@
 `QdrantStore` or `LanceStore` one Parquet shard at a time (never the whole corpus in memory).
 
 Every write replaces documents by id, so a push can be repeated. A push into a store that already
-holds documents must say ``resume=True``: then every shard whose ids are all stored already is
-skipped, and the others are written again whole (a shard cut off by a crash included), so a push
-killed anywhere and resumed leaves every document exactly once.
+holds documents must say ``resume=True``: then every shard the store already holds as it is (every id,
+with the same vectors and spans: `RemoteStore.holds`) is skipped, and the others are written again
+whole (a shard cut off by a crash, or one re-encoded after an edit), so a push killed anywhere and
+resumed leaves every document exactly once, and a push of a re-encoded corpus updates what changed.
+Documents the store holds that the output lacks are kept (delete them with ``store.delete``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 def push(output, store, *, resume: bool = False, progress: bool = True) -> dict:
     """Write the encode output ``output`` (a .parquet file or a shard folder) into ``store``.
 
-    Returns {"documents": written, "skipped": documents in shards skipped by ``resume``, "shards": n}.
+    Returns {"documents": written, "skipped": documents in shards ``resume`` found stored as they are,
+    "shards": n}.
     ValueError when the store holds documents and ``resume`` is False, when its recorded model
     and options differ from the job's (checked when the store was opened with them), or when two rows
     of the output hold one id (named with both files and rows), before anything is written.
@@ -37,11 +40,14 @@ def push(output, store, *, resume: bool = False, progress: bool = True) -> dict:
     written = skipped = 0
     try:
         for file, ids in zip(files, shard_ids):
-            if resume and all(store.contains(ids)):
-                skipped += len(ids)
-                bar.update(len(ids))
-                continue
-            ids, documents, chunks, chunk_document, start, end, tokens = read_corpus_file(Path(file))
+            data = None
+            if resume and all(store.contains(ids)):  # all stored: skipped if stored as they are now
+                data = read_corpus_file(Path(file))
+                if store.holds(*data):
+                    skipped += len(ids)
+                    bar.update(len(ids))
+                    continue
+            ids, documents, chunks, chunk_document, start, end, tokens = data or read_corpus_file(Path(file))
             store.upsert_arrays(ids, documents, chunks, chunk_document, start, end, tokens)
             written += len(ids)
             bar.update(len(ids))

@@ -112,5 +112,16 @@ class QdrantStore(RemoteStore):
             found.update(r.payload["id"] for r in records)
         return [i in found for i in ids]
 
+    def fetch(self, ids: Sequence) -> dict:
+        """{id: `Candidate`} of the documents of ``ids`` the collection holds (ids not stored are left out)."""
+        found = {}
+        ids = [str(i) for i in ids]
+        for i in range(0, len(ids), 256):
+            for point in self.client.retrieve(self.collection, ids=[point_id(x) for x in ids[i : i + 256]],
+                                              with_payload=True, with_vectors=True):
+                record = self._candidate(point)
+                found[record.id] = record
+        return found
+
     def __len__(self) -> int:
         return int(self.client.count(self.collection, exact=True).count)

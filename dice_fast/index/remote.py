@@ -4,7 +4,8 @@ A store keeps one record per document: its id, its document vector, its chunk ve
 with their spans and token counts, and its text when ``store_text``. A subclass provides four calls:
 ``_write(batch)`` (replace-or-insert the records of a checked `Batch` slice), ``_nearest(queries,
 scoring, limit)`` (per query the records the database ranks first by ``dice`` or ``maxsim``, as
-`Candidate`s), ``delete(ids)`` and ``contains(ids)``, and ``__len__``.
+`Candidate`s), ``delete(ids)``, ``contains(ids)``, ``fetch(ids)`` (the stored records, as `Candidate`s)
+and ``__len__``.
 
 Search scores the candidates again here in float32 from their returned vectors, exactly as
 `DiceIndex` does (so scores, order and evidence agree with `DiceIndex` on the same vectors whenever
@@ -104,6 +105,23 @@ class RemoteStore(EncoderSlot):
             self._write(_slice(b, d0, min(d0 + self.batch_size, len(b.ids))))
 
     add_arrays = upsert_arrays
+
+    def holds(self, ids: Sequence, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
+              chunk_tokens) -> bool:
+        """Whether the store holds exactly these documents (shapes as `upsert_arrays`): every id, with the
+        document vector, chunk vectors and spans `upsert_arrays` would write. What a resumed push skips: a
+        shard whose ids are stored but whose vectors or spans changed (a re-encoded edit) is written again."""
+        b = check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
+                        chunk_tokens, None, False)
+        stored = self.fetch(b.ids)
+        if len(stored) != len(b.ids):
+            return False
+        for d, name in enumerate(b.ids):
+            have, (c0, c1) = stored[name], (int(b.cu[d]), int(b.cu[d + 1]))
+            if not (np.array_equal(have.document, b.documents[d]) and np.array_equal(have.chunks, b.chunks[c0:c1])
+                    and list(have.start) == b.start[c0:c1].tolist() and list(have.end) == b.end[c0:c1].tolist()):
+                return False
+        return True
 
     # ---------------------------------------------------------------------------------------------
     def search(self, queries, k: int = 10, scoring: str = DEFAULT_SCORING, *, alpha: float = sc.DEFAULT_ALPHA,
