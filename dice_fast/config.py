@@ -114,7 +114,11 @@ class DiceConfig:
         '(dense padded batches with the model\'s own attention), chosen by `"auto"` for models that cannot '
         'run packed.', role="speed")
     document_prefix: str = option("", 'text put after the special prefix of every chunk, e.g. "passage: "',
-                                  default_help="none")
+                                  default_help="none",
+                                  detail="Its tokens are those it has before a text tokenized together with it (a "
+                                  "trailing space is no token of its own: SentencePiece gives exactly the joint "
+                                  "ids); with byte-level BPE the text's first token is still its unspaced form "
+                                  '("the", not "Ġthe"). Likewise `query_prefix`.')
     query_prefix: str = option("", 'text put after the special prefix of every query, e.g. "query: "',
                                default_help="none")
     max_chunks_per_document: int | None = option(None, "keep only each document's first N chunks",

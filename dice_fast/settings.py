@@ -294,9 +294,22 @@ def pretrained_placement(device=None, dtype=None, runtime=None) -> tuple[torch.d
 
 
 def _wrap_ids(tokenizer, spec: ModelSpec, text_prefix: str) -> tuple[np.ndarray, np.ndarray]:
-    ids = tokenizer(text_prefix, add_special_tokens=False)["input_ids"] if text_prefix else []
+    ids = prefix_ids(tokenizer, text_prefix) if text_prefix else []
     prefix = np.asarray(list(spec.special_prefix) + list(ids), dtype=np.int64)
     return prefix, np.asarray(spec.special_suffix, dtype=np.int64)
+
+
+def prefix_ids(tokenizer, text_prefix: str) -> list[int]:
+    """The token ids of a text prefix ("passage: ") as they stand before a text: tokenized alone, less the
+    trailing tokens that are spaces alone. A prefix's trailing space is a separator that tokenizing prefix
+    and text together merges into the next word ("▁hello", "Ġthe"); tokenized alone, SentencePiece and
+    byte-level BPE make it a token of its own ("▁", "Ġ") that the model never sees after such a prefix.
+    (WordPiece makes none; a trailing newline's token is kept.)"""
+    ids = list(tokenizer(text_prefix, add_special_tokens=False)["input_ids"])
+    if text_prefix.endswith(" "):
+        while ids and not tokenizer.decode(ids[-1:]).strip(" "):
+            ids.pop()
+    return ids
 
 
 def _overhead(wrap) -> int:

@@ -78,11 +78,22 @@ def aggregate(vecs, weights, raw_norms, aggregation, top_k, temperature):
     return (w[:, None] * v).sum(0)
 
 
+def prefix_as_before_text(tokenizer, text_prefix: str) -> list[int]:
+    """The ids a text prefix ("passage: ") has when it is tokenized together with the text after it (as
+    sentence-transformers' prompts are): the tokens of ``text_prefix + "x"`` that end inside the prefix
+    without its trailing spaces (which the next word's token takes)."""
+    if not text_prefix:
+        return []
+    enc = tokenizer(text_prefix + "x", add_special_tokens=False, return_offsets_mapping=True)
+    keep = len(text_prefix.rstrip(" "))
+    return [i for i, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]) if end <= keep]
+
+
 def reference_encode(model, tokenizer, texts, *, prefix, suffix, first_position, chunk_size, overlap=0,
                      pooling="mean", aggregation="mean", top_k=2, temperature=1.0, positions="local",
                      normalize_chunks=False, normalize=True, max_chunks=None, text_prefix="", attention="model default"):
     """(n_docs, H) float64 numpy document vectors and the list of per-document chunk vectors."""
-    pre = list(prefix) + (tokenizer(text_prefix, add_special_tokens=False)["input_ids"] if text_prefix else [])
+    pre = list(prefix) + prefix_as_before_text(tokenizer, text_prefix)
     docs, all_chunks = [], []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

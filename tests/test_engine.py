@@ -86,3 +86,23 @@ def test_global_positions_beyond_table_is_a_clear_error():
     rng = random.Random(0)
     with pytest.raises(ValueError, match=r"document 1"):
         enc.encode_documents([text_of(4, rng), text_of(200, rng)])
+
+
+@pytest.mark.parametrize("kind", ["unigram", "bpe"])
+def test_a_prefix_is_followed_by_the_text_as_when_tokenized_together(kind):
+    """A prefix's trailing space tokenized alone was a token of its own ("▁", "Ġ") that tokenizing prefix
+    and text together (sentence-transformers' prompts) never makes; it is dropped. With SentencePiece the
+    query is then exactly the joint tokenization; byte-level BPE still differs in the text's first token
+    ("the" where the joint one has "Ġthe": the text is tokenized on its own)."""
+    from tiny_models import tiny_subword
+
+    model, tok, *_ = tiny_subword("xlm-roberta" if kind == "unigram" else "llama", kind)
+    enc = DiceEncoder(model, tok, query_prefix="query: ", document_prefix="passage: ", chunk_size=K)
+    for prefix, what in (("query: ", "queries"), ("passage: ", "documents")):
+        plan = enc.plan(["the cat sat"], what)
+        ids = [*plan.prefix, *plan.tokens.ids[: int(plan.tokens.lengths[0])], *plan.suffix]
+        joint = tok(prefix + "the cat sat")["input_ids"]
+        if kind == "unigram":
+            assert ids == joint
+        else:
+            assert ids[: len(plan.prefix)] == joint[: len(plan.prefix)] and len(ids) == len(joint)
