@@ -37,6 +37,19 @@ def _fake(rates, cos, busy=False, calls=None):
     return measure
 
 
+def _bf16_fails(monkeypatch, exc: Exception):
+    """Make every encoder built with dtype bfloat16 raise ``exc``; returns the real ``__init__``."""
+    built = DiceEncoder.__init__
+
+    def init(self, model, tok, config=None, **kw):
+        if config is not None and config.dtype == "bfloat16":
+            raise exc
+        built(self, model, tok, config=config, **kw)
+
+    monkeypatch.setattr(DiceEncoder, "__init__", init)
+    return built
+
+
 def _encoder(**options):
     model, tok, *_ = tiny("bert")  # tiny() is shared by the session: an encoder that picks bf16 moves its model
     return DiceEncoder(copy.deepcopy(model), tok, **{"chunk_size": 8, "pooling_impl": "torch", **options})
@@ -281,14 +294,7 @@ def test_a_candidate_that_refuses_the_options_is_left_out(monkeypatch):
     real = cpu_paths.CpuPath
     refusing = real("bf16", {"dtype": "bfloat16", "compile": "off", "runtime": "torch"})
     monkeypatch.setattr(cpu_paths, "PATHS", [p if p.name != "bf16" else refusing for p in cpu_paths.PATHS])
-    built = DiceEncoder.__init__
-
-    def init(self, model, tok, config=None, **kw):
-        if config is not None and config.dtype == "bfloat16":
-            raise OptionError("bf16 refuses these options (test)")
-        built(self, model, tok, config=config, **kw)
-
-    monkeypatch.setattr(DiceEncoder, "__init__", init)
+    _bf16_fails(monkeypatch, OptionError("bf16 refuses these options (test)"))
     enc = _encoder(dtype="auto")
     assert enc.path_choice.name == "fp32" and calls == [["fp32"]]
     assert enc.path_choice.refused == {"bf16": "bf16 refuses these options (test)"}
@@ -303,14 +309,7 @@ def test_a_candidate_that_fails_to_build_is_left_out_and_not_cached(monkeypatch)
     calls = []
     monkeypatch.setattr(cpu_paths, "measure_paths", _fake({"fp32": 100.0, "bf16": 180.0}, {"fp32": 1.0, "bf16": 1.0},
                                                           calls=calls))
-    built = DiceEncoder.__init__
-
-    def init(self, model, tok, config=None, **kw):
-        if config is not None and config.dtype == "bfloat16":
-            raise RuntimeError("the C++ compiler crashed (test)\nmore lines")
-        built(self, model, tok, config=config, **kw)
-
-    monkeypatch.setattr(DiceEncoder, "__init__", init)
+    built = _bf16_fails(monkeypatch, RuntimeError("the C++ compiler crashed (test)\nmore lines"))
     enc = _encoder(dtype="auto")
     assert enc.path_choice.name == "fp32" and calls == [["fp32"]]
     assert enc.path_choice.refused == {"bf16": "failed to build: RuntimeError: the C++ compiler crashed (test)\nmore lines"}
