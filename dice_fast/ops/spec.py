@@ -75,6 +75,9 @@ def check_pooling(pooling: str) -> int:
     return POOLINGS.index(pooling)
 
 
+MIN_TEMPERATURE = 1e-30  # softmax_norm: a chunk norm / temperature stays finite even in float32 (norms < 3e8)
+
+
 def check_aggregation(aggregation: str, top_k: int = 1, temperature: float = 1.0) -> int:
     """Return the integer code of ``aggregation`` (its index in `AGGREGATIONS`) or raise ValueError."""
     if aggregation not in AGGREGATIONS:
@@ -83,8 +86,9 @@ def check_aggregation(aggregation: str, top_k: int = 1, temperature: float = 1.0
         raise OptionError(f"top_k must be an integer >= 1 for aggregation='topk_norm', got {top_k!r}")
     if aggregation == "softmax_norm":
         t = float(temperature) if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) else -1.0
-        if not (t > 0.0 and t < float("inf")):
-            raise OptionError(f"temperature must be a finite number > 0 for aggregation='softmax_norm', got {temperature!r}")
+        if not (t >= MIN_TEMPERATURE and t < float("inf")):  # below it, norm / t overflows to inf: NaN weights
+            raise OptionError(f"temperature must be a finite number >= {MIN_TEMPERATURE:g} for "
+                              f"aggregation='softmax_norm', got {temperature!r}")
     return AGGREGATIONS.index(aggregation)
 
 
