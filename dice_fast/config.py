@@ -76,7 +76,9 @@ class DiceConfig:
         "mean", "chunk -> document", choices=AGGREGATIONS,
         detail='`"mean"`; `"weighted_mean"` (by the chunk\'s token count, specials included); `"max"` '
         '(element-wise); `"topk_norm"` (mean of the `top_k` chunks of largest L2 norm; ties: the earlier '
-        'chunk); `"softmax_norm"` (weights `softmax(norm / temperature)`).')
+        'chunk; norms equal to float rounding, as after a final LayerNorm of unit weight, may rank apart '
+        'from a float64 computation of the same chunks); `"softmax_norm"` (weights '
+        '`softmax(norm / temperature)`, temperature at least 1e-30).')
     top_k: int = option(2, "chunks kept by topk_norm", detail="All of them when a document has fewer.")
     temperature: float = option(1.0, "temperature of softmax_norm")
     normalize_chunks: bool | None = option(
