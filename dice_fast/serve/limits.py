@@ -17,8 +17,9 @@ LIMITS = {
                                "a request that would pass it: 429 + Retry-After; one larger than it: 413"),
     "max_concurrent_requests": (512, "requests in progress at once (TEI's default); one more: 429 + Retry-After"),
     "max_response_floats": (1 << 21, "floats in one response: width x (inputs + chunks with return_chunks), "
-                                     "width being 'dimensions' or the model's; more: 413 naming the sizes, before "
-                                     "the forward (8 MiB of float32: ~40 MB as float JSON, 11 MB as base64)"),
+                                     "width being 'dimensions' or the model's (evidence: 6 numbers per document); "
+                                     "more: 413 naming the sizes, before the forward (8 MiB of float32: ~40 MB as "
+                                     "float JSON, 11 MB as base64)"),
     "request_timeout": (120.0, "seconds a request may take from arrival to its vectors, 0 = none; past it: "
                                "504 and its chunks that have not run are dropped"),
 }
