@@ -221,7 +221,7 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
         raise OptionError(f"dtype={dtype!r}, compile={compile!r}, runtime={runtime!r}, strategy={strategy!r}, "
                           f"auto_agreement={bound}: no candidate path runs on this CPU ({why})")
     if model_key is None:
-        from .reuse.persistent import model_fingerprint
+        from .reuse.keys import model_fingerprint
 
         model_key = model_fingerprint(model)
     names = ",".join(p.name for p in paths)

@@ -185,7 +185,7 @@ def test_a_process_killed_while_creating_a_new_cache_leaves_one_the_next_opener_
     cache.close()
 
 
-def test_a_full_disk_warns_once_and_reads_go_on(tmp_path):
+def test_a_full_disk_warns_once_and_reads_go_on(tmp_path, monkeypatch):
     """SQLITE_FULL (a full disk; a read-only or failing file system alike) is not damage: one warning
     saying new chunks are not stored, rows already stored are still served, and no lock stays held."""
     cache = ChunkCache(tmp_path / "c")
@@ -206,6 +206,12 @@ def test_a_full_disk_warns_once_and_reads_go_on(tmp_path):
     with sqlite3.connect(tmp_path / "c" / CACHE_FILE, isolation_level=None, timeout=0) as other:
         other.execute("BEGIN IMMEDIATE")  # the failed transaction was rolled back: its write lock is free
         other.execute("ROLLBACK")
+    # once the disk has room again, writes resume RETRY_WRITES_S later (a long-running server is not left
+    # without writes until it restarts)
+    cache._con.execute("PRAGMA max_page_count=1073741823")
+    monkeypatch.setattr(cc, "RETRY_WRITES_S", 0.0)
+    assert space.put([500], [b"z"], np.ones((1, 4), np.float32)) == 1
+    assert cache.unwritable is None and list(space.get([500], [b"z"])[0]) == [0]
     cache.close()
 
 

@@ -32,7 +32,7 @@ def openvino_runner(encoder, model, pad_token_id, streams: int | None = None, hi
     int8 compile properties (benchmarks swap a built encoder's runner with them)."""
     from ..cpu_tuning import cache_path
     from ..cpu_paths import bf16_units
-    from ..reuse.persistent import model_fingerprint
+    from ..reuse.keys import model_fingerprint
     from .openvino import FLOAT_PRECISIONS
     from .runner import OpenVinoRunner
 

@@ -6,6 +6,7 @@ device type, token pooling, causal or bidirectional attention) and the token ids
 chunk's vector depends on its whole window: its identity is the window's wrapped ids plus the chunk's
 span inside them (tagged apart, so a DICE identity never equals a late one). So:
 
+* `model_fingerprint(model)`: the model part of a cache namespace (config and every weight).
 * `chunk_keys(plan, salt)` gives every chunk of a plan its **identity** (bytes: a positions header
   and the wrapped ids as int32) and a 64-bit **key** (the first 8 bytes of SHA-256 of salt +
   identity). Keys only find candidates: a match is used only when the identities are equal.
@@ -17,6 +18,7 @@ The in-memory store is `dice_fast.reuse.memory`, the persistent one `dice_fast.r
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,3 +85,24 @@ def _late_messages(plan, raw: bytes, pre: bytes, suf: bytes, salt: bytes) -> lis
 
 
 __all__ = ["ChunkKeys", "chunk_keys"]
+
+
+def model_fingerprint(model) -> str:
+    """SHA-256 (hex) of a model's config (without paths and versions) and every state_dict tensor's
+    name, dtype, shape and bytes. Reads every weight once (about 1 s per GB)."""
+    import torch
+
+    h = hashlib.sha256()
+    config = model.config.to_dict()
+    # bookkeeping that changes no vector: save_pretrained() writes architectures and dtype into a loaded
+    # model's config (dtype is in the namespace on its own)
+    ignored = ("transformers_version", "name_or_path", "architectures", "dtype", "torch_dtype")
+    config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ignored}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        flat = t.contiguous().reshape(-1)
+        data = flat.view(torch.uint8) if flat.numel() else flat
+        h.update(data.cpu().numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()

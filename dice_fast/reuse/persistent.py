@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import ArgumentTypeError, CacheError, OptionError
 from ..folder_guard import folder_guard
+from .keys import model_fingerprint
 from .cache_files import (check_meta, failure_warning, is_cache, private_database, private_folder, sqlite_failure,
                           tighten, unusable)
 
@@ -40,31 +41,11 @@ _BUSY_MS = 60_000  # a writer waits this long for another process's transaction
 _EVICT_TO = 0.9  # eviction brings the stored bytes down to this fraction of the bound
 _EVICT_BATCH = 4096  # rows looked at per eviction step
 _ROW_BYTES = 48  # per-row bytes besides identity and vector (key, namespace, checksum, recency, headers)
+RETRY_WRITES_S = 60.0  # after a write failed for want of space or access, writes resume this much later
 SERVE_MAX_GB = 10.0  # `dice-fast serve --cache`'s default bound (a server's cache grows with what clients send)
 
 
 # --------------------------------------------------------------------------------------------
-def model_fingerprint(model) -> str:
-    """SHA-256 (hex) of a model's config (without paths and versions) and every state_dict tensor's
-    name, dtype, shape and bytes. Reads every weight once (about 1 s per GB)."""
-    import torch
-
-    h = hashlib.sha256()
-    config = model.config.to_dict()
-    # bookkeeping that changes no vector: save_pretrained() writes architectures and dtype into a loaded
-    # model's config (dtype is in the namespace on its own)
-    ignored = ("transformers_version", "name_or_path", "architectures", "dtype", "torch_dtype")
-    config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ignored}
-    h.update(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, t in model.state_dict().items():
-        t = t.detach()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        flat = t.contiguous().reshape(-1)
-        data = flat.view(torch.uint8) if flat.numel() else flat
-        h.update(data.cpu().numpy().tobytes() if data.numel() else b"")
-    return h.hexdigest()
-
-
 def _folder_signature(path) -> str:
     """Names, sizes and modification times of the files under a model folder (JSON)."""
     root = Path(path)
@@ -102,7 +83,8 @@ class ChunkCache:
         self.max_bytes = None if max_gb is None else int(max_gb * 1e9)
         self._lock = threading.Lock()
         self.broken: str | None = None  # why this process no longer uses the cache (damaged, or another failure)
-        self.unwritable: str | None = None  # why this process no longer writes to it (reads go on)
+        self.unwritable: str | None = None  # why this process does not write to it now (reads go on)
+        self._unwritable_at = 0.0  # when: writes are tried again `RETRY_WRITES_S` later (a disk may get room)
         self._touched: dict[int, int] = {}  # rows hit since the last write (key -> ns), for recency
         # one opener at a time, across processes: a database another process is still creating (header
         # written, schema not yet committed) was refused as foreign, or its WAL switch failed as locked
@@ -239,6 +221,8 @@ class ChunkCache:
     def put(self, ns: int, keys: list[int], idents: list[bytes], vectors: np.ndarray) -> int:
         """Store float32 ``vectors`` (n, dim) for chunks (keys, idents) in one transaction, refresh the
         recency of rows read since the last write, drop damaged rows, and evict to the bound. Returns rows written."""
+        if self.unwritable and time.monotonic() - self._unwritable_at > RETRY_WRITES_S:
+            self.unwritable = None  # try again: a failure warns again, at most once per RETRY_WRITES_S
         if self.broken or self.unwritable:
             return 0
         vectors = np.ascontiguousarray(vectors, "<f4")
@@ -332,7 +316,7 @@ class ChunkCache:
             if kind == "busy" or (self.unwritable if kind == "unwritable" else self.broken) is None:  # once
                 warnings.warn(failure_warning(self.path, kind, what, exc), RuntimeWarning, stacklevel=4)
             if kind == "unwritable":
-                self.unwritable = self.unwritable or str(exc)
+                self.unwritable, self._unwritable_at = self.unwritable or str(exc), time.monotonic()
             elif kind != "busy":
                 self.broken = self.broken or str(exc)
 
