@@ -248,6 +248,22 @@ def test_a_cache_folder_that_cannot_be_written_is_named(ov_cache, monkeypatch):
         DiceEncoder(model, tok, runtime="openvino", chunk_size=K)
 
 
+def test_a_cache_entry_of_another_user_is_named(tmp_path, monkeypatch):
+    """Entries are made 0700: in a cache folder shared between users, another user's entry raised a raw
+    PermissionError from os.stat."""
+    entry = tmp_path / "openvino" / "abc"
+    real = os.stat
+
+    def stat(path, *a, **k):
+        if str(path).startswith(str(entry)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(InputError, match=f"cannot read the OpenVINO model cache {entry} .*of your own"):
+        model_cache.read_or_write(object(), entry, lambda out: pytest.fail("written"))
+
+
 @needs_openvino
 @needs_bf16
 @pytest.mark.timeout(300)

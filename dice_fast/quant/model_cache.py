@@ -140,6 +140,9 @@ def _identity(path: Path) -> tuple | None:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except PermissionError as exc:  # a cache folder shared with another user (entries are made 0700)
+        raise InputError(f"cannot read the OpenVINO model cache {path.parent} ({exc.strerror or exc}): point "
+                         "DICE_FAST_CACHE_DIR at a folder of your own") from exc
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
