@@ -88,6 +88,18 @@ def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "t
     return TokenizedDocuments(np.concatenate(ids), offsets, span[:, 0].copy(), span[:, 1].copy())
 
 
+def check_vocabulary(tokens: TokenizedDocuments, vocab_size: int, what: str, base: int = 0) -> None:
+    """`TextError` naming the first text (``what[base + i]``) holding a token id the model has no
+    embedding for (a tokenizer given tokens after its model was saved, without a resize); a
+    ``vocab_size`` of 0 means unknown: nothing is checked."""
+    bad = np.flatnonzero(tokens.ids >= vocab_size) if vocab_size else ()
+    if len(bad):
+        i = int(np.searchsorted(tokens.offsets, bad[0], side="right")) - 1
+        raise TextError(f"{what}[{base + i}] holds token id {int(tokens.ids[bad[0]])}, beyond the model's "
+                        f"{vocab_size} embeddings: the tokenizer has tokens the model was not resized for "
+                        "(model.resize_token_embeddings(len(tokenizer)))", base + i)
+
+
 def raise_for_unencodable(batch: list[str], base: int, what: str, exc: Exception) -> None:
     """Name the first text the tokenizer cannot take (e.g. a lone surrogate, which is not UTF-8)."""
     for j, text in enumerate(batch):

@@ -27,7 +27,8 @@ import torch
 
 from . import cpu_attention
 from .chunk_queue import ChunkQueue
-from .chunking import EncodingPlan, TokenizedDocuments, check_texts, plan_chunks, plan_windows, tokenize
+from .chunking import (EncodingPlan, TokenizedDocuments, check_texts, check_vocabulary, plan_chunks, plan_windows,
+                       tokenize)
 from .config import DiceConfig
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .errors import ArgumentTypeError, OptionError, TextError
@@ -300,6 +301,7 @@ class DiceEncoder:
     def _plan_tokens(self, tokens: TokenizedDocuments, kind: str, base: int = 0, chunking=None,
                      strategy: str | None = None) -> EncodingPlan:
         wrap, size, overlap, cap, global_positions, late = chunking or self.settings.chunking(kind, strategy)
+        check_vocabulary(tokens, self.spec.vocab_size, kind, base)
         chunks = plan_chunks(tokens.lengths, size, overlap, cap)
         windows = None if late is None else plan_windows(chunks, tokens.lengths, *late)
         plan = EncodingPlan(tokens, chunks, wrap[0], wrap[1], global_positions, windows)
@@ -358,10 +360,8 @@ class DiceEncoder:
         bad = np.flatnonzero(last > self.spec.position_limit)
         if len(bad):
             d = int(plan.chunks.document[bad[0]]) + base
-            raise TextError(
-                f"positions='global' needs {int(last[bad[0]])} positions for document {d}, but the model has "
-                f"{self.spec.position_limit}; use positions='local' or max_chunks_per_document", d
-            )
+            raise TextError(f"positions='global' needs {int(last[bad[0]])} positions for document {d}, but the model "
+                            f"has {self.spec.position_limit}; use positions='local' or max_chunks_per_document", d)
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,11 +380,9 @@ def _warn_truncated(doc_lengths: np.ndarray, capacity: int, window: int, what: s
     over = np.flatnonzero(doc_lengths > capacity)
     if len(over):
         first = ", ".join(f"{what}[{i}] ({int(doc_lengths[i])} tokens)" for i in over[:3])
-        warnings.warn(
-            f"{len(over)} {what} longer than the model window ({window} tokens with special tokens) "
-            f"were cut to their first {capacity} tokens: {first}{' ...' if len(over) > 3 else ''}",
-            stacklevel=4,
-        )
+        warnings.warn(f"{len(over)} {what} longer than the model window ({window} tokens with special tokens) "
+                      f"were cut to their first {capacity} tokens: {first}{' ...' if len(over) > 3 else ''}",
+                      stacklevel=4)
 
 
 @contextlib.contextmanager

@@ -54,6 +54,7 @@ class ModelSpec:
     # ...): the encoder then needs an explicit ``pooling``; and the pipeline's modules it does not apply
     unsupported_pooling: str | None = None
     skipped_modules: tuple[str, ...] = ()
+    vocab_size: int = 0  # rows of the input embedding table (0: unknown)
 
 
 def default_model_path() -> str:
@@ -128,7 +129,16 @@ def inspect_model(model, tokenizer, path: str | None = None) -> ModelSpec:
         flops_per_token=linear_flops_per_token(model),
         unsupported_pooling=st.get("unsupported_pooling"),
         skipped_modules=tuple(st.get("skipped_modules", ())),
+        vocab_size=_embedding_rows(model),
     )
+
+
+def _embedding_rows(model) -> int:
+    """Rows of ``model``'s input embedding table, 0 where it has none that says."""
+    try:
+        return int(getattr(model.get_input_embeddings(), "num_embeddings", 0) or 0)
+    except (AttributeError, NotImplementedError, TypeError):
+        return 0
 
 
 def linear_flops_per_token(model) -> float:

@@ -236,3 +236,18 @@ def test_sentence_transformers_modules_not_applied_are_named(tmp_path):
     folder = _st_folder(tmp_path, ["Pooling", "Dense", "Normalize"], {"pooling_mode_mean_tokens": True})
     with pytest.warns(UserWarning, match=r"has Dense \(2_Dense\) after its pooling, which dice_fast does not apply"):
         DiceEncoder.from_pretrained(folder, device="cpu")
+
+
+def test_a_token_the_model_has_no_embedding_for_is_named():
+    """A tokenizer given tokens after its model was saved (no resize_token_embeddings) made the forward
+    fail with torch's bare IndexError "index out of range in self"."""
+    model, tok, *_ = tiny("bert")
+    tok = copy.deepcopy(tok)
+    tok.add_tokens(["zzzunseen"])
+    enc = DiceEncoder(model, tok, chunk_size=8)
+    with pytest.raises(ValueError, match=r"documents\[1\] holds token id 56, beyond the model's 56 embeddings"):
+        enc.encode_documents(["a b c", "hello zzzunseen world"])
+    with pytest.raises(ValueError, match=r"queries\[0\] holds token id 56"):
+        enc.encode_queries(["zzzunseen"])
+    with pytest.raises(ValueError, match="document_prefix .*beyond the model's 56 embeddings"):
+        DiceEncoder(model, tok, document_prefix="zzzunseen: ")
