@@ -273,3 +273,26 @@ def test_a_chunk_failing_alone_raises_the_same_error_and_stops_the_producer(reco
         errors.append(str(info.value))
     assert errors[0] == errors[1] and "documents[9]" in errors[0]
     assert recording and not any(p._thread.is_alive() for p in recording)
+
+
+@pytest.mark.parametrize("piped", [False, True])
+def test_a_cancelled_copy_in_a_batch_given_back_frees_its_original(piped):
+    """A copy fanned out into a batch the producer selected early, whose job is then cancelled: when
+    the batch was given back, the copy waited again, holding its original's slot (and that batch's output
+    tensor) for the queue's life. Serial and pipelined end with nothing waiting or remembered."""
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=6, max_batch_tokens=12, pooling_impl="torch")
+    x, y = "the cat sat on a mat", "dog ran to big red house"
+    queue = enc.chunk_queue()
+    first = queue.submit(enc.plan([x + " " + y]))  # two chunks, 8 wrapped tokens each: one per batch
+    copy = queue.submit(enc.plan([y]))  # a copy of the first job's second chunk
+    source = BatchPipeline(queue, enc.device) if piped else queue
+    ran = 0
+    while (batch := source.next_batch()) is not None:
+        source.run(batch, enc.run_batch)
+        ran += 1
+        if ran == 1:
+            queue.cancel(copy)  # its client went away
+    if piped:
+        source.close()
+    assert first.done and queue.reuse.waiting_originals == 0

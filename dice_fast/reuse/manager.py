@@ -203,6 +203,8 @@ class ChunkReuse:
         if batch is None:
             return
         for job, c, _, _ in batch.fan_out:
+            if job.cancelled:  # `release` skipped it (it was DONE then): nobody will ask for this copy, so it
+                continue  # must not wait again, holding its original's slot (and that batch's output) for good
             job.state[c] = FOLLOW
             slot = self._slots.get(int(job.keys.keys[c]))
             if slot is not None:
