@@ -148,10 +148,11 @@ def score(scoring: str, queries: np.ndarray, documents: np.ndarray, chunks: np.n
 
 
 def check_alpha(alpha) -> float:
-    alpha = float(alpha)
-    if not 0.0 <= alpha <= 1.0:
-        raise OptionError(f"alpha must be between 0 and 1, got {alpha}")
-    return alpha
+    """``alpha`` as a float in [0, 1]; `OptionError` naming it otherwise (None, a string, NaN ...)."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= float(alpha) <= 1.0:
+        raise OptionError(f"alpha must be a number between 0 and 1, got {alpha!r}")
+    return float(alpha)
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from dice_fast import scoring
+from dice_fast.errors import OptionError
 
 
 def _corpus(seed=0, n_docs=9, dim=8):
@@ -54,8 +57,10 @@ def test_bad_arguments_are_named():
     q, d, c, cu = _corpus()
     with pytest.raises(ValueError, match="unknown scoring 'bm25'"):
         scoring.score("bm25", q, d, c, cu)
-    with pytest.raises(ValueError, match="alpha"):
-        scoring.hybrid(q, d, c, cu, alpha=1.5)
+    for alpha in (1.5, None, "x", float("nan"), True):  # None and "x" raised bare TypeError / ValueError
+        with pytest.raises(OptionError, match=f"alpha must be a number between 0 and 1, got {re.escape(repr(alpha))}"):
+            scoring.hybrid(q, d, c, cu, alpha=alpha)
+    assert scoring.check_alpha(np.float32(0.5)) == 0.5 and scoring.check_alpha(1) == 1.0
     with pytest.raises(ValueError, match="needs chunk vectors"):
         scoring.score("maxsim", q, d, None, None)
     with pytest.raises(ValueError, match="widths differ"):
