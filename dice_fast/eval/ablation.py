@@ -20,33 +20,34 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .report import macro_average
+from .report import macro_average, strategy_of
 from .run import EvalResult
 
 __all__ = ["normalize_chunks_table", "alpha_table", "choose_alpha", "scoring_table", "main"]
 
 
 def _variants(res: EvalResult) -> dict:
-    """{(chunk_size, aggregation or "hybrid"): {True: key, False: key}} of an ablation run's methods
-    (hybrid: the default blend only)."""
+    """{(strategy, chunk_size, aggregation or "hybrid"): {True: key, False: key}} of an ablation run's
+    methods (strategy "dice" or "late"; hybrid: the default blend only)."""
     out: dict = {}
     for m in res.methods:
         mi = res.method_info[m]
         if mi.get("normalize_chunks") is None or mi.get("alpha") is not None:
             continue
-        out.setdefault((mi["chunk_size"], mi["aggregation"]), {})[bool(mi["normalize_chunks"])] = m
+        out.setdefault((strategy_of(res, m), mi["chunk_size"], mi["aggregation"]), {})[bool(mi["normalize_chunks"])] = m
     return {k: v for k, v in out.items() if len(v) == 2}
 
 
 def normalize_chunks_table(results: Sequence[EvalResult], metric: str = "hit@1") -> tuple[str, dict]:
     """(markdown, totals) comparing normalize_chunks on/off over ``results`` (one ablation run per task).
 
-    Rows: chunk size x aggregation (and hybrid); per task: ``metric`` (%) macro-averaged over the
-    lengths with normalised ("norm") and raw chunks and raw − norm; last columns: (task, length)
+    Rows: chunk size x aggregation (and hybrid), late chunking's after DICE's (chunks "64 late"); per
+    task: ``metric`` (%) macro-averaged over the lengths with normalised ("norm") and raw chunks and
+    raw − norm; last columns: (task, length)
     cells won by raw / by norm / tied. totals: {"raw": wins, "norm": wins, "tie": ties,
     "mean_diff": mean raw − norm over every row and task (points)}.
     """
-    keys = sorted({v for r in results for v in _variants(r)}, key=lambda x: (x[0], x[1]))
+    keys = sorted({v for r in results for v in _variants(r)}, key=lambda x: (x[0] == "late", x[1], x[2]))
     head = ["chunks", "aggregation"]
     for name in _names(results):
         head += [f"{name} norm", f"{name} raw", f"{name} Δ"]
@@ -54,10 +55,10 @@ def normalize_chunks_table(results: Sequence[EvalResult], metric: str = "hit@1")
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     totals = {"raw": 0, "norm": 0, "tie": 0}
     diffs = []
-    for k, agg in keys:
-        cells, wins = [str(k), agg], [0, 0, 0]
+    for st, k, agg in keys:
+        cells, wins = [f"{k} late" if st == "late" else str(k), agg], [0, 0, 0]
         for r in results:
-            v = _variants(r).get((k, agg))
+            v = _variants(r).get((st, k, agg))
             if v is None:
                 cells += ["–"] * 3
                 continue
@@ -95,8 +96,9 @@ def _names(results: Sequence[EvalResult]) -> list[str]:
 def alpha_table(results: Sequence[EvalResult], normalize_chunks: bool | None = None,
                 metric: str = "hit@1") -> tuple[str, dict]:
     """(markdown, {alpha: mean ``metric``}) of the hybrid blends of dev runs made with a grid of
-    ``hybrid_alphas``: rows = alpha; columns = task x chunk size (macro average over lengths), then
-    the mean over all of them. ``normalize_chunks``: which setting's hybrid rows, when the runs
+    ``hybrid_alphas``: rows = alpha; columns = task x chunk size (``"passkey k=64"``; late chunking's
+    ``"passkey late k=64"``), macro average over lengths, then the mean over all of them (DICE's and
+    late chunking's columns alike). ``normalize_chunks``: which setting's hybrid rows, when the runs
     ablated it (None: the runs' own setting)."""
     per: dict = {}
     cols = []
@@ -107,7 +109,7 @@ def alpha_table(results: Sequence[EvalResult], normalize_chunks: bool | None = N
                 continue
             if normalize_chunks is not None and mi.get("normalize_chunks") not in (None, normalize_chunks):
                 continue
-            col = f"{r.task} k={mi['chunk_size']}"
+            col = f"{r.task} {'late ' if strategy_of(r, m) == 'late' else ''}k={mi['chunk_size']}"
             if col not in cols:
                 cols.append(col)
             per.setdefault(mi["alpha"], {})[col] = macro_average(r.metrics[m][metric], r.split)["avg"]

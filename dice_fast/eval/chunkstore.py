@@ -17,11 +17,12 @@ was run from the encoder's `ChunkStats` during the call.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["RawChunks", "encode_raw_chunks"]
+__all__ = ["RawChunks", "encode_raw_chunks", "encode_timed", "open_cache"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +82,26 @@ def encode_raw_chunks(encoder, texts: list[str], progress=None) -> RawChunks:
         n_docs=len(out.documents), chunk_start_char=out.chunk_start_char, chunk_end_char=out.chunk_end_char,
         n_computed=computed, n_cached=from_disk, tokens_run=tokens[0], from_cache=computed == 0 and from_disk > 0,
     )
+
+
+def encode_timed(raw_enc, task, desc: str, show_progress: bool):
+    """Raw chunk vectors of ``task.corpus`` (`RawChunks`) in one `encode_raw_chunks` call (the engine's
+    chunk keys, not the texts, decide what is reused), and its timing ``{"seconds", "tokens"}``."""
+    from ..progress import ProgressBar
+
+    bar = ProgressBar(None, desc=desc, show=show_progress and bool(task.corpus))
+    t0 = time.perf_counter()
+    try:
+        raw = encode_raw_chunks(raw_enc, task.corpus, bar)
+    finally:
+        bar.close()
+    return raw, {"seconds": time.perf_counter() - t0, "tokens": bar.tokens}
+
+
+def open_cache(encoder, cache_dir):
+    """The `ChunkCache` the raw encodings use: ``cache_dir`` opened, else the encoder's own, else None."""
+    if cache_dir is not None:
+        from ..reuse import ChunkCache
+
+        return ChunkCache(cache_dir)
+    return None if encoder.cache is None else encoder.cache.cache

@@ -8,16 +8,32 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..cliargs import add_encoder_arguments, make_encoder
+from ..errors import OptionError
 
 if TYPE_CHECKING:
     from .run import EvalResult
 
-__all__ = ["register_cli", "cmd_eval", "write_outputs"]
+__all__ = ["register_cli", "cmd_eval", "check_options", "write_outputs"]
+
+
+class _DefaultInt(int):
+    """An int default of argparse, told apart from the same value given on the command line."""
+
+
+class _DefaultList(list):
+    """A list default of argparse, told apart from the same values given on the command line."""
+
+
+# the tasks each task-shaping option applies to (a BEIR folder uses none of them)
+_TASK_OPTIONS = (("--lengths", "lengths", ("passkey", "needle")),
+                 ("--queries-per-length", "queries_per_length", ("passkey", "needle")),
+                 ("--docs-per-length", "docs_per_length", ("passkey", "needle", "boundary")))
 
 
 def _int_list(text: str) -> list[int]:
@@ -68,7 +84,9 @@ def register_cli(subparsers) -> None:
         ),
         epilog=(
             "Of the shared model options, --chunk-size (when --chunk-sizes is not given) sets the only chunk "
-            "size; --aggregation and --strategy are ignored (every method is run); --top-k, --temperature, "
+            "size; --strategy is ignored (single always runs, --strategies picks the chunked ones); --aggregation "
+            "is a row only when in --aggregations, but it is the document vector the hybrid scoring blends with "
+            "MaxSim (default: mean); --top-k, --temperature, "
             "--normalize-chunks, --pooling, --overlap, --positions, prefixes, --max-length, --device and --dtype "
             "apply to every method. Example: dice-fast eval --task passkey needle --lengths 256,1024,8192 "
             "--docs-per-length 20 --queries-per-length 10 --chunk-sizes 64,254 --out-dir benchmarks/eval"
@@ -79,11 +97,13 @@ def register_cli(subparsers) -> None:
                    help="one or more of: passkey, needle, boundary (generated; boundary: answers across a chunk "
                         "boundary, --docs-per-length documents), or a BEIR folder (corpus.jsonl, "
                         "queries.jsonl, qrels/<split>.tsv)")
-    p.add_argument("--lengths", type=_int_list, default=list(CONTEXT_LENGTHS),
-                   help="context lengths in tokens of the model's tokenizer, comma-separated (synthetic tasks)")
-    p.add_argument("--docs-per-length", type=int, default=100,
-                   help="documents per length = candidates of each query (LongEmbed: 100)")
-    p.add_argument("--queries-per-length", type=int, default=50, help="queries per length (LongEmbed: 50)")
+    p.add_argument("--lengths", type=_int_list, default=_DefaultList(CONTEXT_LENGTHS),
+                   help="context lengths in tokens of the model's tokenizer, comma-separated (passkey and needle)")
+    p.add_argument("--docs-per-length", type=int, default=_DefaultInt(100),
+                   help="documents per length = candidates of each query (LongEmbed: 100); boundary: its documents "
+                        "(an even number)")
+    p.add_argument("--queries-per-length", type=int, default=_DefaultInt(50),
+                   help="queries per length (LongEmbed: 50; passkey and needle)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tasks")
     p.add_argument("--split", default="test", help="qrels split of a BEIR folder (qrels/<split>.tsv)")
     p.add_argument("--chunk-sizes", type=_int_list, default=None,
@@ -98,7 +118,8 @@ def register_cli(subparsers) -> None:
                    help="chunked strategies to evaluate, comma-separated: dice, late (late chunking: the same rows "
                         "from chunk vectors pooled inside windows of --window-tokens; keys late-k64-mean ...)")
     p.add_argument("--hybrid-alphas", type=_float_list, default=None,
-                   help="a grid of hybrid blends (alpha in [0, 1], comma-separated) instead of the default one")
+                   help="a grid of hybrid blends (alpha in [0, 1], comma-separated) instead of the default one "
+                        "(needs hybrid in --scorings)")
     p.add_argument("--normalize-chunks-ablation", action="store_true",
                    help="derive every aggregation (and the hybrid) with normalize_chunks on and off from the same "
                         "raw chunk vectors (method keys end in -norm / -raw)")
@@ -138,6 +159,7 @@ def cmd_eval(args) -> int:
 
     if args.docs_per_length < 1 or args.queries_per_length < 1:
         raise ValueError("--docs-per-length and --queries-per-length must be >= 1")
+    check_options(args)
     enc = make_encoder(args)
     chunk_sizes = _default_chunk_sizes(enc, args)
     out_dir = Path(args.out_dir)
@@ -161,6 +183,32 @@ def cmd_eval(args) -> int:
         written = write_outputs(res, out_dir, stem, csv_path, plots=not args.no_plots, save_result=args.save_result)
         print(f"[{task.name}] wrote {', '.join(written)} (total {time.perf_counter() - t0:.1f} s)", flush=True)
     return 0
+
+
+def check_options(args) -> None:
+    """Refuse (`OptionError`) or warn, naming the option, where an option given would be ignored or changed:
+    --lengths / --queries-per-length / --docs-per-length given for tasks that do not use them (refused when
+    no task does, a warning on stderr when some do), an odd --docs-per-length for boundary, --hybrid-alphas
+    without hybrid in --scorings. Before the model loads."""
+    synthetic = ("passkey", "needle", "boundary")
+    for opt, dest, used_by in _TASK_OPTIONS:
+        if isinstance(getattr(args, dest), (_DefaultInt, _DefaultList)):
+            continue  # not given
+        users = [t for t in args.task if t in used_by]
+        others = [t if t in synthetic else "a BEIR folder" for t in args.task if t not in used_by]
+        if not others:
+            continue
+        if not users:
+            raise OptionError(f"{opt} does not apply to --task {' '.join(args.task)} (it shapes "
+                              f"{' and '.join(used_by)} only); leave it out")
+        print(f"dice-fast eval: warning: {opt} applies to {', '.join(users)} only, not to "
+              f"{', '.join(dict.fromkeys(others))}", file=sys.stderr, flush=True)
+    if "boundary" in args.task and args.docs_per_length % 2:
+        raise OptionError(f"--task boundary needs an even --docs-per-length (every person owns two pets, so "
+                          f"documents come in pairs), got {args.docs_per_length}")
+    if args.hybrid_alphas is not None and "hybrid" not in args.scorings:
+        raise OptionError(f"--hybrid-alphas are blends of the hybrid scoring, but --scorings is "
+                          f"{','.join(args.scorings)}: add hybrid to --scorings or leave --hybrid-alphas out")
 
 
 def write_outputs(res: EvalResult, out_dir, stem: str, csv_path, plots: bool = True,

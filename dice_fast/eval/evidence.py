@@ -41,7 +41,7 @@ class ChunkScores:
 
 
 def chunk_scores(query_vecs, raw, query_groups=None, doc_groups=None, scoring: str = "maxsim",
-                 doc_vecs=None, alpha: float | None = None) -> ChunkScores:
+                 doc_vecs=None, alpha: float | None = None, max_block_elems: int = 1 << 23) -> ChunkScores:
     """``scoring`` ("maxsim" or "hybrid", `dice_fast.scoring.score`) of every query against the
     documents of its group, as cosines: queries, chunk vectors and document vectors are
     L2-normalised first.
@@ -50,6 +50,10 @@ def chunk_scores(query_vecs, raw, query_groups=None, doc_groups=None, scoring: s
     dim), ``chunk_document`` (n_chunks,) non-decreasing and ``n_docs``); groups: (n_q,) / (n_docs,)
     labels, both or neither (None: one group; each group's documents contiguous); doc_vecs:
     (n_docs, dim) for "hybrid"; alpha: the hybrid weight (None: `dice_fast.scoring.DEFAULT_ALPHA`).
+    max_block_elems: (query, chunk) pairs scored at once: each group's queries run in blocks of
+    ``max_block_elems // chunks of the group`` rows (at least one), so the scoring's temporaries (about
+    20-25 bytes per pair) stay near 200 MiB at the default 2**23 whatever the sizes; the results do not
+    depend on it. What is not blocked: the results themselves, 12 bytes per (query, document) pair.
     """
     from ..scoring import DEFAULT_ALPHA, cu_from_chunk_document, score, unit_rows
 
@@ -70,10 +74,15 @@ def chunk_scores(query_vecs, raw, query_groups=None, doc_groups=None, scoring: s
             raise ValueError(f"documents of group {g} must be contiguous (as the synthetic tasks build them)")
         lo, hi = first[ds[0]], first[ds[-1] + 1]
         cu = cu_from_chunk_document(cd[lo:hi] - ds[0], len(ds))
-        sc, ev = score(scoring, q[qs], None if d is None else d[ds], unit_rows(raw.chunks[lo:hi]), cu,
-                       DEFAULT_ALPHA if alpha is None else alpha)
-        scores[np.ix_(qs, ds)] = np.where(np.isfinite(sc), sc, 0.0)
-        best[np.ix_(qs, ds)] = np.where(ev >= 0, ev + lo + cu[:-1][None, :], -1)
+        chunks, dv = unit_rows(raw.chunks[lo:hi]), None if d is None else d[ds]
+        cols = slice(int(ds[0]), int(ds[-1]) + 1)
+        rows_per_block = max(1, int(max_block_elems) // max(int(hi - lo), 1))
+        for s in range(0, qs.size, rows_per_block):  # query blocks, as retrieval._ranked
+            qb = qs[s : s + rows_per_block]
+            sc, ev = score(scoring, q[qb], dv, chunks, cu, DEFAULT_ALPHA if alpha is None else alpha)
+            scores[qb, cols] = np.where(np.isfinite(sc), sc, 0.0)
+            best[qb, cols] = np.where(ev >= 0, ev + lo + cu[:-1][None, :], -1)
+            del sc, ev
     return ChunkScores(scores, best)
 
 

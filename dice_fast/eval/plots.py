@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .report import PAPER_EDI_SHARE, edi_by_length, length_label, side_names
+from .report import PAPER_EDI_SHARE, edi_by_length, length_label, side_names, strategy_of
 from .run import GROUP_ALL, EvalResult
 
 __all__ = ["plot_hit_vs_length", "plot_edi"]
@@ -38,15 +38,18 @@ _STYLES = {"mean": dict(ls="-", lw=3.0, marker="o", ms=5), "max": dict(ls="-", l
            "softmax_norm": dict(ls=(0, (5, 1)), lw=1.2, marker="x", ms=5)}
 
 
-def _panel(res: EvalResult, k: int, scorings=("dice", "maxsim", "hybrid")) -> list[tuple[str, str]]:
+def _panel(res: EvalResult, k: int, scorings=("dice", "maxsim", "hybrid"),
+           strategies=("dice", "late")) -> list[tuple[str, str]]:
     """(method key, aggregation or scoring name) of the methods drawn in chunk size ``k``'s panel: those
-    of ``scorings`` at the run's own normalize_chunks setting and hybrid blend (an ablation's other
-    setting and an alpha grid are in the tables, not the plots)."""
+    of ``scorings`` and ``strategies`` at the run's own normalize_chunks setting and hybrid blend (an
+    ablation's other setting and an alpha grid are in the tables, not the plots)."""
     default_nc = res.extra.get("default_normalize_chunks")
     out = []
     for m in res.methods:
         mi = res.method_info[m]
         if mi["chunk_size"] != k or mi.get("scoring", "dice") not in scorings or mi.get("alpha") is not None:
+            continue
+        if strategy_of(res, m) not in strategies:
             continue
         if mi.get("normalize_chunks") is not None and mi["normalize_chunks"] != default_nc:
             continue
@@ -54,8 +57,26 @@ def _panel(res: EvalResult, k: int, scorings=("dice", "maxsim", "hybrid")) -> li
     return out
 
 
-def _style(a: str) -> dict:
-    return {"color": _COLORS.get(a, "grey"), **_STYLES.get(a, dict(ls="-", lw=1.4, marker="o", ms=4))}
+def _style(a: str, strategy: str = "dice") -> dict:
+    style = {"color": _COLORS.get(a, "grey"), **_STYLES.get(a, dict(ls="-", lw=1.4, marker="o", ms=4))}
+    if strategy == "late":  # same colour as DICE's line of the aggregation, dashed, hollow markers
+        style.update(ls="--", lw=min(style["lw"], 1.6), mfc="none", alpha=0.8)
+    return style
+
+
+def _line_label(a: str, strategy: str) -> str:
+    """"DICE mean", "MaxSim", "late mean", "late MaxSim" ..."""
+    name = _AGG_SHORT.get(a, a) if a not in _STYLES else a
+    if strategy == "late":
+        return f"late {name}"
+    return f"DICE {name}" if a in _STYLES else name
+
+
+def _edi_columns(res: EvalResult) -> list[tuple[object, int, str]]:
+    """(key of ``res.edi``, chunk size, strategy) of every EDI column: DICE's chunk sizes in order, then
+    late chunking's (keys ``"64 late"``)."""
+    out = [(k, k, "dice") for k in res.chunk_sizes if k in res.edi]
+    return out + [(f"{k} late", k, "late") for k in res.chunk_sizes if f"{k} late" in res.edi]
 
 
 def _length_axis(ax, res: EvalResult) -> None:
@@ -92,6 +113,7 @@ def plot_hit_vs_length(res: EvalResult, path, metric: str = "hit@1") -> None:
     else:
         fig, axes = plt.subplots(1, len(ks), figsize=(4.2 * len(ks) + 0.6, 3.9), dpi=100, sharey=True, squeeze=False)
         xs = res.groups
+        late = any(strategy_of(res, m) == "late" for m in res.methods)
         for ax, k in zip(axes[0], ks):
             single = [100 * res.metrics["single"][metric].get(g, math.nan) for g in xs]
             ax.plot(xs, single, color="black", ls="--", marker="s", ms=4, lw=2.2,
@@ -100,14 +122,15 @@ def plot_hit_vs_length(res: EvalResult, path, metric: str = "hit@1") -> None:
                 if metric not in res.metrics[key]:
                     continue
                 ys = [100 * res.metrics[key][metric].get(g, math.nan) for g in xs]
-                ax.plot(xs, ys, label=f"DICE {a}" if a in _STYLES else _AGG_SHORT.get(a, a), **_style(a))
+                st = strategy_of(res, key)
+                ax.plot(xs, ys, label=_line_label(a, st), **_style(a, st))
             if metric == "hit@1" and isinstance(res.extra["docs_per_length"], int):
                 chance = 100 / res.extra["docs_per_length"]
                 ax.axhline(chance, color="grey", lw=0.8, ls="-", alpha=0.6)
                 ax.text(xs[-1] * 1.2, chance + 1, "chance", fontsize=7, color="grey", ha="right", va="bottom")
             _length_axis(ax, res)
             ax.set_ylim(-4, 104)
-            ax.set_title(f"DICE chunk size {k}", fontsize=10)
+            ax.set_title(f"{'' if late else 'DICE '}chunk size {k}", fontsize=10)
         axes[0][0].set_ylabel(f"{metric} (%)")
         handles, labels = axes[0][0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
@@ -121,21 +144,24 @@ def plot_hit_vs_length(res: EvalResult, path, metric: str = "hit@1") -> None:
 
 
 def plot_edi(res: EvalResult, path) -> None:
-    """One column per chunk size. Top: box plots (5–95 % whiskers) of EDI over the kept samples, single vs
-    each DICE aggregation, with the share of samples where DICE's EDI is below single's above each box.
-    Bottom (synthetic tasks): that share per context length, against the paper's 92.8 %."""
+    """One column per chunk size (and per chunk size of late chunking). Top: box plots (5–95 % whiskers)
+    of EDI over the kept samples, single vs each aggregation, with the share of samples where its EDI is
+    below single's above each box. Bottom (synthetic tasks): that share per context length, against the
+    paper's 92.8 %."""
     plt = _pyplot()
-    ks = [k for k in res.chunk_sizes if k in res.edi]
-    if not ks:
+    cols = _edi_columns(res)
+    if not cols:
         return
     by_length = res.groups != [GROUP_ALL]
     rows = 2 if by_length else 1
-    fig, axes = plt.subplots(rows, len(ks), figsize=(4.2 * len(ks) + 0.6, 3.4 * rows + 0.7), dpi=100, squeeze=False)
-    for col, k in enumerate(ks):
+    fig, axes = plt.subplots(rows, len(cols), figsize=(4.2 * len(cols) + 0.6, 3.4 * rows + 0.7), dpi=100,
+                             squeeze=False)
+    for col, (ek, k, strategy) in enumerate(cols):
         ax = axes[0][col]
-        st = res.edi[k]
+        st = res.edi[ek]
         kept = st.kept
-        panel = _panel(res, k, ("dice",))
+        panel = [(m, a) for m, a in _panel(res, k, ("dice",), (strategy,)) if m in st.edi]
+        who = "late" if strategy == "late" else "DICE"
         names = ["single"] + [m for m, _ in panel]
         data = [st.edi[n][kept] for n in names]
         labels = ["single"] + [_AGG_SHORT.get(a, a) for _, a in panel]
@@ -157,26 +183,31 @@ def plot_edi(res: EvalResult, path) -> None:
         else:
             ax.text(0.5, 0.5, "no kept samples", ha="center", transform=ax.transAxes)
         ax.axhline(0, color="grey", lw=0.8, ls=":")
-        ax.set_title(f"chunk size {k}: EDI of {int(kept.sum())} kept / {kept.size} samples\n"
-                     f"(% = share with EDI(DICE) < EDI(single))", fontsize=8)
+        ax.set_title(f"{who} chunk size {k}: EDI of {int(kept.sum())} kept / {kept.size} samples\n"
+                     f"(% = share with EDI({who}) < EDI(single))", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
         if by_length:
             ax2 = axes[1][col]
-            _, share = edi_by_length(res, k)
+            _, share = edi_by_length(res, ek)
             for m, a in panel:
                 per = share.get(m, {})
-                ax2.plot(res.groups, [100 * per.get(g, math.nan) for g in res.groups], label=f"DICE {a}", **_style(a))
+                ax2.plot(res.groups, [100 * per.get(g, math.nan) for g in res.groups], label=_line_label(a, strategy),
+                         **_style(a, strategy))
             ax2.axhline(100 * PAPER_EDI_SHARE, color="black", ls="--", lw=1.2, label="paper: 92.8% (all samples)")
             ax2.axhline(50, color="grey", ls=":", lw=0.8)
             _length_axis(ax2, res)
             ax2.set_ylim(-4, 104)
-            ax2.set_title(f"chunk size {k}: share with EDI(DICE) < EDI(single), by length", fontsize=8)
+            ax2.set_title(f"{who} chunk size {k}: share with EDI({who}) < EDI(single), by length", fontsize=8)
     axes[0][0].set_ylabel("EDI (lower is better)")
     if by_length:
         axes[1][0].set_ylabel("share of samples (%)")
-        handles, labels = axes[1][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle(f"{res.task}: Evidence Dilution Index, single vs DICE — {res.info['model']}, {res.info['dtype']}; "
+        seen = {}
+        for ax2 in axes[1]:  # DICE's and late chunking's lines, each label once
+            for h, lab in zip(*ax2.get_legend_handles_labels()):
+                seen.setdefault(lab, h)
+        fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=3, fontsize=8, frameon=False)
+    who = "DICE and late chunking" if any(c[2] == "late" for c in cols) else "DICE"
+    fig.suptitle(f"{res.task}: Evidence Dilution Index, single vs {who} — {res.info['model']}, {res.info['dtype']}; "
                  f"paper: DICE below single in {PAPER_EDI_SHARE:.1%} of samples", fontsize=9)
     fig.tight_layout(rect=(0, 0.07 if by_length else 0, 1, 1))
     fig.savefig(path, dpi=100)

@@ -19,7 +19,7 @@ from ..runinfo import append_csv
 from .run import GROUP_ALL, EvalResult
 
 __all__ = ["PAPER_EDI_SHARE", "CSV_FIELDS", "METRICS", "macro_average", "format_table", "format_storage",
-           "edi_by_length", "format_report", "csv_rows", "write_csv"]
+           "edi_by_length", "format_report", "csv_rows", "write_csv", "strategy_of"]
 
 PAPER_EDI_SHARE = 0.928  # paper §2.2: DICE has lower EDI than single in 92.8 % of 12,779 filtered samples
 CSV_FIELDS = (
@@ -245,12 +245,21 @@ def csv_rows(res: EvalResult) -> list[dict]:
                     if name != "single":
                         add(name, g, "edi_share_lower_than_single",
                             float(np.mean(v[sel] < st.edi["single"][sel])) if sel.any() else math.nan, int(sel.sum()))
-    for name, t in res.timings.items():
-        method = "single" if name == "single" else ""
-        rows.append({**base, "method": method or name, "chunk_size": name[1:] if name.startswith("k") else "",
+    for name, t in res.timings.items():  # "queries", "single", "k64", "late-k64"
+        size = name.rsplit("k", 1)[1] if name.startswith(("k", "late-k")) else ""
+        rows.append({**base, "method": name, "chunk_size": size,
                      "aggregation": "", "length": "all", "metric": "encode_seconds", "value": _fmt(t["seconds"]),
                      "n": t["tokens"]})
     return rows
+
+
+def strategy_of(res: EvalResult, method: str) -> str:
+    """The strategy of ``method``: "single", "dice" or "late" (results saved before method_info had
+    it: from the key)."""
+    mi = res.method_info.get(method, {})
+    if mi.get("strategy"):
+        return mi["strategy"]
+    return "single" if method == "single" else "late" if method.startswith("late-") else "dice"
 
 
 def _fmt(v) -> str:

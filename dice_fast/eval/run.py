@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..progress import ProgressBar
+from ..errors import OptionError
 from ..runinfo import device_name, model_label, versions
 from ..scoring import DEFAULT_ALPHA, cu_from_chunk_document
 
@@ -100,9 +100,12 @@ class EvalResult:
     """Everything one `run_eval` measured.
 
     groups: context lengths (ints), or ``["all"]`` for a local task. methods: method keys in table
-    order (``"single"``, ``"k64-mean"`` ...); method_info: key -> {"label", "chunk_size", "aggregation"}.
+    order (``"single"``, ``"k64-mean"`` ...); method_info: key -> {"label", "chunk_size", "aggregation",
+    "scoring" ("dice" for an aggregation, "maxsim", "hybrid", "single"), "strategy" ("single", "dice" or
+    "late"), "normalize_chunks", "alpha"}.
     metrics: key -> {"hit@1" | "ndcg@10": {group: value}}; n_queries: {group: count}.
-    edi: chunk size -> `EvidenceStats` with methods ``"single"`` and ``"k{size}-{agg}"``;
+    edi: chunk size -> `EvidenceStats` with methods ``"single"`` and ``"k{size}-{agg}"`` (late chunking:
+    ``"{size} late"`` -> ``"single"`` and ``"late-k{size}-{agg}"``);
     edi_group: (n_edi_samples,) group of each EDI sample; timings: name -> {"seconds", "tokens"};
     check: method key -> max |derived - encode_documents| on the checked documents; info: run metadata.
     """
@@ -128,13 +131,16 @@ class EvalResult:
 def build_task(spec: str, tokenizer, lengths: Sequence[int] | None = None, docs_per_length: int = 100,
                queries_per_length: int = 50, seed: int = 0, split: str = "test"):
     """``spec``: "passkey", "needle", "boundary" (`dice_fast.eval.boundary`: ``docs_per_length`` documents,
-    one query each; ``lengths`` unused) or a local BEIR folder -> `dice_fast.eval.tasks.Task`."""
+    an even number, one query each; ``lengths`` and ``queries_per_length`` unused) or a local BEIR folder
+    -> `dice_fast.eval.tasks.Task`."""
     from . import tasks
 
     if spec == "boundary":
         from .boundary import make_boundary_task
 
-        return make_boundary_task(tokenizer, docs=docs_per_length + docs_per_length % 2, seed=seed)
+        if docs_per_length % 2:  # every person owns two pets: documents come in pairs
+            raise OptionError(f"task boundary needs an even docs_per_length (--docs-per-length), got {docs_per_length}")
+        return make_boundary_task(tokenizer, docs=docs_per_length, seed=seed)
     if spec in ("passkey", "needle"):
         make = tasks.make_passkey_task if spec == "passkey" else tasks.make_needle_task
         return make(tokenizer, lengths=tuple(lengths or tasks.CONTEXT_LENGTHS), docs_per_length=docs_per_length,
@@ -186,19 +192,6 @@ def _run_info(encoder, task, seed) -> dict:
     }
 
 
-def _encode_raw(raw_enc, task, desc: str, show_progress: bool):
-    """Raw chunk vectors of ``task.corpus`` (`RawChunks`) in one `encode_raw_chunks` call (the engine's
-    chunk keys, not the texts, decide what is reused), and its timing."""
-    from .chunkstore import encode_raw_chunks
-
-    bar = ProgressBar(None, desc=desc, show=show_progress and bool(task.corpus))
-    t0 = time.perf_counter()
-    try:
-        raw = encode_raw_chunks(raw_enc, task.corpus, bar)
-    finally:
-        bar.close()
-    return raw, {"seconds": time.perf_counter() - t0, "tokens": bar.tokens}
-
 def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
              aggregations: Sequence[str] = DEFAULT_AGGREGATIONS, split: int = 4096, seed: int | None = None,
              check_docs: int = 2, min_margin: float = 0.01, show_progress: bool = True,
@@ -227,6 +220,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     (`dice_fast.eval.evidence`) for every chunked method. ``log``: called with progress lines
     (None: silent).
     """
+    from .chunkstore import encode_timed, open_cache
     from .diagnostics import evidence_stats
     from .evidence import chunk_scores, evidence_at_1
     from .retrieval import evaluate_ranking, rank, search
@@ -250,8 +244,17 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     alphas = (None,) if hybrid_alphas is None else tuple(dict.fromkeys(float(x) for x in hybrid_alphas))
     if any(x is not None and not 0.0 <= x <= 1.0 for x in alphas) or not alphas:
         raise ValueError(f"hybrid_alphas must lie in [0, 1], got {hybrid_alphas}")
+    if hybrid_alphas is not None and "hybrid" not in scorings:
+        raise OptionError(f"hybrid_alphas (--hybrid-alphas) are blends of the hybrid scoring, but scorings "
+                          f"(--scorings) is {list(scorings)}: add 'hybrid' to scorings or leave hybrid_alphas out")
+    strategies = tuple(dict.fromkeys(strategies))
+    if not strategies or set(strategies) - {"dice", "late"}:
+        raise OptionError(f"strategies must be among 'dice', 'late'; got {list(strategies)}")
     if not task.queries:
         raise ValueError(f"task {task.name!r} has no queries")
+    for st, k in ((st, k) for st in strategies for k in chunk_sizes):  # what a strategy refuses, before any encoding
+        for a in dict.fromkeys(aggregations + (encoder.config.aggregation,)):
+            raw_twin(encoder, chunk_size=k, strategy=st, aggregation=a)
 
     local = task.doc_tokens is None
     if local:
@@ -269,12 +272,13 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     timings["queries"] = {"seconds": time.perf_counter() - t0, "tokens": 0}
     single_enc = raw_twin(encoder, strategy="single")
     docs = {}
-    store = _open_cache(encoder, cache_dir)
-    single_raw, timings["single"] = _encode_raw(raw_twin(single_enc, normalize_chunks=False, cache=store), task,
+    store = open_cache(encoder, cache_dir)
+    single_raw, timings["single"] = encode_timed(raw_twin(single_enc, normalize_chunks=False, cache=store), task,
                                                 f"{task.name} single", show_progress)
     docs["single"] = aggregate_from_chunks(single_enc, single_raw, "mean")  # one chunk per document
     del single_raw
-    method_info = {"single": _info(f"single (first {single_enc.window} tokens)", None, None, "single")}
+    method_info = {"single": _info(f"single (first {single_enc.window} tokens)", None, None, "single",
+                                   strategy="single")}
     methods = ["single"]
     metrics, n_queries = {}, {}
 
@@ -295,13 +299,10 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     edi, check, chunks_per_doc = {}, {}, {}
     n_check = min(check_docs, len(task.corpus))
     hybrid_agg = encoder.config.aggregation
-    strategies = tuple(dict.fromkeys(strategies))
-    if not strategies or set(strategies) - {"dice", "late"}:
-        raise ValueError(f"strategies must be among 'dice', 'late'; got {list(strategies)}")
     for st, k in ((st, k) for st in strategies for k in chunk_sizes):
         tag = f"late-k{k}" if st == "late" else f"k{k}"
         raw_enc = raw_twin(encoder, chunk_size=k, strategy=st, normalize_chunks=False, cache=store)
-        raw, timings[tag] = _encode_raw(raw_enc, task, f"{task.name} {st} k={k}", show_progress)
+        raw, timings[tag] = encode_timed(raw_enc, task, f"{task.name} {st} k={k}", show_progress)
         t = timings[tag]
         say(f"[{task.name}] {st} chunk size {k}: {len(task.corpus)} documents, {raw.chunks.shape[0]} chunks "
             f"({raw.n_computed} computed, {raw.n_cached} from the cache), {t['tokens']:,} tokens run in {t['seconds']:.1f} s "
@@ -328,7 +329,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
                 key = method_key(k, a, nc if ablate else None, strategy=st)
                 docs[key] = by_method[key] = vecs
                 methods.append(key)
-                method_info[key] = _info(_method_label(k, a, nc if ablate else None, strategy=st), k, a, "dice", nc)
+                method_info[key] = _info(_method_label(k, a, nc if ablate else None, strategy=st), k, a, "dice", nc, st)
                 score(key, (idx := search(q, vecs, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
                 if n_check:
                     ref = enc_a.encode_documents(task.corpus[:n_check])
@@ -336,7 +337,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
         if "maxsim" in scorings:
             key = method_key(k, "maxsim", strategy=st)
             methods.append(key)
-            method_info[key] = _info(_method_label(k, "maxsim", strategy=st), k, "maxsim", "maxsim")
+            method_info[key] = _info(_method_label(k, "maxsim", strategy=st), k, "maxsim", "maxsim", None, st)
             score(key, (idx := rank(ms.scores, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
         if "hybrid" in scorings:
             for nc in nc_settings:
@@ -344,7 +345,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
                     key = method_key(k, "hybrid", nc if ablate else None, alpha, strategy=st)
                     methods.append(key)
                     method_info[key] = {**_info(_method_label(k, "hybrid", nc if ablate else None, alpha, st), k,
-                                                "hybrid", "hybrid", nc), "alpha": alpha, "base": hybrid_agg}
+                                                "hybrid", "hybrid", nc, st), "alpha": alpha, "base": hybrid_agg}
                     sc = chunk_scores(q, raw, qg, dg, "hybrid", doc_vecs[hybrid_agg, nc], alpha).scores
                     score(key, (idx := rank(sc, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
         if has_gold.any():
@@ -377,18 +378,9 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     )
 
 
-def _open_cache(encoder, cache_dir):
-    """The `ChunkCache` the raw encodings use: ``cache_dir`` opened, else the encoder's own, else None."""
-    if cache_dir is not None:
-        from ..reuse import ChunkCache
-
-        return ChunkCache(cache_dir)
-    return None if encoder.cache is None else encoder.cache.cache
-
-
-def _info(label, chunk_size, aggregation, scoring, normalize_chunks=None) -> dict:
+def _info(label, chunk_size, aggregation, scoring, normalize_chunks=None, strategy="dice") -> dict:
     return {"label": label, "chunk_size": chunk_size, "aggregation": aggregation, "scoring": scoring,
-            "normalize_chunks": normalize_chunks, "alpha": None}
+            "normalize_chunks": normalize_chunks, "alpha": None, "strategy": strategy}
 
 
 def _per_group(labels) -> int | str:

