@@ -94,7 +94,7 @@ class DiceEncoder:
         model.eval().requires_grad_(False)
         if device.type == "cpu":
             keep_freed_pages()
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.model_path = model, tokenizer, model_path  # model_path: its folder, or None
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer is not safe to call from two threads
         self.settings: Settings = resolve(cfg, inspect_model(model, tokenizer, model_path), tokenizer, device, dtype)
         s = self.settings

@@ -39,7 +39,9 @@ def as_encoder(encoder, options: dict):
 class Variants:
     """`DiceEncoder`s over one encoder's loaded model and tokenizer with some options changed (a prompt
     as ``document_prefix`` / ``query_prefix``, a smaller ``max_batch_tokens``): built once per set of
-    changes, shared, thread-safe; the model is never copied or moved."""
+    changes, shared, thread-safe; the model is never copied or moved. A variant reads the model facts
+    from the same folder (``model_path``), reuses chunks through the same persistent chunk cache (in the
+    namespace of its own settings) and counts them in the base encoder's ``chunk_stats``."""
 
     def __init__(self, encoder):
         self.base = encoder
@@ -58,7 +60,10 @@ class Variants:
         with self._lock:
             enc = self._cache.get(key)
             if enc is None:
-                enc = DiceEncoder(base.model, base.tokenizer, config=base.config.replace(**changes))
+                store = None if base.cache is None else base.cache.cache  # the open ChunkCache of its namespace
+                enc = DiceEncoder(base.model, base.tokenizer, config=base.config.replace(**changes),
+                                  model_path=base.model_path, cache=store)
+                enc.chunk_stats = base.chunk_stats
                 if enc.spec != base.spec:
                     raise ValueError(
                         "cannot derive an encoder with changed options: the model facts read again differ from the "

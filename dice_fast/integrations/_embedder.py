@@ -25,12 +25,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import re
+import threading
 import time
 import warnings
 
 import numpy as np
 
+from ..errors import ArgumentTypeError
 from ._common import as_encoder, require
 from ._retry import RetryPolicy
 
@@ -45,7 +48,10 @@ def embedder(encoder, options: dict, *, base_url: str | None = None, api_key: st
         stray = (["api_key"] if api_key is not None else []) + sorted(client_options)
         if stray:
             raise TypeError(f"{', '.join(stray)}: only with base_url (a running dice-fast serve)")
-        return LocalEmbedder(as_encoder(encoder, options))
+        from dice_fast import DiceEncoder
+
+        source = None if isinstance(encoder, DiceEncoder) else (None if encoder is None else os.fspath(encoder), options)
+        return LocalEmbedder(as_encoder(encoder, options), source)
     if encoder is not None or options:
         raise TypeError("with base_url the server's model and options are used: pass no encoder or DICE options "
                         f"(got {'an encoder' if encoder is not None else sorted(options)})")
@@ -54,10 +60,66 @@ def embedder(encoder, options: dict, *, base_url: str | None = None, api_key: st
 
 class LocalEmbedder:
     """The engine in this process. ``documents`` / ``queries``: n strings -> (n, dim) float32; the
-    async twins run them in a worker thread (a `DiceEncoder` may encode from several threads at once)."""
+    async twins run them in a worker thread (a `DiceEncoder` may encode from several threads at once).
 
-    def __init__(self, encoder):
-        self.encoder = encoder
+    Picklable (for process pools: LlamaIndex's ``IngestionPipeline.run(num_workers=...)``, multiprocessing):
+    what is pickled is how to load the encoder, ``source`` = (model folder or None, options), and the
+    copy loads it when first used. An encoder passed in is loaded again from its ``model_path`` with its
+    options; one with no folder cannot be, and pickling it raises `ArgumentTypeError` saying what to pass.
+    """
+
+    def __init__(self, encoder, source: tuple | None = None):
+        self._encoder, self._source, self._lock = encoder, source, threading.Lock()
+
+    @property
+    def encoder(self):
+        """The `DiceEncoder` (loaded here on first use in a copy made by unpickling)."""
+        if self._encoder is None:
+            with self._lock:
+                if self._encoder is None:
+                    self._encoder = as_encoder(*self._source)
+        return self._encoder
+
+    def source(self) -> tuple:
+        """(model folder or None for the bundled model, options) that load this encoder again, in
+        another process; `ArgumentTypeError` for an encoder that has no folder to load it from."""
+        if self._source is not None:
+            folder, options = self._source
+            cache = options.get("cache")
+            if cache is not None and not isinstance(cache, (str, os.PathLike)):  # an open ChunkCache
+                options = {**options, "cache": str(cache.folder), "cache_max_gb": _gb(cache.max_bytes)}
+            return folder, options
+        enc = self._encoder
+        if enc.model_path is None:
+            raise ArgumentTypeError(
+                "cannot pickle an embedder over a DiceEncoder built from a model object: another process has no "
+                "folder to load it from; pass the model folder and options instead of the encoder (e.g. "
+                "DiceEmbedding('/models/bge', chunk_size=510)), build the encoder with "
+                "DiceEncoder.from_pretrained(folder) or DiceEncoder(model, tokenizer, model_path=folder) for a model "
+                "saved there, or use a running server (base_url=...)")
+        from dice_fast import DiceConfig
+
+        options = {k: getattr(enc.config, k) for k in DiceConfig.field_names()}
+        # where and at what precision it runs now (options left None would pick them anew, e.g. CUDA)
+        options["device"] = options["device"] or str(enc.device)
+        options["dtype"] = options["dtype"] or str(enc.dtype).replace("torch.", "")
+        if enc.cache is not None:
+            options.update(cache=str(enc.cache.cache.folder), cache_max_gb=_gb(enc.cache.cache.max_bytes))
+        if type(enc.model).__module__.startswith("transformers_modules"):  # loaded with the folder's own code
+            options["trust_remote_code"] = True
+        return enc.model_path, options
+
+    def __getstate__(self) -> dict:
+        return {"source": self.source()}
+
+    def __setstate__(self, state: dict) -> None:
+        self._encoder, self._source, self._lock = None, state["source"], threading.Lock()
+
+    def __copy__(self):
+        return self  # nothing of it changes: copies share the loaded encoder (which many threads may use)
+
+    def __deepcopy__(self, memo):
+        return self
 
     @property
     def name(self) -> str:
@@ -98,19 +160,22 @@ class QueryTooLong(ValueError):
 
 class DiceServerError(RuntimeError):
     """A running ``dice-fast serve`` refused or failed a request, or could not be reached; ``status`` is
-    its HTTP status (None: no response came, e.g. a refused connection or a timeout)."""
+    its HTTP status (None: no response came, e.g. a refused connection or a timeout); ``param``: the
+    field the server blamed (``"input[7]"``, ``"dimensions"`` ...; None when it named none). An input is
+    named by its position in the whole call, in ``param`` and in the message alike."""
 
-    def __init__(self, message: str, status: int | None):
+    def __init__(self, message: str, status: int | None, param: str | None = None):
         super().__init__(message)
         self.status = status
+        self.param = param
 
 
 class ServerQueryTooLong(DiceServerError, QueryTooLong):
     """The server refused a query longer than its model window (413): both a `DiceServerError` and a
     `QueryTooLong`, as the same query is in-process."""
 
-    def __init__(self, message: str, status: int, index: int):
-        DiceServerError.__init__(self, message, status)
+    def __init__(self, message: str, status: int, index: int, param: str | None = None):
+        DiceServerError.__init__(self, message, status, param)
         self.index = index
 
 
@@ -235,13 +300,15 @@ class ServerEmbedder:
         if response.status_code != 200:
             error = body.get("error") if isinstance(body, dict) else None
             message = error.get("message") if isinstance(error, dict) else response.text[:300]
+            message = _in_call(str(message), lo)  # the server names inputs of its request: name them in the call
             retried = tries if response.status_code in (429, 503) else ""
             text = f"{self.url} answered {response.status_code} for {where}{retried}: {message}"
             param = error.get("param") if isinstance(error, dict) else None
-            at = re.fullmatch(r"input\[(\d+)\]", param) if isinstance(param, str) else None
-            if response.status_code == 413 and kind == "queries" and at and "model window" in str(message):
-                raise ServerQueryTooLong(text, 413, lo + int(at.group(1)))
-            raise DiceServerError(text, response.status_code)
+            param = _in_call(param, lo) if isinstance(param, str) else None
+            at = re.fullmatch(r"input\[(\d+)\]", param) if param is not None else None
+            if response.status_code == 413 and kind == "queries" and at and "model window" in message:
+                raise ServerQueryTooLong(text, 413, int(at.group(1)), param)
+            raise DiceServerError(text, response.status_code, param)
         cut = body.get("usage", {}).get("truncated_inputs") if isinstance(body, dict) else None
         if cut:
             warnings.warn(f"{len(cut)} queries longer than the model window were cut to it by the server "
@@ -255,6 +322,16 @@ class ServerEmbedder:
         if len(rows) != n:
             raise DiceServerError(f"{self.url} returned {len(rows)} vectors for {n} inputs ({where})", 200)
         return rows.astype(np.float32)
+
+
+def _gb(max_bytes: int | None) -> float | None:
+    return None if max_bytes is None else max_bytes / 1e9
+
+
+def _in_call(text: str, lo: int) -> str:
+    """``text`` with every ``input[i]`` (a position in one request, whose first input is the call's
+    ``lo``) renamed ``input[lo + i]``, the position in the whole call."""
+    return re.sub(r"\binput\[(\d+)\]", lambda m: f"input[{lo + int(m.group(1))}]", text)
 
 
 def _stack(rows: list[np.ndarray]) -> np.ndarray:

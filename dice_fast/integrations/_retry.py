@@ -13,6 +13,7 @@ header's text.
 from __future__ import annotations
 
 import email.utils
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -22,13 +23,16 @@ MAX_WAIT_S = 30.0  # one wait, whatever Retry-After says
 
 
 def retry_after_seconds(value: str | None) -> float | None:
-    """``Retry-After`` as seconds from now: a number of seconds or an HTTP date; None if absent or unreadable."""
+    """``Retry-After`` as seconds from now: a number of seconds or an HTTP date; None if absent, unreadable,
+    negative or not finite ("nan", "inf": the client then waits its own backoff)."""
     if value is None:
         return None
     try:
-        return max(float(value), 0.0)
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):

@@ -39,12 +39,13 @@ from typing import Any
 
 from ..scoring import DEFAULT_SCORING, check_scoring
 from ._common import hit_metadata, require
-from ._embedder import DiceServerError, QueryTooLong, embedder
+from ._embedder import DiceServerError, LocalEmbedder, QueryTooLong, embedder
 
 require("llama_index.core", "llama-index")
 from llama_index.core.base.embeddings.base import BaseEmbedding  # noqa: E402
 from llama_index.core.retrievers import BaseRetriever  # noqa: E402
 from llama_index.core.schema import NodeRelationship, NodeWithScore, RelatedNodeInfo, TextNode  # noqa: E402
+from pydantic import BaseModel as PydanticModel  # noqa: E402
 from pydantic import PrivateAttr  # noqa: E402
 
 __all__ = ["DiceEmbedding", "DiceRetriever", "DiceServerError", "QueryTooLong"]
@@ -58,6 +59,11 @@ class DiceEmbedding(BaseEmbedding):
         running ``dice-fast serve`` instead (see `dice_fast.integrations.langchain.DiceEmbeddings`).
     embed_batch_size: texts per call into the engine (64 by default; DICE packs them itself, so it bounds
         memory, never changes a vector).
+
+    Picklable, so ``IngestionPipeline.run(num_workers=N)`` works: each worker process loads the model
+    again from its folder with the same options (or calls the same server) when it first embeds. An
+    in-process embedding over a `DiceEncoder` that has no folder (built from a model object without
+    ``model_path``) cannot be, and pickling it raises a TypeError saying what to pass instead.
     """
 
     _embedder: Any = PrivateAttr()
@@ -72,6 +78,17 @@ class DiceEmbedding(BaseEmbedding):
     @classmethod
     def class_name(cls) -> str:
         return "DiceEmbedding"
+
+    def __getstate__(self) -> dict:
+        # llama-index drops a private attribute that fails to pickle (with a warning), which would leave a
+        # copy with no embedder at all: fail here instead, saying what to pass
+        if isinstance(self._embedder, LocalEmbedder):
+            self._embedder.source()
+        return super().__getstate__()
+
+    def __setstate__(self, state: dict) -> None:
+        # pydantic's, not llama-index's (which calls __init__ with the fields, i.e. would load a model)
+        PydanticModel.__setstate__(self, state)
 
     @property
     def encoder(self):

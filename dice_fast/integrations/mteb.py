@@ -24,6 +24,9 @@ Needs the ``mteb`` extra: ``pip install dice-fast[mteb]``.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 
 from ..runinfo import model_label
@@ -31,10 +34,12 @@ from ._common import Variants, as_encoder, model_prompts, require
 
 __all__ = ["DiceMTEBModel"]
 
-# options that change the vectors, recorded in the model's MTEB metadata so runs with different
-# options are kept apart in MTEB's result cache
-_EXPERIMENT_OPTIONS = ("strategy", "chunk_size", "overlap", "positions", "pooling", "aggregation", "top_k",
-                       "temperature", "normalize_chunks", "max_chunks_per_document", "max_length", "dtype")
+# MTEB keeps a run's results under name / revision / experiment name, the experiment name being made
+# from ``experiment_kwargs``: these options are named there readably, and an ``options`` digest of
+# everything that shapes a vector (`DiceMTEBModel.experiment_options`) keeps apart runs that differ in
+# anything else, so a cached result is never another configuration's
+_NAMED_OPTIONS = ("strategy", "chunk_size", "overlap", "aggregation", "pooling", "dtype")
+_DIGEST_HEX = 12
 
 
 class DiceMTEBModel:
@@ -56,32 +61,61 @@ class DiceMTEBModel:
         self._meta = None
 
     @property
+    def experiment_options(self) -> dict:
+        """Everything that shapes this model's vectors, resolved: every `DiceConfig` option of role "vector"
+        or "precision" (``DiceConfig.options_of("vector", "precision")``), the late-chunking windows, the
+        width and the prompts. Its digest is the ``options`` entry of the MTEB experiment name."""
+        from dice_fast import DiceConfig
+
+        enc, c = self.encoder, self.encoder.config
+        options = {k: getattr(c, k) for k in DiceConfig.options_of("vector", "precision")}
+        options.update(pooling=enc.pooling, normalize_chunks=enc.normalize_chunks, max_length=enc.window,
+                       dtype=enc.precision, device=enc.device.type, dim=enc.dim)
+        if c.strategy == "late":  # late chunking's windows shape its vectors too (resolved)
+            text_tokens, options["window_overlap"] = enc.settings.late_windows()
+            options["window_tokens"] = text_tokens + enc.chunk_overhead
+        options["prompts"] = dict(sorted(self.model_prompts.items()))
+        return options
+
+    @property
     def mteb_model_meta(self):
-        """The `mteb.models.ModelMeta` of this model (name, dimension, cosine similarity, DICE options)."""
-        if self._meta is None:
+        """The `mteb.models.ModelMeta` of this model (name, dimension, cosine similarity, DICE options).
+
+        Its ``experiment_kwargs`` (what MTEB names a run's results folder by) hold the main options
+        readably and ``options``: a digest of `experiment_options`, so that runs with other prompts,
+        prefixes, ``truncate_dim``, ``normalize`` or any other option that changes a vector never share
+        MTEB's cached results."""
+        options = self.experiment_options
+        blob = json.dumps(options, sort_keys=True, default=str).encode("utf-8")
+        digest = hashlib.sha256(blob).hexdigest()[:_DIGEST_HEX]
+        if self._meta is None or self._meta[0] != digest:
             from mteb.models import ModelMeta
 
             import dice_fast
 
             c = self.encoder.config
-            options = {k: getattr(c, k) for k in _EXPERIMENT_OPTIONS}
-            options["pooling"] = self.encoder.pooling
-            options["normalize_chunks"] = self.encoder.normalize_chunks
-            options["max_length"] = self.encoder.window
-            if c.strategy == "late":  # late chunking's windows shape its vectors too (resolved)
-                text_tokens, options["window_overlap"] = self.encoder.settings.late_windows()
-                options["window_tokens"] = text_tokens + self.encoder.chunk_overhead
-            self._meta = ModelMeta.create_empty({
+            named = {k: options[k] for k in _NAMED_OPTIONS}
+            named["dtype"] = c.dtype  # readable; the precision's full identity is in the digest
+            if c.aggregation == "topk_norm":
+                named["top_k"] = c.top_k
+            if c.aggregation == "softmax_norm":
+                named["temperature"] = c.temperature
+            if c.max_chunks_per_document is not None:
+                named["max_chunks_per_document"] = c.max_chunks_per_document
+            if c.strategy == "late":
+                named.update(window_tokens=options["window_tokens"], window_overlap=options["window_overlap"])
+            named["options"] = digest
+            self._meta = (digest, ModelMeta.create_empty({
                 "name": self.name,
                 "revision": f"dice_fast-{dice_fast.__version__}",
                 "embed_dim": self.encoder.dim,
                 "n_parameters": sum(p.numel() for p in self.encoder.model.parameters()),
-                "similarity_fn_name": "cosine",
+                "similarity_fn_name": _cosine(),
                 "framework": ["PyTorch", "Transformers"],
                 "use_instructions": bool(self.model_prompts),
-                "experiment_kwargs": options,
-            })
-        return self._meta
+                "experiment_kwargs": named,
+            }))
+        return self._meta[1]
 
     def encode(self, inputs, *, task_metadata, hf_split: str | None = None, hf_subset: str | None = None,
                prompt_type=None, **kwargs) -> np.ndarray:
@@ -124,6 +158,15 @@ class DiceMTEBModel:
 
     def __repr__(self) -> str:
         return f"DiceMTEBModel({self.encoder!r}, name={self.name!r})"
+
+
+def _cosine():
+    """MTEB's cosine scoring enum (a plain "cosine" draws pydantic warnings when results are saved)."""
+    try:
+        from mteb.models.model_meta import ScoringFunction
+    except ImportError:  # pragma: no cover - another mteb layout
+        return "cosine"
+    return ScoringFunction.COSINE
 
 
 def _prefix(field: str, prompt: str | None) -> dict:

@@ -27,7 +27,8 @@ A row whose text is null or not a string stops the stage with a ValueError namin
 ``id_column`` value (default column ``id``). With ``on_invalid="null"`` such rows are kept instead,
 with a null embedding (and null chunk columns) and the reason in an ``error`` column (a string
 column, null for good rows; present in every batch, so the schema does not change). Numpy batches
-cannot hold nulls: there an invalid row's embedding is NaN and its ``document_tokens`` is -1.
+cannot hold nulls: there an invalid row's embedding is NaN, its ``document_tokens`` -1, and its
+``chunk_embeddings`` / ``chunk_start`` / ``chunk_end`` empty arrays ((0, dim) float32, (0,) int64).
 
 Needs the ``ray`` extra: ``pip install dice-fast[ray]``.
 """
@@ -115,10 +116,14 @@ class DiceEmbedder:
             return result
         bounds = cu_from_chunk_document(out.chunk_document, len(texts))
         slot = _row_index(keep, len(values))
-        for name, values_ in (("chunk_embeddings", out.chunks), ("chunk_start", out.chunk_start),
-                              ("chunk_end", out.chunk_end)):
+        # an invalid row has no chunks: empty arrays of the column's dtype and width, never None (Ray
+        # cannot join a batch's arrays with None into one column)
+        for name, values_ in (("chunk_embeddings", np.asarray(out.chunks, np.float32).reshape(-1, self.encoder.dim)),
+                              ("chunk_start", np.asarray(out.chunk_start, np.int64)),
+                              ("chunk_end", np.asarray(out.chunk_end, np.int64))):
             parts = [values_[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-            result[name] = _ragged([None if j is None else parts[j] for j in slot])
+            empty = values_[:0]
+            result[name] = _ragged([empty if j is None else parts[j] for j in slot])
         tokens = np.asarray(out.document_tokens, np.int64)
         result["document_tokens"] = np.array([-1 if j is None else tokens[j] for j in slot], np.int64)
         return result

@@ -39,3 +39,18 @@ def haystack(bundled) -> Haystack:
     cut = texts[target].find(". ", len(texts[target]) // 2) + 2  # a sentence boundary near the middle
     texts[target] = texts[target][:cut] + NEEDLE + " " + texts[target][cut:]
     return Haystack(texts, [f"doc-{i}" for i in range(len(texts))], target)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A model folder of a tiny random BERT (tests/tiny_models.py) with its word-level tokenizer: quick to
+    load in another process. Its texts are words of `tiny_models.WORDS`."""
+    import copy
+
+    from tiny_models import tiny
+
+    model, tokenizer, *_ = tiny("bert")
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    copy.deepcopy(model).save_pretrained(folder)  # saving sets config.architectures: not on the shared model
+    tokenizer.save_pretrained(folder)
+    return folder

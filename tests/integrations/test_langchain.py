@@ -91,3 +91,19 @@ def test_retriever_needs_an_index_with_texts(bundled, haystack):
         DiceRetriever(index=bare, k=1).invoke(haystack.query)
     with pytest.raises(ValueError, match="scoring"):
         DiceRetriever(index=bare, scoring="bm25").invoke(haystack.query)
+
+
+def test_embeddings_pickle_and_load_their_model_again(bundled):
+    import pickle
+
+    from dice_fast import DiceEncoder
+
+    emb = DiceEmbeddings(bundled)  # loaded from the bundled folder: loaded again from it
+    copy = pickle.loads(pickle.dumps(emb))
+    assert copy.encoder.config == bundled.config and copy.encoder is not bundled
+    np.testing.assert_array_equal(np.asarray(copy.embed_documents(SHORT), np.float32), bundled.encode_documents(SHORT))
+    bare = DiceEncoder(bundled.model, bundled.tokenizer, config=bundled.config)  # no folder
+    with pytest.raises(TypeError, match=r"from_pretrained\(folder\) or DiceEncoder\(model, tokenizer, model_path"):
+        pickle.dumps(DiceEmbeddings(bare))
+    server = pickle.loads(pickle.dumps(DiceEmbeddings(base_url="http://127.0.0.1:9", client_options={"timeout": 5})))
+    assert repr(server) == "DiceEmbeddings('http://127.0.0.1:9/v1/embeddings')" and server.encoder is None

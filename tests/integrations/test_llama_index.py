@@ -50,3 +50,54 @@ def test_a_splitter_that_never_splits_keeps_one_node_per_document(haystack):
     nodes = SentenceSplitter(chunk_size=10**9, chunk_overlap=0).get_nodes_from_documents(docs)
     assert [n.ref_doc_id for n in nodes] == haystack.ids
     assert [n.get_content() for n in nodes] == [t.strip() for t in haystack.texts]
+
+
+# ------------------------------------------------------------------------------------------------ pickling
+TINY_TEXTS = ["the cat sat on a mat", "a dog ran to the big red house " * 6, "blue sky of sun and green tree " * 9,
+              "hello world", "what is short", "old man and new car on the road " * 4]
+TINY_OPTIONS = dict(device="cpu", dtype="float32", chunk_size=16)
+
+
+def test_pickled_embedding_loads_its_model_again_and_gives_the_same_vectors(tiny_folder):
+    import pickle
+
+    from dice_fast import DiceEncoder
+
+    embed = DiceEmbedding(tiny_folder, embed_batch_size=4, **TINY_OPTIONS)
+    want = embed.get_text_embedding_batch(TINY_TEXTS)
+    copy = pickle.loads(pickle.dumps(embed))
+    assert copy.model_name == embed.model_name and copy.embed_batch_size == 4
+    np.testing.assert_array_equal(_rows(copy.get_text_embedding_batch(TINY_TEXTS)), _rows(want))
+    assert copy.encoder is not embed.encoder and copy.encoder.config == embed.encoder.config
+    np.testing.assert_array_equal(_rows(copy.get_query_embedding("hello world")),
+                                  _rows(embed.get_query_embedding("hello world")))
+
+    # an encoder passed in is loaded again from its folder with its options
+    enc = DiceEncoder.from_pretrained(tiny_folder, aggregation="max", **TINY_OPTIONS)
+    again = pickle.loads(pickle.dumps(DiceEmbedding(enc)))
+    assert again.encoder.config == enc.config
+    np.testing.assert_array_equal(_rows(again.get_text_embedding_batch(TINY_TEXTS)), enc.encode_documents(TINY_TEXTS))
+
+    # one with no folder cannot be: a clear error, not a copy without an embedder
+    bare = DiceEncoder(enc.model, enc.tokenizer, config=enc.config)
+    with pytest.raises(TypeError, match=r"no folder to load it from; pass the model folder"):
+        pickle.dumps(DiceEmbedding(bare))
+
+    server = pickle.loads(pickle.dumps(DiceEmbedding(base_url="http://127.0.0.1:9/v1", api_key="k",
+                                                     client_options={"batch_size": 3})))
+    assert server.encoder is None and server.model_name == "http://127.0.0.1:9/v1/embeddings"
+
+
+@pytest.mark.timeout(300)
+def test_ingestion_pipeline_with_two_worker_processes(tiny_folder):
+    """IngestionPipeline.run(num_workers=2) pickles the embedding into two spawned processes, each of
+    which loads the model folder again: every node gets the in-process vector."""
+    from llama_index.core.ingestion import IngestionPipeline
+
+    embed = DiceEmbedding(tiny_folder, **TINY_OPTIONS)
+    docs = [Document(text=t, id_=f"d{i}") for i, t in enumerate(TINY_TEXTS)]
+    nodes = IngestionPipeline(transformations=[embed]).run(documents=docs, num_workers=2)
+    got = {n.ref_doc_id or n.node_id: n.embedding for n in nodes}
+    assert len(nodes) == len(docs) and all(v is not None for v in got.values())
+    want = embed.encoder.encode_documents(TINY_TEXTS)
+    np.testing.assert_allclose(_rows([got[f"d{i}"] for i in range(len(docs))]), want, atol=1e-6)

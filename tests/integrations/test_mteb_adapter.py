@@ -169,3 +169,53 @@ def test_late_chunking_through_mteb_keeps_its_windows_apart(enc):
     kwargs = model.mteb_model_meta.experiment_kwargs
     assert kwargs["strategy"] == "late" and kwargs["window_tokens"] == 512 and kwargs["window_overlap"] == 127
     assert "window_tokens" not in DiceMTEBModel(enc).mteb_model_meta.experiment_kwargs
+
+
+def test_every_option_that_changes_a_vector_changes_the_results_folder(enc, tmp_path):
+    """MTEB keeps results under name / revision / experiment name: models that differ in prompts, prefixes,
+    truncate_dim, normalize or any other vector or precision option must not share one."""
+    from dice_fast import DiceConfig
+
+    base = DiceMTEBModel(enc)
+    assert set(DiceConfig.options_of("vector", "precision")) <= set(base.experiment_options)
+    kwargs = base.mteb_model_meta.experiment_kwargs
+    assert kwargs["chunk_size"] == CHUNK and kwargs["strategy"] == "dice" and len(kwargs["options"]) == 12
+    name = base.mteb_model_meta.experiment_name
+    assert not name.startswith("exp_") and "chunk_size_64" in name  # readable, not MTEB's hash of a long name
+
+    def variant(**changes):
+        return DiceMTEBModel(DiceEncoder(enc.model, enc.tokenizer, config=enc.config.replace(**changes)))
+
+    others = [DiceMTEBModel(enc, prompts={"query": "query: ", "document": "passage: "}),
+              DiceMTEBModel(enc, prompts={"query": "query: "}),
+              variant(query_prefix="Represent: "), variant(document_prefix="passage: "), variant(normalize=False),
+              variant(truncate_dim=128), variant(max_chunks_per_document=2), variant(overlap=8),
+              variant(aggregation="topk_norm", top_k=3), variant(aggregation="softmax_norm", temperature=0.5),
+              variant(positions="global")]  # (never dtype= here: it would move the shared model)
+    cache = mteb.ResultCache(tmp_path / "results")
+    paths = [cache.get_task_result_path("SomeTask", m.mteb_model_meta) for m in [base, *others]]
+    assert len(set(paths)) == len(paths), paths
+    assert cache.get_task_result_path("SomeTask", DiceMTEBModel(enc).mteb_model_meta) == paths[0]  # stable
+    assert "top_k_3" in others[8].mteb_model_meta.experiment_name
+
+
+def test_a_cached_result_is_never_another_prompts(enc, beir_folder, tmp_path):
+    """With MTEB's default overwrite_strategy ("only-missing"), a second run with other prompts is
+    evaluated, not answered from the first run's results; the same model again is."""
+    cache = mteb.ResultCache(tmp_path / "results")
+    calls = []
+
+    class Counting(DiceMTEBModel):
+        def encode(self, inputs, **kwargs):
+            calls.append(self.model_prompts.get("query"))
+            return super().encode(inputs, **kwargs)
+
+    def run(model):
+        calls.clear()
+        mteb.evaluate(model, _local_task(beir_folder), cache=cache, overwrite_strategy="only-missing",
+                      show_progress_bar=False, encode_kwargs={"batch_size": 8})
+        return len(calls)
+
+    assert run(Counting(enc)) > 0
+    assert run(Counting(enc, prompts={"query": "query: ", "document": "passage: "})) > 0  # evaluated, not cached
+    assert run(Counting(enc)) == 0  # the same options: MTEB's cache answers

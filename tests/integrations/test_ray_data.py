@@ -178,6 +178,43 @@ def test_invalid_rows_kept_with_a_null_embedding_and_the_reason(offline):
     np.testing.assert_allclose(got["embedding"][:1], want.documents[1:2], atol=1e-6)
 
 
+def test_numpy_batches_keep_invalid_rows_with_empty_chunk_arrays(offline):
+    """Numpy batches cannot hold nulls: an invalid row's chunk columns are empty arrays of the column's
+    dtype and width (as its embedding is NaN and its document_tokens -1), never None."""
+    texts, want = offline
+    emb = DiceEmbedder(None, on_invalid="null", return_chunks=True, **OPTIONS)
+    got = emb({"id": np.arange(3), "text": np.array([texts[2], None, texts[3]], dtype=object)})
+    assert got["chunk_embeddings"][1].shape == (0, 384) and got["chunk_embeddings"][1].dtype == np.float32
+    for name in ("chunk_start", "chunk_end"):
+        assert got[name][1].shape == (0,) and got[name][1].dtype == np.int64 and got[name][0].dtype == np.int64
+    assert np.isnan(got["embedding"][1]).all() and list(got["document_tokens"]) == [
+        want.document_tokens[2], -1, want.document_tokens[3]]
+    a = int((want.chunk_document < 2).sum())
+    n2 = int((want.chunk_document == 2).sum())
+    np.testing.assert_allclose(got["chunk_embeddings"][0], want.chunks[a:a + n2], atol=1e-6)
+
+
+def test_numpy_batches_with_a_null_text_through_ray(cluster, offline):
+    """The same through Ray: batches with and without invalid rows join into one dataset."""
+    texts, want = offline
+    rows = [{"id": i, "text": None if i in (2, 7) else texts[i]} for i in range(9)]
+    ds = ray.data.from_items(rows).repartition(3).map_batches(
+        DiceEmbedder, fn_constructor_kwargs=dict(on_invalid="null", return_chunks=True, **OPTIONS),
+        batch_format="numpy", batch_size=3, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.5)
+    got = sorted(ds.take_all(), key=lambda r: r["id"])
+    assert [r["error"] for r in got] == [None, None, "column 'text' is null"] + [None] * 4 + [
+        "column 'text' is null", None]
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(want.chunk_document, minlength=len(texts)))])
+    for r in got:
+        i = r["id"]
+        if r["error"] is None:
+            np.testing.assert_allclose(r["embedding"], want.documents[i], atol=1e-6)
+            assert list(r["chunk_start"]) == want.chunk_start[bounds[i]:bounds[i + 1]].tolist()
+        else:
+            assert np.isnan(r["embedding"]).all() and r["document_tokens"] == -1
+            assert len(r["chunk_start"]) == len(r["chunk_end"]) == len(r["chunk_embeddings"]) == 0
+
+
 def test_a_null_text_names_its_row_or_is_kept_with_an_error(cluster, offline):
     """Through Ray: the default stops the job naming the row by its id; on_invalid="null" keeps it."""
     texts, want = offline

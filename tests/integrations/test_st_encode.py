@@ -160,3 +160,48 @@ def test_unsupported_arguments_say_what_to_do(model):
     with pytest.raises(TypeError, match="options"):
         DiceSentenceEncoder(model.encoder, chunk_size=16)
     assert model.encode(DOCS[:2], device="cpu").shape == (2, 384)
+
+
+def test_variants_share_the_chunk_cache_and_its_counts(enc, tmp_path):
+    """batch_size / prompt / truncate_dim variants reuse the base encoder's persistent chunk cache and
+    count in its chunk_stats: a variant that only changes the forward budget recomputes nothing."""
+    from dice_fast.models import default_model_path
+
+    base = DiceEncoder(enc.model, enc.tokenizer, config=enc.config, model_path=default_model_path(),
+                       cache=tmp_path / "chunks")
+    model = DiceSentenceEncoder(base)
+    want = model.encode(DOCS)
+    computed = base.chunk_stats.snapshot()["computed"]
+    assert computed > len(DOCS)  # the long documents have many chunks
+
+    np.testing.assert_allclose(model.encode(DOCS, batch_size=1), want, atol=1e-6)
+    np.testing.assert_allclose(model.encode(DOCS, truncate_dim=64), truncate(want, 64, normalize=True), atol=1e-6)
+    stats = base.chunk_stats.snapshot()
+    assert stats["computed"] == computed and stats["disk_hits"] >= 2 * computed  # both served from the cache
+    variant = model._encoder_for(None, None, 1)
+    assert variant is not base and variant.cache is not None and variant.chunk_stats is base.chunk_stats
+
+    model.encode(DOCS, prompt="passage: ")  # other chunk ids: computed, counted in the base's stats, cached
+    assert base.chunk_stats.snapshot()["computed"] > computed
+    again = base.chunk_stats.snapshot()["computed"]
+    model.encode(DOCS, prompt="passage: ", batch_size=2)
+    assert base.chunk_stats.snapshot()["computed"] == again
+
+
+def test_variants_read_the_model_facts_from_the_encoders_folder(enc):
+    """An encoder built with model_path= whose model names another place (a Hub id, a moved folder) keeps
+    the folder's facts (window 256 from its sentence-transformers config) in every variant."""
+    import copy
+
+    from dice_fast.models import default_model_path
+
+    moved = copy.deepcopy(enc.model)
+    moved.config._name_or_path = "sentence-transformers/all-MiniLM-L6-v2"  # not a folder here
+    base = DiceEncoder(moved, enc.tokenizer, model_path=default_model_path(), chunk_size=32)
+    assert base.window == 256 and base.model_path == default_model_path()
+    model = DiceSentenceEncoder(base)
+    want = enc.encode_documents(DOCS)
+    np.testing.assert_allclose(model.encode(DOCS, batch_size=1), want, atol=1e-6)
+    assert model.encode(DOCS, truncate_dim=64).shape == (len(DOCS), 64)
+    with_prefix = DiceEncoder(enc.model, enc.tokenizer, config=enc.config.replace(document_prefix="passage: "))
+    np.testing.assert_allclose(model.encode(DOCS, prompt="passage: "), with_prefix.encode_documents(DOCS), atol=1e-6)

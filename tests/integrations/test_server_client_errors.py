@@ -1,0 +1,124 @@
+"""The adapters' server client against a scripted HTTP server (the standard library's, on 127.0.0.1): the
+server's own naming of an input (``input[i]``: its position in one request) is translated to the call's
+position for every status, and a ``Retry-After`` that is no number of seconds (nan, inf, negative) falls
+back to the client's own backoff instead of failing the wait."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from dice_fast.integrations._embedder import DiceServerError, QueryTooLong, ServerEmbedder
+from dice_fast.integrations._retry import RetryPolicy, retry_after_seconds
+
+DIM = 4
+
+
+class Scripted:
+    """A server answering each POST with ``answer(inputs, request number) -> (status, headers, body)``."""
+
+    def __init__(self, answer):
+        self.answer, self.requests = answer, []
+        script = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                script.requests.append(body)
+                status, headers, reply = script.answer(body["input"], len(script.requests) - 1)
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                for k, v in {"Content-Type": "application/json", **headers}.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def vectors(inputs) -> dict:
+    """A 200 body: input j of the request gets the vector [len(text), j, 0, 0]."""
+    rows = [np.array([len(t), j, 0, 0], "<f4") for j, t in enumerate(inputs)]
+    return {"object": "list", "data": [{"object": "embedding", "index": j, "embedding": base64.b64encode(r.tobytes())
+                                        .decode()} for j, r in enumerate(rows)], "usage": {}}
+
+
+def refuse(status, message, param):
+    return status, {}, {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": "x"}}
+
+
+@pytest.mark.parametrize("status", [400, 413, 422, 500])
+def test_the_servers_input_positions_are_the_calls(status):
+    def answer(inputs, n):
+        if " " not in inputs:
+            return 200, {}, vectors(inputs)
+        j = inputs.index(" ")
+        return refuse(status, f"input[{j}] is empty or only whitespace; every input needs text (see input[{j}])",
+                      f"input[{j}]")
+
+    with Scripted(answer) as server:
+        client = ServerEmbedder(server.url, batch_size=2, max_retries=0)
+        got = client.documents(["a", "bb", "ccc", "dddd"])
+        assert got[:, 0].tolist() == [1, 2, 3, 4]
+        with pytest.raises(DiceServerError) as e:
+            client.documents(["a", "b", "c", "d", "e", " "])
+    message = str(e.value)
+    assert f"answered {status} for inputs 4..5 of this call: input[5] is empty" in message, message
+    assert "(see input[5])" in message and "input[1]" not in message
+    assert e.value.status == status and e.value.param == "input[5]"
+
+
+def test_a_query_over_the_window_is_named_by_its_position_in_the_call():
+    def answer(inputs, n):
+        if "long" in inputs:
+            j = inputs.index("long")
+            return refuse(413, f"input[{j}] has 900 tokens, more than the model window holds", f"input[{j}]")
+        return 200, {}, vectors(inputs)
+
+    with Scripted(answer) as server:
+        with pytest.raises(QueryTooLong) as e:
+            ServerEmbedder(server.url, batch_size=2).queries(["a", "b", "c", "long"])
+    assert e.value.index == 3 and e.value.param == "input[3]" and "input[3] has 900 tokens" in str(e.value)
+
+
+@pytest.mark.parametrize("retry_after", ["nan", "NaN", "inf", "-inf", "-3", "1e400"])
+def test_a_retry_after_that_is_no_wait_falls_back_to_the_backoff(retry_after):
+    assert retry_after_seconds(retry_after) is None
+    policy = RetryPolicy(max_retries=3, max_retry_seconds=10, backoff_s=0.05, rng=random.Random(0))
+    wait = policy.start().wait_after(429, retry_after)
+    assert math.isfinite(wait) and 0.025 <= wait <= 0.05  # the first backoff step, drawn in [w/2, w]
+
+    def answer(inputs, n):
+        return (429, {"Retry-After": retry_after}, {"error": {"message": "queue full"}}) if n == 0 else \
+            (200, {}, vectors(inputs))
+
+    with Scripted(answer) as server:
+        client = ServerEmbedder(server.url, max_retries=2)
+        client.retry = policy
+        assert client.documents(["abc"])[:, 0].tolist() == [3]
+        assert len(server.requests) == 2
+
+
+def test_readable_retry_after_values_still_count():
+    assert retry_after_seconds("2") == 2.0 and retry_after_seconds("0") == 0.0
+    assert retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0 and retry_after_seconds("soon") is None
