@@ -136,9 +136,9 @@ def test_langchain_embeddings_against_the_server(server, want):
     np.testing.assert_array_equal(np.asarray(asyncio.run(emb.aembed_documents(DOCS)), np.float32), want[0])
     np.testing.assert_array_equal(np.asarray(asyncio.run(emb.aembed_query(QUERY)), np.float32), want[1])
     assert emb.embed_documents([]) == []
-    with pytest.raises(DiceServerError, match=r"422 for inputs 2\.\.3 of this call: input\[1\] is empty") as info:
-        emb.embed_documents(["a", "b", "c", " "])
-    assert info.value.status == 422
+    with pytest.raises(DiceServerError, match=r"422 for inputs 2\.\.3 of this call: input\[3\] is empty") as info:
+        emb.embed_documents(["a", "b", "c", " "])  # the server's input[1] of that request, named in the call
+    assert info.value.status == 422 and info.value.param == "input[3]"
 
 
 def test_llama_index_embedding_against_the_server(server, want):
