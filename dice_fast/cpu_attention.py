@@ -246,7 +246,8 @@ def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:
         return CpuAttention(dtype, 0, "env", "amx")
     if forced is not None and kernel_env != "auto":
         return CpuAttention(forced, 0, "env")
-    name = f"{_dtype_name(dtype)}/d{head_dim}" + (f" ({overrides()})" if overrides() else "")
+    forced_kernels = overrides()
+    name = f"{_dtype_name(dtype)}/d{head_dim}" + (f" ({forced_kernels})" if forced_kernels else "")
     entry, source = cached_entry(name, _valid,
                                  lambda: measure_cpu_attention(dtype, head_dim))
     measured = getattr(torch, entry["dtype"])

@@ -179,15 +179,14 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
     window = cfg.max_length if cfg.max_length is not None else spec.window
     if window > spec.position_limit:
         raise OptionError(f"max_length {window} exceeds the model's {spec.position_limit} positions")
-    specials = len(spec.special_prefix) + len(spec.special_suffix)
     doc_wrap = _wrap_ids(tokenizer, spec, cfg.document_prefix)
     query_wrap = _wrap_ids(tokenizer, spec, cfg.query_prefix)
-    doc_overhead = specials + len(doc_wrap[0]) - len(spec.special_prefix)
+    doc_overhead = _overhead(doc_wrap)
     for name, wrap in (("document_prefix", doc_wrap), ("query_prefix", query_wrap)):
         if spec.vocab_size and any(int(i) >= spec.vocab_size for i in (*wrap[0], *wrap[1])):
             raise OptionError(f"{name} (or the special tokens around it) holds a token id beyond the model's "
                               f"{spec.vocab_size} embeddings: the tokenizer has tokens the model was not resized for")
-        overhead = specials + len(wrap[0]) - len(spec.special_prefix)
+        overhead = _overhead(wrap)
         if window - overhead < 1:
             raise OptionError(f"the model window of {window} tokens (max_length) leaves no room for text beside "
                               f"{overhead} special and {name} tokens")

@@ -136,8 +136,9 @@ def _export(model, takes_positions: bool, ids: np.ndarray, pos: np.ndarray):
     twin = copy.deepcopy(model).float().eval()  # the caller's model is never touched
     if attn.installed(twin):
         attn.uninstall(twin)
-    if export_attention(twin):
-        twin.set_attn_implementation(export_attention(twin))
+    attention = export_attention(twin)
+    if attention:
+        twin.set_attn_implementation(attention)
     names = ["input_ids", "attention_mask"] + (["position_ids"] if takes_positions else [])
     ids, pos = (torch.from_numpy(np.repeat(np.asarray(a, np.int64), 2, axis=0)) for a in (ids, pos))
     mask = torch.ones_like(ids)

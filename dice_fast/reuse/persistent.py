@@ -71,7 +71,8 @@ class ChunkCache:
     is 0700 and its files 0600 whatever the umask (`dice_fast.reuse.cache_files`: they hold every chunk's token
     ids, i.e. the text). If the database turns out damaged while in use, a warning is issued and this
     process continues without it (vectors are computed, never wrong); if it cannot be written (a full
-    disk, a read-only or failing file system: ``unwritable``), one warning, and reads go on without writes.
+    disk, a read-only or failing file system: ``unwritable``), a warning, reads go on, and writes are tried
+    again `RETRY_WRITES_S` later.
     """
 
     def __init__(self, folder, max_gb: float | None = None):
