@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ArgumentTypeError, OptionError, TextError
+from .text_prefix import TextPrefix
 
 
 @dataclass(frozen=True)
@@ -56,27 +57,36 @@ def check_texts(texts, what: str = "documents") -> list[str]:
 
 
 def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "texts", base: int = 0,
-             spans: bool = True) -> TokenizedDocuments:
+             spans: bool = True, after: TextPrefix | None = None, follows=None) -> TokenizedDocuments:
     """Batched fast tokenization without special tokens, flattened, with every token's character
     span (one tokenizer call gives both; ``spans=False``: ids only, ``char_start`` / ``char_end`` None,
-    for callers that return no chunk spans). texts: n_docs strings.
+    for callers that return no chunk spans). texts: n_docs strings. ``after``: every non-empty text
+    (where ``follows``, n_docs bools, is true; None: all) has the ids it has tokenized after that
+    prefix (`TextPrefix.split`; alone where a token would span both), its spans still in the text.
 
     A text the tokenizer cannot take raises ValueError naming ``what[base + index]``.
     """
-    ids, pairs = [], []
+    ids, pairs, alone = [], [], []
     for i in range(0, len(texts), batch_size):
         batch = texts[i : i + batch_size]
-        try:
-            enc = tokenizer(
-                batch, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False,
-                return_offsets_mapping=spans, verbose=False,
-            )
-        except (TypeError, ValueError) as exc:
-            raise_for_unencodable(batch, base + i, what, exc)
-            raise
-        ids.extend(np.asarray(seq, dtype=np.int64) for seq in enc["input_ids"])
-        if spans:
-            pairs.extend(np.asarray(seq, dtype=np.int64).reshape(-1, 2) for seq in enc["offset_mapping"])
+        joint = [after is not None and bool(t) and (follows is None or bool(follows[i + j])) for j, t in enumerate(batch)]
+        enc = _call(tokenizer, [after.text + t if k else t for t, k in zip(batch, joint)] if any(joint) else batch,
+                    batch, base + i, what, spans or any(joint))
+        for j, seq in enumerate(enc["input_ids"]):
+            span = enc["offset_mapping"][j] if spans or joint[j] else None
+            part = after.split(seq, span) if joint[j] else (seq, span)
+            if part is None:
+                alone.append(i + j)
+                part = (seq, span)
+            ids.append(np.asarray(part[0], dtype=np.int64))
+            if spans:
+                pairs.append(np.asarray(part[1], dtype=np.int64).reshape(-1, 2))
+    if alone:  # texts whose first token would span the prefix and the text
+        enc = _call(tokenizer, [texts[k] for k in alone], [texts[k] for k in alone], base, what, spans)
+        for j, k in enumerate(alone):
+            ids[k] = np.asarray(enc["input_ids"][j], dtype=np.int64)
+            if spans:
+                pairs[k] = np.asarray(enc["offset_mapping"][j], dtype=np.int64).reshape(-1, 2)
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum([len(a) for a in ids], out=offsets[1:])
     if not ids:
@@ -86,6 +96,17 @@ def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "t
         return TokenizedDocuments(np.concatenate(ids), offsets)
     span = np.concatenate(pairs)
     return TokenizedDocuments(np.concatenate(ids), offsets, span[:, 0].copy(), span[:, 1].copy())
+
+
+def _call(tokenizer, batch: list[str], texts: list[str], base: int, what: str, spans: bool):
+    """The tokenizer on ``batch`` (``texts`` as called: prefixed or not); ValueError naming the first of
+    ``texts`` it cannot take as ``what[base + index]``."""
+    try:
+        return tokenizer(batch, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False,
+                         return_offsets_mapping=spans, verbose=False)
+    except (TypeError, ValueError) as exc:
+        raise_for_unencodable(texts, base, what, exc)
+        raise
 
 
 def check_vocabulary(tokens: TokenizedDocuments, vocab_size: int, what: str, base: int = 0) -> None:
@@ -100,7 +121,7 @@ def check_vocabulary(tokens: TokenizedDocuments, vocab_size: int, what: str, bas
                         "(model.resize_token_embeddings(len(tokenizer)))", base + i)
 
 
-def raise_for_unencodable(batch: list[str], base: int, what: str, exc: Exception) -> None:
+def raise_for_unencodable(batch: list[str], base: int, what: str, exc: Exception | None) -> None:
     """Name the first text the tokenizer cannot take (e.g. a lone surrogate, which is not UTF-8)."""
     for j, text in enumerate(batch):
         try:

@@ -117,10 +117,10 @@ class DiceConfig:
         'run packed.', role="speed")
     document_prefix: str = option("", 'text put after the special prefix of every chunk, e.g. "passage: "',
                                   default_help="none",
-                                  detail="Its tokens are those it has before a text tokenized together with it (a "
-                                  "trailing space is no token of its own: SentencePiece gives exactly the joint "
-                                  "ids); with byte-level BPE the text's first token is still its unspaced form "
-                                  '("the", not "Ġthe"). Likewise `query_prefix`.')
+                                  detail="Prefix and text get the ids they have tokenized together, as "
+                                  "sentence-transformers' prompts do (a trailing space is no token of its own; with "
+                                  'byte-level BPE the text\'s first word takes it: "Ġthe", not "the"), and spans '
+                                  "stay in the text. Likewise `query_prefix`.")
     query_prefix: str = option("", 'text put after the special prefix of every query, e.g. "query: "',
                                default_help="none")
     max_chunks_per_document: int | None = option(None, "keep only each document's first N chunks",

@@ -270,20 +270,21 @@ class DiceEncoder:
         return ChunkQueue(self.settings, self.runner, reuse, max_batch_tokens)
 
     # ---------------------------------------------------------------- the tokenizer, one caller at a time
-    def tokenize(self, texts: list[str], *, what: str = "texts", base: int = 0, spans: bool = True) -> TokenizedDocuments:
-        """`dice_fast.chunking.tokenize` of ``texts`` (n strings) with this encoder's tokenizer: the ids
-        without special tokens (and their character spans unless ``spans=False``). Thread-safe: one call
-        at a time reaches the tokenizer (a fast tokenizer is not safe to call from two threads)."""
+    def tokenize(self, texts: list[str], *, what: str = "texts", base: int = 0, spans: bool = True,
+                 kind: str | None = None) -> TokenizedDocuments:
+        """`dice_fast.chunking.tokenize` of ``texts`` (n strings): the ids without special tokens (and their
+        character spans unless ``spans=False``) they have after the prefix of ``kind`` ("documents", "queries";
+        None: none). Thread-safe: one call at a time reaches the tokenizer (fast tokenizers are not)."""
         with self._tokenizer_lock:
-            return tokenize(self.tokenizer, texts, what=what, base=base, spans=spans)
+            return tokenize(self.tokenizer, texts, what=what, base=base, spans=spans, after=self.settings.text_prefix(kind))
 
     def tokenize_bounded(self, texts: list[str], *, piece_chars: int | None, check=None, enough: int | None = None,
-                         what: str = "texts") -> TokenizedDocuments:
-        """`dice_fast.pieces.tokenize_bounded` of ``texts`` with this encoder's tokenizer: tokenizer calls
-        of about ``piece_chars`` characters, each holding the tokenizer alone, so another thread waits at
-        most one piece; ``check`` / ``enough`` stop early (see there). Thread-safe."""
+                         what: str = "texts", kind: str | None = None) -> TokenizedDocuments:
+        """`dice_fast.pieces.tokenize_bounded` of ``texts`` (after ``kind``'s prefix, as `tokenize`):
+        tokenizer calls of about ``piece_chars`` characters, each holding the tokenizer alone, so another
+        thread waits at most one piece; ``check`` / ``enough`` stop early (see there). Thread-safe."""
         return tokenize_bounded(self.tokenizer, texts, self._tokenizer_lock, piece_chars=piece_chars, check=check,
-                                enough=enough, what=what)
+                                enough=enough, what=what, after=self.settings.text_prefix(kind))
 
     def cuts_are_exact(self) -> bool:
         """Whether cutting a text at a space between words gives the ids of the whole with this
@@ -296,7 +297,7 @@ class DiceEncoder:
               strategy: str | None = None) -> EncodingPlan:
         """`plan`; ``spans=False`` skips the tokens' character spans (nothing the caller returns uses them)."""
         chunking = self.settings.chunking(kind, strategy)  # a strategy the options cannot take fails first
-        return self._plan_tokens(self.tokenize(texts, what=kind, base=base, spans=spans), kind, base, chunking)
+        return self._plan_tokens(self.tokenize(texts, what=kind, base=base, spans=spans, kind=kind), kind, base, chunking)
 
     def _plan_tokens(self, tokens: TokenizedDocuments, kind: str, base: int = 0, chunking=None,
                      strategy: str | None = None) -> EncodingPlan:

@@ -33,6 +33,7 @@ import unicodedata
 import numpy as np
 
 from .chunking import TextError, TokenizedDocuments, raise_for_unencodable, tokenize
+from .text_prefix import TextPrefix
 
 PIECE_CHARS = 32_768  # characters per tokenizer call: ~8k English tokens, ~30-80 ms on one CPU core
 SEARCH_CHARS = 256  # a forced cut is looked for among the last characters of a piece
@@ -150,7 +151,8 @@ def cuts_are_exact(tokenizer) -> bool:
 
 
 def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | None = PIECE_CHARS,
-                     check=None, enough: int | None = None, what: str = "texts") -> TokenizedDocuments:
+                     check=None, enough: int | None = None, what: str = "texts",
+                     after: TextPrefix | None = None) -> TokenizedDocuments:
     """`tokenize`'s result, computed in tokenizer calls of at most ``piece_chars`` characters (pieces
     of several short texts share a call; a forced cut's check is one call of at most
     ``CHECK_CANDIDATES * 4 * CHECK_CHARS`` = 1,536), each holding ``lock`` (a context manager) alone, so
@@ -164,6 +166,7 @@ def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | No
     each final count; read it, do not keep it) and stops everything by raising. A text with more than
     ``enough`` tokens is not tokenized further: its ids are then a prefix (of more than ``enough``
     tokens) of its full ids. A text the tokenizer cannot take raises `TextError` naming ``what[i]``.
+    ``after``: every text's first piece is tokenized after that prefix, as `tokenize` does.
     """
     counts = np.zeros(len(texts), dtype=np.int64)
     parts: list[list[tuple]] = [[] for _ in texts]  # per text: (ids, char_start, char_end) of each piece
@@ -178,7 +181,8 @@ def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | No
         first = group[0][0]
         try:
             with lock:
-                out = tokenize(tokenizer, [piece for _, piece, _ in group], what=what)
+                out = tokenize(tokenizer, [piece for _, piece, _ in group], what=what, after=after,
+                               follows=[not at for _, _, at in group])  # first pieces follow the prefix
         except ValueError as exc:  # name the text, not the piece
             raise_for_unencodable(texts[first : group[-1][0] + 1], first, what, exc)
             raise
@@ -189,6 +193,8 @@ def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | No
         done[1] = 0
 
     for i, text in enumerate(texts):
+        if piece_chars and len(text) > size:  # not valid Unicode: named here, not as a forced cut's window
+            raise_for_unencodable([text], i, what, None)
         cuts = pieces(tokenizer, text, lock, size) if piece_chars else [(0, len(text), True)]
         for start, end, _ in cuts:
             if enough is not None and counts[i] > enough:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .attention import choose_backend
+from .text_prefix import TextPrefix
 from .config import DEFAULT_CHUNK_SIZE, STRATEGIES, DiceConfig
 from .cpu_tuning import has_amx_bf16
 from .errors import OptionError
@@ -77,7 +78,8 @@ class Settings:
     config: the `DiceConfig` with ``chunk_size`` filled in. spec: the model's `ModelSpec`.
     device / dtype: where the model runs. window: tokens of a model window, specials included.
     document_wrap / query_wrap: (prefix ids, suffix ids) around every chunk / query: the model's
-    special tokens with the document / query prefix's ids. pooling: token -> chunk. normalize_chunks:
+    special tokens with the document / query prefix's ids. document_text_prefix / query_text_prefix: the
+    `TextPrefix` texts of that kind are tokenized after (None: none). pooling: token -> chunk. normalize_chunks:
     chunk vectors are L2-normalised before aggregating. causal: None (the model's own), True or False.
     max_batch_tokens: token budget of one forward. backend: the attention backend asked of the runner.
     pooling_impl: the pooling/aggregation kernels ("torch", "triton", "native", "reference").
@@ -98,6 +100,12 @@ class Settings:
     backend: str
     pooling_impl: str
     pipeline: bool = False
+    document_text_prefix: TextPrefix | None = None
+    query_text_prefix: TextPrefix | None = None
+
+    def text_prefix(self, kind: str | None) -> TextPrefix | None:
+        """The `TextPrefix` texts of ``kind`` ("documents", "queries"; None: none) follow, or None."""
+        return {"documents": self.document_text_prefix, "queries": self.query_text_prefix}.get(kind)
 
     @property
     def dim(self) -> int:
@@ -179,8 +187,8 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
     window = cfg.max_length if cfg.max_length is not None else spec.window
     if window > spec.position_limit:
         raise OptionError(f"max_length {window} exceeds the model's {spec.position_limit} positions")
-    doc_wrap = _wrap_ids(tokenizer, spec, cfg.document_prefix)
-    query_wrap = _wrap_ids(tokenizer, spec, cfg.query_prefix)
+    doc_text, query_text = (TextPrefix.of(tokenizer, text) for text in (cfg.document_prefix, cfg.query_prefix))
+    doc_wrap, query_wrap = _wrap_ids(spec, doc_text), _wrap_ids(spec, query_text)
     doc_overhead = _overhead(doc_wrap)
     for name, wrap in (("document_prefix", doc_wrap), ("query_prefix", query_wrap)):
         if spec.vocab_size and any(int(i) >= spec.vocab_size for i in (*wrap[0], *wrap[1])):
@@ -219,6 +227,7 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
                                                   default_batch_tokens(device, spec.flops_per_token, dtype)),
         backend=choose_backend(cfg.attention_backend, device, dtype), pooling_impl=pooling_impl,
         pipeline=cfg.pipeline == "on" or (cfg.pipeline == "auto" and device.type == "cuda"),
+        document_text_prefix=doc_text, query_text_prefix=query_text,
     )
     if cfg.strategy == "late":
         settings.late_windows()  # refuse what late chunking cannot take now, not at the first document
@@ -295,23 +304,10 @@ def pretrained_placement(device=None, dtype=None, runtime=None) -> tuple[torch.d
     return device, dtype
 
 
-def _wrap_ids(tokenizer, spec: ModelSpec, text_prefix: str) -> tuple[np.ndarray, np.ndarray]:
-    ids = prefix_ids(tokenizer, text_prefix) if text_prefix else []
+def _wrap_ids(spec: ModelSpec, text_prefix: TextPrefix | None) -> tuple[np.ndarray, np.ndarray]:
+    ids = text_prefix.ids if text_prefix else ()
     prefix = np.asarray(list(spec.special_prefix) + list(ids), dtype=np.int64)
     return prefix, np.asarray(spec.special_suffix, dtype=np.int64)
-
-
-def prefix_ids(tokenizer, text_prefix: str) -> list[int]:
-    """The token ids of a text prefix ("passage: ") as they stand before a text: tokenized alone, less the
-    trailing tokens that are spaces alone. A prefix's trailing space is a separator that tokenizing prefix
-    and text together merges into the next word ("▁hello", "Ġthe"); tokenized alone, SentencePiece and
-    byte-level BPE make it a token of its own ("▁", "Ġ") that the model never sees after such a prefix.
-    (WordPiece makes none; a trailing newline's token is kept.)"""
-    ids = list(tokenizer(text_prefix, add_special_tokens=False)["input_ids"])
-    if text_prefix.endswith(" "):
-        while ids and not tokenizer.decode(ids[-1:]).strip(" "):
-            ids.pop()
-    return ids
 
 
 def _overhead(wrap) -> int:

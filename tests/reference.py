@@ -89,6 +89,16 @@ def prefix_as_before_text(tokenizer, text_prefix: str) -> list[int]:
     return [i for i, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]) if end <= keep]
 
 
+def text_after_prefix(tokenizer, text_prefix: str, text: str) -> list[int]:
+    """The ids ``text`` has when tokenized together with ``text_prefix`` before it: the tokens of
+    ``text_prefix + text`` that end past the prefix without its trailing spaces."""
+    if not text_prefix or not text:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    enc = tokenizer(text_prefix + text, add_special_tokens=False, return_offsets_mapping=True)
+    keep = len(text_prefix.rstrip(" "))
+    return [i for i, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]) if end > keep]
+
+
 def reference_encode(model, tokenizer, texts, *, prefix, suffix, first_position, chunk_size, overlap=0,
                      pooling="mean", aggregation="mean", top_k=2, temperature=1.0, positions="local",
                      normalize_chunks=False, normalize=True, max_chunks=None, text_prefix="", attention="model default"):
@@ -96,7 +106,7 @@ def reference_encode(model, tokenizer, texts, *, prefix, suffix, first_position,
     pre = list(prefix) + prefix_as_before_text(tokenizer, text_prefix)
     docs, all_chunks = [], []
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = text_after_prefix(tokenizer, text_prefix, text)
         vecs, weights, raw_norms = [], [], []
         for start, content in chunk_token_lists(ids, chunk_size, overlap, max_chunks):
             wrapped = pre + content + list(suffix)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from dice_fast import DiceEncoder
@@ -90,19 +91,29 @@ def test_global_positions_beyond_table_is_a_clear_error():
 
 @pytest.mark.parametrize("kind", ["unigram", "bpe"])
 def test_a_prefix_is_followed_by_the_text_as_when_tokenized_together(kind):
-    """A prefix's trailing space tokenized alone was a token of its own ("▁", "Ġ") that tokenizing prefix
-    and text together (sentence-transformers' prompts) never makes; it is dropped. With SentencePiece the
-    query is then exactly the joint tokenization; byte-level BPE still differs in the text's first token
-    ("the" where the joint one has "Ġthe": the text is tokenized on its own)."""
+    """Prefix and text get the ids of ``tok(prefix + text)`` (sentence-transformers' prompts): the prefix's
+    trailing space is no token of its own ("▁", "Ġ") but the text's first word's ("Ġthe", where "the" alone
+    is "the"), a text starting with a space, newline or special token keeps its "▁"; spans stay in the
+    text, in one call or cut in pieces (the server). Where a token would span both ("passage:\\n" then
+    "\\nthe": one newline run), that text has its own ids."""
     from tiny_models import tiny_subword
 
     model, tok, *_ = tiny_subword("xlm-roberta" if kind == "unigram" else "llama", kind)
-    enc = DiceEncoder(model, tok, query_prefix="query: ", document_prefix="passage: ", chunk_size=K)
-    for prefix, what in (("query: ", "queries"), ("passage: ", "documents")):
-        plan = enc.plan(["the cat sat"], what)
-        ids = [*plan.prefix, *plan.tokens.ids[: int(plan.tokens.lengths[0])], *plan.suffix]
-        joint = tok(prefix + "the cat sat")["input_ids"]
-        if kind == "unigram":
-            assert ids == joint
-        else:
-            assert ids[: len(plan.prefix)] == joint[: len(plan.prefix)] and len(ids) == len(joint)
+    texts = ["the cat sat", " the cat", "<s> the", "\nthe", " ", "passage: x", " ".join(["the cat sat on the mat"] * 60)]
+    for prefix in ("passage: ", "passage:", "passage:\n", "query:  "):
+        enc = DiceEncoder(model, tok, query_prefix=prefix, document_prefix=prefix, chunk_size=K)
+        for what in ("queries", "documents"):
+            plan = enc.plan(texts, what)
+            for i, text in enumerate(texts):
+                a, b = plan.tokens.offsets[i : i + 2]
+                ids = [*plan.prefix, *plan.tokens.ids[a:b], *plan.suffix]
+                alone = [*plan.prefix, *tok(text, add_special_tokens=False)["input_ids"], *plan.suffix]
+                crossing = kind == "unigram" and prefix == "passage:\n" and text == "\nthe"
+                assert ids == (alone if crossing else tok(prefix + text)["input_ids"]), (prefix, text)
+                if what == "documents":  # spans in the text: the last token ends at its end
+                    assert plan.tokens.char_start[a] == 0 and plan.tokens.char_end[b - 1] == len(text)
+            pieces = 300 if enc.cuts_are_exact() else None  # long texts cut in pieces
+            served = enc.tokenize_bounded(texts, piece_chars=pieces, what=what, kind=what)
+            np.testing.assert_array_equal(served.ids, plan.tokens.ids)
+            np.testing.assert_array_equal(served.char_start, plan.tokens.char_start)
+    assert not enc.tokenize([""], kind="documents").ids.size  # an empty text has no tokens (no prefix space)

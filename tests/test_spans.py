@@ -138,8 +138,8 @@ def test_spans_without_offsets_are_zero():
 @pytest.mark.parametrize("family,arch,overlap", [("word", "bert", 0), ("word", "bert", 2), ("bpe", "llama", 2),
                                                   ("unigram", "xlm-roberta", 2)])
 def test_encode_documents_returns_spans_through_streaming_windows(family, arch, overlap, monkeypatch):
-    """The engine's spans (document prefix on) equal the plan's without prefix over the whole corpus,
-    across several streaming windows (per-window token offsets): the prefix is in no span."""
+    """The engine's spans (document prefix on) equal one plan's over the whole corpus, across several
+    streaming windows (per-window token offsets): the prefix is in no span."""
     model, tok = (tiny(arch) if family == "word" else tiny_subword(arch, family))[:2]
     texts = _texts(2, n=12)
     monkeypatch.setattr(engine, "_WINDOW_BATCHES", 1)  # windows of 256 characters
@@ -147,8 +147,9 @@ def test_encode_documents_returns_spans_through_streaming_windows(family, arch, 
     options = dict(chunk_size=5, overlap=overlap, max_batch_tokens=256, pooling="mean", pooling_impl="torch")
     # guard: the engine's streaming windows really split the corpus (same sizing as the engine)
     assert len(list(windows(iter(texts), 256 * engine._WINDOW_BATCHES * engine._CHARS_PER_TOKEN, 10**6))) > 2
-    want = DiceEncoder(model, tok, **options).plan(texts).chunk_char_spans
-    got = DiceEncoder(model, tok, document_prefix="passage: ", **options).encode_documents(texts, return_chunks=True)
+    prefixed = DiceEncoder(model, tok, document_prefix="passage: ", **options)
+    want = prefixed.plan(texts).chunk_char_spans  # one plan of the whole corpus
+    got = prefixed.encode_documents(texts, return_chunks=True)
     assert got.chunk_start_char.dtype == got.chunk_end_char.dtype == np.int64
     np.testing.assert_array_equal(got.chunk_start_char, want[0])
     np.testing.assert_array_equal(got.chunk_end_char, want[1])

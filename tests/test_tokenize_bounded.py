@@ -121,6 +121,11 @@ def test_a_text_that_is_not_unicode_is_named(bert_tokenizer):
     with pytest.raises(TextError, match=r"input\[2\] is not valid Unicode") as e:
         tokenize_bounded(bert_tokenizer, texts, CountingLock(), piece_chars=8, what="input")
     assert e.value.index == 2
+    # a lone surrogate by a forced cut's check window (gapless text) is its text's, not the window's
+    gapless = "ab.cd" * 6553 + "a\ud800" + "ab.cd" * 100
+    with pytest.raises(TextError, match=r"input\[1\] is not valid Unicode: .* at character 32766") as e:
+        tokenize_bounded(bert_tokenizer, ["ok", gapless], CountingLock(), what="input")
+    assert e.value.index == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -135,7 +135,7 @@ class LocalEmbedder:
         enc = self.encoder
         texts = list(texts)
         used = enc.max_tokens_used("queries")
-        lengths = enc.tokenize(texts, what="queries", spans=False).lengths  # thread-safe (the engine's lock)
+        lengths = enc.tokenize(texts, what="queries", spans=False, kind="queries").lengths  # thread-safe (the engine's lock)
         if (over := np.flatnonzero(lengths > used)).size:
             i = int(over[0])
             raise QueryTooLong(f"query {i} of this call has {int(lengths[i])} tokens, more than the model window "

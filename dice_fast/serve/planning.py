@@ -81,7 +81,7 @@ def plan_request(encoder, texts: list[str], kind: str, *, piece_chars: int | Non
 
     try:
         tokens = encoder.tokenize_bounded(texts, piece_chars=piece_chars, check=check,
-                                          enough=used if kind == "queries" else None, what=field)
+                                          enough=used if kind == "queries" else None, what=field, kind=kind)
     except TextError as exc:  # not valid Unicode
         raise InvalidRequest(_renamed(str(exc), f"{field}[{exc.index}]", name(exc.index)),
                              param=name(exc.index)) from None

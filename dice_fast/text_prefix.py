@@ -1,0 +1,53 @@
+"""A text prefix ("passage: ", "query: ") and the ids a text has after it.
+
+sentence-transformers' prompts tokenize prefix and text together; the engine tokenizes the prefix once
+(every chunk's wrap carries its ids) and each text after it: ``prefix + text`` in one tokenizer call,
+whose ids are split where the text begins (`TextPrefix.split`). So a document's or query's first token
+is the one the joint tokenization gives ("Ġthe" after "passage: " with byte-level BPE, where "the"
+alone is "the"; a SentencePiece text that starts with a space or a special token keeps its "▁"), and
+token spans stay in the text. Where one token would span prefix and text (a prefix without a trailing
+space that merges with the next word), that text is tokenized alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TextPrefix:
+    """A text prefix ("passage: ") that texts are tokenized after, as sentence-transformers' prompts are.
+
+    text: the prefix; ids: its ids as they stand before a text, which every chunk's wrap carries: tokenized
+    alone, less the trailing tokens that are spaces alone (a prefix's trailing space is a separator that
+    tokenizing prefix and text together gives the next word: "▁hello", "Ġthe"; alone, SentencePiece and
+    byte-level BPE make it a token of its own that the model never sees there; a newline's token is kept).
+    """
+
+    text: str
+    ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tokenizer, text: str) -> TextPrefix | None:
+        """``text``'s `TextPrefix` with ``tokenizer`` (None for "")."""
+        if not text:
+            return None
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if text.endswith(" "):
+            while ids and not tokenizer.decode(ids[-1:]).strip(" "):
+                ids.pop()
+        return cls(text, tuple(ids))
+
+    def split(self, ids: list[int], spans) -> tuple[np.ndarray, np.ndarray] | None:
+        """The text's (ids (n,), spans (n, 2) in the text) from those of ``self.text + text`` tokenized
+        together; None when they do not begin with exactly ``self.ids``, ending where the text begins
+        (a token spans prefix and text: the text is then tokenized alone)."""
+        n, keep = len(self.ids), len(self.text.rstrip(" "))
+        if tuple(ids[:n]) != self.ids or (n and spans[n - 1][1] > keep) or (n < len(ids) and spans[n][0] < keep):
+            return None
+        return np.asarray(ids[n:], np.int64), np.maximum(np.asarray(spans[n:], np.int64).reshape(-1, 2) - len(self.text), 0)
+
+
+__all__ = ["TextPrefix"]
