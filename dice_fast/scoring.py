@@ -63,8 +63,9 @@ def chunk_scores(queries: np.ndarray, chunks: np.ndarray) -> np.ndarray:
 def best_chunks(scores: np.ndarray, cu_doc_chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per (query, document) best chunk of ``scores`` (n_queries, n_chunks) under ``cu_doc_chunks``.
 
-    Returns (best, index): (n_queries, n_docs) its score (``-inf`` for a document without chunks)
-    and (n_queries, n_docs) int64 its index within the document (-1 without chunks).
+    Returns (best, index): (n_queries, n_docs) its score (``-inf`` for a document without chunks, NaN
+    where every chunk's is NaN; NaN scores are skipped) and (n_queries, n_docs) int64 its index within
+    the document (-1 without chunks or without a number among their scores).
     """
     cu = np.asarray(cu_doc_chunks, np.int64)
     n_q, n_docs = scores.shape[0], len(cu) - 1
@@ -75,12 +76,13 @@ def best_chunks(scores: np.ndarray, cu_doc_chunks: np.ndarray) -> tuple[np.ndarr
     if len(has) == 0 or n_q == 0:
         return best, index
     starts = cu[has]
-    best[:, has] = np.maximum.reduceat(scores, starts, axis=1)  # empty documents own no columns
+    best[:, has] = np.fmax.reduceat(scores, starts, axis=1)  # empty documents own no columns; NaN is skipped
     # the argmax inside each document: the first chunk reaching the document's maximum
     doc_of_chunk = np.repeat(np.arange(n_docs), counts)
     hit = scores >= best[:, doc_of_chunk]
     position = np.where(hit, np.arange(scores.shape[1]) - cu[doc_of_chunk], np.iinfo(np.int64).max)
     index[:, has] = np.minimum.reduceat(position, starts, axis=1)
+    index[index == np.iinfo(np.int64).max] = -1  # every chunk's score NaN (a non-finite chunk vector)
     return best, index
 
 

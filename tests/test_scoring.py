@@ -74,3 +74,17 @@ def test_a_zero_weight_contributes_nothing_to_the_hybrid_blend():
     np.testing.assert_array_equal(scoring.hybrid(queries, documents, chunks, cu, alpha=1.0)[0], dice)
     np.testing.assert_array_equal(scoring.hybrid(queries, documents, chunks, cu, alpha=0.0)[0], maxsim)
     assert np.all(scoring.hybrid(queries, documents, chunks, cu, alpha=0.5)[0][:, 0] == -np.inf)
+
+
+def test_a_nan_chunk_score_is_skipped_and_all_nan_gives_no_evidence():
+    """A non-finite chunk vector scores NaN: its document's other chunks still decide (fmax); a document
+    whose every chunk is NaN has evidence -1 (it was int64 max: an index the server read past its chunks)."""
+    q = np.array([[1.0, 0.0]], np.float32)
+    scores = np.array([[np.nan, 0.5, np.nan, np.nan, 0.2]], np.float32)
+    best, index = scoring.best_chunks(scores, np.array([0, 2, 4, 5]))
+    assert best[0, 0] == 0.5 and index[0, 0] == 1
+    assert np.isnan(best[0, 1]) and index[0, 1] == -1
+    assert best[0, 2] == np.float32(0.2) and index[0, 2] == 0
+    chunks = np.array([[np.inf, 0.0], [1.0, 0.0], [0.0, 1.0]], np.float32)
+    _, evidence = scoring.maxsim(q, scoring.unit_rows(chunks), np.array([0, 2, 3]))
+    assert evidence.tolist() == [[1, 0]]

@@ -33,6 +33,10 @@ def evidence_rows(req, query_vector, out) -> list[dict]:
     rows = []
     for d, text in enumerate(req.documents):
         j = int(evidence[0, d])
+        if j < 0:  # no chunk scored a number (a non-finite chunk vector): no evidence
+            rows.append({"index": d, "score": float(score[0, d]), "chunk": -1, "start_char": 0, "end_char": 0,
+                         "chunk_score": None, "text": ""})
+            continue
         c = int(cu[d]) + j
         start, end = int(out.chunk_start_char[c]), int(out.chunk_end_char[c])
         rows.append({"index": d, "score": float(score[0, d]), "chunk": j, "start_char": start, "end_char": end,
