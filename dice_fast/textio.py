@@ -8,10 +8,11 @@ from typing import Iterator
 from .errors import InputError
 
 
-def decode_line(raw: bytes, where: str) -> str:
-    """``raw`` as text without its line break; ValueError naming ``where`` ("file:line") if not UTF-8."""
+def decode_line(raw: bytes, where: str, first: bool = False) -> str:
+    """``raw`` as text without its line break (and, for a file's ``first`` line, without a UTF-8 byte
+    order mark, which editors on Windows write); ValueError naming ``where`` ("file:line") if not UTF-8."""
     try:
-        line = raw.decode("utf-8")
+        line = raw.decode("utf-8-sig" if first else "utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     return line.rstrip("\n").rstrip("\r")
@@ -79,7 +80,7 @@ def read_lines(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
     with open(path, "rb") as fh:
         for number, raw in enumerate(fh, start=1):
             where = f"{path}:{number}"
-            yield where, decode_line(raw, where)
+            yield where, decode_line(raw, where, first=number == 1)
 
 
 def read_json_objects(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:

@@ -102,7 +102,7 @@ class Corpus:
             if self.stop.is_set():
                 raise Stopped("reading stopped")
             self.bytes_read += len(raw)
-            line = decode_line(raw, f"{where}:{number}")
+            line = decode_line(raw, f"{where}:{number}", first=number == 1)
             if not line.strip():
                 self.blank_lines += 1
                 continue

@@ -25,6 +25,19 @@ def test_a_lone_surrogate_names_the_line_when_read(tmp_path, line, match):
         next(records)
 
 
+def test_a_byte_order_mark_starting_a_file_is_no_text(tmp_path):
+    """Windows editors start UTF-8 files with a byte order mark: JSON Lines were refused at line 1, a
+    text file's first document began with an invisible U+FEFF (another vector). Only line 1 loses it."""
+    from dice_fast.textio import read_json_objects
+
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "d.jsonl").write_bytes(bom + b'{"text": "hello"}\r\n' + b'{"text": "x\xef\xbb\xbf"}\n')
+    (tmp_path / "d.txt").write_bytes(bom + b"hello\r\n")
+    assert [t for _, t in open_corpus(str(tmp_path / "d.jsonl")).records()] == ["hello", "x\ufeff"]
+    assert [t for _, t in open_corpus(str(tmp_path / "d.txt")).records()] == ["hello"]
+    assert [r["text"] for _, r in read_json_objects(tmp_path / "d.jsonl")] == ["hello", "x\ufeff"]
+
+
 def test_json_nested_too_deeply_names_the_line(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"text": "a"}\n' + "[" * 100_000 + "\n", encoding="utf-8")
