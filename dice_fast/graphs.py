@@ -170,7 +170,7 @@ class GraphedRunner:
         self.capture = bool(capture)
         self._graphs: dict[Bucket, _Graph] = {}
         self._pool = None
-        self._pool_base = None
+        self._pool_bytes = 0  # what captures grew the reserved memory by (a dropped bucket's stays counted)
         self.replays = 0  # batches run through a graph (or padded eagerly when capture is False)
 
     def __getattr__(self, name):  # backend, uses_packed, fallback_reason, packed_limit, device, ...
@@ -234,8 +234,6 @@ class GraphedRunner:
         g.load(padded)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-            torch.cuda.synchronize(dev)
-            self._pool_base = torch.cuda.memory_reserved(dev)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -243,11 +241,17 @@ class GraphedRunner:
                 self._forward(padded, g.ids, g.pos, g.cu)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()  # as the capture does first: what is reserved now is live, the rest the pool's
+        before = torch.cuda.memory_reserved(dev)
+        # thread_local: the producer thread (`dice_fast.pipeline`) stages the next batch meanwhile (an event
+        # wait, pinned and device allocations), which "global" mode would make fail the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             g.hidden = self._forward(padded, g.ids, g.pos, g.cu)
         g.graph = graph
         torch.cuda.synchronize(dev)
-        if torch.cuda.memory_reserved(dev) - self._pool_base > self.budget:
+        self._pool_bytes += max(0, torch.cuda.memory_reserved(dev) - before)  # this capture's new segments
+        if self._pool_bytes > self.budget:
             self.buckets = tuple(b for b in self.buckets if b.tokens < bucket.tokens)
             del g, graph
             return None

@@ -88,6 +88,10 @@ class Staging:
         self._next = 0
         self.copies = 0  # host-to-device copies issued (one per staged batch on a device other than the CPU)
 
+    def _on_stream(self):
+        """The consumer's stream as the current one (this runs in the producer thread)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
     def capacity(self, slot: int) -> int:
         """Bytes slot ``slot``'s host buffer holds now."""
         host = self._slots[slot].host
@@ -106,8 +110,9 @@ class Staging:
         if slot.host is None or slot.host.numel() < nbytes:
             size = max(nbytes, 2 * self.capacity(index), 4096)
             slot.host = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
-            if self.device.type != "cpu":
-                slot.device = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if self.device.type != "cpu":  # the consumer's stream owns the block: its reuse waits for the reads
+                with self._on_stream():
+                    slot.device = torch.empty(size, dtype=torch.uint8, device=self.device)
         host = slot.host.numpy()
         host[:o_pos].view(np.int64)[:] = packed.input_ids
         host[o_pos:o_cu].view(np.int64)[:] = packed.position_ids
@@ -115,7 +120,7 @@ class Staging:
         buf = slot.host
         if self.device.type != "cpu":
             buf = slot.device
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            with self._on_stream():
                 buf[:nbytes].copy_(slot.host[:nbytes], non_blocking=self.pinned)
                 if self.device.type == "cuda":
                     slot.copied = torch.cuda.Event()

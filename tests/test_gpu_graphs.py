@@ -38,6 +38,22 @@ def test_graph_replay_equals_the_eager_engine(arch):
     assert cos.min() > 0.999, f"graphed vs eager engine: min cosine {cos.min()}"  # bf16, other GEMM shapes
 
 
+def test_graphs_capture_while_the_producer_stages_the_next_batch():
+    """`encode_documents` with CUDA graphs and the producer pipeline (both on): buckets are captured while
+    the producer thread stages the next batch (an event wait, allocations), which the capture's "global"
+    error mode made fail; the vectors are the eager pipeline's."""
+    if not backend_available("torch_varlen", torch.device("cuda")):
+        pytest.skip("torch.nn.attention.varlen is missing")
+    model, tok, *_ = tiny("bert")
+    options = dict(chunk_size=8, device="cuda", dtype="bfloat16", attention_backend="torch_varlen",
+                   max_batch_tokens=48, pipeline="on")
+    want = DiceEncoder(model, tok, **options).encode_documents(TEXTS * 8).documents
+    enc = DiceEncoder(model, tok, cuda_graphs=True, **options)
+    got = enc.encode_documents(TEXTS * 8).documents
+    assert enc.runner._graphs and enc.runner.replays > 0
+    assert np.sum(got * want, axis=1).min() > 0.999  # bf16, padded GEMM shapes
+
+
 def test_graph_memory_cap_sends_large_buckets_to_the_eager_path():
     enc = _encoder("bert")
     runner = graphs.use_cuda_graphs(enc, buckets=(64, 256), memory_mb=1e-3)
