@@ -175,7 +175,8 @@ class DiceConfig:
     dedup: bool = option(
         True, "reuse chunk vectors: identical chunks run once, and the persistent cache serves known ones",
         detail="Off runs every chunk (the baseline of `benchmarks/bench_cache.py`); the vectors are the same "
-        "either way. See [reuse.md](reuse.md).", role="speed")
+        "either way up to float rounding (a chunk's last bits may depend on the batch it ran in: ~1e-8 on "
+        "the CPU). See [reuse.md](reuse.md).", role="speed")
     compile: str = option(
         "off", "run the packed forward under torch.compile (inductor), compiled once per encoder at construction",
         choices=COMPILE_MODES,

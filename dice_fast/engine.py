@@ -37,7 +37,7 @@ from .output import DiceOutput, concat_outputs  # noqa: F401 - DiceOutput is par
 from .packing import PackedBatch
 from .pipeline import BatchPipeline
 from .pieces import cuts_are_exact, tokenize_bounded
-from .progress import ProgressBar
+from .progress import progress_reporter
 from .reuse import ChunkStats, MemoryCache
 from .reuse.manager import ChunkReuse
 from .reuse.persistent import settings_namespace
@@ -239,10 +239,9 @@ class DiceEncoder:
         """
         texts = as_iterator(texts, "documents")
         size = self.max_batch_tokens * _WINDOW_BATCHES * _CHARS_PER_TOKEN
-        plans = (self._plan(w, "documents", base, spans=return_chunks)
-                 for w, base in windows(texts, size, _WINDOW_DOCUMENTS))
-        with _progress(show_progress, progress, None) as report:
-            yield from self._run(plans, self.config.aggregation, return_chunks, report)
+        with progress_reporter(show_progress, progress, None) as report:  # windows read here, planned in a worker
+            yield from self._run(windows(texts, size, _WINDOW_DOCUMENTS), self.config.aggregation, return_chunks,
+                                 report, plan=lambda w: self._plan(w[0], "documents", w[1], spans=return_chunks))
 
     def encode_queries(self, texts: Iterable[str], show_progress: bool = False,
                        progress: Callable[[int, int], None] | None = None) -> np.ndarray:
@@ -251,7 +250,7 @@ class DiceEncoder:
         A query longer than the model window is cut to it, with a warning naming it.
         """
         plan = self._plan(check_texts(texts, "queries"), "queries", spans=False)
-        with _progress(show_progress, progress, int(plan.chunk_lengths.sum())) as report:
+        with progress_reporter(show_progress, progress, int(plan.chunk_lengths.sum())) as report:
             return concat_outputs(list(self._run(iter([plan]), "mean", False, report, "queries")), self.dim, False)
 
     def run_batch(self, batch: PackedBatch) -> torch.Tensor:
@@ -312,17 +311,22 @@ class DiceEncoder:
             self._check_global_positions(plan, base)
         return plan
 
-    def _run(self, plans: Iterator[EncodingPlan], aggregation: str, return_chunks: bool, progress,
-             what: str = "documents") -> Iterator:
-        """Encode ``plans`` through one `ChunkQueue`, keeping the next plan queued (and the one after
-        being prepared in a worker thread) so batches run across plan boundaries; yield each plan's
-        result in order. A batch that runs out of memory is split and retried (`ChunkQueue.run`); a
-        chunk that fails alone raises `InputOutOfMemory` naming its text as ``what[i]`` in the call."""
+    def _run(self, plans: Iterator, aggregation: str, return_chunks: bool, progress, what: str = "documents",
+             plan=None) -> Iterator:
+        """Encode ``plans`` (`EncodingPlan`, or items ``plan(item)`` makes one of) through one `ChunkQueue`,
+        keeping the next plan queued (and the one after planned and keyed in a worker thread) so batches
+        run across plan boundaries; yield each plan's result in order. A batch that runs out of memory is
+        split and retried (`ChunkQueue.run`); a chunk that fails alone raises `InputOutOfMemory` naming its
+        text as ``what[i]`` in the call. The producer pipeline prepares the next batch meanwhile."""
         queue = self.chunk_queue(memory=MemoryCache(_CALL_MEMORY_BYTES), stats=self.chunk_stats)
         jobs: deque = deque()
         submitted = [0]  # texts in the plans submitted so far: a job's tag is its first text's index
-        with Prefetch((plan, queue.keys_for(plan)) for plan in plans) as ahead, contextlib.ExitStack() as stack:
-            # plans are keyed in the worker too; the producer pipeline prepares the next batch meanwhile
+
+        def prepare(item):
+            p = item if plan is None else plan(item)
+            return p, queue.keys_for(p)
+
+        with Prefetch(plans, prepare) as ahead, contextlib.ExitStack() as stack:
             source = stack.enter_context(BatchPipeline(queue, self.device)) if self.settings.pipeline else queue
             def top_up():
                 while len(jobs) < 2:
@@ -385,15 +389,3 @@ def _warn_truncated(doc_lengths: np.ndarray, capacity: int, window: int, what: s
                       f"were cut to their first {capacity} tokens: {first}{' ...' if len(over) > 3 else ''}",
                       stacklevel=4)
 
-
-@contextlib.contextmanager
-def _progress(show: bool, callback, total_tokens):
-    """The caller's callback, else a bar of our own (closed on exit) when asked for, else None."""
-    if callback is not None or not show:
-        yield callback
-        return
-    bar = ProgressBar(total_tokens)
-    try:
-        yield bar
-    finally:
-        bar.close()

@@ -3,6 +3,7 @@ by the engine and every command."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 
@@ -32,3 +33,17 @@ class ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
+
+
+@contextlib.contextmanager
+def progress_reporter(show: bool, callback, total_tokens):
+    """The caller's callback, else a `ProgressBar` of ``total_tokens`` (closed on exit) when ``show``,
+    else None: what an encode call reports its progress to."""
+    if callback is not None or not show:
+        yield callback
+        return
+    bar = ProgressBar(total_tokens)
+    try:
+        yield bar
+    finally:
+        bar.close()

@@ -34,18 +34,33 @@ def windows(texts: Iterator, max_chars: int, max_documents: int) -> Iterator[tup
 
 
 class Prefetch:
-    """Pull the next item of an iterator in a worker thread while the caller works on the current one."""
+    """Prepare the next item of an iterator in a worker thread while the caller works on the current one.
 
-    def __init__(self, items: Iterator):
+    The iterator itself is advanced in the caller's thread (an iterable tied to its thread, such as a
+    sqlite3 cursor, works; a paused input never holds the worker), ``prepare(item)`` runs in the worker.
+    An error of the iterator is raised by the `next` call whose item it would have been, not earlier."""
+
+    def __init__(self, items: Iterator, prepare=None):
         self.items = items
+        self.prepare = prepare or (lambda item: item)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dice_fast-prefetch")
-        self.future = self.pool.submit(next, items, None)
+        self.future = self._submit()
+
+    def _submit(self):
+        try:
+            item = next(self.items, _END)
+        except Exception as exc:  # noqa: BLE001 - raised when its turn comes
+            failed = concurrent.futures.Future()
+            failed.set_exception(exc)
+            return failed
+        return None if item is _END else self.pool.submit(self.prepare, item)
 
     def next(self):
+        """The next prepared item, or None at the end."""
         if self.future is None:
             return None
         item = self.future.result()
-        self.future = self.pool.submit(next, self.items, None) if item is not None else None
+        self.future = self._submit()
         return item
 
     def __enter__(self):
@@ -54,4 +69,7 @@ class Prefetch:
     def __exit__(self, *exc):
         if self.future is not None:
             self.future.cancel()
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True)  # at most one `prepare` still running
+
+
+_END = object()

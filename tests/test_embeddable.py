@@ -185,6 +185,37 @@ def test_generator_input_and_stream_blocks_in_order():
     assert_close(out.chunks[:n30], ref.chunks, 1e-6, what="chunks across windows")
 
 
+def test_input_is_read_in_the_callers_thread_and_an_abandoned_stream_closes_at_once():
+    """The iterable is advanced in the caller's thread (a sqlite3 cursor may be used in its own thread
+    only: the read-ahead worker raised ProgrammingError), and closing a stream whose input has paused
+    no longer waits for the input: the worker only plans what the caller already read."""
+    import sqlite3
+    import time
+
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=12)  # windows of ~200 characters
+    rng = random.Random(3)
+    texts = [text_of(rng.randint(1, 40), rng) for _ in range(40)]
+    con = sqlite3.connect(":memory:")
+    con.execute("create table d (t text)")
+    con.executemany("insert into d values (?)", [(t,) for t in texts])
+    assert_close(enc.encode_documents(row[0] for row in con.execute("select t from d order by rowid")),
+                 enc.encode_documents(texts), 1e-6, what="sqlite cursor input")
+    resume = threading.Event()
+
+    def paused():
+        yield from texts
+        resume.wait(30)  # the input pauses: no more text until set
+        yield from texts
+
+    stream = enc.stream_documents(paused())
+    next(stream)
+    t0 = time.perf_counter()
+    stream.close()
+    assert time.perf_counter() - t0 < 5
+    resume.set()
+
+
 def test_stream_names_the_bad_element_by_its_global_index():
     model, tok, *_ = tiny("bert")
     enc = DiceEncoder(model, tok, chunk_size=K, max_batch_tokens=12)
