@@ -25,8 +25,8 @@ from pathlib import Path
 
 from .chunk_rows import ChunkRows
 from ..manifests import MANIFEST_FORMAT, read_manifest
-from .outputs import (NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, ids_path_for, manifest_name, our_files,
-                      parse_tag, split_tag)
+from .outputs import (NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, file_temps, ids_path_for, manifest_name,
+                      our_files, parse_tag, split_tag)
 from .ids import DuplicateIds
 from .lock import OutputLock
 from .model import load_encoder
@@ -234,6 +234,8 @@ class EncodeJob:
             self._make_dirs(out.parent)
             _check_writable(out.parent)
             self.lock = OutputLock.for_file(out).acquire()  # a live job on this file: refused naming it
+            for stale in (p for t in targets for p in file_temps(t)):  # a killed run's (the lock is ours)
+                stale.unlink(missing_ok=True)
             for t in targets:
                 if t.exists() and not args.overwrite:
                     raise ValueError(f"{t} exists; pass --overwrite to replace it")

@@ -351,6 +351,13 @@ def parse_tag(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def file_temps(path: Path) -> list[Path]:
+    """The temporary files `_mktemp` made for ``path`` beside it (``.NAME.XXXXXXXX.tmp``): a killed
+    run's, to remove once the output's lock is held."""
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.[0-9a-f]{{8}}\.tmp$")
+    return sorted(p for p in path.parent.iterdir() if pattern.match(p.name)) if path.parent.is_dir() else []
+
+
 def our_files(folder: Path, temps_only: bool = False) -> list[Path]:
     """Shard, manifest and temporary files of ours in ``folder`` (``temps_only``: only temporary
     files, left by a killed run)."""

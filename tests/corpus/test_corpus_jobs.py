@@ -83,6 +83,21 @@ def test_resume_continues_after_the_last_committed_shard(done, tmp_path, capsys)
     assert "nothing to do" in capsys.readouterr().out
 
 
+def test_a_killed_single_file_runs_temporaries_go_with_the_next_run(done, tmp_path):
+    """kill -9 leaves ``.v.npy.XXXXXXXX.tmp`` and ``.v.ids.txt.XXXXXXXX.tmp`` (as big as the partial output)
+    beside a .npy output; the next run on that file removes them once it holds the lock (another file's
+    temporaries and files not ours stay)."""
+    src = done[0]
+    out = tmp_path / "v.npy"
+    left = [tmp_path / ".v.npy.0a1b2c3d.tmp", tmp_path / ".v.ids.txt.4e5f6a7b.tmp"]
+    kept = [tmp_path / ".w.npy.0a1b2c3d.tmp", tmp_path / ".v.npy.notours.tmp"]
+    for p in left + kept:
+        p.write_bytes(b"partial")
+    assert _run(src, out) == 0
+    assert not any(p.exists() for p in left) and all(p.exists() for p in kept)
+    assert out.exists() and (tmp_path / "v.ids.txt").exists()
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--shard-rows", "8", "--chunk-size", "32"], "options.chunk_size is 32, was 16"),
     (["--shard-rows", "8", "--aggregation", "max"], "options.aggregation is 'max', was 'mean'"),
