@@ -79,3 +79,17 @@ def test_index_ids_are_checked_as_encode_checks_them(tmp_path, capsys, line, mes
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{src.parent}/{message}" in err, err
     assert not (tmp_path / "ix").exists()
+
+
+@pytest.mark.parametrize("url", ["qdrant+path://{tmp}/typo_q/docs", "lancedb://{tmp}/typo_l/docs",
+                                 "lancedb://{tmp}/db/nope"])
+def test_search_of_a_store_that_does_not_exist_creates_nothing(tmp_path, capsys, url):
+    """A typo in a store URL is refused naming the collection / table; no folder or lock file is made
+    (it made typo_q/.lock and typo_l/, and suggested dim= or encoder=, which the command has not)."""
+    pytest.importorskip("qdrant_client")
+    pytest.importorskip("lancedb")
+    (tmp_path / "db").mkdir()
+    assert main(["search", url.format(tmp=tmp_path), "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "dim=" not in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["db"]

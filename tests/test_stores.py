@@ -5,12 +5,17 @@ search; hybrid scores exact with recall within the documented bound; re-adding r
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
 from dice_fast import DiceEncoder, DiceIndex
 from dice_fast.errors import InputError
-from dice_fast.index import open_store
+from dice_fast.index import common, open_store
+from dice_fast.index.qdrant_store import QdrantStore
 from dice_fast.index.stores import split_url
 from test_index import _random_index, brute_force
 from test_index_folder import TEXTS, model_folder  # noqa: F401 (a fixture)
@@ -137,6 +142,8 @@ def test_the_record_is_kept_and_checked(kind, tmp_path):
         open_store(_url(kind, tmp_path), model="/models/b", encoder_options={"chunk_size": 64})
     with pytest.raises(ValueError, match="does not exist: give dim= or encoder="):
         open_store(_url(kind, tmp_path, "other"))
+    with pytest.raises(InputError, match="'other' does not exist$"):  # what `dice-fast search` opens with
+        open_store(_url(kind, tmp_path, "other"), create=False)
 
 
 def test_query_strings_through_the_recorded_encoder(tmp_path, model_folder):
@@ -190,3 +197,209 @@ def test_repr_hybrid_at_alpha_one_and_non_finite_vectors(kind, tmp_path):
     hits = store.search(e[:1], 3, "hybrid", alpha=1.0)[0]
     assert [(h.id, round(h.score, 5)) for h in hits] == [("d0", 0.9), ("d1", 0.7), ("d2", 0.5)]
     assert repr(store).endswith("3 documents, dim=4)")
+
+
+class _SlowEncoder:
+    """Stands for a recorded encoder rebuilt by `restore_encoder`: counts the builds, each slow enough
+    that concurrent first searches overlap."""
+
+    def __init__(self):
+        self.builds, self._lock = 0, threading.Lock()
+
+    def restore(self, model, options, where, device=None):
+        with self._lock:
+            self.builds += 1
+        time.sleep(0.2)
+        return self
+
+    def encode_queries(self, queries):
+        return np.tile(np.eye(DIM, dtype=np.float32)[:1], (len(queries), 1))
+
+
+def _recorded(kind, tmp_path):
+    """A store (or DiceIndex) of the _reference vectors recording a model but holding no encoder."""
+    index, _ = _reference(n_docs=20)
+    if kind == "dice_index":
+        store = DiceIndex(DIM, model="/models/a", encoder_options={"chunk_size": 64})
+    else:
+        store = open_store(_url(kind, tmp_path), dim=DIM, model="/models/a", encoder_options={"chunk_size": 64})
+    store.upsert_arrays(index.ids, *_arrays(index), texts=list(index.texts))
+    assert store.encoder is None
+    return store
+
+
+@pytest.mark.parametrize("kind", ["dice_index", "qdrant-memory", "lancedb"])
+def test_concurrent_first_searches_build_the_recorded_encoder_once(kind, tmp_path, monkeypatch):
+    """A retriever's batch or asyncio.gather searches from several threads at once: the recorded encoder
+    is built once (building it in each thread loaded the model 4 times, or crashed in a concurrent import)."""
+    fake = _SlowEncoder()
+    monkeypatch.setattr(common, "restore_encoder", fake.restore)
+    store = _recorded(kind, tmp_path)
+    with ThreadPoolExecutor(4) as pool:
+        rows = list(pool.map(lambda q: store.search([q], 3)[0], ["a", "b", "c", "d"]))
+    assert fake.builds == 1 and store.encoder is fake
+    assert all([h.id for h in row] == [h.id for h in rows[0]] and len(row) == 3 for row in rows)
+
+
+@pytest.mark.parametrize("kind", ["qdrant-memory", "lancedb"])
+def test_writes_are_split_by_bytes_and_every_document_arrives(kind, tmp_path, monkeypatch):
+    """A request holds at most about ``write_bytes`` (a Qdrant server refuses requests above 32 MB; 256
+    long documents made one of ~266 MB): long documents go a few at a time, one above the budget alone."""
+    index, queries = _reference(n_docs=60)
+    store = open_store(_url(kind, tmp_path), dim=DIM)  # batch_size 256: only the byte budget splits
+    store.write_bytes, store.float_bytes = 20_000, 24  # 24: Qdrant's (JSON); 5 chunks ~2.6 kB, doc-0 ~51 kB
+    docs, chunks, doc_of, start, end, tokens = _arrays(index)
+    long_chunks = np.repeat(chunks[:1], 120, axis=0)  # doc-0: one document of 120 chunks, above the budget
+    keep = doc_of != 0
+    args = (index.ids, docs, np.concatenate([long_chunks, chunks[keep]]),
+            np.concatenate([np.zeros(120, np.int64), doc_of[keep]]),
+            *(np.concatenate([np.arange(120), a[keep]]) for a in (start, end, tokens)))
+    reference = DiceIndex(DIM)
+    reference.add_arrays(*args, texts=list(index.texts))
+    sizes, requests = [], []
+    real_write = store._write
+    monkeypatch.setattr(store, "_write", lambda b: (requests.append(list(b.ids)), real_write(b)))
+    if kind == "qdrant-memory":  # the JSON the client sends a server: measured, not estimated
+        from qdrant_client import models
+
+        real_upsert = store.client.upsert
+        monkeypatch.setattr(store.client, "upsert", lambda name, points, **kw: (
+            sizes.append((len(points), len(models.PointsList(points=points).model_dump_json()))),
+            real_upsert(name, points=points, **kw))[1])
+    store.upsert_arrays(*args, texts=list(index.texts))
+    assert len(requests) > 3 and requests[0] == ["doc-0"]  # the long one alone
+    assert [i for r in requests for i in r] == index.ids and len(store) == len(index)
+    assert all(size <= store.write_bytes for n, size in sizes if n > 1)
+    assert len(sizes) == (len(requests) if kind == "qdrant-memory" else 0)
+    assert _key(store.search(queries, 10)) == _key(reference.search(queries, 10))
+
+
+def test_qdrant_deletes_in_requests_of_bounded_size(monkeypatch):
+    store = open_store("qdrant+memory:///del", dim=DIM)
+    index, _ = _reference(n_docs=5)
+    store.upsert_arrays(index.ids, *_arrays(index), texts=list(index.texts))
+    calls = []
+    real = store.client.delete
+    monkeypatch.setattr(store.client, "delete", lambda name, points_selector, **kw: (
+        calls.append(len(points_selector.points)), real(name, points_selector=points_selector, **kw))[1])
+    store.delete(["doc-1"] + [f"absent-{i}" for i in range(2500)] + ["doc-3"])
+    assert calls == [1024, 1024, 454] and len(store) == 3 and store.contains(["doc-1", "doc-3"]) == [False, False]
+
+
+@pytest.mark.parametrize("kind", ["qdrant-path", "lancedb", "dice_index"])
+def test_a_store_made_for_vectors_records_its_first_encoder(kind, tmp_path, model_folder):
+    """A store made with dim= records no model; its first write through an encoder records that
+    encoder's model and options, so another encoder is refused as for a store opened with encoder=
+    (it was accepted, mixing two vector spaces)."""
+    a = DiceEncoder.from_pretrained(model_folder, device="cpu", chunk_size=4)
+    b = DiceEncoder.from_pretrained(model_folder, device="cpu", chunk_size=8)
+    store = DiceIndex(a.dim) if kind == "dice_index" else open_store(_url(kind, tmp_path), dim=a.dim)
+    assert store.model is None
+    store.attach_encoder(a, where=store.where)
+    store.add(TEXTS[:2], ids=["x", "y"])
+    refused = "chunk_size: the index has 4, the encoder 8"
+    with pytest.raises(ValueError, match=refused):
+        store.attach_encoder(b, where=store.where)
+    if kind == "dice_index":
+        store.save(tmp_path / "ix")
+        with pytest.raises(ValueError, match=refused):
+            DiceIndex.load(tmp_path / "ix", b)
+        return
+    _close(store)
+    again = open_store(_url(kind, tmp_path))  # the record was written to the database
+    assert again.model == str(model_folder.resolve()) and again.encoder_options["chunk_size"] == 4
+    _close(again)
+    with pytest.raises(ValueError, match=refused):
+        open_store(_url(kind, tmp_path), encoder=b)
+    import gc
+
+    gc.collect()  # the refused store's local Qdrant client, kept by the traceback, lets go of its folder
+    assert len(open_store(_url(kind, tmp_path), encoder=a)) == 2
+
+
+def _close(store):
+    """Let go of a local Qdrant folder now (one client a folder at a time)."""
+    if hasattr(store, "client"):
+        store.client.close()
+
+
+def test_a_foreign_collection_or_table_is_refused(tmp_path):
+    """A collection / table that dice_fast did not write (no record) is refused by name when opened,
+    not when the first write fails; with or without dim=."""
+    import lancedb
+    from qdrant_client import QdrantClient, models
+
+    client = QdrantClient(":memory:")
+    client.create_collection("theirs", vectors_config=models.VectorParams(size=8, distance=models.Distance.COSINE))
+    db = lancedb.connect(str(tmp_path / "l"))
+    db.create_table("theirs", data=[{"vector": [0.1] * 8, "title": "theirs"}])
+    foreign = "'theirs' exists but was not written by dice_fast"
+    for options in ({}, {"dim": 16, "model": "/models/x"}):
+        with pytest.raises(InputError, match=f"Qdrant collection {foreign}"):
+            QdrantStore(client, "theirs", **options)
+        with pytest.raises(InputError, match=f"LanceDB table {foreign}"):
+            open_store(f"lancedb://{tmp_path}/l/theirs", **options)
+    assert client.count("theirs").count == 0  # untouched
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_zero_chunk_vector_scores_zero_and_hides_nothing(kind, tmp_path):
+    """A zero chunk row (an encoder's pooled zero) scores 0, as in `DiceIndex`: LanceDB's cosine made it
+    NaN and dropped its whole document from maxsim."""
+    e = np.eye(4, dtype=np.float32)
+    args = (["with_zero", "other"], e[:2], np.stack([e[0], np.zeros(4, np.float32), -e[0]]), [0, 0, 1], [0, 5, 0],
+            [5, 9, 1], [1, 1, 1])
+    index = DiceIndex(4, store_text=False)
+    index.add_arrays(*args)
+    store = open_store(_url(kind, tmp_path), dim=4, store_text=False)
+    store.upsert_arrays(*args)
+    for q in (e[:1], -e[:1]):  # -e0: with_zero's best chunk is its zero row (0 > -1)
+        got, want = store.search(q, 2, "maxsim"), index.search(q, 2, "maxsim")
+        assert _key(got) == _key(want) and len(got[0]) == 2
+        np.testing.assert_allclose([h.score for h in got[0]], [h.score for h in want[0]], atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["qdrant-memory", "lancedb"])
+def test_hybrid_returns_k_hits_when_candidates_are_fewer(kind, tmp_path):
+    index, queries = _reference(n_docs=30)
+    store = _filled(kind, tmp_path, index)
+    got = store.search(queries, 10, "hybrid", alpha=0.5, candidates=3)  # at least k fetched per scoring
+    assert [len(row) for row in got] == [10] * len(queries)
+    truth = [{i: s for i, s, *_ in row} for row in brute_force(index, queries, len(index), "hybrid", alpha=0.5)]
+    for row, scores in zip(got, truth):
+        np.testing.assert_allclose([h.score for h in row], [scores[h.id] for h in row], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_documents_without_chunks_are_hits_of_dice_only(kind, tmp_path):
+    """A document without chunks (an empty text) has no maxsim score: no store returns it for maxsim or
+    hybrid (`DiceIndex` returned it scoring -inf where the databases return nothing); dice ranks it."""
+    rng = np.random.default_rng(1)
+    docs = rng.standard_normal((3, DIM)).astype(np.float32)
+    chunk = docs[1:2] / np.linalg.norm(docs[1])
+    args = (["a", "b", "c"], docs, chunk, [1], [0], [3], [1])  # only b has a chunk
+    index = DiceIndex(DIM)
+    index.add_arrays(*args, texts=["", "bbb", ""])
+    store = open_store(_url(kind, tmp_path), dim=DIM)
+    store.upsert_arrays(*args, texts=["", "bbb", ""])
+    queries = rng.standard_normal((4, DIM)).astype(np.float32)
+    for scoring, alpha, n in (("maxsim", 0.0, 1), ("hybrid", 0.0, 1), ("hybrid", 0.5, 1), ("dice", 0.0, 3)):
+        got, want = store.search(queries, 5, scoring, alpha=alpha), index.search(queries, 5, scoring, alpha=alpha)
+        assert _key(got) == _key(want) and all(len(row) == n for row in got), (scoring, alpha)
+        assert all(np.isfinite(h.score) for row in want for h in row)
+
+
+@pytest.mark.parametrize("kind", ["qdrant-memory", "lancedb", "dice_index"])
+def test_add_checks_ids_before_encoding(kind, tmp_path, model_folder, monkeypatch):
+    """A wrong id count or a repeated id is refused by name before any text is encoded."""
+    from dice_fast.errors import OptionError
+
+    enc = DiceEncoder.from_pretrained(model_folder, device="cpu", chunk_size=4)
+    encoded = []
+    monkeypatch.setattr(enc, "encode_documents", lambda texts, **kw: encoded.append(texts))
+    store = DiceIndex(enc.dim, enc) if kind == "dice_index" else open_store(_url(kind, tmp_path), encoder=enc)
+    with pytest.raises(OptionError, match="got 2 ids for 3 documents"):
+        store.add(TEXTS[:3], ["a", "b"])
+    with pytest.raises(OptionError, match=r"duplicate id 'a': ids\[0\] and ids\[2\]"):
+        store.add(TEXTS[:3], ["a", "b", "a"])
+    assert encoded == [] and len(store) == 0

@@ -126,7 +126,7 @@ def _search(args) -> int:
     from .stores import SCHEMES, open_store
 
     if args.index.startswith(SCHEMES):  # the recorded model and options encode the queries
-        index = open_store(args.index)
+        index = open_store(args.index, create=False)  # a typo creates nothing
         index.attach_encoder(None, device=args.device, where=index.where)
     else:
         index = DiceIndex.load(args.index, device=args.device)

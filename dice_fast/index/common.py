@@ -9,18 +9,23 @@ the chunks' character spans and token counts (n_chunks,) each, and texts (n,) or
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from .. import scoring as sc
-from ..errors import InputError
+from ..errors import InputError, OptionError
 from ..scoring import DEFAULT_SCORING
 from .encoder_match import check_encoder, model_id, recorded_options, restore_encoder, vector_options
 
-__all__ = ["DEFAULT_SCORING", "Hit", "Batch", "check_batch", "check_k", "check_shard_ids", "evidence_hit",
-           "EncoderSlot", "short_repr"]
+__all__ = ["DEFAULT_SCORING", "Hit", "Batch", "check_batch", "check_ids", "check_k", "check_shard_ids",
+           "evidence_hit", "scored_hits", "EncoderSlot", "short_repr"]
+
+# one recorded encoder is rebuilt at a time, process-wide: concurrent first searches (a retriever's
+# batch, asyncio.gather) load the model once, and never import transformers from two threads at once
+_RESTORE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -60,15 +65,7 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
     vectors come back L2-normalised so ``maxsim`` is a cosine whatever the encoder's
     ``normalize_chunks`` (raw pooled norms carry no relevance: RESULTS.md §5.3); a zero row stays zero."""
     documents, chunks = np.asarray(documents, np.float32), np.asarray(chunks)
-    ids = [str(i) for i in ids]
-    if len(ids) != len(documents):
-        raise ValueError(f"got {len(ids)} ids for {len(documents)} documents")
-    seen: dict[str, int] = {}
-    for i, name in enumerate(ids):
-        if name in seen:
-            raise ValueError(f"duplicate id {name!r}: ids[{seen[name]}] and ids[{i}]")
-        seen[name] = i
-        _check_unicode(name, f"id {name!r} (ids[{i}])")
+    ids = check_ids(ids, len(documents))
     chunk_document = np.asarray(chunk_document, np.int64)
     if documents.ndim != 2 or documents.shape[1] != dim or chunks.ndim != 2 or chunks.shape[1] != dim:
         raise ValueError(f"expected (n, {dim}) vectors, got documents {documents.shape}, chunks {chunks.shape}")
@@ -96,6 +93,21 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
         texts = None
     cu = sc.cu_from_chunk_document(chunk_document, len(documents))
     return Batch(ids, documents, sc.unit_rows(chunks), cu, *spans, texts)
+
+
+def check_ids(ids: Sequence, n: int) -> list[str]:
+    """``ids`` as strings, one per document of ``n``, distinct and valid Unicode; `OptionError` naming
+    the culprit otherwise (checked before anything is encoded or written)."""
+    ids = [str(i) for i in ids]
+    if len(ids) != n:
+        raise OptionError(f"got {len(ids)} ids for {n} documents")
+    seen: dict[str, int] = {}
+    for i, name in enumerate(ids):
+        if name in seen:
+            raise OptionError(f"duplicate id {name!r}: ids[{seen[name]}] and ids[{i}]")
+        seen[name] = i
+        _check_unicode(name, f"id {name!r} (ids[{i}])")
+    return ids
 
 
 def check_shard_ids(files: Sequence, id_lists: Sequence[Sequence]) -> None:
@@ -152,6 +164,15 @@ def evidence_hit(doc_id: str, score: float, query: np.ndarray, chunks: np.ndarra
     return Hit(doc_id, float(score), j, s, e, float(per_chunk[j]), None if text is None else text[s:e])
 
 
+def scored_hits(scoring: str, scores) -> list:
+    """``scores`` (an iterable of (item, score)) without the items scoring -inf under ``scoring``: a
+    document without chunks has no best chunk (maxsim -inf), so ``maxsim`` and ``hybrid`` with
+    ``alpha < 1`` never return it (every store alike); ``dice`` ranks it by its document vector."""
+    if scoring == "dice":
+        return list(scores)
+    return [(item, s) for item, s in scores if s != float("-inf")]
+
+
 class EncoderSlot:
     """The model and options a store's vectors were made with (``model``, ``encoder_options``) and the
     encoder that adds texts and encodes query strings: a passed one must match them; without one,
@@ -176,12 +197,27 @@ class EncoderSlot:
         self.encoder, self._restore_device, self.where = encoder, device, where
 
     def _need_encoder(self, purpose: str):
-        if self.encoder is None:
-            if self.model is None:
-                raise ValueError(f"{self.where} has no encoder to {purpose}; pass one (DiceIndex.load(path, "
-                                 "encoder), encoder=...) or search with query vectors")
-            self.encoder = restore_encoder(self.model, self.encoder_options, self.where, self._restore_device)
-        return self.encoder
+        encoder = self.encoder
+        if encoder is not None:
+            return encoder
+        with _RESTORE_LOCK:  # built once, whatever the number of threads asking first
+            if self.encoder is None:
+                if self.model is None:
+                    raise ValueError(f"{self.where} has no encoder to {purpose}; pass one (DiceIndex.load(path, "
+                                     "encoder), encoder=...) or search with query vectors")
+                self.encoder = restore_encoder(self.model, self.encoder_options, self.where, self._restore_device)
+            return self.encoder
+
+    def _record_encoder(self) -> None:
+        """After a write through the encoder: a store that records no model and options (made for bare
+        vectors, ``dim=``) records the encoder's, so a later encoder of another model or options is
+        refused as for a store opened with ``encoder=``."""
+        if self.model is None and not self.encoder_options and self.encoder is not None:
+            self.model, self.encoder_options = model_id(self.encoder), vector_options(self.encoder)
+            self._save_record()
+
+    def _save_record(self) -> None:
+        """Keep ``model`` and ``encoder_options`` where the store keeps them (`DiceIndex`: its next save)."""
 
     def _query_vectors(self, queries) -> np.ndarray:
         """(n, dim) float32 query vectors: an array as given, or strings encoded by the encoder."""

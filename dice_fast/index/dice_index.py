@@ -29,8 +29,10 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .. import scoring as sc
+from ..errors import OptionError
 from .ann import build as build_graph_over, extend as extend_graph, read as read_graph
-from .common import DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_k, check_shard_ids, evidence_hit
+from .common import (DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_ids, check_k, check_shard_ids, evidence_hit,
+                     scored_hits)
 from .texts import TextColumn
 
 _BLOCK_SCORES = 1 << 22  # query x chunk scores per exact-search block (16 MiB of float32)
@@ -106,6 +108,7 @@ class DiceIndex(EncoderSlot):
         texts, out = self._encode_texts(texts)
         self.add_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
                         out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
+        self._record_encoder()
 
     def set_ids(self, ids: list[str]) -> None:
         """Make ``ids`` (n_docs distinct strings, checked by the caller) the ids of this index's documents."""
@@ -202,7 +205,9 @@ class DiceIndex(EncoderSlot):
     def search(self, queries, k: int = 10, scoring: str = DEFAULT_SCORING, *, alpha: float = sc.DEFAULT_ALPHA,
                approximate: bool = False, candidates: int = 100) -> list[list[Hit]]:
         """Rank documents for ``queries``: n query strings (encoded with the index's encoder) or an
-        (n, dim) array of query vectors. Returns n lists of at most ``k`` `Hit`s, best first.
+        (n, dim) array of query vectors. Returns n lists of at most ``k`` `Hit`s, best first (ties in
+        insertion order). A document without chunks (an empty text) has no maxsim score: ``maxsim`` and
+        ``hybrid`` with ``alpha < 1`` never return it.
 
         scoring: "maxsim" (best chunk; the default, measured best: RESULTS.md §5), "dice" (document
         vector; evidence = the hit's best chunk) or "hybrid" (``alpha * dice + (1 - alpha) * maxsim``), see `dice_fast.scoring`. Exact unless
@@ -219,7 +224,7 @@ class DiceIndex(EncoderSlot):
             top = self._approximate_top(q, int(k), scoring, alpha, int(candidates))
         else:
             top = self._exact_top(q, int(k), scoring, alpha)
-        return [[self._hit(qv, d, s, scoring) for d, s in row] for qv, row in zip(q, top)]
+        return [[self._hit(qv, d, s, scoring) for d, s in scored_hits(scoring, row)] for qv, row in zip(q, top)]
 
     def _score_range(self, q, d0: int, d1: int, scoring: str, alpha: float) -> np.ndarray:
         """(n_q, d1 - d0) scores of documents d0..d1-1 (no evidence: it is found for hits only)."""
@@ -332,14 +337,11 @@ class DiceIndex(EncoderSlot):
         if ids is None:  # "0", "1", ... from len(self) on, skipping ids taken (after a delete)
             free = (str(j) for j in itertools.count(len(self)) if str(j) not in self._id_set)
             ids = list(itertools.islice(free, n))
-        else:
-            ids = [str(i) for i in ids]
-            if len(ids) != n:
-                raise ValueError(f"got {len(ids)} ids for {n} documents")
+        ids = check_ids(ids, n)  # their count, duplicates within them
         for i, name in enumerate(ids):
             if name in self._id_set:
-                raise ValueError(f"duplicate id {name!r}: ids[{i}] is already in the index (upsert_arrays replaces)")
-        return ids  # duplicates within ids: refused by check_batch
+                raise OptionError(f"duplicate id {name!r}: ids[{i}] is already in the index (upsert_arrays replaces)")
+        return ids
 
     def save(self, path) -> None:
         """Write the index to the folder ``path``, atomically (see `dice_fast.index.folder`); graphs

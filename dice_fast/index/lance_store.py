@@ -2,10 +2,14 @@
 
 One row per document: ``id`` (string), ``doc`` (``fixed_size_list<float32, dim>``, searched by dot
 product), ``chunks`` (``list<fixed_size_list<float32, dim>>`` of unit chunk vectors, searched by
-MaxSim with the cosine metric, which on unit vectors is the dot product), ``start`` / ``end`` /
+MaxSim with the dot product, so a zero row scores 0 as in `DiceIndex`; once `build_index` indexes
+them, with the cosine metric, the only one LanceDB indexes multivectors by: equal on unit rows, but a
+zero row's cosine is NaN and hides its document from that search), ``start`` / ``end`` /
 ``tokens`` (``list<int64>``) and ``text`` (nullable string). Writes are ``merge_insert`` on ``id``
 (re-adding a document replaces it). The schema's metadata holds the store's record (dim, model,
-options), checked when the table is opened again.
+options), checked when the table is opened again; a record written later (the first encoder of a
+table made with ``dim=``) is in the ``id`` field's metadata. A table without a record (made by
+something else) is refused.
 
 Embedded, on local disk or object storage (the URI LanceDB takes); searches are exact (flat) until
 `build_index` puts an IVF-PQ index over ``chunks`` or ``doc``; then ``search_options`` (``nprobes``,
@@ -32,10 +36,12 @@ class LanceStore(RemoteStore):
     """
 
     kind = "lancedb"
+    write_bytes = 64 << 20  # Arrow batches: no request limit, only memory and the number of table versions
+    float_bytes = 4
 
     def __init__(self, uri, table: str, *, dim: int | None = None, encoder=None, model: str | None = None,
                  encoder_options: dict | None = None, store_text: bool | None = None,
-                 batch_size: int = DEFAULT_BATCH, search_options: dict | None = None):
+                 batch_size: int = DEFAULT_BATCH, search_options: dict | None = None, create: bool = True):
         lancedb = require("lancedb", "lancedb")
         self._pa = require("pyarrow", "lancedb")
         self.db = lancedb.connect(str(uri)) if isinstance(uri, (str, bytes)) or hasattr(uri, "__fspath__") else uri
@@ -45,14 +51,8 @@ class LanceStore(RemoteStore):
             self.table = self.db.open_table(self.name)
         except ValueError:
             self.table = None
-        record = None
-        if self.table is not None:
-            raw = (self.table.schema.metadata or {}).get(b"dice_fast")
-            record = json.loads(raw) if raw else {}
-        if dim is None:
-            dim = encoder.dim if encoder is not None else (record or {}).get("dim")
-        if dim is None:
-            raise ValueError(f"{where} does not exist: give dim= or encoder= to create it")
+        record = None if self.table is None else _stored_record(self.table.schema)
+        dim = self._width(dim, encoder, record, where, create)
         self.search_options = dict(search_options or {})
         self._setup(dim, encoder, model, encoder_options, store_text, record, batch_size, where)
         if self.table is None:
@@ -84,13 +84,24 @@ class LanceStore(RemoteStore):
         data = pa.table(columns, schema=self.table.schema)
         self.table.merge_insert("id").when_matched_update_all().when_not_matched_insert_all().execute(data)
 
+    def _save_record(self) -> None:
+        raw = json.dumps(self.record())  # the schema's metadata cannot be changed: the id field's can
+        if hasattr(self.table, "update_field_metadata"):  # lancedb >= 0.33
+            self.table.update_field_metadata({"path": "id", "metadata": {"dice_fast": raw}})
+        else:
+            self.table.replace_field_metadata("id", {"dice_fast": raw})
+
     def _nearest(self, queries: np.ndarray, scoring: str, limit: int) -> list[list[Candidate]]:
         out = []
+        # the dot product scores a zero chunk row 0 (cosine: NaN, its document lost); an index over the
+        # chunks is cosine (LanceDB indexes multivectors by no other metric) and is used only by cosine
+        indexed = any("chunks" in getattr(i, "columns", ()) for i in self.table.list_indices())
+        chunk_metric = "cosine" if indexed else "dot"
         for q in queries:
             if scoring == "dice":
                 query = self.table.search(q, vector_column_name="doc").metric("dot")
             else:
-                query = self.table.search(q[None, :], vector_column_name="chunks").metric("cosine")
+                query = self.table.search(q[None, :], vector_column_name="chunks").metric(chunk_metric)
             if "nprobes" in self.search_options:
                 query = query.nprobes(int(self.search_options["nprobes"]))
             if "refine_factor" in self.search_options:
@@ -111,8 +122,9 @@ class LanceStore(RemoteStore):
 
     def build_index(self, column: str = "chunks", *, num_partitions: int | None = None,
                     num_sub_vectors: int | None = None) -> None:
-        """Put an IVF-PQ index over ``column`` ("chunks": MaxSim, cosine; "doc": dot product); searches
-        of that column become approximate (``search_options`` tune them)."""
+        """Put an IVF-PQ index over ``column`` ("chunks": MaxSim, cosine, the only metric LanceDB indexes
+        multivectors by; "doc": dot product); searches of that column become approximate
+        (``search_options`` tune them)."""
         if column not in ("chunks", "doc"):
             raise ValueError(f"column must be 'chunks' or 'doc', got {column!r}")
         options = {k: v for k, v in (("num_partitions", num_partitions), ("num_sub_vectors", num_sub_vectors))
@@ -148,6 +160,18 @@ class LanceStore(RemoteStore):
 
     def __len__(self) -> int:
         return int(self.table.count_rows())
+
+
+def _stored_record(schema) -> dict:
+    """The record a table holds ({} when none): the ``id`` field's (written after creation) or the schema's."""
+    metadata = dict(schema.metadata or {})
+    if "id" in schema.names:
+        metadata.update(schema.field("id").metadata or {})
+    raw = metadata.get(b"dice_fast")
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
 
 
 def _in_list(ids: Sequence) -> str:

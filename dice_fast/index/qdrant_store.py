@@ -5,7 +5,8 @@ fixed mapping makes every write idempotent), two named vectors, ``doc`` (dense, 
 ``chunks`` (a multivector of unit chunk vectors compared by ``MAX_SIM``, HNSW off, ``m=0``, as Qdrant
 recommends for multivectors), and the payload ``{"id", "start", "end", "tokens", "text"?}``. A
 document without chunks has no ``chunks`` vector (``maxsim`` never returns it). The collection's
-metadata holds the store's record (dim, model, options), checked when it is opened again.
+metadata holds the store's record (dim, model, options), checked when it is opened again; a
+collection without one (made by something else) is refused.
 
 The same client API runs in process (``QdrantClient(path=DIR)`` or ``":memory:"``: exact, MaxSim in a
 Python loop, for parity and prototypes; it warns above 20,000 points) and against a server or cluster
@@ -33,25 +34,25 @@ class QdrantStore(RemoteStore):
     """Documents of one Qdrant collection (see the module docstring).
 
     client: a ``qdrant_client.QdrantClient`` (local path, ":memory:" or a server URL); collection: its
-    name, created when missing (then ``dim`` or ``encoder`` is needed). encoder / model /
-    encoder_options: the encoder that made the vectors (recorded; a reopened collection refuses
-    other ones); store_text: keep texts in the payload (default: as recorded, else True); batch_size:
-    points per upsert.
+    name, created when missing (then ``dim`` or ``encoder`` is needed; ``create=False`` refuses a
+    missing one). encoder / model / encoder_options: the encoder that made the vectors (recorded; a
+    reopened collection refuses other ones); store_text: keep texts in the payload (default: as
+    recorded, else True); batch_size: points per upsert, at most (and about `write_bytes` bytes).
     """
 
     kind = "qdrant"
 
     def __init__(self, client, collection: str, *, dim: int | None = None, encoder=None, model: str | None = None,
-                 encoder_options: dict | None = None, store_text: bool | None = None, batch_size: int = DEFAULT_BATCH):
+                 encoder_options: dict | None = None, store_text: bool | None = None, batch_size: int = DEFAULT_BATCH,
+                 create: bool = True):
         self._models = require("qdrant_client.models", "qdrant")
         self.client, self.collection = client, str(collection)
         where = f"Qdrant collection {self.collection!r}"
         exists = client.collection_exists(self.collection)
-        record = (client.get_collection(self.collection).config.metadata or {}).get("dice_fast") if exists else None
-        if dim is None:
-            dim = encoder.dim if encoder is not None else (record or {}).get("dim")
-        if dim is None:
-            raise ValueError(f"{where} does not exist: give dim= or encoder= to create it")
+        record = None
+        if exists:  # {}: a collection without a dice_fast record (refused)
+            record = (client.get_collection(self.collection).config.metadata or {}).get("dice_fast") or {}
+        dim = self._width(dim, encoder, record, where, create)
         self._setup(dim, encoder, model, encoder_options, store_text, record, batch_size, where)
         if not exists:
             self._create()
@@ -65,6 +66,9 @@ class QdrantStore(RemoteStore):
                                      hnsw_config=m.HnswConfigDiff(m=0)),
         }
         self.client.create_collection(self.collection, vectors_config=vectors, metadata={"dice_fast": self.record()})
+
+    def _save_record(self) -> None:
+        self.client.update_collection(self.collection, metadata={"dice_fast": self.record()})
 
     def _write(self, b) -> None:
         points = []
@@ -99,8 +103,9 @@ class QdrantStore(RemoteStore):
     def delete(self, ids: Sequence) -> None:
         """Remove the documents ``ids`` (ids not stored are ignored)."""
         ids = [point_id(i) for i in ids]
-        if ids:
-            self.client.delete(self.collection, points_selector=self._models.PointIdsList(points=ids), wait=True)
+        for i in range(0, len(ids), 1024):  # as `contains`: a request of bounded size
+            self.client.delete(self.collection, points_selector=self._models.PointIdsList(points=ids[i : i + 1024]),
+                               wait=True)
 
     def contains(self, ids: Sequence) -> list[bool]:
         """For each id in ``ids``: whether the collection holds it."""

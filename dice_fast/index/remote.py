@@ -1,11 +1,16 @@
 """`RemoteStore`: what the Qdrant and LanceDB stores share above their client calls.
 
 A store keeps one record per document: its id, its document vector, its chunk vectors (unit rows)
-with their spans and token counts, and its text when ``store_text``. A subclass provides four calls:
+with their spans and token counts, and its text when ``store_text``. A subclass provides these calls:
 ``_write(batch)`` (replace-or-insert the records of a checked `Batch` slice), ``_nearest(queries,
 scoring, limit)`` (per query the records the database ranks first by ``dice`` or ``maxsim``, as
-`Candidate`s), ``delete(ids)``, ``contains(ids)``, ``fetch(ids)`` (the stored records, as `Candidate`s)
-and ``__len__``.
+`Candidate`s), ``delete(ids)``, ``contains(ids)``, ``fetch(ids)`` (the stored records, as `Candidate`s),
+``_save_record()`` (keep `record` in the database) and ``__len__``.
+
+Writes go in requests of at most ``batch_size`` documents and about ``write_bytes`` bytes each (a
+document's vectors counted at ``float_bytes`` a number, its spans and text beside them): a long
+document's hundreds of chunk vectors make one request as big as many short documents. A single
+document above the budget goes alone.
 
 Search scores the candidates again here in float32 from their returned vectors, exactly as
 `DiceIndex` does (so scores, order and evidence agree with `DiceIndex` on the same vectors whenever
@@ -21,10 +26,12 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from .. import scoring as sc
-from .common import DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, check_k, evidence_hit, short_repr
+from ..errors import InputError
+from .common import (DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, check_ids, check_k, evidence_hit,
+                     scored_hits, short_repr)
 from .encoder_match import model_id, vector_options
 
-DEFAULT_BATCH = 256  # documents per write
+DEFAULT_BATCH = 256  # documents per write, at most
 
 
 class Candidate(NamedTuple):
@@ -42,6 +49,23 @@ class RemoteStore(EncoderSlot):
     """Base of `QdrantStore` and `LanceStore` (see the module docstring)."""
 
     kind = "store"
+    write_bytes = 8 << 20  # bytes per write request, about (a Qdrant server refuses requests above 32 MB)
+    float_bytes = 24  # bytes a vector component takes in a request (JSON: "-0.012345678901234567,")
+
+    def _width(self, dim: int | None, encoder, record, where: str, create: bool) -> int:
+        """The vectors' width, from ``dim``, the encoder or ``record`` (what the existing collection /
+        table holds, None when it does not exist). Refuses one that exists without a dice_fast record,
+        and, unless ``create``, one that does not exist."""
+        if record is not None and (not isinstance(record, dict) or record.get("format") != f"dice_fast.{self.kind}/1"):
+            raise InputError(f"{where} exists but was not written by dice_fast (no dice_fast record); "
+                             "choose another name")
+        if record is None and not create:
+            raise InputError(f"{where} does not exist")
+        if dim is None:
+            dim = encoder.dim if encoder is not None else (record or {}).get("dim")
+        if dim is None:
+            raise ValueError(f"{where} does not exist: give dim= or encoder= to create it")
+        return dim
 
     def _setup(self, dim: int, encoder, model, encoder_options, store_text: bool | None, record: dict | None,
                batch_size: int, where: str) -> None:
@@ -68,10 +92,8 @@ class RemoteStore(EncoderSlot):
     def _check_record(self, found: dict, where: str, explicit: bool) -> None:
         """Refuse a collection / table whose record differs from this store's width and texts, and
         (``explicit``: opened with a model and options) its model and options; adopt the recorded
-        model and options otherwise (a passed encoder is then checked against them)."""
-        if not isinstance(found, dict) or found.get("format") != f"dice_fast.{self.kind}/1":
-            raise ValueError(f"{where} exists but was not written by dice_fast (no dice_fast record); "
-                             "choose another name")
+        model and options otherwise (a passed encoder is then checked against them). ``found`` is a
+        dice_fast record (`_width` refused anything else)."""
         mine = self.record()
         keys = ("dim", "store_text", "model") if explicit else ("dim", "store_text")
         for key in keys:
@@ -88,21 +110,42 @@ class RemoteStore(EncoderSlot):
 
     # ---------------------------------------------------------------------------------------------
     def add(self, texts, ids: Sequence) -> None:
-        """Encode ``texts`` (n strings) and write them under ``ids`` (n), replacing documents with
-        the same ids."""
-        ids = list(ids)
+        """Encode ``texts`` (n strings) and write them under ``ids`` (n distinct, checked before anything
+        is encoded), replacing documents with the same ids. A store that records no model (made with
+        ``dim=``) records the encoder's model and options at its first write."""
+        texts = list(texts)
+        ids = check_ids(ids, len(texts))
         texts, out = self._encode_texts(texts)
         self.upsert_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
                            out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
+        self._record_encoder()
 
     def upsert_arrays(self, ids: Sequence, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
                       chunk_tokens, texts: Sequence[str] | None = None) -> None:
-        """Write encoded documents (shapes as `DiceIndex.add_arrays`) in batches of ``batch_size``
-        documents; a document whose id is already stored is replaced, so a write can be repeated."""
+        """Write encoded documents (shapes as `DiceIndex.add_arrays`) in requests of at most ``batch_size``
+        documents and about ``write_bytes`` bytes; a document whose id is already stored is replaced, so a
+        write can be repeated."""
         b = check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
                         chunk_tokens, texts, self.store_text)
-        for d0 in range(0, len(b.ids), self.batch_size):
-            self._write(_slice(b, d0, min(d0 + self.batch_size, len(b.ids))))
+        for d0, d1 in self._write_ranges(b):
+            self._write(_slice(b, d0, d1))
+
+    def _write_ranges(self, b: Batch) -> list[tuple[int, int]]:
+        """Document ranges [d0, d1) of ``b``, one a request: at most ``batch_size`` documents, and about
+        ``write_bytes`` bytes unless a single document is bigger."""
+        counts = np.diff(b.cu)
+        size = (counts + 1) * self.dim * self.float_bytes + counts * 3 * 12 + 256  # vectors, spans, the rest
+        if b.texts is not None:
+            size = size + np.array([len(t.encode("utf-8")) for t in b.texts], np.int64)
+        ranges, d0, total = [], 0, 0
+        for d, bytes_ in enumerate(size.tolist()):
+            if d > d0 and (d - d0 >= self.batch_size or total + bytes_ > self.write_bytes):
+                ranges.append((d0, d))
+                d0, total = d, 0
+            total += bytes_
+        if d0 < len(b.ids):
+            ranges.append((d0, len(b.ids)))
+        return ranges
 
     add_arrays = upsert_arrays
 
@@ -128,8 +171,9 @@ class RemoteStore(EncoderSlot):
                candidates: int | None = None) -> list[list[Hit]]:
         """Rank documents for ``queries`` (n strings or an (n, dim) array): n lists of at most ``k``
         `Hit`s, best first, as `DiceIndex.search`. ``candidates``: documents fetched per scoring and
-        re-scored here from their vectors (default ``k``, and ``max(4 k, 40)`` for the hybrid blend);
-        more than ``k`` raises the recall of an approximate (indexed) search."""
+        re-scored here from their vectors (default ``k``, and ``max(4 k, 40)`` for the hybrid blend;
+        never fewer than ``k``); more raise the recall of an approximate (indexed) search. Equal scores
+        come in the database's order (`DiceIndex`: insertion order)."""
         sc.check_scoring(scoring)
         alpha = sc.check_alpha(alpha)
         k = check_k(k)
@@ -139,7 +183,7 @@ class RemoteStore(EncoderSlot):
         if scoring == "hybrid" and alpha in (0.0, 1.0):
             lists = self._nearest(q, "maxsim" if alpha == 0.0 else "dice", max(k, check_k(candidates or k)))
         elif scoring == "hybrid":
-            limit = check_k(candidates) if candidates is not None else max(4 * k, 40)
+            limit = max(k, check_k(candidates)) if candidates is not None else max(4 * k, 40)
             by_dice, by_maxsim = self._nearest(q, "dice", limit), self._nearest(q, "maxsim", limit)
             lists = [list({c.id: c for c in a + b}.values()) for a, b in zip(by_dice, by_maxsim)]
         else:
@@ -156,7 +200,8 @@ class RemoteStore(EncoderSlot):
                 s = float(sc.blend(alpha, np.float32(dice), np.float32(best)))
             scored.append((-s, position, c))
         scored.sort(key=lambda t: (t[0], t[1]))
-        return [evidence_hit(c.id, -s, qv, c.chunks, c.start, c.end, c.text) for s, _, c in scored[:k]]
+        kept = scored_hits(scoring, ((c, -s) for s, _, c in scored))
+        return [evidence_hit(c.id, s, qv, c.chunks, c.start, c.end, c.text) for c, s in kept[:k]]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.where}, {len(self)} documents, dim={self.dim})"

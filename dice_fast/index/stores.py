@@ -7,11 +7,14 @@
     lancedb://DIR/TABLE                    a LanceDB database folder DIR (lancedb:///abs/dir/table)
 
 Other keyword options go to the store (dim, encoder, model, encoder_options, store_text, batch_size).
+``create=False`` (what ``dice-fast search`` passes) refuses a collection or table that does not exist,
+creating nothing (not even the folder of a local Qdrant or a LanceDB database).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 SCHEMES = ("qdrant://", "qdrant+https://", "qdrant+path://", "qdrant+memory://", "lancedb://")
 
@@ -27,9 +30,17 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme, location, name
 
 
-def open_store(url: str, *, api_key: str | None = None, **options):
-    """A `QdrantStore` or `LanceStore` for ``url`` (see the module docstring)."""
+def open_store(url: str, *, api_key: str | None = None, create: bool = True, **options):
+    """A `QdrantStore` or `LanceStore` for ``url`` (see the module docstring); ``create=False``: only an
+    existing one (`InputError` naming it otherwise)."""
     scheme, location, name = split_url(url)
+    local = scheme == "qdrant+path://" or (scheme == "lancedb://" and "://" not in location)
+    if not create and local and not Path(location).is_dir():
+        from ..errors import InputError
+
+        kind = "Qdrant collection" if scheme == "qdrant+path://" else "LanceDB table"
+        raise InputError(f"{kind} {name!r} does not exist (no folder {location})")
+    options["create"] = create
     if scheme == "lancedb://":
         from .lance_store import LanceStore
 

@@ -13,8 +13,11 @@ the evidence passage of each retrieved document (``pip install dice-fast[langcha
 
 ``embed_documents`` encodes documents (chunked, each chunk encoded alone, chunk vectors aggregated),
 ``embed_query`` a query (one model window): the engine's ``encode_documents`` / ``encode_queries``,
-row for row. Hand LangChain whole documents: DICE does the chunking, so a text splitter in front of
-it only makes the chunks smaller than the model's window.
+row for row, except that a query longer than the model window raises `QueryTooLong` (in process as
+through a server, which refuses it by default) where ``encode_queries`` cuts it to the window with a
+warning. ``DiceRetriever`` encodes its query with the store's ``search``, so it cuts and warns.
+Hand LangChain whole documents: DICE does the chunking, so a text splitter in front of it only makes
+the chunks smaller than the model's window.
 
 A server refuses token ids; LangChain's own ``OpenAIEmbeddings`` sends them by default: use
 ``DiceEmbeddings(base_url=...)``, or ``OpenAIEmbeddings(..., check_embedding_ctx_length=False)``.
@@ -67,7 +70,8 @@ class DiceEmbeddings(Embeddings):
         return self._embedder.documents(_texts(texts)).tolist()
 
     def embed_query(self, text: str) -> list[float]:
-        """One query -> its vector, ``encode_queries([text])[0]``."""
+        """One query -> its vector, ``encode_queries([text])[0]``; `QueryTooLong` for a query longer than
+        the model window (``encode_queries`` would cut it)."""
         return self._embedder.queries([_text(text)])[0].tolist()
 
     async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
@@ -84,6 +88,7 @@ class DiceRetriever(BaseRetriever):
         keeps its texts (the default of ``DiceIndex.from_texts`` and of the stores' ``add``); any object
         with their ``search(queries, k=, scoring=, **search_kwargs)`` whose hits carry ``id``, ``score``,
         ``chunk``, ``start_char``, ``end_char``, ``chunk_score`` and ``text`` will do.
+    A query longer than the model window is cut to it with a warning (the store's ``encode_queries``).
     k: documents per query; scoring: "maxsim" (a document's best chunk; the default, measured best,
         docs/retrieval.md), "dice" (the document vector ranks) or "hybrid"; search_kwargs: more
         arguments of ``search`` (``alpha``, ``approximate``, ``candidates`` ...).

@@ -107,3 +107,51 @@ def test_embeddings_pickle_and_load_their_model_again(bundled):
         pickle.dumps(DiceEmbeddings(bare))
     server = pickle.loads(pickle.dumps(DiceEmbeddings(base_url="http://127.0.0.1:9", client_options={"timeout": 5})))
     assert repr(server) == "DiceEmbeddings('http://127.0.0.1:9/v1/embeddings')" and server.encoder is None
+
+
+def test_a_retriever_batch_builds_the_recorded_encoder_once(index, haystack, bundled, monkeypatch):
+    """``batch`` / ``abatch`` search from several threads at once: a store loaded without an encoder builds
+    the recorded one once (it was built once per thread: 4 model loads, or a crashed concurrent import)."""
+    import threading
+    import time
+
+    from dice_fast import DiceIndex
+    from dice_fast.index import common
+
+    builds, lock = [], threading.Lock()
+
+    def restore(model, options, where, device=None):
+        with lock:
+            builds.append(model)
+        time.sleep(0.2)  # the threads' first searches overlap
+        return bundled
+
+    monkeypatch.setattr(common, "restore_encoder", restore)
+    loaded = DiceIndex(index.dim, model="/models/recorded", encoder_options=dict(index.encoder_options))
+    doc_of = np.repeat(np.arange(len(index)), np.diff(index.cu_doc_chunks))
+    loaded.add_arrays(index.ids, index.documents, index.chunks, doc_of, index.chunk_start_char,
+                      index.chunk_end_char, index.chunk_tokens, texts=list(index.texts))
+    queries = [haystack.query, "a river", "the sky", "bread"]
+    retriever = DiceRetriever(index=loaded, k=2)
+    got = retriever.batch(queries)
+    assert builds == ["/models/recorded"] and loaded.encoder is bundled
+    assert [[d.id for d in docs] for docs in got] == \
+        [[h.id for h in row] for row in index.search(queries, 2)]
+    loaded.encoder = None  # the async twin: asyncio.gather of ainvoke
+    async def gather():
+        return await asyncio.gather(*(retriever.ainvoke(q) for q in queries))
+    assert [[d.id for d in docs] for docs in asyncio.run(gather())] == [[d.id for d in docs] for docs in got]
+    assert len(builds) == 2
+
+
+def test_a_query_longer_than_the_window_is_refused_by_embed_query_and_cut_by_the_retriever(bundled, index):
+    """As the module docstring says: ``embed_query`` refuses an over-window query (`QueryTooLong`, as a
+    server does by default) where ``encode_queries``, and so a retriever's search, cuts it with a warning."""
+    from dice_fast.integrations.langchain import QueryTooLong
+
+    long_query = "river tree " * 400
+    with pytest.raises(QueryTooLong, match="query 0 of this call has"):
+        DiceEmbeddings(bundled).embed_query(long_query)
+    with pytest.warns(UserWarning, match="longer than the model window"):
+        docs = DiceRetriever(index=index, k=1).invoke(long_query)
+    assert len(docs) == 1
