@@ -42,7 +42,7 @@ STACK_TESTS = [*STACKS["langchain"], *STACKS["llama-index"], "openai>=1.40"]  # 
 
 setup(
     name="dice-fast",
-    version="0.1.0",
+    version="0.2.0",
     description="High-throughput, exact DICE long-document embedding: packed varlen chunks, fused segment pooling",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

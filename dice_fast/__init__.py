@@ -13,7 +13,7 @@ transformers, triton nor flash-attn; those load on first use.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "DiceEncoder": "dice_fast.engine",

@@ -62,7 +62,7 @@ def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "t
     span (one tokenizer call gives both; ``spans=False``: ids only, ``char_start`` / ``char_end`` None,
     for callers that return no chunk spans). texts: n_docs strings. ``after``: every non-empty text
     (where ``follows``, n_docs bools, is true; None: all) has the ids it has tokenized after that
-    prefix (`TextPrefix.split`; alone where a token would span both), its spans still in the text.
+    prefix (`TextPrefix.text_start`; alone where a token would span both), its spans still in the text.
 
     A text the tokenizer cannot take raises ValueError naming ``what[base + index]``.
     """
@@ -71,16 +71,19 @@ def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "t
         batch = texts[i : i + batch_size]
         joint = [after is not None and bool(t) and (follows is None or bool(follows[i + j])) for j, t in enumerate(batch)]
         enc = _call(tokenizer, [after.text + t if k else t for t, k in zip(batch, joint)] if any(joint) else batch,
-                    batch, base + i, what, spans or any(joint))
+                    batch, base + i, what, spans)
         for j, seq in enumerate(enc["input_ids"]):
-            span = enc["offset_mapping"][j] if spans or joint[j] else None
-            part = after.split(seq, span) if joint[j] else (seq, span)
-            if part is None:
-                alone.append(i + j)
-                part = (seq, span)
-            ids.append(np.asarray(part[0], dtype=np.int64))
+            start = 0
+            if joint[j]:  # without spans asked for, only the boundary's two tokens are looked up
+                start = after.text_start(seq, enc["offset_mapping"][j].__getitem__ if spans else
+                                         (lambda k, j=j: enc.token_to_chars(j, k)))
+                if start is None:  # a token spans prefix and text: the text is tokenized alone below
+                    alone.append(i + j)
+                    start = 0
+            ids.append(np.asarray(seq[start:], dtype=np.int64))
             if spans:
-                pairs.append(np.asarray(part[1], dtype=np.int64).reshape(-1, 2))
+                pair = enc["offset_mapping"][j][start:]
+                pairs.append(after.text_spans(pair) if joint[j] else np.asarray(pair, dtype=np.int64).reshape(-1, 2))
     if alone:  # texts whose first token would span the prefix and the text
         enc = _call(tokenizer, [texts[k] for k in alone], [texts[k] for k in alone], base, what, spans)
         for j, k in enumerate(alone):

@@ -205,7 +205,7 @@ class DiceEncoder:
 
     def plan_tokens(self, tokens: TokenizedDocuments, kind: str = "documents", strategy: str | None = None) -> EncodingPlan:
         """`plan` for texts already tokenized (``tokens``: n texts' ids without special tokens, as
-        `dice_fast.chunking.tokenize` gives them with this encoder's tokenizer)."""
+        ``self.tokenize(texts, kind=kind)`` gives them: after ``kind``'s prefix, which ``plan`` equals)."""
         return self._plan_tokens(tokens, _check_kind(kind), strategy=strategy)
 
     def max_tokens_used(self, kind: str = "documents", strategy: str | None = None) -> int | None:
@@ -328,9 +328,15 @@ class DiceEncoder:
 
         with Prefetch(plans, prepare) as ahead, contextlib.ExitStack() as stack:
             source = stack.enter_context(BatchPipeline(queue, self.device)) if self.settings.pipeline else queue
+            later: list[Exception] = []  # the input's (or its planning's) error, raised after the windows before it
+
             def top_up():
-                while len(jobs) < 2:
-                    item = ahead.next()
+                while len(jobs) < 2 and not later:
+                    try:
+                        item = ahead.next()
+                    except Exception as exc:  # noqa: BLE001 - raised once the queued windows are out
+                        later.append(exc)
+                        return
                     if item is None:
                         return
                     jobs.append(queue.submit(item[0], aggregation, keep_chunks=return_chunks, tag=submitted[0],
@@ -359,6 +365,8 @@ class DiceEncoder:
                         progress(known, 0)  # documents whose every chunk was known already
                     yield DiceOutput.of_plan(job.plan, job.documents, job.chunks) if return_chunks else job.documents
                     top_up()
+            if later:
+                raise later[0]
 
     def _check_global_positions(self, plan: EncodingPlan, base: int = 0) -> None:
         last = plan.chunks.start + plan.chunk_lengths  # positions used, per chunk

@@ -2,7 +2,7 @@
 
 sentence-transformers' prompts tokenize prefix and text together; the engine tokenizes the prefix once
 (every chunk's wrap carries its ids) and each text after it: ``prefix + text`` in one tokenizer call,
-whose ids are split where the text begins (`TextPrefix.split`). So a document's or query's first token
+whose ids are split where the text begins (`TextPrefix.text_start`). So a document's or query's first token
 is the one the joint tokenization gives ("Ġthe" after "passage: " with byte-level BPE, where "the"
 alone is "the"; a SentencePiece text that starts with a space or a special token keeps its "▁"), and
 token spans stay in the text. Where one token would span prefix and text (a prefix without a trailing
@@ -40,14 +40,19 @@ class TextPrefix:
                 ids.pop()
         return cls(text, tuple(ids))
 
-    def split(self, ids: list[int], spans) -> tuple[np.ndarray, np.ndarray] | None:
-        """The text's (ids (n,), spans (n, 2) in the text) from those of ``self.text + text`` tokenized
-        together; None when they do not begin with exactly ``self.ids``, ending where the text begins
-        (a token spans prefix and text: the text is then tokenized alone)."""
+    def text_start(self, ids: list[int], span_of) -> int | None:
+        """Where the text's tokens begin in ``ids``, those of ``self.text + text`` tokenized together
+        (``span_of(k)``: token k's (start, end) characters there); None when the ids do not begin with
+        exactly ``self.ids``, ending where the text begins (a token spans prefix and text: the text is
+        then tokenized alone)."""
         n, keep = len(self.ids), len(self.text.rstrip(" "))
-        if tuple(ids[:n]) != self.ids or (n and spans[n - 1][1] > keep) or (n < len(ids) and spans[n][0] < keep):
+        if tuple(ids[:n]) != self.ids or (n and span_of(n - 1)[1] > keep) or (n < len(ids) and span_of(n)[0] < keep):
             return None
-        return np.asarray(ids[n:], np.int64), np.maximum(np.asarray(spans[n:], np.int64).reshape(-1, 2) - len(self.text), 0)
+        return n
 
+    def text_spans(self, spans) -> np.ndarray:
+        """(m, 2) int64 character spans in the text of tokens whose ``spans`` are in ``self.text + text``
+        (a token inside the prefix's trailing spaces alone: (0, 0))."""
+        return np.maximum(np.asarray(spans, np.int64).reshape(-1, 2) - len(self.text), 0)
 
 __all__ = ["TextPrefix"]
