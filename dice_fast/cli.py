@@ -38,10 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand. A user's error (a bad option, input, model or cache, out of memory) is
     printed as one ``dice-fast: error:`` line, by its type (`dice_fast.errors.describe`), with exit
-    status 2; anything else is a bug and raises with its traceback."""
+    status 2, and so is Ctrl-C wherever it lands (a corpus job's own handling says more); anything
+    else is a bug and raises with its traceback."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print(f"dice-fast: error: interrupted (Ctrl-C) during {args.command}", file=sys.stderr)
+        return 2
     except Exception as exc:
         from .errors import describe
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,12 +88,19 @@ def load_model(path: str | os.PathLike | None, device: torch.device, dtype: torc
     return model, tokenizer
 
 
+# what a saved tokenizer leaves in a model folder (fast or slow; WordPiece, BPE, SentencePiece, tiktoken)
+_TOKENIZER_FILE = re.compile(r"^(tokenizer.*|vocab\..*|merges\.txt|.*\.model|.*\.tiktoken|spiece.*)$")
+
+
 def _check_model_path(path: str) -> bool:
     """Raise `ModelError` for a path that cannot hold a model; True when ``path`` can only be a hub id."""
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelError(f"model {path} is not a model folder (it has no config.json)", path)
+        if not any(_TOKENIZER_FILE.match(f.name) for f in p.iterdir()):  # transformers would make up a tiny one
+            raise ModelError(f"model {path} has no tokenizer files (tokenizer.json, vocab.txt, ...): save the "
+                             "model's tokenizer into its folder (tokenizer.save_pretrained)", path)
         return False
     if p.exists():
         raise ModelError(f"model {path} is a file; give the model's folder", path)

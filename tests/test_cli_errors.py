@@ -65,3 +65,34 @@ def test_errors_are_described_by_type_not_text():
     assert describe(MemoryError()).startswith("out of memory (")
     assert describe(RuntimeError("out of memory")) is None  # never by its text: a bug, raised with its traceback
     assert describe(KeyError("x")) is None
+
+
+def test_a_model_folder_without_its_tokenizer_is_refused(inputs, capsys):
+    """transformers makes up a five-token tokenizer for a folder without one: every word [UNK], two
+    unrelated documents at cosine 0.99, exit 0. The folder is refused, naming what it lacks."""
+    import shutil
+
+    from dice_fast.models import default_model_path
+
+    folder = inputs / "no_tokenizer"
+    shutil.copytree(default_model_path(), folder)
+    for f in folder.iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "special_tokens")):
+            f.unlink()
+    assert cli.main(["encode", str(inputs / "docs.txt"), "-o", str(inputs / "o.npy"), "--model", str(folder)]) == 2
+    assert f"model {folder} has no tokenizer files" in capsys.readouterr().err
+    assert not (inputs / "o.npy").exists()
+
+
+def test_ctrl_c_anywhere_is_one_line_and_exit_2(monkeypatch, capsys):
+    """Before a corpus job installs its own handling (the model still loading), Ctrl-C printed a
+    KeyboardInterrupt traceback."""
+    import argparse
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    parsed = argparse.Namespace(command="encode", func=interrupted)
+    monkeypatch.setattr(cli, "build_parser", lambda: argparse.Namespace(parse_args=lambda argv: parsed))
+    assert cli.main(["encode", "x.txt", "-o", "o.npy"]) == 2
+    assert capsys.readouterr().err.strip() == "dice-fast: error: interrupted (Ctrl-C) during encode"

@@ -403,3 +403,9 @@ def test_add_checks_ids_before_encoding(kind, tmp_path, model_folder, monkeypatc
     with pytest.raises(OptionError, match=r"duplicate id 'a': ids\[0\] and ids\[2\]"):
         store.add(TEXTS[:3], ["a", "b", "a"])
     assert encoded == [] and len(store) == 0
+
+
+def test_a_qdrant_server_that_cannot_be_reached_is_named():
+    """A server that is down (or refuses the key) was qdrant_client's traceback on `dice-fast search` / `push`."""
+    with pytest.raises(InputError, match=r"Qdrant at http://127\.0\.0\.1:1: .*"):
+        open_store("qdrant://127.0.0.1:1/docs", dim=4)

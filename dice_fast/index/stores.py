@@ -56,4 +56,12 @@ def open_store(url: str, *, api_key: str | None = None, create: bool = True, **o
     else:
         http = "https" if scheme == "qdrant+https://" else "http"
         client = client_class(url=f"{http}://{location}", api_key=api_key or os.environ.get("QDRANT_API_KEY"))
+        from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
+
+        try:  # the first request: a server that is down or refuses the key is the user's to fix
+            return QdrantStore(client, name, **options)
+        except (ResponseHandlingException, UnexpectedResponse) as exc:
+            from ..errors import InputError, one_line
+
+            raise InputError(f"Qdrant at {http}://{location}: {one_line(exc)[:200]}") from None
     return QdrantStore(client, name, **options)
