@@ -71,6 +71,21 @@ def add_encoder_arguments(p: argparse.ArgumentParser, config_cls: type = DiceCon
         g.add_argument(flag, **spec)
 
 
+def bounded(kind: type, low: float, *, above: bool = False):
+    """An argparse ``type``: a ``kind`` (int or float) of at least ``low`` (greater, when ``above``);
+    nan, inf and what is not a number are refused, naming the value (argparse adds the flag)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if value != value or abs(value) == float("inf") or (value <= low if above else value < low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {low:g}, got {text!r}")
+        return value
+
+    return parse
+
+
 def add_cache_arguments(p: argparse.ArgumentParser, default_max_gb: float | None = None):
     """``--cache DIR`` and ``--cache-max-gb N`` (``default_max_gb``: the bound when ``--cache`` comes alone;
     None: unbounded); returns their argument group (for a command's own cache flags)."""

@@ -96,3 +96,19 @@ def test_ctrl_c_anywhere_is_one_line_and_exit_2(monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_parser", lambda: argparse.Namespace(parse_args=lambda argv: parsed))
     assert cli.main(["encode", "x.txt", "-o", "o.npy"]) == 2
     assert capsys.readouterr().err.strip() == "dice-fast: error: interrupted (Ctrl-C) during encode"
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["serve", "--graceful-timeout", "nan"], "--graceful-timeout: must be >= 0"),
+    (["serve", "--graceful-timeout", "-5"], "--graceful-timeout: must be >= 0"),
+    (["bench", "--longest", "0"], "--longest: must be >= 1"),
+    (["bench", "--budget-s", "inf"], "--budget-s: must be > 0"),
+    (["bench-serve", "--timeout", "nan"], "--timeout: must be > 0"),
+    (["eval", "--check-docs", "-1"], "--check-docs: must be >= 0"),
+    (["eval", "--check-docs", "two"], "--check-docs: expected an integer"),
+])
+def test_out_of_range_numbers_are_refused_naming_the_flag(argv, flag, capsys):
+    """nan, inf and negative numbers were accepted (a server that never waits, a bench of empty documents)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and flag in capsys.readouterr().err

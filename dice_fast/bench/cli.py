@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cliargs import add_encoder_arguments, encoder_options, make_encoder
+from ..cliargs import add_encoder_arguments, bounded, encoder_options, make_encoder
 from .corpora import CORPORA, RANDOM_MODELS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -24,7 +24,7 @@ def register_cli(subparsers) -> None:
                    help="use a random-weight architecture instead of --model (speed only)")
     g.add_argument("--corpus", nargs="+", choices=CORPORA, default=["mixed"], help="corpora to run (default mixed)")
     g.add_argument("--docs", type=int, default=200, help="documents per corpus (default 200)")
-    g.add_argument("--longest", type=int, default=32768, help="longest document in tokens (default 32768)")
+    g.add_argument("--longest", type=bounded(int, 1), default=32768, help="longest document in tokens (default 32768)")
     g.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None,
                    help="dtypes to compare (default: --dtype when given, else float32 and bfloat16)")
     g.add_argument("--padded-batch", type=int, default=32, help="chunks per padded batch of the naive paths")
@@ -34,7 +34,7 @@ def register_cli(subparsers) -> None:
     g.add_argument("--flops", action="store_true",
                    help="also report the engine's model TFLOP/s and MFU against the matmul rate of each dtype, "
                    "measured in the same run")
-    g.add_argument("--budget-s", type=float, default=None,
+    g.add_argument("--budget-s", type=bounded(float, 0, above=True), default=None,
                    help="wall-clock seconds for the timed rounds of each corpus: a round starts only while the "
                    "slowest round so far still fits (at least one runs)")
     g.add_argument("--raw-csv", default=None,

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..cliargs import add_encoder_arguments, make_encoder
+from ..cliargs import add_encoder_arguments, bounded, make_encoder
 from ..errors import OptionError
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--out-dir", default="benchmarks/eval", help="folder for the CSV, PNGs and markdown tables")
     p.add_argument("--csv", default=None, help="CSV file to append rows to (default: OUT_DIR/results.csv)")
     p.add_argument("--tag", default="", help="extra text in the names of the PNG / markdown files")
-    p.add_argument("--check-docs", type=int, default=2,
+    p.add_argument("--check-docs", type=bounded(int, 0), default=2,
                    help="documents re-encoded by the engine per method to confirm the derived vectors (0: off)")
     p.add_argument("--no-plots", action="store_true", help="write no PNGs")
     p.add_argument("--save-result", action="store_true",

@@ -151,7 +151,10 @@ def run_bench_serve(args) -> int:
     from ..cliargs import make_encoder
     from ..runinfo import append_csv, device_name, model_label
 
-    clients = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    try:
+        clients = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency must list client counts >= 1, got {args.concurrency!r}") from None
     for name, value in (("docs", args.docs), ("docs-per-request", args.docs_per_request), ("passes", args.passes),
                         ("offline-repeats", args.offline_repeats)):
         if value < 1:

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from ..reuse.persistent import SERVE_MAX_GB
-from ..cliargs import add_cache_arguments, add_encoder_arguments, make_encoder
+from ..cliargs import add_cache_arguments, add_encoder_arguments, bounded, make_encoder
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, HTTP_LIMITS, LIMITS, check_limits
 from .server import SERVER_LIMITS
 
@@ -115,7 +115,7 @@ def register_cli(subparsers) -> None:
     g.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     g.add_argument("--served-model-name", default=None,
                    help="model name in responses and /v1/models (default: the model folder's name)")
-    g.add_argument("--graceful-timeout", type=float, default=30.0,
+    g.add_argument("--graceful-timeout", type=bounded(float, 0), default=30.0,
                    help="seconds to finish requests in flight after SIGTERM before cancelling them (default 30)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
@@ -151,7 +151,8 @@ def register_cli(subparsers) -> None:
     g.add_argument("--passes", type=int, default=1, help="times the clients go through the corpus (default 1)")
     g.add_argument("--offline-repeats", type=int, default=3,
                    help="timed offline runs; their median is the reference (default 3)")
-    g.add_argument("--timeout", type=float, default=600.0, help="give up on a run after this many seconds")
+    g.add_argument("--timeout", type=bounded(float, 0, above=True), default=600.0,
+                   help="give up on a run after this many seconds")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--csv", default=None, help="append the rows to this CSV")
     g.add_argument("--no-baseline", action="store_true", help="skip the server without cross-request batching")
