@@ -13,6 +13,7 @@ Everything is flat integer arrays (no per-token Python loops):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -370,3 +371,15 @@ class EncodingPlan:
         d, s, n = int(self.chunks.document[c]), int(self.chunks.start[c]), int(self.chunks.length[c])
         o = int(self.tokens.offsets[d])
         return np.concatenate([self.prefix, self.tokens.ids[o + s : o + s + n], self.suffix])
+
+
+def warn_truncated(doc_lengths: np.ndarray, capacity: int, window: int, what: str) -> None:
+    """Warn that the texts of ``doc_lengths`` over ``capacity`` tokens were cut to it, naming the first three."""
+    over = np.flatnonzero(doc_lengths > capacity)
+    if len(over):
+        first = ", ".join(f"{what}[{i}] ({int(doc_lengths[i])} tokens)" for i in over[:3])
+        warnings.warn(f"{len(over)} {what} longer than the model window ({window} tokens with special tokens) "
+                      f"were cut to their first {capacity} tokens: {first}{' ...' if len(over) > 3 else ''}",
+                      stacklevel=4)
+
+

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections import deque
 from typing import Callable, Iterable, Iterator
 
@@ -28,7 +27,7 @@ import torch
 from . import cpu_attention
 from .chunk_queue import ChunkQueue
 from .chunking import (EncodingPlan, TokenizedDocuments, check_texts, check_vocabulary, plan_chunks, plan_windows,
-                       tokenize)
+                       tokenize, warn_truncated)
 from .config import DiceConfig
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .errors import ArgumentTypeError, OptionError, TextError
@@ -36,7 +35,7 @@ from .models import inspect_model, load_model
 from .output import DiceOutput, concat_outputs  # noqa: F401 - DiceOutput is part of the engine's API
 from .packing import PackedBatch
 from .pipeline import BatchPipeline
-from .pieces import cuts_are_exact, tokenize_bounded
+from .pieces import PIECE_CHARS, cuts_are_exact, tokenize_bounded
 from .progress import progress_reporter
 from .reuse import ChunkStats, MemoryCache
 from .reuse.manager import ChunkReuse
@@ -273,9 +272,15 @@ class DiceEncoder:
                  kind: str | None = None) -> TokenizedDocuments:
         """`dice_fast.chunking.tokenize` of ``texts`` (n strings): the ids without special tokens (and their
         character spans unless ``spans=False``) they have after the prefix of ``kind`` ("documents", "queries";
-        None: none). Thread-safe: one call at a time reaches the tokenizer (fast tokenizers are not)."""
+        None: none); with a text of over `PIECE_CHARS` characters, `tokenize_bounded`'s (where cuts are exact).
+        Thread-safe: one call at a time reaches the tokenizer (fast tokenizers are not)."""
+        after = self.settings.text_prefix(kind)
+        if any(len(t) > PIECE_CHARS for t in texts) and self.cuts_are_exact():  # a huge text goes in pieces: whole,
+            # the tokenizer's working memory is ~160 bytes a character (8 GB for one line of 50 MB)
+            return tokenize_bounded(self.tokenizer, texts, self._tokenizer_lock, piece_chars=PIECE_CHARS, what=what,
+                                    base=base, after=after)
         with self._tokenizer_lock:
-            return tokenize(self.tokenizer, texts, what=what, base=base, spans=spans, after=self.settings.text_prefix(kind))
+            return tokenize(self.tokenizer, texts, what=what, base=base, spans=spans, after=after)
 
     def tokenize_bounded(self, texts: list[str], *, piece_chars: int | None, check=None, enough: int | None = None,
                          what: str = "texts", kind: str | None = None) -> TokenizedDocuments:
@@ -306,7 +311,7 @@ class DiceEncoder:
         windows = None if late is None else plan_windows(chunks, tokens.lengths, *late)
         plan = EncodingPlan(tokens, chunks, wrap[0], wrap[1], global_positions, windows)
         if kind == "queries":
-            _warn_truncated(tokens.lengths, size, self.window, kind)
+            warn_truncated(tokens.lengths, size, self.window, kind)
         if global_positions:
             self._check_global_positions(plan, base)
         return plan
@@ -387,13 +392,3 @@ def _check_kind(kind: str) -> str:
     if kind not in ("documents", "queries"):
         raise OptionError(f"unknown kind {kind!r}; allowed: 'documents', 'queries'")
     return kind
-
-
-def _warn_truncated(doc_lengths: np.ndarray, capacity: int, window: int, what: str) -> None:
-    over = np.flatnonzero(doc_lengths > capacity)
-    if len(over):
-        first = ", ".join(f"{what}[{i}] ({int(doc_lengths[i])} tokens)" for i in over[:3])
-        warnings.warn(f"{len(over)} {what} longer than the model window ({window} tokens with special tokens) "
-                      f"were cut to their first {capacity} tokens: {first}{' ...' if len(over) > 3 else ''}",
-                      stacklevel=4)
-

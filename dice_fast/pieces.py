@@ -151,7 +151,7 @@ def cuts_are_exact(tokenizer) -> bool:
 
 
 def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | None = PIECE_CHARS,
-                     check=None, enough: int | None = None, what: str = "texts",
+                     check=None, enough: int | None = None, what: str = "texts", base: int = 0,
                      after: TextPrefix | None = None) -> TokenizedDocuments:
     """`tokenize`'s result, computed in tokenizer calls of at most ``piece_chars`` characters (pieces
     of several short texts share a call; a forced cut's check is one call of at most
@@ -165,7 +165,7 @@ def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | No
     if given, is called between calls with (n,) int64 tokens found so far per text (a lower bound of
     each final count; read it, do not keep it) and stops everything by raising. A text with more than
     ``enough`` tokens is not tokenized further: its ids are then a prefix (of more than ``enough``
-    tokens) of its full ids. A text the tokenizer cannot take raises `TextError` naming ``what[i]``.
+    tokens) of its full ids. A text the tokenizer cannot take raises `TextError` naming ``what[base + i]``.
     ``after``: every text's first piece is tokenized after that prefix, as `tokenize` does.
     """
     counts = np.zeros(len(texts), dtype=np.int64)
@@ -184,7 +184,7 @@ def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | No
                 out = tokenize(tokenizer, [piece for _, piece, _ in group], what=what, after=after,
                                follows=[not at for _, _, at in group])  # first pieces follow the prefix
         except ValueError as exc:  # name the text, not the piece
-            raise_for_unencodable(texts[first : group[-1][0] + 1], first, what, exc)
+            raise_for_unencodable(texts[first : group[-1][0] + 1], base + first, what, exc)
             raise
         for (i, _, at), a, b in zip(group, out.offsets[:-1], out.offsets[1:]):  # spans: piece -> text
             parts[i].append((out.ids[a:b], out.char_start[a:b] + at, out.char_end[a:b] + at))
@@ -194,7 +194,7 @@ def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | No
 
     for i, text in enumerate(texts):
         if piece_chars and len(text) > size:  # not valid Unicode: named here, not as a forced cut's window
-            raise_for_unencodable([text], i, what, None)
+            raise_for_unencodable([text], base + i, what, None)
         cuts = pieces(tokenizer, text, lock, size) if piece_chars else [(0, len(text), True)]
         for start, end, _ in cuts:
             if enough is not None and counts[i] > enough:

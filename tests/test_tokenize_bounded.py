@@ -202,3 +202,23 @@ def test_two_megabytes_of_gapless_text_go_in_bounded_calls_with_the_lock_release
     whole = tokenize(bert_tokenizer, [text])
     np.testing.assert_array_equal(out["long"].ids, whole.ids)
     np.testing.assert_array_equal(out["long"].char_end, whole.char_end)
+
+
+def test_the_engine_tokenizes_a_huge_text_in_bounded_pieces(monkeypatch):
+    """A text longer than PIECE_CHARS goes through `tokenize_bounded` (tokenized whole, one line of 50 MB
+    took 8 GB of the tokenizer's memory): the same ids and spans, the prefix on its first piece only."""
+    from dice_fast import DiceEncoder, engine
+    from tiny_models import tiny
+
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=8, document_prefix="passage: ")
+    texts = ["a short one", " ".join(WORDS * 40), ""]
+    want = enc.plan(texts)
+    used = []
+    monkeypatch.setattr(engine, "PIECE_CHARS", 300)
+    monkeypatch.setattr(engine, "tokenize_bounded", lambda *a, **k: used.append(k) or tokenize_bounded(*a, **k))
+    got = enc.plan(texts)
+    assert used and used[0]["piece_chars"] == 300 and len(texts[1]) > 3000
+    for a, b in ((got.tokens.ids, want.tokens.ids), (got.tokens.char_start, want.tokens.char_start),
+                 (got.tokens.char_end, want.tokens.char_end), (got.tokens.offsets, want.tokens.offsets)):
+        np.testing.assert_array_equal(a, b)
