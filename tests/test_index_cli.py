@@ -93,3 +93,27 @@ def test_search_of_a_store_that_does_not_exist_creates_nothing(tmp_path, capsys,
     err = capsys.readouterr().err
     assert "does not exist" in err and "dim=" not in err, err
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["db"]
+
+
+def test_an_existing_index_is_refused_unless_overwrite(tmp_path, capsys, loaded_once, monkeypatch):
+    """`dice-fast index` replaced an existing index silently, where `encode` refuses an existing output:
+    it refuses it now, before any model loads, and --overwrite replaces it."""
+    import dice_fast.cliargs as cliargs
+
+    src, ix = tmp_path / "d.txt", tmp_path / "ix"
+    src.write_text("one river\ntwo stones\n", encoding="utf-8")
+    assert main(["index", str(src), "-o", str(ix), "--chunk-size", "16"]) == 0
+    before = {p.name: p.read_bytes() for p in ix.iterdir()}
+    real = cliargs.make_encoder
+    monkeypatch.setattr(cliargs, "make_encoder", lambda args: pytest.fail("the model loaded"))
+    capsys.readouterr()
+    assert main(["index", str(src), "-o", str(ix), "--chunk-size", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{ix} already holds an index; pass --overwrite to replace it" in err, err
+    assert {p.name: p.read_bytes() for p in ix.iterdir()} == before
+    monkeypatch.setattr(cliargs, "make_encoder", real)
+    src.write_text("one river\ntwo stones\nthree clouds\n", encoding="utf-8")
+    assert main(["index", str(src), "-o", str(ix), "--chunk-size", "16", "--overwrite"]) == 0
+    assert "3 documents" in capsys.readouterr().err
+    assert main(["index", "push", str(ix), "--to", f"lancedb://{tmp_path}/l/t", "--overwrite"]) == 2
+    assert "usage: dice-fast index push OUT --to URL" in capsys.readouterr().err

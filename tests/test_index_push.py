@@ -206,3 +206,18 @@ def test_an_unfinished_or_partly_split_output_is_neither_indexed_nor_pushed(tmp_
         DiceIndex.from_corpus(out)
     manifest.write_text(manifest.read_text().replace('"status": "running"', '"status": "complete"'))
     assert len(DiceIndex.from_corpus(out)) == 12
+
+
+def test_an_output_without_chunks_is_refused_before_the_store_is_made(tmp_path, model_folder, capsys):  # noqa: F811
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"d{i}", "text": f"river stone {i}"}) + "\n" for i in range(3)))
+    for out in ("plain.parquet", "plain/"):
+        assert main(["encode", str(src), "-o", str(tmp_path / out), "--model", str(model_folder), "--device", "cpu",
+                     "--id-field", "id", "--quiet"]) == 0
+        for url in _urls(tmp_path):
+            capsys.readouterr()
+            assert main(["index", "push", str(tmp_path / out), "--to", url]) == 2  # with its progress bar
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "no chunk_embeddings, chunk_start_char" in err, err
+            assert "encode with --chunks" in err
+            assert not (tmp_path / "qdrant").exists() and not (tmp_path / "lance").exists()  # no empty store

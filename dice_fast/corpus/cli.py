@@ -15,8 +15,8 @@ input:
   .txt      one document per line; id = line number (1-based)
   .jsonl    one JSON object per line (.ndjson too); text in --field; id = --id-field, else the line number
   .parquet  text in column --field; id = column --id-field, else the row number (1-based); read in batches
-  DIR       every .txt/.jsonl/.ndjson/.parquet file below DIR (sorted by path; hidden files skipped);
-            line/row-number ids become "relative/path.txt:LINE"
+  DIR       every .txt/.jsonl/.ndjson/.parquet file below DIR (sorted by path; hidden files and earlier
+            encode outputs skipped); line/row-number ids become "relative/path.txt:LINE"
   -         stdin; needs --format txt or --format jsonl
   Blank lines (empty or whitespace only) are skipped in .txt and .jsonl alike and counted in the summary;
   line numbers still count them, so an id always names its line. Ids are written as strings.
@@ -27,11 +27,13 @@ output (-o):
                refuses a pair that does not match)
   OUT.parquet  columns id (string) and embedding (fixed-size list of float32); options in the metadata
   DIR/         Parquet shards part-00000.parquet ... of --shard-rows rows and manifest.json, committed
-               shard by shard (a path without extension is a folder too)
+               shard by shard as each window of documents is encoded (--max-batch-tokens x 64
+               characters; see docs/corpus.md) (a path without extension is a folder too)
   --chunks     Parquet outputs also get chunk_embeddings, chunk_start_char, chunk_end_char and
                chunk_tokens (one list per row); refused with .npy and --queries
   Files appear only when complete (written to hidden temporary names, fsynced, renamed). An existing
-  output is refused unless --overwrite. A running job locks its output (a hidden .dice-fast*.lock file
+  output is refused unless --overwrite, which removes it only once the new job completes (a failed or
+  interrupted one leaves it as it was). A running job locks its output (a hidden .dice-fast*.lock file
   held with flock, released by the kernel even on kill -9): a second job on the same file, on the same
   folder, or on a conflicting split of it (an unsplit job, or another split count) is refused.
 

@@ -30,8 +30,8 @@ from .outputs import (NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, fi
 from .ids import DuplicateIds
 from .lock import OutputLock
 from .model import load_encoder
-from .readers import Corpus, ReadProgress, open_corpus, text_digest
-from .resume import compare_settings, skip_committed
+from .readers import Corpus, ReadProgress, open_corpus
+from .resume import compare_settings, skip_committed, text_digest
 from .signals import Interrupted, Signals, one_line_warnings
 
 OUTPUT_TYPES = ".npy (with NAME.ids.txt beside it), .parquet, or a folder of Parquet shards (DIR/)"
@@ -125,6 +125,8 @@ class EncodeJob:
             self.lock = None
 
     def _kept(self) -> str:
+        if self.args.overwrite and self.to_remove:
+            return f"no output written; {self.out} still holds the previous output"
         if isinstance(self.writer, ShardWriter):
             shards = self.writer.manifest["shards"]
         else:  # stopped before the writer opened: a resumed output still holds what it committed
@@ -286,14 +288,14 @@ class EncodeJob:
         elif self.out_type == "parquet":
             self.writer = ParquetFileWriter(self.out, resolved, chunks=self.chunks)
         else:
-            for p in self.to_remove:  # --overwrite (or --resume of nothing): start afresh
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+            for p in [] if self.args.overwrite else self.to_remove:  # --resume of nothing: its leftovers
+                p.unlink(missing_ok=True)
             manifest = dict(resolved)
             if self.resume_from is not None:
                 manifest["shards"] = list(self.resume_from["shards"])
+            replace = self.to_remove if self.args.overwrite and self.to_remove else None  # kept until finish
             self.writer = ShardWriter(self.out, self.tag, self.args.shard_rows, manifest, guard=signals.critical,
-                                      chunks=self.chunks)
+                                      chunks=self.chunks, replace=replace)
 
     def _make_dirs(self, folder: Path) -> None:
         missing = []

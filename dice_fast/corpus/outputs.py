@@ -21,7 +21,8 @@ files in the target folder and makes them visible only by ``os.replace`` after `
   listing it is rewritten the same way. The manifest is the commit point: a shard file not listed in
   it (a run killed between the two renames) is rewritten on ``--resume``. With ``--shard I/N`` the
   names carry the split: ``part-1of4-00000.parquet``, ``manifest-1of4.json``, so the processes of one
-  split can share a folder.
+  split can share a folder. Replacing an output (``replace``: its files) keeps every shard under its
+  temporary name until the job finishes: the old files go, the shards are renamed, the manifest last.
 """
 
 from __future__ import annotations
@@ -267,12 +268,14 @@ class ShardWriter:
 
     manifest: the job's description (options, input, split); ``shards`` lists what is committed
     (carried over from the manifest of an interrupted run on resume). ``guard``: a context manager
-    factory holding off SIGINT/SIGTERM while a commit renames files.
+    factory holding off SIGINT/SIGTERM while a commit renames files. ``replace``: the files of an
+    output being replaced (``--overwrite``), kept until `finish`; the shards wait in ``staged``.
     """
 
     def __init__(self, folder: Path, tag: str, shard_rows: int, manifest: dict, guard=contextlib.nullcontext,
-                 chunks: bool = False):
+                 chunks: bool = False, replace: list[Path] | None = None):
         self.folder, self.tag, self.shard_rows, self.guard, self.chunks = folder, tag, shard_rows, guard, chunks
+        self.replace, self.staged = replace, []
         self.manifest = manifest
         self.manifest.setdefault("shards", [])
         self.tmp = self.stream = None
@@ -285,7 +288,7 @@ class ShardWriter:
         return sum(s["rows"] for s in self.manifest["shards"])
 
     def write(self, ids: list[str], digests: list[bytes], block: np.ndarray, chunks: ChunkRows | None = None) -> None:
-        from .readers import update_input_hash
+        from .resume import update_input_hash
 
         start = 0
         while start < len(block):
@@ -317,11 +320,15 @@ class ShardWriter:
         entry = {"file": name, "rows": self.rows, "first_id": self.first_id, "last_id": self.last_id,
                  "bytes": size, "sha256": digest, "input_sha256": self.input_hash.hexdigest()}
         with self.guard():
-            os.replace(self.tmp, self.folder / name)
+            if self.replace is None:
+                os.replace(self.tmp, self.folder / name)
+                fsync_dir(self.folder)
+            else:
+                self.staged.append((self.tmp, name))
             self.tmp = None
-            fsync_dir(self.folder)
             self.manifest["shards"].append(entry)
-            self.write_manifest()
+            if self.replace is None:
+                self.write_manifest()
         self.rows, self.input_hash = 0, hashlib.sha256()
 
     def write_manifest(self, status: str = "running") -> None:
@@ -334,10 +341,19 @@ class ShardWriter:
         self.commit_shard()
         self.manifest["summary"] = summary or {}
         with self.guard():
+            for p in self.replace or ():  # the old files first: no manifest ever lists old and new shards
+                p.unlink(missing_ok=True)
+            for tmp, name in self.staged:
+                os.replace(tmp, self.folder / name)
+            self.staged = []
+            fsync_dir(self.folder)
             self.write_manifest("complete")
 
     def abort(self) -> None:
         _discard_stream(self)
+        for tmp, _ in self.staged:
+            tmp.unlink(missing_ok=True)
+        self.staged = []
 
 
 def ids_path_for(npy: Path) -> Path:

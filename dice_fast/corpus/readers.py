@@ -14,17 +14,16 @@ Blank lines (empty or only whitespace) are skipped in ``.txt`` and ``.jsonl`` al
 line. An empty string in a JSON field or a Parquet column is an (empty) document, not a blank line.
 
 In a folder, every file with a known extension is read (recursively, hidden files and folders
-skipped, sorted by relative path); line- and row-number ids then carry the file's relative path:
-``"sub/a.txt:12"``. Ids are strings everywhere. A malformed line raises ValueError naming
-``file:line``.
+skipped, sorted by relative path) except the outputs of ``dice-fast encode`` (`is_encode_output`);
+line- and row-number ids then carry the file's relative path: ``"sub/a.txt:12"``. Ids are strings
+everywhere. A malformed line raises ValueError naming ``file:line``.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import os
 import queue
-import struct
 import sys
 import threading
 from collections import deque
@@ -34,6 +33,7 @@ from typing import Iterable, Iterator
 
 from ..errors import InputError
 from ..textio import check_id, decode_line, parse_json_object, record_id, record_text
+from .outputs import IDS_RECORD
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 KNOWN = ("known input types: .txt (one document per line), .jsonl/.ndjson (JSON lines), .parquet, a folder of them, "
@@ -160,7 +160,8 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
                 exclude: Iterable[str | os.PathLike] = ()) -> Corpus:
     """Open ``source`` (a file, a folder of files, or ``"-"`` for stdin) and check what can be
     checked before reading: it exists, its type is known, Parquet columns exist. ``exclude``: paths
-    (files, or folders with all they hold) never read from a folder (the job's own output)."""
+    (files, or folders with all they hold) never read from a folder (the job's own output); nor is
+    any other output of ``dice-fast encode`` found there (`is_encode_output`)."""
     corpus = Corpus(source, fmt, text_field, id_field)
     if source == "-":
         if fmt == "auto":
@@ -178,7 +179,7 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
         wanted = set(FORMATS) if fmt == "auto" else {s for s, f in FORMATS.items() if f == input_format(path, fmt)}
         for p in sorted(_walk(path), key=lambda p: p.relative_to(path).as_posix()):
             inside_output = not skip.isdisjoint([p.resolve(), *p.resolve().parents])
-            if p.suffix.lower() in wanted and not inside_output:
+            if p.suffix.lower() in wanted and not inside_output and not is_encode_output(p):
                 corpus.files.append((p.relative_to(path).as_posix(), p, FORMATS[p.suffix.lower()]))
         if not corpus.files:
             kinds = ", ".join(sorted(wanted))
@@ -198,20 +199,22 @@ def read_documents(path: str, fmt: str = "auto", field: str = "text") -> list[st
     return [text for _, text in open_corpus(path, fmt, field).records()]
 
 
-def text_digest(text: str) -> bytes:
-    """A digest of one document's text, fed with its id to a shard's input hash (what ``--resume`` checks)."""
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
-
-
-def update_input_hash(h, doc_id: str, digest: bytes) -> None:
-    """Add one record (its id and text digest) to a running sha256 ``h``, unambiguously."""
-    raw = doc_id.encode("utf-8", "surrogatepass")
-    h.update(struct.pack("<Q", len(raw)))
-    h.update(raw)
-    h.update(digest)
-
-
 # ---------------------------------------------------------------------------------------------
+def is_encode_output(path: Path) -> bool:
+    """Whether ``path`` was written by ``dice-fast encode``: an ids file (``.ids.txt`` whose first line
+    is `IDS_RECORD`) or a Parquet file with the ``dice_fast`` metadata key (a shard or ``.parquet``)."""
+    import pyarrow.parquet as pq
+
+    name = path.name.lower()
+    with contextlib.suppress(OSError, ValueError):
+        if name.endswith(".ids.txt"):
+            with open(path, "rb") as fh:
+                return bool(IDS_RECORD.match(fh.readline(256).decode("ascii").rstrip("\r\n")))
+        if name.endswith(".parquet"):
+            return b"dice_fast" in (pq.read_schema(path).metadata or {})
+    return False  # unreadable: left to the reader, which names the file
+
+
 def _walk(root: Path) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]

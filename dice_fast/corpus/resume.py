@@ -4,10 +4,22 @@ documents its committed shards hold, checking they are the same (`skip_committed
 from __future__ import annotations
 
 import hashlib
+import struct
 from itertools import islice
 from pathlib import Path
 
-from .readers import text_digest, update_input_hash
+
+def text_digest(text: str) -> bytes:
+    """A digest of one document's text, fed with its id to a shard's input hash (what ``--resume`` checks)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def update_input_hash(h, doc_id: str, digest: bytes) -> None:
+    """Add one record (its id and text digest) to a running sha256 ``h``, unambiguously."""
+    raw = doc_id.encode("utf-8", "surrogatepass")
+    h.update(struct.pack("<Q", len(raw)))
+    h.update(raw)
+    h.update(digest)
 
 
 def _flatten(value, prefix: str = "") -> dict:

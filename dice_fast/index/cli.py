@@ -29,7 +29,8 @@ push (write a corpus job's output into a vector database, shard by shard):
 
 The index is a folder (documents.npy, chunks.npy, spans, ids.json, texts.json, index.json). Texts
 are stored by default so `dice-fast search` can print the evidence passage; --no-store-text keeps
-only the spans (search then prints the character span instead of the text).
+only the spans (search then prints the character span instead of the text). An existing index is
+refused unless --overwrite, which replaces it whole (atomically: readers see the old or the new one).
 """
 
 
@@ -44,6 +45,7 @@ def register_cli(subparsers) -> None:
                        help="a .txt (one document per line) or .jsonl file, or an encode --chunks output; "
                        "or: push OUT (with --to)")
     build.add_argument("--output", "-o", help="the index folder to write (required unless push)")
+    build.add_argument("--overwrite", action="store_true", help="replace an existing index (refused without it)")
     build.add_argument("--field", default="text", help='JSON field holding the text (default "text")')
     build.add_argument("--id-field", default=None, help="JSON field holding the id (default: the line number)")
     build.add_argument("--store-text", action=argparse.BooleanOptionalAction, default=True,
@@ -87,6 +89,8 @@ def _build(args) -> int:
         raise ValueError("give one INPUT with -o, or: dice-fast index push OUT --to URL [--resume]")
     if args.output is None:
         raise ValueError("-o/--output (the index folder to write) is required")
+    if (Path(args.output) / "index.json").exists() and not args.overwrite:  # before any model loads
+        raise ValueError(f"{args.output} already holds an index; pass --overwrite to replace it")
     args.input = args.input[0]
     if Path(args.input).is_dir() or args.input.endswith(".parquet"):
         index = DiceIndex.from_corpus(args.input, chunk_dtype=args.chunk_dtype)
@@ -105,7 +109,7 @@ def _build(args) -> int:
 def _push(args) -> int:
     from .push import push, store_for_output
 
-    if len(args.input) != 2 or args.to is None or args.output is not None:
+    if len(args.input) != 2 or args.to is None or args.output is not None or args.overwrite:
         raise ValueError("usage: dice-fast index push OUT --to URL [--resume] (OUT: an encode --chunks output)")
     out = args.input[1]
     store = store_for_output(args.to, out, args.batch_size)

@@ -58,13 +58,26 @@ def push(output, store, *, resume: bool = False, progress: bool = True) -> dict:
 
 def store_for_output(url: str, output, batch_size: int | None = None):
     """Open the store at ``url`` for the vectors of ``output``: the job's width, model and options
-    (a store holding another model's vectors is refused), no texts (an encode output holds none)."""
+    (a store holding another model's vectors is refused), no texts (an encode output holds none).
+    An output without the chunk columns (encoded without ``--chunks``) is refused naming its file
+    before the store is opened (which would create it)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .corpus_output import corpus_encoder, corpus_files
+    from ..errors import InputError
+    from .corpus_output import NEEDED, corpus_encoder, corpus_files
     from .stores import open_store
 
+    files = corpus_files(output)
+    for file in files:
+        try:
+            names = pq.read_schema(file).names
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(f"{file}: unreadable Parquet ({' '.join(str(exc).split())})") from None
+        missing = [c for c in NEEDED if c not in names]
+        if missing:
+            raise InputError(f"{file}: no {', '.join(missing)} column(s); encode with --chunks to push the output")
     model, options = corpus_encoder(output)
-    embedding = pq.read_schema(corpus_files(output)[0]).field("embedding").type
+    embedding = pq.read_schema(files[0]).field("embedding").type
     extra = {} if batch_size is None else {"batch_size": batch_size}
     return open_store(url, dim=embedding.list_size, model=model, encoder_options=options, store_text=False, **extra)

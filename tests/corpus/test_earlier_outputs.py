@@ -1,0 +1,81 @@
+"""Earlier outputs of ``dice-fast encode``: an ``--overwrite`` of a shard folder that fails or is stopped
+leaves the previous output as it was (one that completes leaves only its own files), and a folder input
+never reads the outputs found in it (ids files, shards, ``.parquet`` outputs) as documents."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from corpus_util import corpus_docs, write_jsonl
+from dice_fast.cli import main
+from dice_fast.corpus import load_embeddings
+
+OPTS = ["--chunk-size", "16", "-q", "--id-field", "id", "--shard-rows", "4"]
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+@pytest.fixture
+def previous(tmp_path, cached_encoders):
+    """A complete shard folder of 10 documents (3 shards) and its files' bytes."""
+    src = write_jsonl(tmp_path / "old.jsonl", corpus_docs(10, seed=7))
+    assert main(["encode", str(src), "-o", str(tmp_path / "out"), *OPTS]) == 0
+    return tmp_path / "out", _files(tmp_path / "out")
+
+
+def test_a_failed_overwrite_keeps_the_previous_output(tmp_path, capsys, previous):
+    out, before = previous
+    bad = write_jsonl(tmp_path / "bad.jsonl", corpus_docs(9, seed=8))
+    with open(bad, "a", encoding="utf-8") as fh:
+        fh.write('{"id": "x", "text": "unterminated\n')  # line 10, after two shards' worth of documents
+    capsys.readouterr()
+    assert main(["encode", str(bad), "-o", str(out), *OPTS, "--overwrite"]) == 2
+    assert "bad.jsonl:10" in capsys.readouterr().err
+    assert _files(out) == before  # nothing removed, replaced or left behind
+    assert load_embeddings(out)[0] == [f"doc{i:04d}" for i in range(10)]
+
+
+def test_a_stopped_overwrite_keeps_the_previous_output(tmp_path, capsys, monkeypatch, previous):
+    import dice_fast.corpus.outputs as outputs
+
+    out, before = previous
+    real, calls = outputs.ShardWriter.commit_shard, []
+
+    def stopped_after_one(self):
+        real(self)
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(outputs.ShardWriter, "commit_shard", stopped_after_one)
+    src = write_jsonl(tmp_path / "new.jsonl", corpus_docs(12, seed=9))
+    capsys.readouterr()
+    assert main(["encode", str(src), "-o", str(out), *OPTS, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"no output written; {out} still holds the previous output" in err, err
+    assert _files(out) == before
+
+
+def test_a_completed_overwrite_leaves_only_its_own_files(tmp_path, previous):
+    out, _ = previous
+    src = write_jsonl(tmp_path / "new.jsonl", corpus_docs(5, seed=9), ids=[f"new{i}" for i in range(5)])
+    assert main(["encode", str(src), "-o", str(out), *OPTS, "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "part-00000.parquet", "part-00001.parquet"]
+    assert load_embeddings(out)[0] == [f"new{i}" for i in range(5)]
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_a_folder_input_skips_earlier_outputs_in_it(tmp_path, capsys, cached_encoders):
+    corp = tmp_path / "corp"
+    corp.mkdir()
+    (corp / "a.txt").write_text("one\ntwo\n", encoding="utf-8")
+    (corp / "notes.ids.txt").write_text("#not an ids record\nthree\n", encoding="utf-8")  # a document file
+    expected = ["a.txt:1", "a.txt:2", "notes.ids.txt:1", "notes.ids.txt:2"]
+    for out in ("v.npy", "v.parquet", "out/", "w.npy"):  # each run meets the outputs of the runs before it
+        assert main(["encode", str(corp), "-o", str(corp / out), "-q"]) == 0, capsys.readouterr().err
+        ids, vecs = load_embeddings(corp / out)
+        assert ids == expected and vecs.shape == (4, 384), out
