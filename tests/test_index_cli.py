@@ -117,3 +117,9 @@ def test_an_existing_index_is_refused_unless_overwrite(tmp_path, capsys, loaded_
     assert "3 documents" in capsys.readouterr().err
     assert main(["index", "push", str(ix), "--to", f"lancedb://{tmp_path}/l/t", "--overwrite"]) == 2
     assert "usage: dice-fast index push OUT --to URL" in capsys.readouterr().err
+
+
+def test_alpha_without_hybrid_scoring_is_refused(tmp_path, capsys):
+    """--alpha weighs only the hybrid scoring; with maxsim (the default) it was silently ignored."""
+    assert main(["search", str(tmp_path / "none"), "hello", "--alpha", "0.5"]) == 2
+    assert "--alpha weighs the hybrid scoring; pass --scoring hybrid" in capsys.readouterr().err

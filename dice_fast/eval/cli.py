@@ -209,6 +209,26 @@ def check_options(args) -> None:
     if args.hybrid_alphas is not None and "hybrid" not in args.scorings:
         raise OptionError(f"--hybrid-alphas are blends of the hybrid scoring, but --scorings is "
                           f"{','.join(args.scorings)}: add hybrid to --scorings or leave --hybrid-alphas out")
+    _check_lists_and_paths(args)
+
+
+def _check_lists_and_paths(args) -> None:
+    """The tasks, aggregations, scorings, strategies and output paths, named by their flag, before the
+    model loads (they failed after it, or, for a folder given as --csv, after the whole run)."""
+    from ..ops.spec import AGGREGATIONS
+    from .run import check_task
+
+    for spec in args.task:
+        check_task(spec)
+    for flag, values, allowed in (("--aggregations", args.aggregations, AGGREGATIONS),
+                                  ("--scorings", args.scorings, ("maxsim", "hybrid", "none")),
+                                  ("--strategies", args.strategies, ("dice", "late"))):
+        if bad := [v for v in values if v not in allowed]:
+            raise OptionError(f"{flag}: unknown {', '.join(map(repr, bad))}; allowed: {', '.join(allowed)}")
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        raise OptionError(f"--out-dir {args.out_dir} is a file; give a folder")
+    if args.csv is not None and Path(args.csv).is_dir():
+        raise OptionError(f"--csv {args.csv} is a folder; give a CSV file")
 
 
 def write_outputs(res: EvalResult, out_dir, stem: str, csv_path, plots: bool = True,

@@ -145,9 +145,16 @@ def build_task(spec: str, tokenizer, lengths: Sequence[int] | None = None, docs_
         make = tasks.make_passkey_task if spec == "passkey" else tasks.make_needle_task
         return make(tokenizer, lengths=tuple(lengths or tasks.CONTEXT_LENGTHS), docs_per_length=docs_per_length,
                     queries_per_length=queries_per_length, seed=seed)
-    if os.path.isdir(spec):
-        return tasks.load_local_task(spec, split=split)
-    raise ValueError(f"--task must be passkey, needle, boundary or a BEIR folder (corpus.jsonl, queries.jsonl, qrels/), got {spec!r}")
+    check_task(spec)
+    return tasks.load_local_task(spec, split=split)
+
+
+def check_task(spec: str) -> str:
+    """``spec`` if `build_task` can build it (a synthetic task's name or a folder), else `OptionError`."""
+    if spec in ("passkey", "needle", "boundary") or os.path.isdir(spec):
+        return spec
+    raise OptionError(f"--task must be passkey, needle, boundary or a BEIR folder (corpus.jsonl, queries.jsonl, "
+                      f"qrels/), got {spec!r}")
 
 
 def method_key(chunk_size: int, aggregation: str, normalize_chunks: bool | None = None,

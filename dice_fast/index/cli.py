@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from ..cliargs import add_encoder_arguments
+from ..errors import OptionError
 from ..scoring import SCORINGS
 from .common import DEFAULT_SCORING
 
@@ -127,6 +128,8 @@ def _search(args) -> int:
 
     if args.k < 1:
         raise ValueError(f"-k must be at least 1, got {args.k}")
+    if args.alpha is not None and args.scoring != "hybrid":  # it weighs nothing else
+        raise OptionError(f"--alpha weighs the hybrid scoring; pass --scoring hybrid (got --scoring {args.scoring})")
     from .stores import SCHEMES, open_store
 
     if args.index.startswith(SCHEMES):  # the recorded model and options encode the queries

@@ -8,6 +8,7 @@ import os
 
 from ..reuse.persistent import SERVE_MAX_GB
 from ..cliargs import add_cache_arguments, add_encoder_arguments, bounded, make_encoder
+from ..errors import OptionError
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, HTTP_LIMITS, LIMITS, check_limits
 from .server import SERVER_LIMITS
 
@@ -66,7 +67,10 @@ def environment_defaults(p: argparse.ArgumentParser, environ=os.environ) -> None
         elif action.choices is not None and value not in action.choices:
             errors.append(f"${env}={value[:40]!r}: expected one of {', '.join(map(str, action.choices))}")
         else:
-            action.default = value  # argparse converts a string default with the flag's type
+            try:  # converted here, so that a bad value names the variable, not the flag
+                action.default = action.type(value) if callable(action.type) else value
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+                errors.append(f"${env}={value[:40]!r}: {exc}")
     p.set_defaults(environment_errors=errors)
 
 
@@ -179,6 +183,7 @@ def cmd_serve(args) -> int:
                  max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout)
     check_server_limits(**{name: getattr(args, name) for name in SERVER_DEFAULTS})
     key = api_key(args)
+    _check_listenable(args.host, args.port)
     encoder = make_encoder(args)
     if args.testing_inject_oom:
         from .fault_injection import inject_oom
@@ -201,6 +206,21 @@ def cmd_serve(args) -> int:
                            lifespan="on", **{name: getattr(args, name) for name in SERVER_DEFAULTS})
     draining_server(app.state.core)(config).run()
     return 0
+
+
+def _check_listenable(host: str, port: int) -> None:
+    """Refuse, before the model loads, an address this process cannot listen on (a port in use, a host
+    that is not this machine's): uvicorn found out after the load and exited 3 with its own log."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as exc:  # socket.gaierror too
+        raise OptionError(f"cannot listen on --host {host} --port {port}: {exc.strerror or exc}") from None
 
 
 def cmd_bench_serve(args) -> int:

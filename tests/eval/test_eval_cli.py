@@ -51,6 +51,13 @@ def test_cli_eval_bundled_model(tmp_path, capsys):
     (["--task", "passkey", "boundary", "--docs-per-length", "7"], "even --docs-per-length"),
     (["--scorings", "maxsim", "--hybrid-alphas", "0,0.5"], r"--hybrid-alphas.*--scorings"),
     (["--scorings", "none", "--hybrid-alphas", "0.5"], r"--hybrid-alphas.*--scorings"),
+    # these failed after the model load, or (a folder as --csv) after the whole run
+    (["--task", "nosuch"], r"--task must be passkey, needle, boundary or a BEIR folder .* 'nosuch'"),
+    (["--aggregations", "mean,median"], r"--aggregations: unknown 'median'"),
+    (["--scorings", "maxsim,dice"], r"--scorings: unknown 'dice'"),
+    (["--strategies", "single"], r"--strategies: unknown 'single'; allowed: dice, late"),
+    (["--csv", "."], r"--csv \. is a folder"),
+    (["--out-dir", __file__], r"--out-dir .* is a file"),
 ])
 def test_cli_refuses_options_it_would_ignore(argv, match):
     """Refused before the model loads (check_options runs first in cmd_eval)."""

@@ -121,9 +121,12 @@ def test_every_serve_flag_can_come_from_the_environment(monkeypatch):
 
     with pytest.raises(ValueError, match="DICE_FAST_POSITIONS='sideways'"):
         cmd_serve(args)  # refused before any model is loaded
-    monkeypatch.setenv("DICE_FAST_PORT", "not-a-port")
-    with pytest.raises(SystemExit):
-        serve_parser()[0].parse_args(["serve"])
+    monkeypatch.setenv("DICE_FAST_PORT", "not-a-port")  # converted by the flag's type, named by the variable
+    monkeypatch.setenv("DICE_FAST_GRACEFUL_TIMEOUT", "nan")  # (argparse named --port / --graceful-timeout)
+    args = serve_parser()[0].parse_args(["serve"])
+    with pytest.raises(ValueError, match=r"\$DICE_FAST_PORT='not-a-port': invalid literal .*"
+                                         r"\$DICE_FAST_GRACEFUL_TIMEOUT='nan': must be >= 0"):
+        cmd_serve(args)
 
 
 @pytest.mark.parametrize("flags, culprit", [
@@ -148,6 +151,27 @@ def test_a_limit_out_of_range_is_refused_before_the_model_loads(monkeypatch, fla
     args = serve_parser()[0].parse_args(["serve", *flags])
     with pytest.raises(ValueError, match=culprit):
         serve_cli.cmd_serve(args)
+
+
+def test_an_address_that_cannot_be_listened_on_is_refused_before_the_model_loads(monkeypatch):
+    """A port in use or a host not of this machine: uvicorn found out after the model load (exit 3, its log)."""
+    import socket
+
+    import dice_fast.serve.cli as serve_cli
+
+    def no_model(args):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(serve_cli, "make_encoder", no_model)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, culprit in ((["--port", str(port)], f"cannot listen on --host 127.0.0.1 --port {port}: "),
+                               (["--host", "999.1.1.1"], "cannot listen on --host 999.1.1.1")):
+            args = serve_parser()[0].parse_args(["serve", *flags])
+            with pytest.raises(ValueError, match=culprit):
+                serve_cli.cmd_serve(args)
 
 
 def test_unknown_limit_names_are_programming_errors():
