@@ -280,6 +280,8 @@ def parse_device(value) -> torch.device:
                               "use device='cpu'")
         if device.index is not None and device.index >= count:
             raise OptionError(f"device={value!r}, but this torch sees {count} CUDA device(s)")
+    elif device.type == "cpu" and device.index not in (None, 0):  # torch takes "cpu:5" and ignores the 5
+        raise OptionError(f"device={value!r}: a CPU has no devices to number; use device='cpu'")
     return device
 
 

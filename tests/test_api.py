@@ -106,6 +106,7 @@ def test_empty_document_without_special_tokens_is_a_zero_vector():
         (dict(aggregation="softmax_norm", temperature=None), "temperature must be a finite number >= 1e-30"),
         (dict(max_length=8, query_prefix="a b c d e f g"), "leaves no room for text beside 9 special and query_prefix"),
         (dict(device="gpu"), "device must be a torch device such as 'cpu'"),
+        (dict(device="cpu:5"), "a CPU has no devices to number"),
         (dict(strategy="multi"), "unknown strategy"),
         (dict(positions="absolute"), "unknown positions"),
         (dict(attention="sideways"), "unknown attention"),
