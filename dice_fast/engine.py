@@ -278,7 +278,7 @@ class DiceEncoder:
         if any(len(t) > PIECE_CHARS for t in texts) and self.cuts_are_exact():  # a huge text goes in pieces: whole,
             # the tokenizer's working memory is ~160 bytes a character (8 GB for one line of 50 MB)
             return tokenize_bounded(self.tokenizer, texts, self._tokenizer_lock, piece_chars=PIECE_CHARS, what=what,
-                                    base=base, after=after)
+                                    base=base, after=after, exact=True)
         with self._tokenizer_lock:
             return tokenize(self.tokenizer, texts, what=what, base=base, spans=spans, after=after)
 

@@ -152,7 +152,7 @@ def cuts_are_exact(tokenizer) -> bool:
 
 def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | None = PIECE_CHARS,
                      check=None, enough: int | None = None, what: str = "texts", base: int = 0,
-                     after: TextPrefix | None = None) -> TokenizedDocuments:
+                     after: TextPrefix | None = None, exact: bool = False) -> TokenizedDocuments:
     """`tokenize`'s result, computed in tokenizer calls of at most ``piece_chars`` characters (pieces
     of several short texts share a call; a forced cut's check is one call of at most
     ``CHECK_CANDIDATES * 4 * CHECK_CHARS`` = 1,536), each holding ``lock`` (a context manager) alone, so
@@ -166,7 +166,9 @@ def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | No
     each final count; read it, do not keep it) and stops everything by raising. A text with more than
     ``enough`` tokens is not tokenized further: its ids are then a prefix (of more than ``enough``
     tokens) of its full ids. A text the tokenizer cannot take raises `TextError` naming ``what[base + i]``.
-    ``after``: every text's first piece is tokenized after that prefix, as `tokenize` does.
+    ``after``: every text's first piece is tokenized after that prefix, as `tokenize` does. ``exact``: a
+    text that offers no exact cut somewhere is tokenized whole (one call holding ``lock`` for it), so the
+    ids are always the whole text's (a Metaspace tokenizer prepends "▁" to every piece of a gapless text).
     """
     counts = np.zeros(len(texts), dtype=np.int64)
     parts: list[list[tuple]] = [[] for _ in texts]  # per text: (ids, char_start, char_end) of each piece
@@ -192,10 +194,14 @@ def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | No
         group.clear()
         done[1] = 0
 
+    if piece_chars:  # not valid Unicode: named here, the first such text, not as a forced cut's window
+        raise_for_unencodable(texts, base, what, None)
     for i, text in enumerate(texts):
-        if piece_chars and len(text) > size:  # not valid Unicode: named here, not as a forced cut's window
-            raise_for_unencodable([text], base + i, what, None)
         cuts = pieces(tokenizer, text, lock, size) if piece_chars else [(0, len(text), True)]
+        if exact and piece_chars:
+            cuts = list(cuts)
+            if not all(e for _, _, e in cuts):
+                cuts = [(0, len(text), True)]
         for start, end, _ in cuts:
             if enough is not None and counts[i] > enough:
                 break

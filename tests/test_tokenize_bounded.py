@@ -222,3 +222,21 @@ def test_the_engine_tokenizes_a_huge_text_in_bounded_pieces(monkeypatch):
     for a, b in ((got.tokens.ids, want.tokens.ids), (got.tokens.char_start, want.tokens.char_start),
                  (got.tokens.char_end, want.tokens.char_end), (got.tokens.offsets, want.tokens.offsets)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_exact_pieces_tokenize_a_text_without_an_exact_cut_whole():
+    """A Metaspace tokenizer prepends "▁" to every piece, so no forced cut of a gapless text agrees: the
+    engine (``exact=True``) then tokenizes that text whole, and its ids are the whole text's; the first
+    invalid text of a call is the one named."""
+    unigram = _subword_tokenizer("unigram", ("<s>",), ("</s>",))
+    texts = ["short text", "ab.cd" * 1000, "the cat " * 300]
+    lock = CountingLock()
+    whole = tokenize(unigram, texts)
+    cut = tokenize_bounded(unigram, texts, lock, piece_chars=1000, exact=True)
+    np.testing.assert_array_equal(cut.ids, whole.ids)
+    np.testing.assert_array_equal(cut.char_start, whole.char_start)
+    assert not np.array_equal(tokenize_bounded(unigram, texts, lock, piece_chars=1000).ids, whole.ids)
+    with pytest.raises(TextError, match=r"docs\[6\] is not valid Unicode") as e:
+        tokenize_bounded(unigram, ["ok", "bad \ud800", "x " * 800 + "\ud800"], lock, piece_chars=1000, what="docs",
+                         base=5)
+    assert e.value.index == 6
