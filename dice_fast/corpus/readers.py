@@ -179,7 +179,7 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
         wanted = set(FORMATS) if fmt == "auto" else {s for s, f in FORMATS.items() if f == input_format(path, fmt)}
         for p in sorted(_walk(path), key=lambda p: p.relative_to(path).as_posix()):
             inside_output = not skip.isdisjoint([p.resolve(), *p.resolve().parents])
-            if p.suffix.lower() in wanted and not inside_output and not is_encode_output(p):
+            if p.suffix.lower() in wanted and not inside_output and not is_encode_output(p, text_field):
                 corpus.files.append((p.relative_to(path).as_posix(), p, FORMATS[p.suffix.lower()]))
         if not corpus.files:
             kinds = ", ".join(sorted(wanted))
@@ -200,9 +200,10 @@ def read_documents(path: str, fmt: str = "auto", field: str = "text") -> list[st
 
 
 # ---------------------------------------------------------------------------------------------
-def is_encode_output(path: Path) -> bool:
+def is_encode_output(path: Path, text_field: str = "text") -> bool:
     """Whether ``path`` was written by ``dice-fast encode``: an ids file (``.ids.txt`` whose first line
-    is `IDS_RECORD`) or a Parquet file with the ``dice_fast`` metadata key (a shard or ``.parquet``)."""
+    is `IDS_RECORD`) or a Parquet file with the ``dice_fast`` metadata key (a shard or ``.parquet``) and
+    no ``text_field`` column (one read back and given texts keeps the metadata: it is input)."""
     import pyarrow.parquet as pq
 
     name = path.name.lower()
@@ -211,7 +212,8 @@ def is_encode_output(path: Path) -> bool:
             with open(path, "rb") as fh:
                 return bool(IDS_RECORD.match(fh.readline(256).decode("ascii").rstrip("\r\n")))
         if name.endswith(".parquet"):
-            return b"dice_fast" in (pq.read_schema(path).metadata or {})
+            schema = pq.read_schema(path)
+            return b"dice_fast" in (schema.metadata or {}) and text_field not in schema.names
     return False  # unreadable: left to the reader, which names the file
 
 

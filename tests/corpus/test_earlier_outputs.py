@@ -79,3 +79,20 @@ def test_a_folder_input_skips_earlier_outputs_in_it(tmp_path, capsys, cached_enc
         assert main(["encode", str(corp), "-o", str(corp / out), "-q"]) == 0, capsys.readouterr().err
         ids, vecs = load_embeddings(corp / out)
         assert ids == expected and vecs.shape == (4, 384), out
+
+
+def test_an_output_read_back_and_given_texts_is_input_again(tmp_path, capsys, cached_encoders):
+    """pyarrow keeps a table's metadata: a user's Parquet made from an output (with a text column added)
+    still carries dice_fast's key, and was skipped silently as one of our outputs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    corp = tmp_path / "corp"
+    corp.mkdir()
+    (corp / "a.txt").write_text("one\ntwo\n", encoding="utf-8")
+    assert main(["encode", str(corp / "a.txt"), "-o", str(tmp_path / "v.parquet"), "-q"]) == 0
+    table = pq.read_table(tmp_path / "v.parquet")
+    pq.write_table(table.append_column("text", pa.array(["three", "four"])), corp / "mine.parquet")
+    assert b"dice_fast" in pq.read_schema(corp / "mine.parquet").metadata
+    assert main(["encode", str(corp), "-o", str(tmp_path / "w.npy"), "-q"]) == 0, capsys.readouterr().err
+    assert len(load_embeddings(tmp_path / "w.npy")[0]) == 4
