@@ -71,7 +71,22 @@ def finished_manifests(folder: Path, allow_incomplete: bool = False) -> list[dic
     for i in range(count):
         if have[i]["status"] != "complete":
             raise InputError(f"{folder}: split {i}/{count} is not complete ({have[i]['rows']} rows committed)")
+        if (theirs := _vectors_made_by(have[i])) != (first := _vectors_made_by(have[0])):
+            differ = sorted(k for k in set(theirs) | set(first) if theirs.get(k) != first.get(k))
+            raise InputError(f"{folder}: split {i}/{count} was made with other settings than split 0/{count} "
+                             f"({', '.join(differ)}): the splits are not one job's (run them with the same options)")
     return [have[i] for i in range(count)]
+
+
+def _vectors_made_by(manifest: dict) -> dict:
+    """What shapes a split's vectors: its kind, model and options, less those that change only speed or
+    the machine (splits may run with another batch budget or device)."""
+    from .config import DiceConfig
+
+    loose = set(DiceConfig.options_of("speed")) | {"device"}
+    options = manifest.get("options") if isinstance(manifest.get("options"), dict) else {}
+    return {"kind": manifest.get("kind"), "model.dim": manifest["model"]["dim"],
+            **{f"options.{k}": v for k, v in options.items() if k not in loose}}
 
 
 __all__ = ["MANIFEST_FORMAT", "finished_manifests", "read_manifest"]

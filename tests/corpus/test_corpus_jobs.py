@@ -12,6 +12,7 @@ import pytest
 from corpus_util import corpus_docs, interrupted_copy, write_jsonl
 from dice_fast.cli import main
 from dice_fast.corpus import load_embeddings
+from dice_fast.errors import InputError
 
 OPTS = ["--chunk-size", "16", "-q", "--id-field", "id"]
 
@@ -53,6 +54,11 @@ def test_splits_add_up_to_one_run(done, tmp_path):
     np.testing.assert_allclose(vecs3, vecs, atol=1e-5, rtol=0)
     # a split of another count contradicts the folder
     assert _run(src, split, "--shard", "0/2") == 2
+    # a split re-run with other options (its siblings not): the folder no longer loads as one job
+    assert _run(src, split, "--shard", "1/3", "--shard-rows", "5", "--aggregation", "max", "--overwrite") == 0
+    with pytest.raises(InputError, match=r"split 1/3 was made with other settings than split 0/3 "
+                                         r"\(options.aggregation\)"):
+        load_embeddings(split)
 
 
 def test_resume_continues_after_the_last_committed_shard(done, tmp_path, capsys):
