@@ -381,5 +381,3 @@ def warn_truncated(doc_lengths: np.ndarray, capacity: int, window: int, what: st
         warnings.warn(f"{len(over)} {what} longer than the model window ({window} tokens with special tokens) "
                       f"were cut to their first {capacity} tokens: {first}{' ...' if len(over) > 3 else ''}",
                       stacklevel=4)
-
-

@@ -95,6 +95,7 @@ class DiceEncoder:
             keep_freed_pages()
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path  # model_path: its folder, or None
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer is not safe to call from two threads
+        self._cuts_exact: bool | None = None  # `cuts_are_exact`, probed on first use
         self.settings: Settings = resolve(cfg, inspect_model(model, tokenizer, model_path), tokenizer, device, dtype)
         s = self.settings
         self.chunk_stats = ChunkStats()
@@ -292,9 +293,11 @@ class DiceEncoder:
 
     def cuts_are_exact(self) -> bool:
         """Whether cutting a text at a space between words gives the ids of the whole with this
-        tokenizer (`dice_fast.pieces.cuts_are_exact`), so `tokenize_bounded` may cut long texts."""
-        with self._tokenizer_lock:
-            return cuts_are_exact(self.tokenizer)
+        tokenizer (`dice_fast.pieces.cuts_are_exact`), so `tokenize_bounded` may cut long texts. Probed once."""
+        if self._cuts_exact is None:
+            with self._tokenizer_lock:
+                self._cuts_exact = cuts_are_exact(self.tokenizer)
+        return self._cuts_exact
 
     # ----------------------------------------------------------------------------------------
     def _plan(self, texts: list[str], kind: str, base: int = 0, spans: bool = True,

@@ -68,10 +68,11 @@ def finished_manifests(folder: Path, allow_incomplete: bool = False) -> list[dic
     have = {m["split"]["index"]: m for m in splits if m["split"]["count"] == count}
     if len(have) != len(splits) or sorted(have) != list(range(count)):
         raise InputError(f"{folder}: split manifests {[p.name for p in manifests]} are not the {count} splits of one job")
+    first = _vectors_made_by(have[0])
     for i in range(count):
         if have[i]["status"] != "complete":
             raise InputError(f"{folder}: split {i}/{count} is not complete ({have[i]['rows']} rows committed)")
-        if (theirs := _vectors_made_by(have[i])) != (first := _vectors_made_by(have[0])):
+        if (theirs := _vectors_made_by(have[i])) != first:
             differ = sorted(k for k in set(theirs) | set(first) if theirs.get(k) != first.get(k))
             raise InputError(f"{folder}: split {i}/{count} was made with other settings than split 0/{count} "
                              f"({', '.join(differ)}): the splits are not one job's (run them with the same options)")

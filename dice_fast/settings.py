@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from .attention import choose_backend
-from .text_prefix import TextPrefix
 from .config import DEFAULT_CHUNK_SIZE, STRATEGIES, DiceConfig
 from .cpu_tuning import has_amx_bf16
 from .errors import OptionError
 from .matryoshka import check_dim
 from .models import ModelSpec
 from .ops import resolve_impl, unavailable
+from .text_prefix import TextPrefix
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the torch dtype of the model's weights per dtype option: "int8" keeps the float32 model (dice_fast.quant

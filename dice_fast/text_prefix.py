@@ -55,4 +55,5 @@ class TextPrefix:
         (a token inside the prefix's trailing spaces alone: (0, 0))."""
         return np.maximum(np.asarray(spans, np.int64).reshape(-1, 2) - len(self.text), 0)
 
+
 __all__ = ["TextPrefix"]

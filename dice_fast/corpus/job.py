@@ -288,8 +288,9 @@ class EncodeJob:
         elif self.out_type == "parquet":
             self.writer = ParquetFileWriter(self.out, resolved, chunks=self.chunks)
         else:
-            for p in [] if self.args.overwrite else self.to_remove:  # --resume of nothing: its leftovers
-                p.unlink(missing_ok=True)
+            if not self.args.overwrite:  # --resume of nothing: its leftovers go now
+                for p in self.to_remove:
+                    p.unlink(missing_ok=True)
             manifest = dict(resolved)
             if self.resume_from is not None:
                 manifest["shards"] = list(self.resume_from["shards"])

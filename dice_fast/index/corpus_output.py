@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InputError
 from ..manifests import finished_manifests
 
 NEEDED = ("id", "embedding", "chunk_embeddings", "chunk_start_char", "chunk_end_char", "chunk_tokens")
@@ -42,6 +43,13 @@ def read_corpus_output(path):
         yield read_corpus_file(file)
 
 
+def check_chunk_columns(file: Path, names, use: str) -> None:
+    """`InputError` naming ``file`` unless its columns ``names`` hold every `NEEDED` one (an output encoded
+    without ``--chunks`` has no chunk columns to ``use``: "index", "push")."""
+    if missing := [c for c in NEEDED if c not in names]:
+        raise InputError(f"{file}: no {', '.join(missing)} column(s); encode with --chunks to {use} the output")
+
+
 def read_corpus_file(file: Path):
     """The arrays of one Parquet file of an encode output (as `read_corpus_output` yields them)."""
     import pyarrow.parquet as pq
@@ -50,9 +58,7 @@ def read_corpus_file(file: Path):
         table = pq.read_table(file)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{file}: unreadable Parquet ({exc})") from None
-    missing = [c for c in NEEDED if c not in table.column_names]
-    if missing:
-        raise ValueError(f"{file}: no {', '.join(missing)} column(s); encode with --chunks to index the output")
+    check_chunk_columns(file, table.column_names, "index")
     n = table.num_rows
     documents = _matrix(table.column("embedding").combine_chunks(), n)
     lists = table.column("chunk_embeddings").combine_chunks()

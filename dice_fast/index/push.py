@@ -65,19 +65,17 @@ def store_for_output(url: str, output, batch_size: int | None = None):
     import pyarrow.parquet as pq
 
     from ..errors import InputError
-    from .corpus_output import NEEDED, corpus_encoder, corpus_files
+    from .corpus_output import check_chunk_columns, corpus_encoder, corpus_files
     from .stores import open_store
 
-    files = corpus_files(output)
-    for file in files:
+    schemas = []
+    for file in corpus_files(output):
         try:
-            names = pq.read_schema(file).names
+            schemas.append(pq.read_schema(file))
         except (OSError, pa.ArrowException) as exc:
             raise InputError(f"{file}: unreadable Parquet ({' '.join(str(exc).split())})") from None
-        missing = [c for c in NEEDED if c not in names]
-        if missing:
-            raise InputError(f"{file}: no {', '.join(missing)} column(s); encode with --chunks to push the output")
+        check_chunk_columns(file, schemas[-1].names, "push")
     model, options = corpus_encoder(output)
-    embedding = pq.read_schema(files[0]).field("embedding").type
+    embedding = schemas[0].field("embedding").type
     extra = {} if batch_size is None else {"batch_size": batch_size}
     return open_store(url, dim=embedding.list_size, model=model, encoder_options=options, store_text=False, **extra)
