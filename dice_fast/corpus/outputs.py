@@ -22,7 +22,9 @@ files in the target folder and makes them visible only by ``os.replace`` after `
   it (a run killed between the two renames) is rewritten on ``--resume``. With ``--shard I/N`` the
   names carry the split: ``part-1of4-00000.parquet``, ``manifest-1of4.json``, so the processes of one
   split can share a folder. Replacing an output (``replace``: its files) keeps every shard under its
-  temporary name until the job finishes: the old files go, the shards are renamed, the manifest last.
+  temporary name until the job finishes, then renames them to names the old output does not use
+  (``part-00000-RUN.parquet``, ``RUN`` 8 hex digits), replaces the manifest (the commit point: a reader
+  sees the old output or the new one, never neither) and only then removes the old files.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ _ROW_GROUP = 4096
 _NPY_HEADER = 128  # bytes: magic, version, length, and the header dict padded with spaces
 _IDS_HEADER = 128  # bytes: the ids file's first line, padded with spaces
 IDS_RECORD = re.compile(r"^#dice_fast-ids rows=(\d+) vectors_sha256=([0-9a-f]{64}) *$")
-_OUR_FILES = re.compile(r"^(manifest(-\d+of\d+)?\.json|part(-\d+of\d+)?-\d{5,}\.parquet)$")
+_OUR_FILES = re.compile(r"^(manifest(-\d+of\d+)?\.json|part(-\d+of\d+)?-\d{5,}(-[0-9a-f]{8})?\.parquet)$")
 _OUR_TEMPS = re.compile(r"^\.(manifest|part)(-\d+of\d+)?[-.].*\.tmp$")
 
 
@@ -57,8 +59,9 @@ def manifest_name(tag: str) -> str:
     return f"manifest{tag}.json"
 
 
-def shard_name(tag: str, k: int) -> str:
-    return f"part{tag}-{k:05d}.parquet"
+def shard_name(tag: str, k: int, run: str = "") -> str:
+    """Shard ``k`` of split ``tag``; ``run``: ``-XXXXXXXX`` for the shards of a job replacing an output."""
+    return f"part{tag}-{k:05d}{run}.parquet"
 
 
 def fsync_dir(path: Path) -> None:
@@ -276,6 +279,7 @@ class ShardWriter:
                  chunks: bool = False, replace: list[Path] | None = None):
         self.folder, self.tag, self.shard_rows, self.guard, self.chunks = folder, tag, shard_rows, guard, chunks
         self.replace, self.staged = replace, []
+        self.run = f"-{secrets.token_hex(4)}" if replace is not None else ""  # names the old output cannot hold
         self.manifest = manifest
         self.manifest.setdefault("shards", [])
         self.tmp = self.stream = None
@@ -293,7 +297,7 @@ class ShardWriter:
         start = 0
         while start < len(block):
             if self.stream is None:
-                self.tmp = _mktemp(self.folder, shard_name(self.tag, len(self.manifest["shards"])))
+                self.tmp = _mktemp(self.folder, shard_name(self.tag, len(self.manifest["shards"]), self.run))
                 meta = {k: v for k, v in self.manifest.items() if k not in ("shards", "rows", "status", "summary")}
                 meta["shard"] = len(self.manifest["shards"])
                 self.stream = _ParquetStream(self.tmp, block.shape[1], meta, self.chunks)
@@ -316,7 +320,7 @@ class ShardWriter:
         self.stream.close()
         self.stream = None
         size, digest = _fsync_and_hash(self.tmp)
-        name = shard_name(self.tag, len(self.manifest["shards"]))
+        name = shard_name(self.tag, len(self.manifest["shards"]), self.run)
         entry = {"file": name, "rows": self.rows, "first_id": self.first_id, "last_id": self.last_id,
                  "bytes": size, "sha256": digest, "input_sha256": self.input_hash.hexdigest()}
         with self.guard():
@@ -341,13 +345,16 @@ class ShardWriter:
         self.commit_shard()
         self.manifest["summary"] = summary or {}
         with self.guard():
-            for p in self.replace or ():  # the old files first: no manifest ever lists old and new shards
-                p.unlink(missing_ok=True)
-            for tmp, name in self.staged:
+            for tmp, name in self.staged:  # beside the old output's files, under names it does not use
                 os.replace(tmp, self.folder / name)
             self.staged = []
             fsync_dir(self.folder)
-            self.write_manifest("complete")
+            self.write_manifest("complete")  # the commit point
+            kept = {manifest_name(self.tag)} | {s["file"] for s in self.manifest["shards"]}
+            for p in self.replace or ():
+                if p.name not in kept:
+                    p.unlink(missing_ok=True)
+            fsync_dir(self.folder)
 
     def abort(self) -> None:
         _discard_stream(self)

@@ -5,6 +5,8 @@ never reads the outputs found in it (ids files, shards, ``.parquet`` outputs) as
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 
@@ -13,6 +15,10 @@ from dice_fast.cli import main
 from dice_fast.corpus import load_embeddings
 
 OPTS = ["--chunk-size", "16", "-q", "--id-field", "id", "--shard-rows", "4"]
+
+
+class Died(BaseException):
+    """The process dying at this point (raised past every ``except Exception``, as ``kill -9`` would stop it)."""
 
 
 def _files(folder):
@@ -64,9 +70,48 @@ def test_a_completed_overwrite_leaves_only_its_own_files(tmp_path, previous):
     out, _ = previous
     src = write_jsonl(tmp_path / "new.jsonl", corpus_docs(5, seed=9), ids=[f"new{i}" for i in range(5)])
     assert main(["encode", str(src), "-o", str(out), *OPTS, "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "part-00000.parquet", "part-00001.parquet"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names[0] == "manifest.json" and len(names) == 3, names
+    assert all(re.fullmatch(r"part-0000[01]-[0-9a-f]{8}[.]parquet", n) for n in names[1:]), names  # not the old names
     assert load_embeddings(out)[0] == [f"new{i}" for i in range(5)]
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    assert main(["encode", str(src), "-o", str(out), *OPTS, "--overwrite"]) == 0  # and again over those names
+    assert len(list(out.iterdir())) == 3 and load_embeddings(out)[0] == [f"new{i}" for i in range(5)]
+
+
+@pytest.mark.parametrize("dies_at", [("replace", 1), ("replace", 2), ("replace", 3), ("unlink", 1), ("unlink", 3)])
+def test_an_overwrite_killed_while_committing_leaves_the_old_or_the_new_output(tmp_path, monkeypatch, previous,
+                                                                                dies_at):
+    """The manifest is the commit point: the new shards are renamed beside the old ones (under names
+    the old output does not use), the manifest replaced, and only then the old shards removed. A death
+    at any of those steps leaves a folder that loads whole, and a second run tidies it."""
+    out, before = previous
+    old_ids = [f"doc{i:04d}" for i in range(10)]
+    new_ids = [f"new{i}" for i in range(5)]
+    src = write_jsonl(tmp_path / "new.jsonl", corpus_docs(5, seed=9), ids=new_ids)
+    kind, n = dies_at
+    calls = []
+    real = getattr(os, kind)
+
+    def dying(path, *args, **kw):
+        name = os.path.basename(args[0] if kind == "replace" else path)
+        if name in before or name.startswith("part-"):  # not the probe, lock or temporary files
+            calls.append(name)
+            if len(calls) == n:
+                raise Died
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(os, kind, dying)
+    with pytest.raises(Died):
+        main(["encode", str(src), "-o", str(out), *OPTS, "--overwrite"])
+    monkeypatch.undo()
+    # renames: the two new shards, then the manifest; removals: the three old shards
+    assert len(calls) == n and calls[-1].startswith("manifest" if dies_at == ("replace", 3) else "part-"), calls
+    assert load_embeddings(out)[0] == (new_ids if kind == "unlink" else old_ids)
+    if kind == "replace":
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in before} == before
+    assert main(["encode", str(src), "-o", str(out), *OPTS, "--overwrite"]) == 0
+    assert len(list(out.iterdir())) == 3 and load_embeddings(out)[0] == new_ids
 
 
 def test_a_folder_input_skips_earlier_outputs_in_it(tmp_path, capsys, cached_encoders):
