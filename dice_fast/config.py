@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .errors import ArgumentTypeError, OptionError
 from .ops import IMPLS
-from .ops.spec import AGGREGATIONS, POOLINGS, check_aggregation, check_pooling
+from .ops.names import AGGREGATIONS, POOLINGS, check_aggregation, check_pooling
 
 STRATEGIES = ("dice", "single", "late")
 POSITIONS = ("local", "global")

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import TYPE_CHECKING
 
-import torch
-
-from .spec import AGGREGATIONS, POOLINGS, SCHEMAS
+from .names import AGGREGATIONS, POOLINGS, SCHEMAS
 from ..errors import OptionError
+
+if TYPE_CHECKING:  # torch is imported by the calls, not here: the settings read IMPLS without it
+    import torch
 
 # concrete implementation -> module that defines `pool_chunks_<suffix>` and `aggregate_documents_<suffix>`
 IMPLEMENTATIONS = {
@@ -61,6 +63,8 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         raise OptionError(f"unknown pooling implementation {impl!r}; allowed: {', '.join(IMPLS)}")
     if impl != "auto":
         return ALIASES.get(impl, impl)
+    import torch
+
     device = torch.device(device)
     if device.type == "cuda":
         from . import native, triton_pool
@@ -76,6 +80,8 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 def unavailable(impl: str, device: torch.device) -> str | None:
     """Why the concrete implementation ``impl`` cannot run on ``device`` in this process (None: it can),
     so that an encoder refuses an explicit choice when it is built, not at its first batch."""
+    import torch
+
     device = torch.device(device)
     if impl == "triton":
         from . import triton_pool
