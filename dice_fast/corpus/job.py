@@ -326,7 +326,7 @@ class EncodeJob:
             extra += (f"; chunks: {summary['chunks_computed']:,} computed, {summary['chunks_from_cache']:,} from "
                       f"cache, {summary['chunks_deduplicated']:,} duplicates")
         print(
-            f"encoded {rows:,} {self.kind} ({tokens:,} tokens incl. special tokens) in {seconds:.2f} s: "
+            f"encoded {rows:,} {self.kind if rows != 1 else {'documents': 'document', 'queries': 'query'}[self.kind]} ({tokens:,} tokens incl. special tokens) in {seconds:.2f} s: "
             f"{rows / seconds:,.1f} docs/s, {tokens / seconds:,.0f} tokens/s -> {where} "
             f"({skipped + rows} x {enc.dim} float32){extra} [{model_label(enc.spec.name)}, {enc.device}, "
             f"{enc.precision}, attention={enc.backend}, strategy={c.strategy}, "

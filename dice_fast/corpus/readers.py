@@ -53,7 +53,8 @@ def input_format(path: str | os.PathLike, fmt: str = "auto") -> str:
         return fmt
     suffix = Path(path).suffix.lower()
     if suffix not in FORMATS:
-        raise ValueError(f"{path}: unknown input type {suffix or '(no extension)'!r}; {KNOWN}")
+        raise ValueError(f"{path}: unknown input type {suffix or '(no extension)'!r}; {KNOWN}; or name the "
+                         "format of this file with --format txt, jsonl or parquet")
     return FORMATS[suffix]
 
 
