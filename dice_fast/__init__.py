@@ -25,12 +25,13 @@ _LAZY = {
     "Settings": "dice_fast.settings",
     **{name: "dice_fast.errors" for name in ("DiceError", "OptionError", "ArgumentTypeError", "TextError", "InputError",
                                               "MissingDependency", "ModelError", "CacheError", "InputOutOfMemory",
-                                              "Int8Unsupported")},
+                                              "Int8Unsupported", "MissingFile", "WriteError")},
 }
 
 __all__ = ["DiceEncoder", "DiceOutput", "DiceConfig", "EncodingPlan", "DiceIndex", "ChunkCache", "Settings",
            "DiceError", "OptionError", "ArgumentTypeError", "TextError", "ModelError", "CacheError",
-           "InputOutOfMemory", "InputError", "Int8Unsupported", "MissingDependency", "__version__"]
+           "InputOutOfMemory", "InputError", "Int8Unsupported", "MissingDependency", "MissingFile", "WriteError",
+           "__version__"]
 
 
 def __getattr__(name: str):

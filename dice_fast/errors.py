@@ -8,8 +8,10 @@ Each also keeps the standard exception it has always been (``OptionError`` is a 
       ArgumentTypeError(TypeError)    an argument of the wrong type (texts, options)
       TextError(ValueError)           a text that cannot be encoded as it is (``index`` names it)
       InputError(ValueError)          an input file or record that cannot be read (names file and line)
+        MissingFile(FileNotFoundError)  an input file, or a file an output's record lists, is not there
       ModelError(ValueError)          a model that cannot be loaded or used (``path`` names it)
       CacheError(ValueError)          a chunk-cache folder or file that cannot be used
+      WriteError(OSError)             a file that cannot be written (disk full, read-only): names it
       InputOutOfMemory(RuntimeError)  one chunk ran out of memory even alone in its batch
       MissingDependency(ImportError)  an optional package a feature needs is not installed
 
@@ -19,6 +21,7 @@ request errors (`dice_fast.serve.errors`).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 
@@ -46,6 +49,10 @@ class InputError(DiceError, ValueError):
     """An input file or record that cannot be read (not UTF-8, malformed JSON, a CSV of other columns)."""
 
 
+class MissingFile(InputError, FileNotFoundError):
+    """An input file, or a file an output's record lists, that is not there (also a FileNotFoundError)."""
+
+
 class MissingDependency(DiceError, ImportError):
     """An optional package a feature needs is not installed (the message says what to install)."""
 
@@ -60,6 +67,25 @@ class ModelError(DiceError, ValueError):
 
 class CacheError(DiceError, ValueError):
     """A cache folder or file that cannot be used (not a dice_fast chunk cache, unreadable)."""
+
+
+class WriteError(DiceError, OSError):
+    """A file that cannot be written (the disk full, a read-only or vanished folder); the message names
+    it, ``errno`` is the system's. Raised through `writing`."""
+
+
+@contextlib.contextmanager
+def writing(path):
+    """Turn an ``OSError`` raised while writing ``path`` (a file or an output folder) into a `WriteError`
+    naming it (numpy and pyarrow say only "No space left on device", or "12800 requested and 7468 written")."""
+    try:
+        yield
+    except WriteError:
+        raise
+    except OSError as exc:
+        err = WriteError(f"cannot write {path}: {exc.strerror or one_line(exc)}")
+        err.errno = exc.errno
+        raise err from exc
 
 
 class Int8Unsupported(DiceError, RuntimeError):
@@ -123,5 +149,5 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-__all__ = ["ArgumentTypeError", "CacheError", "DiceError", "InputError", "InputOutOfMemory", "Int8Unsupported", "MissingDependency",
-           "ModelError", "OptionError", "TextError", "describe", "is_out_of_memory", "one_line"]
+__all__ = ["ArgumentTypeError", "CacheError", "DiceError", "InputError", "InputOutOfMemory", "Int8Unsupported", "MissingDependency", "MissingFile",
+           "ModelError", "OptionError", "TextError", "WriteError", "describe", "is_out_of_memory", "one_line", "writing"]

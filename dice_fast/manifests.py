@@ -4,10 +4,12 @@ folder's manifests make one finished job. The corpus jobs write them (`dice_fast
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, MissingFile
 
 MANIFEST_FORMAT = "dice_fast.embeddings/1"
 # the keys every manifest a job writes has and its readers index, with their types
@@ -79,6 +81,38 @@ def finished_manifests(folder: Path, allow_incomplete: bool = False) -> list[dic
     return [have[i] for i in range(count)]
 
 
+def file_sha256(path: Path, fsync: bool = False) -> str:
+    """Hex sha256 of the file's bytes (read in 1 MiB blocks); ``fsync``: also flush it to disk."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+        if fsync:
+            os.fsync(fh.fileno())
+    return h.hexdigest()
+
+
+def checked_shards(folder: Path, manifest: dict) -> list[Path]:
+    """The shard files ``manifest`` lists, each checked against what it recorded at commit: there, of
+    its size and of its sha256 (a flipped byte in a vector would otherwise read back as a wrong value:
+    Parquet pages written without checksums carry none). `MissingFile` / `InputError` naming the file."""
+    files = []
+    for shard in manifest["shards"]:
+        f = Path(folder) / shard["file"]
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise MissingFile(f"{f}: missing (its manifest lists it)") from None
+        if size != shard["bytes"]:
+            raise InputError(f"{f}: {size} bytes, not the {shard['bytes']} recorded when it was committed (truncated "
+                             "or replaced)")
+        if file_sha256(f) != shard["sha256"]:
+            raise InputError(f"{f}: damaged (its sha256 is not the {shard['sha256'][:12]}... recorded when it was "
+                             "committed)")
+        files.append(f)
+    return files
+
+
 def _vectors_made_by(manifest: dict) -> dict:
     """What shapes a split's vectors: its kind, model and options, less those that change only speed or
     the machine (splits may run with another batch budget or device)."""
@@ -90,4 +124,4 @@ def _vectors_made_by(manifest: dict) -> dict:
             **{f"options.{k}": v for k, v in options.items() if k not in loose}}
 
 
-__all__ = ["MANIFEST_FORMAT", "finished_manifests", "read_manifest"]
+__all__ = ["MANIFEST_FORMAT", "checked_shards", "file_sha256", "finished_manifests", "read_manifest"]

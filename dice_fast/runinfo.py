@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
-from .errors import InputError
+from .errors import InputError, writing
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -79,6 +79,11 @@ def check_csv(path) -> list[str] | None:
             if len(row) > len(header):
                 raise InputError(f"{path}:{i}: {len(row)} values under a header of {len(header)} columns; "
                                  "fix the file or write to another CSV")
+    with open(path, "rb") as fh:
+        fh.seek(-1, 2)
+        if fh.read(1) != b"\n":  # the next row would continue it, its values under other columns
+            raise InputError(f"{path}: its last line has no line end (a write cut off, the disk full?); remove "
+                             "that line or write to another CSV")
     return header
 
 
@@ -88,23 +93,48 @@ def append_csv(rows: list[dict], path, fieldnames=None) -> int:
     header and column order; when the rows bring columns it lacks, the file is rewritten (to a
     temporary name, then renamed) with those columns added at the end and left empty in its old rows,
     so no value ever lands under another column's name (a file whose rows are already wider than
-    its header is refused: `check_csv`). Keys outside an explicit ``fieldnames`` are ignored.
+    its header is refused: `check_csv`, as is one whose last row was cut off). Appends run one at a
+    time across processes (a flock on the folder), a failed one leaves the file as it was, and an
+    OSError is a `WriteError` naming the file. Keys outside an explicit ``fieldnames`` are ignored.
     Returns the number of rows written."""
-    import csv
-    import os
     from pathlib import Path
+
+    from .folder_guard import folder_guard
 
     if not rows:
         return 0
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with folder_guard(path.parent):  # appends by other processes wait: none is lost to a rewrite
+            _append_csv(rows, path, fieldnames)
+    return len(rows)
+
+
+def _append_csv(rows: list[dict], path, fieldnames) -> None:
+    import csv
+    import io
+    import os
+
     wanted = list(fieldnames) if fieldnames else list(dict.fromkeys(k for r in rows for k in r))
     header = check_csv(path) or []
     missing = [k for k in wanted if k not in header]
     if header and not missing:
-        with open(path, "a", newline="", encoding="utf-8") as fh:
-            csv.DictWriter(fh, fieldnames=header, extrasaction="ignore").writerows(rows)
-        return len(rows)
+        text = io.StringIO(newline="")
+        csv.DictWriter(text, fieldnames=header, extrasaction="ignore").writerows(rows)
+        data = memoryview(text.getvalue().encode("utf-8"))
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+            except BaseException:  # a full disk: no partial row stays behind to merge with the next one
+                os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
+        return
     old_rows: list[dict] = []
     if header:
         with open(path, newline="", encoding="utf-8") as fh:
@@ -119,4 +149,3 @@ def append_csv(rows: list[dict], path, fieldnames=None) -> int:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return len(rows)

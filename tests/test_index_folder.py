@@ -5,8 +5,10 @@ restored from the recorded model and options, or a passed one refused when it di
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 from dice_fast import DiceEncoder, DiceIndex
-from dice_fast.errors import InputError, ModelError
+from dice_fast.errors import InputError, ModelError, WriteError
 from dice_fast.index import folder
 from test_index import _random_index, assert_hits_equal, brute_force
 from tiny_models import tiny
@@ -48,27 +50,50 @@ def _count_writes(tmp_path):
     return len(calls)
 
 
+class _FullDisk:
+    """A file whose writes stop half-way with ENOSPC, as on a full disk."""
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def write(self, data):
+        self.fh.write(bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+
+
 def test_a_save_that_fails_at_any_file_leaves_the_old_index(tmp_path, monkeypatch):
     old, new = _two_indexes()
     n_writes = _count_writes(tmp_path)
     assert n_writes >= 8  # every array, the ids and index.json go through _write
     target = tmp_path / "ix"
     old.save(target)
-    real = folder._write
+    old_files = sorted(p.name for p in target.iterdir())
     for fail_at in range(n_writes):
         calls = []
 
-        def failing(path, write):
+        def failing(path, mode="r", *args, **kw):  # the disk fills up part-way through file number fail_at
+            fh = open(path, mode, *args, **kw)
             calls.append(path)
-            if len(calls) > fail_at:
-                raise OSError("disk full (injected)")
-            real(path, write)
+            return _FullDisk(fh) if len(calls) > fail_at else fh
 
-        monkeypatch.setattr(folder, "_write", failing)
-        with pytest.raises(OSError, match="injected"):
+        monkeypatch.setattr(folder, "open", failing, raising=False)
+        with pytest.raises(WriteError, match=f"cannot write {re.escape(str(calls[-1]) if calls else '')}.*"
+                                              "No space left on device") as info:
             new.save(target)
-        monkeypatch.setattr(folder, "_write", real)
+        monkeypatch.undo()
+        assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
+        assert str(calls[-1]) in str(info.value)  # the file being written, named
         assert _contents(DiceIndex.load(target)) == _contents(old), f"failure at write {fail_at}"
+        assert sorted(p.name for p in target.iterdir()) == old_files  # nothing of the failed save left
     new.save(target)  # a later good save switches and clears every leftover generation
     assert _contents(DiceIndex.load(target)) == _contents(new)
     names = sorted(p.name for p in target.iterdir())
@@ -305,7 +330,10 @@ def test_a_first_save_cut_off_before_its_switch_is_redone(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         index.save(target)
     monkeypatch.undo()
-    assert not (target / "index.json").exists() and (target / ".index.json.tmp").exists()
+    assert list(target.iterdir()) == []  # an interrupted save removes what it wrote
+    # a kill -9 leaves its files: the next save goes on over them
+    (target / ".index.json.tmp").write_text('{"format": "dice_fast.index/2", "generat', encoding="utf-8")
+    (target / "documents.0123456789ab.npy").write_bytes(b"\x93NUMPY cut off")
     index.save(target)
     assert sorted(p.name for p in target.iterdir()) == sorted(_generation_files(target))
     assert DiceIndex.load(target).search(queries, 5) == index.search(queries, 5)

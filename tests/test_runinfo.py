@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import csv
+import errno
+import os
+import re
 
 import pytest
 
+from dice_fast.errors import InputError, WriteError
 from dice_fast.runinfo import append_csv, cpu_model
 
 
@@ -54,6 +58,36 @@ def test_a_file_with_rows_wider_than_its_header_is_refused_not_rewritten(tmp_pat
         with pytest.raises(ValueError, match=r"r.csv:2: 3 values under a header of 2 columns"):
             append_csv([row], path)
     assert path.read_text(encoding="utf-8") == "a,b\n1,2,EXTRA\n"
+
+
+def test_a_last_row_cut_off_is_refused_not_continued(tmp_path):
+    """A write cut off by a full disk left "m2,0.5" without its line end: the next row would continue
+    it ("m2,0.5m3,0.99,0.98"), its values under other columns."""
+    path = tmp_path / "r.csv"
+    path.write_text("model,hit1,ndcg\nm1,0.91,0.80\nm2,0.5", encoding="utf-8")
+    with pytest.raises(InputError, match=r"r.csv: its last line has no line end"):
+        append_csv([{"model": "m3", "hit1": 0.99, "ndcg": 0.98}], path)
+    assert path.read_text(encoding="utf-8") == "model,hit1,ndcg\nm1,0.91,0.80\nm2,0.5"
+
+
+def test_an_append_that_fills_the_disk_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    path = tmp_path / "r.csv"
+    append_csv([{"model": "m1", "hit1": 0.91}], path)
+    before = path.read_bytes()
+    real = os.write
+
+    def half_then_full(fd, data):
+        if len(data) > 1:
+            return real(fd, bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(WriteError, match=f"cannot write {re.escape(str(path))}: No space left on device"):
+        append_csv([{"model": "m2", "hit1": 0.5}, {"model": "m3", "hit1": 0.7}], path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    append_csv([{"model": "m4", "hit1": 0.6}], path)
+    assert list(csv.DictReader(path.open())) == [{"model": "m1", "hit1": "0.91"}, {"model": "m4", "hit1": "0.6"}]
 
 
 def test_cpu_model_names_family_and_model(tmp_path):

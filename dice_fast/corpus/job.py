@@ -24,8 +24,9 @@ from itertools import islice
 from pathlib import Path
 
 from .chunk_rows import ChunkRows
-from ..manifests import MANIFEST_FORMAT, read_manifest
-from .outputs import (NpyWriter, ParquetFileWriter, ShardWriter, file_sha256, file_temps, ids_path_for, manifest_name,
+from ..errors import InputError, writing
+from ..manifests import MANIFEST_FORMAT, checked_shards, read_manifest
+from .outputs import (NpyWriter, ParquetFileWriter, ShardWriter, file_temps, ids_path_for, manifest_name,
                       our_files, parse_tag, split_tag)
 from .ids import DuplicateIds
 from .lock import OutputLock
@@ -159,7 +160,8 @@ class EncodeJob:
         duplicates = DuplicateIds()
         if self.resume_from is not None:
             records, skipped = skip_committed(records, self.resume_from["shards"], self.out, duplicates.add)
-        self._open_writer(resolved, signals)
+        with writing(self.out):
+            self._open_writer(resolved, signals)
         from ..progress import ProgressBar
 
         stats_before = enc.chunk_stats.snapshot()
@@ -185,7 +187,8 @@ class EncodeJob:
                 items = [pending.popleft() for _ in range(len(block))]
                 ids = [i for i, _ in items]
                 duplicates.add(ids)
-                self.writer.write(ids, [d for _, d in items], block, *([chunks] if self.chunks else []))
+                with writing(self.out):
+                    self.writer.write(ids, [d for _, d in items], block, *([chunks] if self.chunks else []))
                 rows += len(block)
         finally:
             bar.close()
@@ -193,7 +196,7 @@ class EncodeJob:
         summary = {"rows": skipped + rows, "encoded": rows, "tokens": bar.tokens, "seconds": round(seconds, 3),
                    "blank_lines": corpus.blank_lines, "duplicate_ids": duplicates.count,
                    **_chunk_summary(stats_before, enc.chunk_stats.snapshot())}
-        with signals.critical():
+        with signals.critical(), writing(self.out):
             self.writer.finish(enc.dim, summary)
             signals.pending = None  # a signal during the final commit comes too late to stop anything
         self.writer = None
@@ -250,15 +253,10 @@ class EncodeJob:
             self.resume_from = read_manifest(mine)
             compare_settings(_pinned(self.resume_from), _pinned(requested), ("format", "dice_fast", "kind", "split",
                                                                         "shard_rows", "input", "options"), mine)
-            for shard in self.resume_from["shards"]:
-                p = out / shard["file"]
-                if not p.is_file() or p.stat().st_size != shard["bytes"]:
-                    raise ValueError(f"cannot resume {mine}: committed shard {p.name} is missing or changed "
-                                     f"(expected {shard['bytes']} bytes); start again with --overwrite")
-                if file_sha256(p) != shard["sha256"]:
-                    raise ValueError(f"cannot resume {mine}: committed shard {p.name} is corrupted (its sha256 "
-                                     f"is not the {shard['sha256'][:12]}... recorded at commit); start again "
-                                     "with --overwrite")
+            try:
+                checked_shards(out, self.resume_from)
+            except InputError as exc:
+                raise InputError(f"cannot resume {mine}: committed shard {exc}; start again with --overwrite") from None
             committed = {s["file"] for s in self.resume_from["shards"]} | {mine.name}
             for p in our_files(out):
                 if parse_tag(p.name) == (None if not self.tag else self.split) and p.name not in committed:
@@ -384,9 +382,7 @@ def _query_blocks(enc, texts, progress):
 def _check_writable(folder: Path) -> None:
     import tempfile
 
-    try:
+    with writing(folder):
         fd, probe = tempfile.mkstemp(prefix=".dice-fast-probe.", dir=folder)
-    except OSError as exc:
-        raise ValueError(f"cannot write to {folder}: {exc.strerror}") from None
     os.close(fd)
     os.unlink(probe)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError, one_line
-from ..manifests import finished_manifests
-from .outputs import IDS_RECORD, file_sha256, ids_path_for
+from ..errors import InputError, MissingFile, one_line
+from ..manifests import checked_shards, file_sha256, finished_manifests
+from .outputs import IDS_RECORD, ids_path_for
 
 
 def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> tuple[list[str], np.ndarray]:
@@ -22,10 +22,11 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
     into input order (split ``I`` holds documents ``I, I+N, I+2N`` ...). ``allow_incomplete``: read the
     committed shards of an unfinished (unsplit) job instead of failing.
 
-    Raises ValueError naming the files when ids and vectors do not agree: an ids file that is not the
-    one committed with its ``.npy`` (row count and sha256 recorded in its first line), or a shard with
-    another row count than its manifest lists; `InputError` naming the file for one that cannot be read
-    (a truncated or damaged shard, a manifest without the keys a job writes).
+    Raises `InputError` (a ValueError) naming the files when ids and vectors do not agree: an ids file
+    that is not the one committed with its ``.npy`` (row count and sha256 recorded in its first line),
+    or a shard of another size, sha256 or row count than its manifest recorded at commit; and for one
+    that cannot be read (truncated, a Parquet page failing its checksum, a manifest without the keys a
+    job writes); `MissingFile` (a FileNotFoundError) for a file that is not there.
     """
     path = Path(path)
     if path.suffix.lower() == ".npy":
@@ -43,7 +44,7 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
     vectors = np.zeros((total, dim), np.float32)
     for i, (ids, vecs) in enumerate(parts):
         if len(ids) != len(range(i, total, count)):
-            raise ValueError(f"{path}: split {i}/{count} has {len(ids)} rows; {len(range(i, total, count))} expected "
+            raise InputError(f"{path}: split {i}/{count} has {len(ids)} rows; {len(range(i, total, count))} expected "
                              f"for {total} rows in all (were the splits run on the same input?)")
         ids_out[i::count] = ids
         if len(ids):
@@ -58,12 +59,12 @@ def _is_parquet_file(path: Path) -> bool:
 def _read_npy(path: Path) -> tuple[list[str], np.ndarray]:
     ids_path = ids_path_for(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist" + (f" (but {ids_path.name} does: a job stopped while "
-                                                            "committing? encode again with --overwrite)"
-                                                            if ids_path.is_file() else ""))
+        raise MissingFile(f"{path} does not exist" + (f" (but {ids_path.name} does: a job stopped while "
+                                                      "committing? encode again with --overwrite)"
+                                                      if ids_path.is_file() else ""))
     if not ids_path.is_file():
-        raise FileNotFoundError(f"{path} has no ids file {ids_path.name} beside it (a job stopped before "
-                                "committing it? encode again with --overwrite)")
+        raise MissingFile(f"{path} has no ids file {ids_path.name} beside it (a job stopped before "
+                          "committing it? encode again with --overwrite)")
     try:
         lines = ids_path.read_text(encoding="utf-8").split("\n")[:-1]
     except UnicodeDecodeError as exc:
@@ -73,12 +74,12 @@ def _read_npy(path: Path) -> tuple[list[str], np.ndarray]:
         ids, rows, digest = lines[1:], int(record.group(1)), record.group(2)
         actual = file_sha256(path)
         if actual != digest:
-            raise ValueError(f"{ids_path.name} does not belong to {path.name}: it was committed with a vector file "
+            raise InputError(f"{ids_path} does not belong to {path.name}: it was committed with a vector file "
                              f"of {rows} rows and sha256 {digest[:12]}..., {path.name} has sha256 {actual[:12]}... "
                              "(a job stopped between committing the two files, or one was replaced); encode again "
                              "with --overwrite")
         if len(ids) != rows:
-            raise ValueError(f"{ids_path.name} records {rows} rows but lists {len(ids)} ids (edited after commit?)")
+            raise InputError(f"{ids_path.name} records {rows} rows but lists {len(ids)} ids (edited after commit?)")
     else:  # an ids file without a record (written by hand or by an older version): counts only
         ids = lines
     try:
@@ -86,7 +87,7 @@ def _read_npy(path: Path) -> tuple[list[str], np.ndarray]:
     except (ValueError, OSError, EOFError) as exc:  # truncated, damaged, or an array of objects
         raise InputError(f"{path}: not a readable .npy file ({one_line(exc)})") from None
     if vectors.ndim != 2 or len(vectors) != len(ids):
-        raise ValueError(f"{path.name} holds {vectors.shape[0] if vectors.ndim else 0} rows (shape "
+        raise InputError(f"{path.name} holds {vectors.shape[0] if vectors.ndim else 0} rows (shape "
                          f"{tuple(vectors.shape)}) but {ids_path.name} lists {len(ids)} ids; they are not one pair")
     return ids, vectors
 
@@ -94,12 +95,12 @@ def _read_npy(path: Path) -> tuple[list[str], np.ndarray]:
 def _read_shards(folder: Path, manifest: dict, dim: int) -> tuple[list[str], np.ndarray]:
     import pyarrow.parquet as pq
 
-    files = [folder / s["file"] for s in manifest["shards"]]
+    files = checked_shards(folder, manifest)
     for f, shard in zip(files, manifest["shards"]):
         with _reading(f):
             rows = pq.ParquetFile(f).metadata.num_rows
         if rows != shard["rows"]:
-            raise ValueError(f"{f}: {rows} rows, but its manifest lists {shard['rows']} (replaced after commit?)")
+            raise InputError(f"{f}: {rows} rows, but its manifest lists {shard['rows']} (replaced after commit?)")
     return _read_parquet(files, dim)
 
 
@@ -112,7 +113,7 @@ def _read_parquet(files: list[Path], dim: int = 0) -> tuple[list[str], np.ndarra
     blocks = []
     for f in files:
         with _reading(f):
-            pf = pq.ParquetFile(f)
+            pf = pq.ParquetFile(f, page_checksum_verification=True)  # pages we wrote carry CRCs
         kinds = {name: pf.schema_arrow.field(name).type for name in pf.schema_arrow.names}
         if "id" not in kinds or not pa.types.is_fixed_size_list(kinds.get("embedding", pa.null())):
             raise InputError(f"{f}: not an output of dice-fast encode (no id column, or no embedding column of "

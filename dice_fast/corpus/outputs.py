@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from .chunk_rows import CHUNK_COLUMNS, ChunkRows
+from ..manifests import file_sha256
 
 _ROW_GROUP = 4096
 _NPY_HEADER = 128  # bytes: magic, version, length, and the header dict padded with spaces
@@ -84,17 +85,6 @@ def _mktemp(folder: Path, name: str) -> Path:
         except FileExistsError:
             continue
     raise FileExistsError(f"cannot create a temporary file for {name} in {folder}")
-
-
-def file_sha256(path: Path, fsync: bool = False) -> str:
-    """Hex sha256 of the file's bytes (read in 1 MiB blocks); ``fsync``: also flush it to disk."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-        if fsync:
-            os.fsync(fh.fileno())
-    return h.hexdigest()
 
 
 def _fsync_and_hash(path: Path) -> tuple[int, str]:
@@ -144,7 +134,7 @@ class _ParquetStream:
         import pyarrow.parquet as pq
 
         self.schema = _schema(dim, metadata, chunks)
-        self.writer = pq.ParquetWriter(str(path), self.schema)
+        self.writer = pq.ParquetWriter(str(path), self.schema, write_page_checksum=True)  # readers verify them
         self.ids: list[str] = []
         self.blocks: list[np.ndarray] = []
         self.chunk_blocks: list[ChunkRows] | None = [] if chunks else None

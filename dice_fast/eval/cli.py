@@ -215,7 +215,8 @@ def check_options(args) -> None:
 def _check_lists_and_paths(args) -> None:
     """The tasks, aggregations, scorings, strategies and output paths, named by their flag, before the
     model loads (they failed after it, or, for a folder given as --csv, after the whole run)."""
-    from ..ops.spec import AGGREGATIONS
+    from ..ops.names import AGGREGATIONS
+    from ..runinfo import check_csv
     from .run import check_task
 
     for spec in args.task:
@@ -227,8 +228,10 @@ def _check_lists_and_paths(args) -> None:
             raise OptionError(f"{flag}: unknown {', '.join(map(repr, bad))}; allowed: {', '.join(allowed)}")
     if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
         raise OptionError(f"--out-dir {args.out_dir} is a file; give a folder")
-    if args.csv is not None and Path(args.csv).is_dir():
-        raise OptionError(f"--csv {args.csv} is a folder; give a CSV file")
+    csv_path = Path(args.csv) if args.csv is not None else Path(args.out_dir) / "results.csv"
+    if csv_path.is_dir():
+        raise OptionError(f"--csv {csv_path} is a folder; give a CSV file")
+    check_csv(csv_path)  # rows wider than its header, or a last row cut off: refused now, not after the run
 
 
 def write_outputs(res: EvalResult, out_dir, stem: str, csv_path, plots: bool = True,

@@ -14,26 +14,26 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError
-from ..manifests import finished_manifests
+from ..errors import InputError, MissingFile
+from ..manifests import checked_shards, finished_manifests
 
 NEEDED = ("id", "embedding", "chunk_embeddings", "chunk_start_char", "chunk_end_char", "chunk_tokens")
 
 
 def corpus_files(path) -> list[Path]:
     """The Parquet files of an encode output: the file itself, or the shards every manifest lists.
-    ValueError for a folder whose job is unfinished or misses a ``--shard I/N`` split (an index of it
-    would silently lack documents)."""
+    `InputError` for a folder whose job is unfinished or misses a ``--shard I/N`` split (an index of it
+    would silently lack documents), or a shard not as its manifest recorded it (`checked_shards`)."""
     path = Path(path)
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise ValueError(f"{path}: no such file or folder")
+        raise MissingFile(f"{path}: no such file or folder")
     try:
         manifests = finished_manifests(path)
     except ValueError as exc:
-        raise ValueError(f"{exc}; index a finished output (encode ... --resume, every split)") from None
-    return [path / s["file"] for m in manifests for s in m["shards"]]
+        raise InputError(f"{exc}; index a finished output (encode ... --resume, every split)") from None
+    return [f for m in manifests for f in checked_shards(path, m)]
 
 
 def read_corpus_output(path):
@@ -55,9 +55,9 @@ def read_corpus_file(file: Path):
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(file)
+        table = pq.read_table(file, page_checksum_verification=True)  # pages we wrote carry CRCs
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{file}: unreadable Parquet ({exc})") from None
+        raise InputError(f"{file}: unreadable Parquet ({exc})") from None
     check_chunk_columns(file, table.column_names, "index")
     n = table.num_rows
     documents = _matrix(table.column("embedding").combine_chunks(), n)
@@ -67,7 +67,7 @@ def read_corpus_file(file: Path):
     chunk_document = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
     spans = [np.asarray(table.column(c).combine_chunks().flatten(), np.int64) for c in NEEDED[3:]]
     if any(len(s) != len(chunks) for s in spans):
-        raise ValueError(f"{file}: chunk spans and chunk vectors differ in count")
+        raise InputError(f"{file}: chunk spans and chunk vectors differ in count")
     return (table.column("id").to_pylist(), documents, chunks, chunk_document, *spans)
 
 
@@ -88,7 +88,7 @@ def corpus_encoder(path) -> tuple[str | None, dict]:
         meta = json.loads(pq.read_schema(file).metadata[b"dice_fast"])
         options = dict(meta["options"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{file}: no dice_fast options in its metadata ({exc})") from None
+        raise InputError(f"{file}: no dice_fast options in its metadata ({exc})") from None
     model = options.pop("model", None)
     options.pop("chunks", None)
     return (BUNDLED if model is None or model.startswith("(bundled") else model), options

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, writing
 from ..folder_guard import folder_guard
 from .common import short_repr
 from .texts import TextColumn
@@ -48,14 +48,14 @@ _TMP = ".index.json.tmp"
 _LEGACY_FILES = {*(f"{name}.npy" for name in _ARRAYS), "ids.json", "texts.json"}
 
 
-class _Gone(ValueError):
+class _Gone(InputError):
     """A file index.json names is missing (a save may have switched generations since it was read)."""
 
 
 def save(index, path) -> None:
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
-        raise ValueError(f"{folder} exists and is not a folder")
+        raise InputError(f"{folder} exists and is not a folder")
     _previous_format(folder)  # refuse a foreign folder before creating anything
     folder.mkdir(parents=True, exist_ok=True)
     with folder_guard(folder):  # saves into one folder, by threads or processes, run one after the other
@@ -64,6 +64,26 @@ def save(index, path) -> None:
 
 def _save_generation(index, folder: Path, previous: str | None) -> None:
     gen = uuid.uuid4().hex[:12]
+    try:
+        graphs = _write_generation(index, folder, gen)
+    except BaseException:  # a full disk, say: the old index stays, and nothing of this save
+        if _current_generation(folder) != gen:  # (not when stopped right after its switch)
+            for p in folder.iterdir():
+                m = _GENERATION_FILE.match(p.name)
+                if (m and m.group(1) == gen) or p.name == _TMP:
+                    p.unlink(missing_ok=True)
+        raise
+    _fsync_folder(folder)
+    index.follow_saved_graphs({over: folder / name for over, name in graphs.items()})
+    for stale in folder.iterdir():  # the old generation goes last
+        m = _GENERATION_FILE.match(stale.name)
+        if (m and m.group(1) != gen) or (previous == LEGACY and stale.name in _LEGACY_FILES):
+            stale.unlink(missing_ok=True)
+
+
+def _write_generation(index, folder: Path, gen: str) -> dict:
+    """Write generation ``gen``'s files and switch index.json to them (the commit point); returns the
+    graph files written ({over: file name})."""
     arrays = {name: getattr(index, name) for name in _ARRAYS}
     if index.store_text:
         arrays["text_blob"], arrays["text_offsets"] = index.texts.arrays()
@@ -84,12 +104,14 @@ def _save_generation(index, folder: Path, previous: str | None) -> None:
     tmp = folder / _TMP
     _write(tmp, _json_writer(meta))
     os.replace(tmp, folder / "index.json")  # the switch: before it the old index, after it the new one
-    _fsync_folder(folder)
-    index.follow_saved_graphs({over: folder / name for over, name in graphs.items()})  # the old files go next
-    for stale in folder.iterdir():
-        m = _GENERATION_FILE.match(stale.name)
-        if (m and m.group(1) != gen) or (previous == LEGACY and stale.name in _LEGACY_FILES):
-            stale.unlink(missing_ok=True)
+    return graphs
+
+
+def _current_generation(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "index.json").read_text(encoding="utf-8")).get("generation")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _previous_format(folder: Path) -> str | None:
@@ -132,11 +154,11 @@ def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = Non
 def _read_meta(folder: Path) -> dict:
     meta_path = folder / "index.json"
     if not meta_path.is_file():
-        raise ValueError(f"{folder} is not a dice_fast index (no index.json)")
+        raise InputError(f"{folder} is not a dice_fast index (no index.json)")
     meta = _read_json(meta_path)
     if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, LEGACY):
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{meta_path}: format {found!r} is not {FORMAT!r}")
+        raise InputError(f"{meta_path}: format {found!r} is not {FORMAT!r}")
     return meta
 
 
@@ -150,7 +172,7 @@ def _read_generation(cls, folder: Path, meta: dict, mmap: bool):
         index = cls(dim, None, store_text=store_text, chunk_dtype=meta["chunk_dtype"], model=meta.get("model"),
                     encoder_options=meta.get("encoder_options"))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ValueError(f"{meta_path}: damaged description ({exc})") from None
+        raise InputError(f"{meta_path}: damaged description ({exc})") from None
     want = {"documents": ((n_docs, dim), "float32"), "chunks": ((n_chunks, dim), meta["chunk_dtype"]),
             "cu_doc_chunks": ((n_docs + 1,), "int64"), "text_offsets": ((n_docs + 1,), "int64")}
     for name in _ARRAYS[3:]:
@@ -164,25 +186,25 @@ def _read_generation(cls, folder: Path, meta: dict, mmap: bool):
             raise _unreadable(file, exc) from None
         shape, dtype = want.get(name, ((None,), "uint8"))
         if (shape != (None,) and array.shape != shape) or array.ndim != len(shape) or str(array.dtype) != dtype:
-            raise ValueError(f"{file}: shape {array.shape} {array.dtype}, expected {shape} {dtype} as index.json says")
+            raise InputError(f"{file}: shape {array.shape} {array.dtype}, expected {shape} {dtype} as index.json says")
         loaded[name] = array
     cu = np.asarray(loaded["cu_doc_chunks"])
     if cu[0] != 0 or cu[-1] != n_chunks or np.any(np.diff(cu) < 0):
-        raise ValueError(f"{folder / files['cu_doc_chunks']}: chunk offsets are not 0..{n_chunks} in order")
+        raise InputError(f"{folder / files['cu_doc_chunks']}: chunk offsets are not 0..{n_chunks} in order")
     ids = _read_json(folder / files["ids"])
     if not isinstance(ids, list) or len(ids) != n_docs or not all(isinstance(i, str) for i in ids) or len(set(ids)) != n_docs:
-        raise ValueError(f"{folder / files['ids']}: expected {n_docs} distinct string ids")
+        raise InputError(f"{folder / files['ids']}: expected {n_docs} distinct string ids")
     texts = None
     if store_text and "texts" in files:  # legacy: one JSON list
         listed = _read_json(folder / files["texts"])
         if not isinstance(listed, list) or len(listed) != n_docs or not all(isinstance(t, str) for t in listed):
-            raise ValueError(f"{folder / files['texts']}: expected {n_docs} texts")
+            raise InputError(f"{folder / files['texts']}: expected {n_docs} texts")
         texts = TextColumn.from_texts(listed)
     elif store_text:
         try:
             texts = TextColumn(loaded.pop("text_blob"), loaded.pop("text_offsets"))
         except ValueError as exc:
-            raise ValueError(f"{folder / files['text_offsets']}: {exc}") from None
+            raise InputError(f"{folder / files['text_offsets']}: {exc}") from None
     graphs = {over: folder / name for over, name in (meta.get("graphs") or {}).items()}
     index.restore(ids, loaded, texts, graphs)
     return index
@@ -209,12 +231,12 @@ def _file_names(meta: dict, store_text: bool) -> dict:
     needed = [*_ARRAYS, "ids", *(_TEXT_ARRAYS if store_text else ())]
     for name in needed:
         if not re.fullmatch(rf"{name}\.{gen}\.(npy|json)", names.get(name, "")):
-            raise ValueError(f"file of {name!r} is {names.get(name)!r}, not one of generation {gen}")
+            raise InputError(f"file of {name!r} is {names.get(name)!r}, not one of generation {gen}")
     return names
 
 
 def _write(path: Path, write) -> None:
-    with open(path, "wb") as f:
+    with writing(path), open(path, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
@@ -242,5 +264,5 @@ def _read_json(path: Path):
         raise _unreadable(path, exc) from None
 
 
-def _unreadable(path: Path, exc: Exception) -> ValueError:
-    return (_Gone if isinstance(exc, FileNotFoundError) else ValueError)(f"{path}: unreadable ({exc})")
+def _unreadable(path: Path, exc: Exception) -> InputError:
+    return (_Gone if isinstance(exc, FileNotFoundError) else InputError)(f"{path}: unreadable ({exc})")

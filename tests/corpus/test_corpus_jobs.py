@@ -170,7 +170,7 @@ def test_committed_shard_corrupted_in_place_is_refused(done, tmp_path, capsys):
     shard.write_bytes(bytes(data))
     before = sorted((p.name, p.stat().st_size) for p in out.iterdir())
     assert _run(src, out, "--resume", "--shard-rows", "8") == 2
-    assert "committed shard part-00000.parquet is corrupted (its sha256 is not the" in capsys.readouterr().err
+    assert f"committed shard {shard}: damaged (its sha256 is not the" in capsys.readouterr().err
     assert sorted((p.name, p.stat().st_size) for p in out.iterdir()) == before  # nothing removed or written
 
 
@@ -180,4 +180,4 @@ def test_committed_shard_missing_is_refused(done, tmp_path, capsys):
     interrupted_copy(ref, out)
     (out / "part-00001.parquet").unlink()
     assert _run(src, out, "--resume", "--shard-rows", "8") == 2
-    assert "committed shard part-00001.parquet is missing or changed" in capsys.readouterr().err
+    assert f"committed shard {out / 'part-00001.parquet'}: missing (its manifest lists it)" in capsys.readouterr().err

@@ -4,6 +4,7 @@ and `finished_manifests` refuses unfinished outputs (for `load_embeddings` and t
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import re
@@ -88,6 +89,51 @@ def test_finished_manifests_refuse_unfinished_outputs(tmp_path, cached_encoders)
         load_embeddings(tmp_path / "nothing")
 
 
+@pytest.mark.parametrize("out", ["v.npy", "v.parquet", "shards/"])
+def test_a_full_disk_is_named_with_the_output_and_leaves_nothing(tmp_path, capsys, monkeypatch, cached_encoders, out):
+    """numpy and pyarrow say only "No space left on device" (no file): the error names the output."""
+    import dice_fast.corpus.outputs as outputs
+
+    def full(*args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(outputs.NpyWriter, "write", full)
+    monkeypatch.setattr(outputs._ParquetStream, "write", full)
+    src = write_jsonl(tmp_path / "c.jsonl", corpus_docs(3, seed=5))
+    before = set(tmp_path.iterdir())
+    capsys.readouterr()
+    assert main(["encode", str(src), "-o", str(tmp_path / out), *OPTS]) == 2
+    err = capsys.readouterr().err
+    assert err == f"dice-fast: error: cannot write {tmp_path / out}: No space left on device\n", err
+    assert set(tmp_path.iterdir()) == before  # no temporary file, no folder left behind
+
+
+def test_a_flipped_byte_in_a_vector_is_refused_naming_the_file(tmp_path, cached_encoders):
+    """Same size, one byte changed inside the vectors: a shard fails the sha256 its manifest recorded,
+    a single .parquet its page checksum (both read back a wrong vector before, with no error); the
+    index reads shards through the same check."""
+    import pyarrow.parquet as pq
+
+    from dice_fast.errors import InputError
+    from dice_fast.index import DiceIndex
+
+    src = write_jsonl(tmp_path / "c.jsonl", corpus_docs(6, seed=5))
+    for out in ("shards", "v.parquet"):
+        assert main(["encode", str(src), "-o", str(tmp_path / out), "--shard-rows", "4", "--chunks", *OPTS]) == 0
+    for name, said in (("shards/part-00000.parquet", "damaged (its sha256 is not the"),
+                       ("v.parquet", "not a readable Parquet file, damaged or truncated (could not verify page")):
+        f = tmp_path / name
+        data = bytearray(f.read_bytes())
+        meta = pq.ParquetFile(f).metadata.row_group(0).column(1)  # the embedding column's pages
+        at = (meta.dictionary_page_offset or meta.data_page_offset) + meta.total_compressed_size // 2
+        data[at] ^= 0x40
+        f.write_bytes(bytes(data))
+        with pytest.raises(InputError, match=re.escape(f"{f}: {said}")):
+            load_embeddings(tmp_path / name.split("/")[0])
+    with pytest.raises(InputError, match=re.escape(f"{tmp_path / 'shards' / 'part-00000.parquet'}: damaged")):
+        DiceIndex.from_corpus(tmp_path / "shards")
+
+
 def test_damaged_outputs_are_refused_naming_the_file(tmp_path, capsys, cached_encoders):
     """A truncated shard, .npy or single Parquet file, and a manifest without a key its readers need,
     give an InputError naming the file (and key), and one line from the command line."""
@@ -105,9 +151,12 @@ def test_damaged_outputs_are_refused_naming_the_file(tmp_path, capsys, cached_en
             cut = hashlib.sha256(data[: len(data) // 2]).hexdigest()
             ids[0] = ids[0].split("vectors_sha256=")[0] + "vectors_sha256=" + cut
             (tmp_path / "v.ids.txt").write_text("\n".join(ids))
-        with pytest.raises(InputError, match=re.escape(f"{tmp_path / name}: not a readable")):
+        said = f"{len(data) // 2} bytes, not the {len(data)} recorded" if name.startswith("shards") else "not a readable"
+        with pytest.raises(InputError, match=re.escape(f"{tmp_path / name}: {said}")):
             load_embeddings(tmp_path / name.split("/")[0])
     (tmp_path / "shards" / "part-00001.parquet").unlink()
+    with pytest.raises(FileNotFoundError, match=r"part-00001\.parquet: missing \(its manifest lists it\)"):
+        load_embeddings(tmp_path / "shards")  # a MissingFile: an InputError and a FileNotFoundError
     with pytest.raises(InputError, match=r"part-00001\.parquet: missing \(its manifest lists it\)"):
         load_embeddings(tmp_path / "shards")
     path = tmp_path / "shards" / "manifest.json"
