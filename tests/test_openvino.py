@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import time
 import sys
 
 from pathlib import Path
@@ -218,6 +219,26 @@ def test_stale_temporary_folders_are_not_listed_as_models(tmp_path):
     _fake_model(tmp_path / "int8" / "abc", "m")
     _fake_model(tmp_path / "int8" / ".abc.x1.tmp", "half-written")
     assert model_cache.cached_models(tmp_path) == ["abc"]
+
+
+def test_a_killed_writers_leftovers_are_removed_when_the_entry_is_written(tmp_path):
+    """A process killed while saving a model leaves ".KEY.*.tmp" (a model's size: gigabytes for a 7B
+    int8 export); the next write of that entry removes it once its files are an hour old, and leaves
+    a younger one (another process may be writing it now) and other entries' alone."""
+    entry = tmp_path / "int8" / "key"
+    old = _fake_model(entry.with_name(".key.a1b2c3d4.tmp"), "killed")
+    young = _fake_model(entry.with_name(".key.e5f6a7b8.tmp"), "being written")
+    other = _fake_model(entry.with_name(".other.a1b2c3d4.tmp"), "another key's")
+    hour_ago = time.time() - model_cache.LEFTOVER_AGE_S - 60
+    for p in (old, *old.iterdir(), other, *other.iterdir()):
+        os.utime(p, (hour_ago, hour_ago))
+
+    class Core:
+        def read_model(self, path):
+            return "read"
+
+    assert model_cache.read_or_write(Core(), entry, lambda out: _fake_model(out, "new")) == "read"
+    assert sorted(p.name for p in entry.parent.iterdir()) == sorted(["key", young.name, other.name])
 
 
 @needs_openvino

@@ -16,10 +16,12 @@ that cannot be written, or a full disk, is an `InputError` naming the cache and
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import NoReturn
@@ -114,8 +116,28 @@ def read_or_write(core, folder: Path, write):
         os.rmdir(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".probe", dir=folder.parent))
     except OSError as exc:
         _unwritable(folder, exc)
+    _remove_leftovers(folder)
     write(folder)
     return core.read_model(str(xml))
+
+
+LEFTOVER_AGE_S = 3600  # a live write changes its files every second; one untouched for an hour was killed
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Delete the temporary folders (``.KEY.*.tmp``, ``.discarded``, ``.probe``) that a process killed
+    while writing, or setting aside, the entry ``folder`` left beside it: a model's size each. Only
+    those whose files have not changed for `LEFTOVER_AGE_S` (another process may be writing one now)."""
+    now = time.time()
+    for p in folder.parent.glob(f".{glob.escape(folder.name)}.*"):
+        if p.suffix not in (".tmp", ".discarded", ".probe"):
+            continue
+        try:
+            newest = max([p.stat().st_mtime, *(c.stat().st_mtime for c in p.rglob("*"))])
+        except OSError:  # removed meanwhile
+            continue
+        if now - newest > LEFTOVER_AGE_S:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _set_aside(folder: Path) -> None:
