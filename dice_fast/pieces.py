@@ -17,7 +17,7 @@
    A token the cut would split, a WordPiece ``##`` continuation, a BPE or Unigram merge across the cut
    all show up as a disagreement, so such a cut is never taken.
 3. **A character bound** when no candidate passes: ``size`` characters on, moved back out of a
-   grapheme. Only here may the ids differ from the whole text's: inside a run of more than
+   grapheme (at most `SEARCH_CHARS` back: a longer glued run is cut where it lies). Only here may the ids differ from the whole text's: inside a run of more than
    ``size - SEARCH_CHARS`` characters that offers no cut agreeing with the whole. Typical case: a run of
    letters, or of emoji, longer than a piece (WordPiece turns a word of more than 100 characters into
    one ``[UNK]``; cut, it gives one ``[UNK]`` per piece). `pieces` reports such cuts (``exact=False``).
@@ -99,11 +99,15 @@ def _candidates(text: str, start: int, size: int) -> list[int]:
 
 
 def _bound(text: str, start: int, size: int) -> int:
-    """``start + size`` moved back out of a grapheme (never to ``start`` or before)."""
-    j = start + size
-    while j > start + 1 and (_glued(text[j]) or text[j - 1] == "\u200d"):
-        j -= 1
-    return j
+    """``start + size`` moved back out of a grapheme, at most `SEARCH_CHARS` characters (never to
+    ``start``): a longer glued run (thousands of combining marks or joined emoji, no grapheme of any
+    script) is cut at ``start + size`` itself, so that pieces stay ``size`` long and the cost linear
+    (walking back to ``start + 1`` made 1-character pieces, each costing a ``size``-long walk)."""
+    end = start + size
+    for j in range(end, max(start + 1, end - SEARCH_CHARS) - 1, -1):
+        if not (_glued(text[j]) or text[j - 1] == "\u200d"):
+            return j
+    return end
 
 
 def _agreeing(tokenizer, text: str, start: int, candidates: list[int], lock) -> int | None:
@@ -199,9 +203,12 @@ def tokenize_bounded(tokenizer, texts: list[str], lock, *, piece_chars: int | No
     for i, text in enumerate(texts):
         cuts = pieces(tokenizer, text, lock, size) if piece_chars else [(0, len(text), True)]
         if exact and piece_chars:
-            cuts = list(cuts)
-            if not all(e for _, _, e in cuts):
-                cuts = [(0, len(text), True)]
+            cuts = []
+            for cut in pieces(tokenizer, text, lock, size):
+                if not cut[2]:  # no exact cut somewhere: the text goes whole (the rest is not cut)
+                    cuts = [(0, len(text), True)]
+                    break
+                cuts.append(cut)
         for start, end, _ in cuts:
             if enough is not None and counts[i] > enough:
                 break

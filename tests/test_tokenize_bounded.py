@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dice_fast.chunking import TextError, tokenize
-from dice_fast.pieces import PIECE_CHARS, cut_point, cuts_are_exact, pieces, tokenize_bounded, word_gap
+from dice_fast.pieces import PIECE_CHARS, SEARCH_CHARS, cut_point, cuts_are_exact, pieces, tokenize_bounded, word_gap
 from helpers import CountingLock
 from tiny_models import CLS, SEP, WORDS, _subword_tokenizer, make_tokenizer
 
@@ -179,6 +179,15 @@ def test_a_run_with_no_agreeing_cut_is_cut_at_the_bound_and_reported(bert_tokeni
     assert [x for *_, x in cuts] == [False, False, True]
     assert len(tokenize(bert_tokenizer, [text]).ids) == 1
     assert len(tokenize_bounded(bert_tokenizer, [text], CountingLock(), piece_chars=1000).ids) == 3
+
+
+@pytest.mark.parametrize("run", ["a" + "\u0301" * 6000, "👨\u200d" * 3000])
+def test_a_glued_run_longer_than_a_piece_is_cut_at_the_bound(bert_tokenizer, run):
+    """Thousands of combining marks (or joined emoji) offer no cut outside a grapheme: walking back to
+    the piece's start made 1-character pieces, each a ``size``-long walk (35k characters: 50 s)."""
+    cuts = list(pieces(bert_tokenizer, run, CountingLock(), 1000))
+    assert len(cuts) <= len(run) // 1000 + 1, len(cuts)
+    assert cuts[0][1] >= 1000 - SEARCH_CHARS and not all(x for *_, x in cuts)
 
 
 class _Recording:
