@@ -3,8 +3,8 @@
 A chunk's pooled vector is a pure function of the model, the options that shape a chunk (dtype,
 device type, token pooling, causal or bidirectional attention) and the token ids the model sees
 (special tokens, prefix, text, suffix), plus its start offset under ``positions="global"``. A late
-chunk's vector depends on its whole window: its identity is the window's wrapped ids plus the chunk's
-span inside them (tagged apart, so a DICE identity never equals a late one). So:
+chunk's vector depends on its whole window: its identity is the chunk's span inside the window's
+wrapped ids plus their SHA-256 (tagged apart, so a DICE identity never equals a late one). So:
 
 * `model_fingerprint(model)`: the model part of a cache namespace (config and every weight).
 * `chunk_keys(plan, salt)` gives every chunk of a plan its **identity** (bytes: a positions header
@@ -67,20 +67,22 @@ def chunk_keys(plan, salt: bytes = b"") -> ChunkKeys:
 
 
 def _late_messages(plan, raw: bytes, pre: bytes, suf: bytes, salt: bytes) -> list:
-    """salt + b"V" + the chunk's (offset in its wrapped window, length) + the wrapped window, per chunk.
+    """salt + b"D" + the chunk's (offset in its wrapped window, length) + the SHA-256 of the wrapped
+    window, per chunk: each window is hashed once, and an identity is 49 bytes whatever the window.
 
     The offset counts from the window's first wrapped id (special tokens and prefix included): counted
     from its text, a prefixed window and an unprefixed one holding the prefix as text would share an
-    identity while pooling different tokens. (Tag "W" keyed it that way until 2026-12; its entries never
-    match a "V" identity.)"""
+    identity while pooling different tokens. (Tag "V" held the whole window in every chunk's identity
+    until 2026-12-05, O(chunks x window) memory and cache rows, and tag "W" counted from the text before
+    that: their entries never match a "D" identity.)"""
     w, ch = plan.windows, plan.chunks
     win = w.chunk_window
     w_starts = (plan.tokens.offsets[w.document] + w.start) * 4
     w_ends = w_starts + w.length * 4
-    bodies = [pre + raw[s:e] + suf for s, e in zip(w_starts.tolist(), w_ends.tolist())]
+    digests = [hashlib.sha256(pre + raw[s:e] + suf).digest() for s, e in zip(w_starts.tolist(), w_ends.tolist())]
     offset = (len(plan.prefix) + ch.start - w.start[win]).tolist()
-    head = salt + b"V"
-    return [head + o.to_bytes(8, "little", signed=True) + n.to_bytes(8, "little") + bodies[k]
+    head = salt + b"D"
+    return [head + o.to_bytes(8, "little", signed=True) + n.to_bytes(8, "little") + digests[k]
             for o, n, k in zip(offset, ch.length.tolist(), win.tolist())]
 
 
