@@ -173,7 +173,7 @@ class DiceConfig:
         'default without the extension), `"reference"` / `"ref"` (the float64 spec; tests only). '
         'See [ops.md](ops.md).', role="speed")
     dedup: bool = option(
-        True, "reuse chunk vectors: identical chunks run once, and the persistent cache serves known ones",
+        True, "reuse chunk vectors (run identical chunks once; serve known ones from the persistent cache)",
         detail="Off runs every chunk (the baseline of `benchmarks/bench_cache.py`); the vectors are the same "
         "either way up to float rounding (a chunk's last bits may depend on the batch it ran in: ~1e-8 on "
         "the CPU). See [reuse.md](reuse.md).", role="speed")
