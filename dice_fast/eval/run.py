@@ -229,8 +229,8 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     """
     from .chunkstore import encode_timed, open_cache
     from .diagnostics import evidence_stats
-    from .evidence import chunk_scores, evidence_at_1
-    from .retrieval import evaluate_ranking, rank, search
+    from .evidence import chunk_ranking, evidence_at_1, evidence_chunks
+    from .retrieval import evaluate_ranking, search
 
     say = log or (lambda *_: None)
     aggregations = tuple(dict.fromkeys(aggregations))
@@ -318,12 +318,11 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
         chunks_per_doc.setdefault(k, {g: float(counts[np.asarray(task.doc_length) == g].mean()) for g in groups} \
             if not local else {GROUP_ALL: float(counts.mean())})
         with_evidence = task.answer_span is not None and raw.chunk_start_char is not None
-        ms = chunk_scores(q, raw, qg, dg) if (scorings or with_evidence) else None
 
         def evidence(idx):
             if not with_evidence:
                 return None
-            return evidence_at_1(idx[:, 0], ms.best_chunk, raw, gold, task.answer_span)
+            return evidence_at_1(idx[:, 0], evidence_chunks(q, raw, idx[:, 0]), raw, gold, task.answer_span)
 
         by_method = {"single": docs["single"]}
         doc_vecs = {}
@@ -345,7 +344,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
             key = method_key(k, "maxsim", strategy=st)
             methods.append(key)
             method_info[key] = _info(_method_label(k, "maxsim", strategy=st), k, "maxsim", "maxsim", None, st)
-            score(key, (idx := rank(ms.scores, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
+            score(key, (idx := chunk_ranking(q, raw, qg, dg, k=10)[0]), evidence(idx))
         if "hybrid" in scorings:
             for nc in nc_settings:
                 for alpha in alphas:
@@ -353,12 +352,12 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
                     methods.append(key)
                     method_info[key] = {**_info(_method_label(k, "hybrid", nc if ablate else None, alpha, st), k,
                                                 "hybrid", "hybrid", nc, st), "alpha": alpha, "base": hybrid_agg}
-                    sc = chunk_scores(q, raw, qg, dg, "hybrid", doc_vecs[hybrid_agg, nc], alpha).scores
-                    score(key, (idx := rank(sc, k=10, query_groups=qg, doc_groups=dg)[0]), evidence(idx))
+                    idx = chunk_ranking(q, raw, qg, dg, "hybrid", doc_vecs[hybrid_agg, nc], alpha, k=10)[0]
+                    score(key, idx, evidence(idx))
         if has_gold.any():
             edi[f"{k} late" if st == "late" else k] = evidence_stats(q[has_gold], raw.chunks, raw.chunk_document, gold[has_gold], by_method,
                                     min_margin=min_margin)
-        del raw, ms
+        del raw
     if cache_dir is not None and store is not None:
         store.close()  # opened here (the encoder's own cache stays open)
     if check:

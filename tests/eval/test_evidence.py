@@ -15,19 +15,20 @@ def test_evidence_needs_the_gold_document_and_a_covering_chunk():
     # 2 documents x 2 chunks: doc 0 = chars [0, 10) + [10, 20); doc 1 = [0, 8) + [8, 30)
     raw = SimpleNamespace(chunk_start_char=np.array([0, 10, 0, 8]), chunk_end_char=np.array([10, 20, 8, 30]))
     answer = np.array([[12, 15], [7, 9]])          # doc 0's answer lies in its chunk 1; doc 1's straddles
-    best = np.array([[1, 2], [0, 3], [1, 3], [1, 3]])  # best chunk of (query, document)
     top = np.array([0, 0, 1, -1])
+    chunk = np.array([1, 0, 3, -1])                # the top document's evidence chunk (global index)
     gold = np.array([0, 0, 1, 1])
-    got = evidence_at_1(top, best, raw, gold, answer)
+    got = evidence_at_1(top, chunk, raw, gold, answer)
     # q0: gold ranked first, chunk 1 covers [12, 15); q1: gold first but chunk 0 misses it;
     # q2: chunk 3 = [8, 30) misses 7; q3: nothing ranked
     np.testing.assert_array_equal(got, [1.0, 0.0, 0.0, 0.0])
     answer2 = np.array([[12, 15], [9, 12]])
-    np.testing.assert_array_equal(evidence_at_1(top, best, raw, gold, answer2), [1.0, 0.0, 1.0, 0.0])
+    np.testing.assert_array_equal(evidence_at_1(top, chunk, raw, gold, answer2), [1.0, 0.0, 1.0, 0.0])
     # a wrong top document never counts, even when its best chunk would cover the gold's answer offsets
-    np.testing.assert_array_equal(evidence_at_1(np.array([1, 1, 0, 0]), best, raw, gold, answer2), [0, 0, 0, 0])
+    np.testing.assert_array_equal(evidence_at_1(np.array([1, 1, 0, 0]), np.array([3, 3, 1, 1]), raw, gold, answer2),
+                                  [0, 0, 0, 0])
     with pytest.raises(ValueError, match="character spans"):
-        evidence_at_1(top, best, SimpleNamespace(chunk_start_char=None, chunk_end_char=None), gold, answer)
+        evidence_at_1(top, chunk, SimpleNamespace(chunk_start_char=None, chunk_end_char=None), gold, answer)
 
 
 def test_storage_per_document():
@@ -85,13 +86,7 @@ def test_run_eval_maxsim_hybrid_and_evidence_equal_brute_force(tiny_result):
     assert res.extra["hybrid_alphas"] == (0.3,)
 
 
-@pytest.mark.parametrize("scoring", ["maxsim", "hybrid"])
-def test_chunk_scores_in_query_blocks_equal_one_block(scoring):
-    """The scoring runs in blocks of queries inside each group (bounded memory); the blocks change nothing,
-    down to a budget of one query per block, with groups and an empty document (scores to float32 rounding:
-    BLAS may sum a one-row product in another order)."""
-    from dice_fast.eval.evidence import chunk_scores
-
+def _blocks_case(scoring):
     rng = np.random.default_rng(5)
     per_doc = np.array([3, 0, 2, 4, 1, 2, 5, 3])                # document 1 has no chunk
     chunk_document = np.repeat(np.arange(per_doc.size), per_doc)
@@ -100,30 +95,53 @@ def test_chunk_scores_in_query_blocks_equal_one_block(scoring):
     q = rng.standard_normal((7, 6)).astype(np.float32)
     qg, dg = np.array([0, 1, 0, 1, 1, 0, 0]), np.array([0, 0, 0, 0, 1, 1, 1, 1])
     docs = rng.standard_normal((per_doc.size, 6)).astype(np.float32) if scoring == "hybrid" else None
-    whole = chunk_scores(q, raw, qg, dg, scoring, docs, 0.3, max_block_elems=1 << 30)
-    for budget in (1, 5, 13, 40):
-        got = chunk_scores(q, raw, qg, dg, scoring, docs, 0.3, max_block_elems=budget)
-        np.testing.assert_allclose(got.scores, whole.scores, rtol=1e-6, atol=1e-6)
-        np.testing.assert_array_equal(got.best_chunk, whole.best_chunk)
-    assert (whole.best_chunk[:, 1] == -1).all() and (whole.best_chunk[qg == 1][:, :4] == -1).all()
+    return q, raw, qg, dg, docs
 
 
-def test_chunk_scores_memory_is_bounded_by_the_block():
-    """Peak memory follows the block, not queries x chunks (it was ~21 bytes per (query, chunk) pair)."""
+@pytest.mark.parametrize("scoring", ["maxsim", "hybrid"])
+def test_chunk_ranking_equals_ranking_the_full_score_matrix(scoring):
+    """Ranked block by block (each block's top k kept), as `retrieval.rank` ranks the whole (queries x
+    documents) matrix the eval used to hold, down to a budget of one query per block, with groups and
+    an empty document; the evidence chunk of each ranked document is its best chunk by cosine."""
+    from dice_fast.eval.evidence import chunk_ranking, evidence_chunks
+    from dice_fast.eval.retrieval import rank
+    from dice_fast.scoring import cu_from_chunk_document, score, unit_rows
+
+    q, raw, qg, dg, docs = _blocks_case(scoring)
+    full = np.zeros((len(q), raw.n_docs), np.float32)
+    cu = cu_from_chunk_document(raw.chunk_document, raw.n_docs)
+    sc, ev = score(scoring, unit_rows(q), None if docs is None else unit_rows(docs), unit_rows(raw.chunks), cu, 0.3)
+    full[:] = np.where(np.isfinite(sc), sc, 0.0)
+    for k in (1, 3, 8, 20):
+        want_idx, want_sc = rank(full, k=k, query_groups=qg, doc_groups=dg)
+        for budget in (1, 5, 13, 1 << 30):
+            idx, got_sc = chunk_ranking(q, raw, qg, dg, scoring, docs, 0.3, k=k, max_block_elems=budget)
+            np.testing.assert_array_equal(idx, want_idx, err_msg=f"k={k} budget={budget}")
+            np.testing.assert_allclose(got_sc, want_sc, rtol=1e-6, atol=1e-6)
+    assert (want_idx[qg == 1][:, 4:] == -1).all()             # group 1 has 4 documents
+    top = want_idx[:, 0]
+    want_chunk = np.where((top >= 0) & (ev[np.arange(len(q)), np.maximum(top, 0)] >= 0),
+                          cu[np.maximum(top, 0)] + ev[np.arange(len(q)), np.maximum(top, 0)], -1)
+    np.testing.assert_array_equal(evidence_chunks(q, raw, top), want_chunk)
+    np.testing.assert_array_equal(evidence_chunks(q, raw, np.array([1, -1, 1, 1, 1, 1, 1])), -1)  # no chunks
+
+
+def test_chunk_ranking_memory_does_not_grow_with_queries_times_documents():
+    """Peak memory follows the block and the top k, not queries x documents (the eval held 12 bytes
+    per pair: float32 scores and int64 best chunks)."""
     import tracemalloc
 
-    from dice_fast.eval.evidence import chunk_scores
+    from dice_fast.eval.evidence import chunk_ranking
 
     rng = np.random.default_rng(0)
-    n_q, n_docs, per = 200, 4000, 5
+    n_q, n_docs, per = 400, 8000, 2
     raw = SimpleNamespace(chunks=rng.standard_normal((n_docs * per, 8)).astype(np.float32),
                           chunk_document=np.repeat(np.arange(n_docs), per), n_docs=n_docs)
     q = rng.standard_normal((n_q, 8)).astype(np.float32)
     tracemalloc.start()
     try:
-        chunk_scores(q, raw, max_block_elems=1 << 16)
+        chunk_ranking(q, raw, max_block_elems=1 << 16)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    results = n_q * n_docs * 12                                 # float32 scores + int64 best chunks
-    assert peak < results + 4 * n_q * n_docs * per, (peak, results)  # unblocked: ~21 bytes per pair
+    assert peak < n_q * n_docs * 4, peak  # less than the float32 scores alone
