@@ -71,6 +71,20 @@ def test_cli_refuses_options_it_would_ignore(argv, match):
         args.func(args)
 
 
+def test_a_csv_that_cannot_take_rows_is_refused_before_the_run(tmp_path):
+    """A CSV whose last row was cut off (a full disk) failed after the whole run, or took a merged row."""
+    from dice_fast.errors import InputError
+    from dice_fast.eval.cli import check_options
+
+    csv = tmp_path / "r.csv"
+    csv.write_text("model,hit1\nm1,0.9", encoding="utf-8")
+    for argv in (["--csv", str(csv)], ["--out-dir", str(tmp_path)]):  # given, or OUT_DIR/results.csv
+        if "--out-dir" in argv:
+            csv.rename(tmp_path / "results.csv")
+        with pytest.raises(InputError, match="its last line has no line end"):
+            check_options(_parser().parse_args(["eval", *argv]))
+
+
 def test_cli_warns_for_options_some_tasks_ignore(capsys):
     from dice_fast.eval.cli import check_options
 
