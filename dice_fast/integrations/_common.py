@@ -1,5 +1,6 @@
 """What the integrations share: importing an optional extra with an install hint, building the engine
-from a path or taking a built one, variants of one loaded encoder, and the model's own prompts.
+from a path or taking a built one, variants of one loaded encoder, the model's own sentence-transformers
+config (prompts, similarity), and the settings that shape an encoder's vectors.
 
 Imports nothing optional at module level (``import dice_fast.integrations`` must stay light).
 """
@@ -72,19 +73,42 @@ class Variants:
         return enc
 
 
-def model_prompts(encoder) -> tuple[dict, str | None]:
-    """(prompts, default_prompt_name) from the model folder's ``config_sentence_transformers.json``,
-    ``({}, None)`` when there is none."""
+def st_config(encoder) -> dict:
+    """The model folder's ``config_sentence_transformers.json`` as a dict, ``{}`` when there is none."""
     path = Path(str(encoder.spec.name)) / "config_sentence_transformers.json"
     try:
         with open(path, encoding="utf-8") as fh:
             cfg = json.load(fh)
     except (OSError, ValueError):
-        return {}, None
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def model_prompts(encoder) -> tuple[dict, str | None]:
+    """(prompts, default_prompt_name) from the model folder's ``config_sentence_transformers.json``,
+    ``({}, None)`` when there is none."""
+    cfg = st_config(encoder)
     prompts = cfg.get("prompts") if isinstance(cfg.get("prompts"), dict) else {}
     prompts = {str(k): str(v) for k, v in prompts.items()}
     default = cfg.get("default_prompt_name")
     return prompts, default if isinstance(default, str) and default in prompts else None
+
+
+def vector_settings(encoder) -> dict:
+    """Everything that shapes ``encoder``'s vectors, resolved (JSON-able): every `DiceConfig` option of
+    role "vector" or "precision" (``DiceConfig.options_of("vector", "precision")``), the pooling, window,
+    precision, device type and width, and the late-chunking windows. Two encoders of one model whose
+    settings are equal give the same vectors (to float rounding)."""
+    from dice_fast import DiceConfig
+
+    enc, c = encoder, encoder.config
+    options = {k: getattr(c, k) for k in DiceConfig.options_of("vector", "precision")}
+    options.update(pooling=enc.pooling, normalize_chunks=enc.normalize_chunks, max_length=enc.window,
+                   dtype=enc.precision, device=enc.device.type, dim=enc.dim)
+    if c.strategy == "late":  # late chunking's windows shape its vectors too (resolved)
+        text_tokens, options["window_overlap"] = enc.settings.late_windows()
+        options["window_tokens"] = text_tokens + enc.chunk_overhead
+    return options
 
 
 def hit_metadata(hit, scoring: str) -> dict:

@@ -1,6 +1,8 @@
 """Where the LangChain and LlamaIndex adapters get their vectors: the engine in this process, or a running
 ``dice-fast serve`` over HTTP. Both give (n, dim) float32 rows equal to the engine's
-``encode_documents`` / ``encode_queries`` of the same texts (the server returns them bit for bit).
+``encode_documents`` / ``encode_queries`` of the same texts, to float32 rounding (about 1e-7: a text's
+vector moves that much with what else is packed into its forward, in-process or in the server, which
+packs chunks of concurrent requests together; the server's float32 values arrive unchanged, in base64).
 
     emb = embedder(None, {}, base_url=None)                          # the bundled model, in-process
     emb = embedder(None, {}, base_url="http://127.0.0.1:8080", api_key="s3cret")
@@ -30,11 +32,13 @@ import re
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 
+from ..chunking import check_texts
 from ..errors import ArgumentTypeError
-from ._common import as_encoder, require
+from ._common import as_encoder, require, vector_settings
 from ._retry import RetryPolicy
 
 _KINDS = {"documents": "document", "queries": "query"}
@@ -56,6 +60,23 @@ def embedder(encoder, options: dict, *, base_url: str | None = None, api_key: st
         raise TypeError("with base_url the server's model and options are used: pass no encoder or DICE options "
                         f"(got {'an encoder' if encoder is not None else sorted(options)})")
     return ServerEmbedder(base_url, api_key, extra=extra, **client_options)
+
+
+def rebuild_arguments(described: dict) -> dict:
+    """The arguments of `embedder` (``encoder`` and the options, or ``base_url`` and ``client_options``)
+    that build again an embedder from its ``describe()``; `ArgumentTypeError` for one over an in-memory
+    encoder (no folder to load it from) or a description of another shape."""
+    source = described.get("source") if isinstance(described, dict) else None
+    if source == "local":
+        return {"encoder": described["model"], **described["options"]}
+    if source == "server":
+        return {"base_url": described["base_url"], "client_options": dict(described["client_options"])}
+    if source == "in-memory":
+        raise ArgumentTypeError(
+            "cannot rebuild this embedder: it was made over a DiceEncoder built from a model object, which no "
+            "description can load again; build it from the model folder and options (e.g. "
+            "DiceEmbedding('/models/bge', chunk_size=510)) or a running server (base_url=...) to make it serialisable")
+    raise ArgumentTypeError(f"not a dice_fast embedder description: {described!r}")
 
 
 class LocalEmbedder:
@@ -109,6 +130,22 @@ class LocalEmbedder:
             options["trust_remote_code"] = True
         return enc.model_path, options
 
+    def describe(self) -> dict:
+        """JSON-able: ``{"source": "local", "model": folder or None, "options": {...}, "vectors": {...}}``
+        (``rebuild_arguments`` builds it again from this), or ``{"source": "in-memory", "vectors": {...}}``
+        for an encoder with no folder. ``vectors``: the model (its folder, absolute) and `vector_settings`,
+        so embedders whose vectors differ never describe themselves alike."""
+        enc = self.encoder
+        name = str(enc.model_path or enc.spec.name)
+        model = str(Path(name).resolve()) if Path(name).is_dir() else name
+        vectors = {"model": model, **vector_settings(enc)}
+        try:
+            folder, options = self.source()
+        except ArgumentTypeError:
+            return {"source": "in-memory", "vectors": vectors}
+        return {"source": "local", "model": None if folder is None else os.fspath(folder), "options": dict(options),
+                "vectors": vectors}
+
     def __getstate__(self) -> dict:
         return {"source": self.source()}
 
@@ -131,9 +168,10 @@ class LocalEmbedder:
         return self.encoder.encode_documents(texts)
 
     def queries(self, texts: list[str]) -> np.ndarray:
-        """(n, dim) float32; `QueryTooLong` for a query longer than the model window (as a server refuses it)."""
+        """(n, dim) float32; `QueryTooLong` for a query longer than the model window (as a server refuses it),
+        `ArgumentTypeError` naming a query that is no string."""
+        texts = check_texts(texts, "queries")
         enc = self.encoder
-        texts = list(texts)
         used = enc.max_tokens_used("queries")
         lengths = enc.tokenize(texts, what="queries", spans=False, kind="queries").lengths  # thread-safe (the engine's lock)
         if (over := np.flatnonzero(lengths > used)).size:
@@ -210,6 +248,14 @@ class ServerEmbedder:
         self.strategy = None if strategy is None else check_strategy(strategy)
         self.batch_size, self.timeout, self._extra = batch_size, timeout, extra
         self.retry = RetryPolicy(max_retries, max_retry_seconds)
+        self.base_url = base_url
+        self.client_options = {"batch_size": batch_size, "timeout": timeout, "max_retries": max_retries,
+                               "max_retry_seconds": max_retry_seconds, "strategy": self.strategy}
+
+    def describe(self) -> dict:
+        """JSON-able ``{"source": "server", "base_url": ..., "client_options": {...}}`` (no api_key: a
+        description may be logged or saved); ``rebuild_arguments`` builds it again from this."""
+        return {"source": "server", "base_url": self.base_url, "client_options": dict(self.client_options)}
 
     @property
     def name(self) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..scoring import DEFAULT_SCORING
+from ..scoring import DEFAULT_SCORING, check_scoring
 from ._common import hit_metadata, require
 from ._embedder import DiceServerError, QueryTooLong, embedder
 
@@ -90,7 +90,8 @@ class DiceRetriever(BaseRetriever):
         ``chunk``, ``start_char``, ``end_char``, ``chunk_score`` and ``text`` will do.
     A query longer than the model window is cut to it with a warning (the store's ``encode_queries``).
     k: documents per query; scoring: "maxsim" (a document's best chunk; the default, measured best,
-        docs/retrieval.md), "dice" (the document vector ranks) or "hybrid"; search_kwargs: more
+        docs/retrieval.md), "dice" (the document vector ranks) or "hybrid" (another raises `OptionError`
+        when the retriever is built); search_kwargs: more
         arguments of ``search`` (``alpha``, ``approximate``, ``candidates`` ...).
 
     Each hit becomes a ``Document`` whose ``page_content`` is the evidence passage (the chunk of the
@@ -102,6 +103,10 @@ class DiceRetriever(BaseRetriever):
     k: int = 4
     scoring: str = DEFAULT_SCORING
     search_kwargs: dict = Field(default_factory=dict)
+
+    def __init__(self, **kwargs: Any):
+        check_scoring(kwargs.get("scoring", DEFAULT_SCORING))  # OptionError now, as LlamaIndex's retriever does
+        super().__init__(**kwargs)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         hits = self.index.search([_text(query)], k=self.k, scoring=self.scoring, **self.search_kwargs)[0]

@@ -39,7 +39,7 @@ from typing import Any
 
 from ..scoring import DEFAULT_SCORING, check_scoring
 from ._common import hit_metadata, require
-from ._embedder import DiceServerError, LocalEmbedder, QueryTooLong, embedder
+from ._embedder import DiceServerError, LocalEmbedder, QueryTooLong, embedder, rebuild_arguments
 
 require("llama_index.core", "llama-index")
 from llama_index.core.base.embeddings.base import BaseEmbedding  # noqa: E402
@@ -58,7 +58,17 @@ class DiceEmbedding(BaseEmbedding):
         None is loaded with ``options`` (`DiceConfig` fields). base_url / api_key / client_options: a
         running ``dice-fast serve`` instead (see `dice_fast.integrations.langchain.DiceEmbeddings`).
     embed_batch_size: texts per call into the engine (64 by default; DICE packs them itself, so it bounds
-        memory, never changes a vector).
+        memory; a vector moves only by float32 rounding, about 1e-7, with what is packed beside it).
+    BaseEmbedding's own fields (model_name, callback_manager, num_workers, embeddings_cache, rate_limiter)
+        are accepted as keywords too; model_name defaults to the model folder's name (or the server's URL).
+
+    ``to_dict()`` / ``to_json()`` (what an ``IngestionPipeline`` cache keys on) carry the DICE settings
+    under ``"dice"``: how to build the embedder again (model folder and options, or ``base_url`` and
+    ``client_options``; never ``api_key``) and ``"vectors"``, everything that shapes a vector, resolved
+    (`dice_fast.integrations._common.vector_settings` and the model folder), so embeddings that give
+    other vectors never share a cache key. ``from_dict`` / ``from_json`` build an equal embedding from
+    them (pass ``api_key=`` again for a server that needs one); one over a `DiceEncoder` without a folder
+    cannot be rebuilt and raises `ArgumentTypeError`.
 
     Picklable, so ``IngestionPipeline.run(num_workers=N)`` works: each worker process loads the model
     again from its folder with the same options (or calls the same server) when it first embeds. An
@@ -70,9 +80,11 @@ class DiceEmbedding(BaseEmbedding):
 
     def __init__(self, encoder=None, *, base_url: str | None = None, api_key: str | None = None,
                  client_options: dict | None = None, embed_batch_size: int = 64, **options):
+        fields = {name: options.pop(name) for name in list(options) if name in type(self).model_fields}
         source = embedder(encoder, options, base_url=base_url, api_key=api_key, extra="llama-index",
                           **(client_options or {}))
-        super().__init__(model_name=source.name, embed_batch_size=embed_batch_size)
+        fields.setdefault("model_name", source.name)
+        super().__init__(embed_batch_size=embed_batch_size, **fields)
         self._embedder = source
 
     @classmethod
@@ -84,11 +96,37 @@ class DiceEmbedding(BaseEmbedding):
         # copy with no embedder at all: fail here instead, saying what to pass
         if isinstance(self._embedder, LocalEmbedder):
             self._embedder.source()
-        return super().__getstate__()
+        # llama-index removes an unpicklable field (a callback_manager holding a lock) from the live
+        # __dict__ that pydantic hands it: pickle a copy without it, keep it on this object
+        fields = dict(self.__dict__)
+        state = super().__getstate__()
+        state = {**state, "__dict__": dict(state["__dict__"])}
+        self.__dict__.update(fields)
+        return state
 
     def __setstate__(self, state: dict) -> None:
-        # pydantic's, not llama-index's (which calls __init__ with the fields, i.e. would load a model)
+        # pydantic's, not llama-index's (which calls __init__ with the fields, i.e. would load a model);
+        # a field llama-index dropped as unpicklable (a callback_manager holding a lock) gets its default
         PydanticModel.__setstate__(self, state)
+        for name, field in type(self).model_fields.items():
+            if name not in self.__dict__:
+                self.__dict__[name] = field.get_default(call_default_factory=True, validated_data=dict(self.__dict__))
+
+    def to_dict(self, **kwargs: Any) -> dict:
+        """BaseEmbedding's fields, ``class_name`` and ``"dice"``: the embedder's description (see the class)."""
+        data = super().to_dict(**kwargs)
+        data["dice"] = self._embedder.describe()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict, **kwargs: Any) -> DiceEmbedding:
+        """The embedding ``to_dict`` describes (``kwargs`` override its entries, e.g. ``api_key=``);
+        `ArgumentTypeError` when it was made over a `DiceEncoder` without a folder."""
+        data = {**data, **kwargs}
+        data.pop("class_name", None)
+        described = data.pop("dice", None)
+        arguments = {} if described is None else rebuild_arguments(described)
+        return cls(**{**arguments, **data})
 
     @property
     def encoder(self):

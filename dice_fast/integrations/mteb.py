@@ -9,7 +9,7 @@ one model window each, prompts per task / task type / query-or-document.
 MTEB calls ``encode(dataloader, task_metadata=..., prompt_type=...)``: ``prompt_type`` query -> queries
 (`DiceEncoder.encode_queries`, never chunked), document -> documents (`encode_documents`, DICE);
 tasks without a prompt type (STS, classification, clustering ...) are encoded as documents, which for
-texts of at most ``chunk_size`` tokens is exactly the single-window vector. The loader's
+texts of at most ``chunk_size`` tokens is the single-window vector (to float rounding). The loader's
 ``batch_size`` only sizes MTEB's DataLoader: the engine packs every text of a call under its own
 ``max_batch_tokens``.
 
@@ -30,7 +30,7 @@ import json
 import numpy as np
 
 from ..runinfo import model_label
-from ._common import Variants, as_encoder, model_prompts, require
+from ._common import Variants, as_encoder, model_prompts, require, vector_settings
 
 __all__ = ["DiceMTEBModel"]
 
@@ -62,18 +62,10 @@ class DiceMTEBModel:
 
     @property
     def experiment_options(self) -> dict:
-        """Everything that shapes this model's vectors, resolved: every `DiceConfig` option of role "vector"
-        or "precision" (``DiceConfig.options_of("vector", "precision")``), the late-chunking windows, the
-        width and the prompts. Its digest is the ``options`` entry of the MTEB experiment name."""
-        from dice_fast import DiceConfig
-
-        enc, c = self.encoder, self.encoder.config
-        options = {k: getattr(c, k) for k in DiceConfig.options_of("vector", "precision")}
-        options.update(pooling=enc.pooling, normalize_chunks=enc.normalize_chunks, max_length=enc.window,
-                       dtype=enc.precision, device=enc.device.type, dim=enc.dim)
-        if c.strategy == "late":  # late chunking's windows shape its vectors too (resolved)
-            text_tokens, options["window_overlap"] = enc.settings.late_windows()
-            options["window_tokens"] = text_tokens + enc.chunk_overhead
+        """Everything that shapes this model's vectors, resolved: `vector_settings` of the encoder (every
+        `DiceConfig` option of role "vector" or "precision", the late-chunking windows, the width ...) and
+        the prompts. Its digest is the ``options`` entry of the MTEB experiment name."""
+        options = vector_settings(self.encoder)
         options["prompts"] = dict(sorted(self.model_prompts.items()))
         return options
 

@@ -13,9 +13,10 @@ or, as a plain callable class for ``map_batches``::
     ds.map_batches(DiceEmbedder, fn_constructor_kwargs={"model": path, "chunk_size": 254},
                    batch_format="pyarrow", batch_size=512, compute=ray.data.ActorPoolStrategy(size=8), num_gpus=1)
 
-Each row's vector is the offline ``DiceEncoder.encode_documents`` vector of its text, whatever the
-blocks, batches and actors (a document is never split across batches; the engine's vectors do not
-depend on what else is in a batch). Added columns (the input columns are kept):
+Each row's vector is the offline ``DiceEncoder.encode_documents`` vector of its text to float rounding,
+whatever the blocks, batches and actors: a document is never split across batches, and what else is
+packed into a forward moves a vector only by rounding (on a CPU in float32, up to about 1e-7), so rows
+are not bit for bit the offline ones. Added columns (the input columns are kept):
 
 * ``embedding``: ``fixed_size_list<float32>[dim]`` (pyarrow batches) or a (n, dim) float32 array
   (numpy batches);

@@ -11,7 +11,7 @@ Differences from ``SentenceTransformer.encode``, by design:
 
 * ``encode`` / ``encode_document`` / ``task="document"`` encode **documents**: chunked, each chunk
   encoded alone, chunk vectors aggregated (a text of at most ``chunk_size`` tokens is one chunk and
-  gets exactly the single-window vector). ``encode_query`` / ``task="query"`` encode **queries**: one
+  gets the single-window vector, to float rounding). ``encode_query`` / ``task="query"`` encode **queries**: one
   model window each, cut to it with a warning when longer.
 * A prompt is given to the engine as ``document_prefix`` / ``query_prefix``: its tokens follow the
   special prefix of **every chunk** (of the query), instead of being glued to the text once; for
@@ -25,7 +25,13 @@ Differences from ``SentenceTransformer.encode``, by design:
 * ``batch_size`` is a memory cap, not a speed knob: one packed forward holds at most
   ``batch_size * max_seq_length`` tokens (what a sentence-transformers batch of that size can hold),
   and never more than the encoder's ``max_batch_tokens``. Default (None): the encoder's budget.
-  Vectors do not depend on it.
+  Vectors change with it only by float32 rounding (about 1e-7).
+* Prompts as in sentence-transformers 6: ``"query"`` and ``"document"`` are always among the prompts
+  (``""`` unless given or saved), so ``encode_query`` / ``encode_document`` never fall back to
+  ``default_prompt_name``; an empty prompt is no prompt (the encoder's own prefix applies).
+* ``similarity`` / ``similarity_pairwise`` follow ``similarity_fn_name`` ("cosine", "dot", "euclidean",
+  "manhattan": negative distances), as sentence-transformers computes them; default: the model
+  folder's ``config_sentence_transformers.json``, else "cosine".
 * Only ``output_value="sentence_embedding"`` and ``precision="float32"``; no multi-process ``pool``.
   An empty input gives an array / tensor of shape ``(0, dim)``.
 """
@@ -36,13 +42,16 @@ from typing import Iterable
 
 import numpy as np
 
+from ..errors import OptionError
 from ..matryoshka import check_dim
-from ._common import Variants, as_encoder, model_prompts
+from ._common import Variants, as_encoder, model_prompts, st_config
 
 __all__ = ["DiceSentenceEncoder"]
 
 _DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # what encode_document looks for, as in sentence-transformers
 _TASKS = (None, "document", "query")
+_SEEDED_PROMPTS = ("query", "document")  # sentence-transformers 6 always has these (empty unless given or saved)
+SIMILARITY_FNS = ("cosine", "dot", "euclidean", "manhattan")  # what SentenceTransformer supports
 
 
 class DiceSentenceEncoder:
@@ -50,26 +59,46 @@ class DiceSentenceEncoder:
 
     encoder: a `DiceEncoder`, a local model folder, or None (the bundled all-MiniLM-L6-v2); a folder or
         None is loaded with ``options`` (`DiceConfig` fields: chunk_size, aggregation, device, dtype ...).
-    prompts: ``{name: text}`` as in sentence-transformers (``{"query": "query: ", "document": "passage: "}``);
-        None reads ``prompts`` / ``default_prompt_name`` from the model folder's
-        ``config_sentence_transformers.json``. default_prompt_name: used when a call names no prompt.
+    prompts: ``{name: text}`` as in sentence-transformers (``{"query": "query: ", "document": "passage: "}``),
+        merged as sentence-transformers 6 merges them: ``"query"`` and ``"document"`` first (``""``), then
+        these, then the model folder's saved prompts for names still unset. default_prompt_name: used when a
+        call names no prompt (``encode``; ``encode_query`` / ``encode_document`` name theirs); None: the
+        model folder's.
     truncate_dim: keep the first ``truncate_dim`` dimensions of every vector (Matryoshka models), as the
         engine's ``truncate_dim`` option does.
+    similarity_fn_name: "cosine", "dot", "euclidean" or "manhattan" (`SIMILARITY_FNS`); None: the model
+        folder's ``similarity_fn_name``, else "cosine".
     """
 
-    similarity_fn_name = "cosine"
-
     def __init__(self, encoder=None, prompts: dict[str, str] | None = None, default_prompt_name: str | None = None,
-                 truncate_dim: int | None = None, **options):
+                 truncate_dim: int | None = None, similarity_fn_name: str | None = None, **options):
         self.encoder = as_encoder(encoder, options)
         self._variants = Variants(self.encoder)
         own, own_default = model_prompts(self.encoder)
-        self.prompts = dict(own if prompts is None else prompts)
-        self.default_prompt_name = default_prompt_name if default_prompt_name is not None else (
-            own_default if prompts is None else None)
+        merged: dict = dict.fromkeys(_SEEDED_PROMPTS)
+        merged.update(prompts or {})
+        merged.update({k: v for k, v in own.items() if merged.get(k) is None})
+        self.prompts = {k: "" if v is None else v for k, v in merged.items()}
+        self.default_prompt_name = own_default if default_prompt_name is None else default_prompt_name
         if self.default_prompt_name is not None and self.default_prompt_name not in self.prompts:
             raise ValueError(f"default_prompt_name {self.default_prompt_name!r} is not in prompts {sorted(self.prompts)}")
         self.truncate_dim = check_dim(truncate_dim, self.encoder.dim)
+        saved = st_config(self.encoder).get("similarity_fn_name")
+        self.similarity_fn_name = similarity_fn_name if similarity_fn_name is not None else (
+            saved if saved in SIMILARITY_FNS else "cosine")
+
+    @property
+    def similarity_fn_name(self) -> str:
+        """What ``similarity`` computes: "cosine", "dot", "euclidean" or "manhattan"."""
+        return self._similarity_fn_name
+
+    @similarity_fn_name.setter
+    def similarity_fn_name(self, value) -> None:
+        value = getattr(value, "value", value)  # sentence-transformers' SimilarityFunction enum too
+        value = "cosine" if value is None else value
+        if value not in SIMILARITY_FNS:
+            raise OptionError(f"unknown similarity_fn_name {value!r}; allowed: {', '.join(map(repr, SIMILARITY_FNS))}")
+        self._similarity_fn_name = value
 
     # -- what sentence-transformers code reads off a model -------------------------------------
     @property
@@ -142,22 +171,15 @@ class DiceSentenceEncoder:
             prompt_name = next((p for p in _DOCUMENT_PROMPTS if p in self.prompts), None)
         return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, task="document", **kwargs)
 
-    # -- similarity (cosine, as the bundled model's sentence-transformers config says) ---------------
+    # -- similarity (``similarity_fn_name``, computed as sentence-transformers computes it) ----------
     def similarity(self, embeddings1, embeddings2):
-        """(n1, n2) cosine similarity as a float32 torch tensor; 1-D inputs count as one row."""
-        import torch
-
-        a, b = _rows(embeddings1), _rows(embeddings2)
-        a = torch.nn.functional.normalize(a, dim=1)
-        b = torch.nn.functional.normalize(b, dim=1)
-        return a @ b.T
+        """(n1, n2) float32 torch tensor of ``similarity_fn_name`` between every row of each; 1-D inputs
+        count as one row. "euclidean" / "manhattan" are negative distances (higher is closer)."""
+        return _similarity(self.similarity_fn_name, _rows(embeddings1), _rows(embeddings2), pairwise=False)
 
     def similarity_pairwise(self, embeddings1, embeddings2):
-        """(n,) cosine similarity of row i with row i, as a float32 torch tensor."""
-        import torch
-
-        a, b = _rows(embeddings1), _rows(embeddings2)
-        return torch.nn.functional.cosine_similarity(a, b, dim=1)
+        """(n,) float32 torch tensor of ``similarity_fn_name`` between row i of each."""
+        return _similarity(self.similarity_fn_name, _rows(embeddings1), _rows(embeddings2), pairwise=True)
 
     # ----------------------------------------------------------------------------------------------
     def _resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str | None:
@@ -168,7 +190,7 @@ class DiceSentenceEncoder:
             return None
         if name not in self.prompts:
             raise ValueError(f"prompt name {name!r} is not among the prompts {sorted(self.prompts)}")
-        return self.prompts[name]
+        return self.prompts[name] or None  # "" (e.g. the seeded "query" / "document"): no prompt
 
     def _encoder_for(self, task, prompt: str | None, batch_size: int | None, truncate_dim: int | None = None):
         changes = {} if truncate_dim is None else {"truncate_dim": truncate_dim}
@@ -211,6 +233,19 @@ def _convert(vecs: np.ndarray, single: bool, to_numpy: bool, to_tensor: bool, de
         return vecs[0] if single else vecs
     rows = list(torch.from_numpy(vecs))
     return rows[0] if single else rows
+
+
+def _similarity(name: str, a, b, pairwise: bool):
+    """sentence-transformers' ``cos_sim`` / ``dot_score`` / ``euclidean_sim`` / ``manhattan_sim`` of (n1, d)
+    and (n2, d) float32 tensors -> (n1, n2), or their ``pairwise_*`` twins of two (n, d) -> (n,)."""
+    import torch
+
+    if name == "cosine":
+        a, b = torch.nn.functional.normalize(a, p=2, dim=1), torch.nn.functional.normalize(b, p=2, dim=1)
+    if name in ("cosine", "dot"):
+        return (a * b).sum(dim=-1) if pairwise else a @ b.T
+    p = 2.0 if name == "euclidean" else 1.0
+    return -torch.linalg.vector_norm(a - b, ord=p, dim=-1) if pairwise else -torch.cdist(a, b, p=p)
 
 
 def _rows(x):

@@ -155,3 +155,13 @@ def test_a_query_longer_than_the_window_is_refused_by_embed_query_and_cut_by_the
     with pytest.warns(UserWarning, match="longer than the model window"):
         docs = DiceRetriever(index=index, k=1).invoke(long_query)
     assert len(docs) == 1
+
+
+def test_retriever_refuses_an_unknown_scoring_when_built():
+    """As LlamaIndex's retriever does: the mistake surfaces where it is made, not at the first query."""
+    from dice_fast.errors import OptionError
+
+    with pytest.raises(OptionError, match=r"unknown scoring 'nope'; allowed: .*'maxsim'"):
+        DiceRetriever(index=object(), scoring="nope")
+    assert DiceRetriever(index=object(), scoring="hybrid").scoring == "hybrid"
+    assert DiceRetriever(index=object()).scoring == "maxsim"

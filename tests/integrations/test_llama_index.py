@@ -101,3 +101,121 @@ def test_ingestion_pipeline_with_two_worker_processes(tiny_folder):
     assert len(nodes) == len(docs) and all(v is not None for v in got.values())
     want = embed.encoder.encode_documents(TINY_TEXTS)
     np.testing.assert_allclose(_rows([got[f"d{i}"] for i in range(len(docs))]), want, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------- to_dict / from_dict
+LONG_TINY = "blue sky of sun and green tree " * 20  # many chunks of 16 or 8 tokens
+
+
+def test_to_dict_keys_apart_configurations_so_the_ingestion_cache_never_mixes_them(tiny_folder):
+    """IngestionPipeline's cache keys on ``to_dict()``: two embeddings that give other vectors must not
+    share a key, or the second gets the first's vectors."""
+    from llama_index.core.ingestion import IngestionCache, IngestionPipeline
+    from llama_index.core.schema import TextNode
+
+    a = DiceEmbedding(tiny_folder, **TINY_OPTIONS)
+    b = DiceEmbedding(tiny_folder, **{**TINY_OPTIONS, "chunk_size": 8, "aggregation": "max"})
+    want_a, want_b = _rows(a.get_text_embedding(LONG_TINY)), _rows(b.get_text_embedding(LONG_TINY))
+    assert np.abs(want_a - want_b).max() > 1e-3
+    assert a.to_dict() != b.to_dict() and a.to_json() != b.to_json()
+    assert a.to_dict()["dice"]["vectors"]["chunk_size"] == 16 and b.to_dict()["dice"]["vectors"]["aggregation"] == "max"
+
+    cache = IngestionCache()
+    got_a = IngestionPipeline(transformations=[a], cache=cache).run(nodes=[TextNode(text=LONG_TINY, id_="d")])
+    got_b = IngestionPipeline(transformations=[b], cache=cache).run(nodes=[TextNode(text=LONG_TINY, id_="d")])
+    np.testing.assert_allclose(_rows(got_a[0].embedding), want_a, atol=1e-6)
+    np.testing.assert_allclose(_rows(got_b[0].embedding), want_b, atol=1e-6)
+
+    # over in-memory encoders too (no folder): still told apart by their settings
+    from dice_fast import DiceEncoder
+
+    enc = a.encoder
+    bare_a = DiceEmbedding(DiceEncoder(enc.model, enc.tokenizer, config=enc.config))
+    bare_b = DiceEmbedding(DiceEncoder(enc.model, enc.tokenizer, config=enc.config.replace(truncate_dim=8)))
+    assert bare_a.to_dict()["dice"]["source"] == "in-memory" and bare_a.to_dict() != bare_b.to_dict()
+
+
+def test_from_dict_and_from_json_rebuild_an_equal_embedding(tiny_folder):
+    from dice_fast import DiceEncoder
+    from dice_fast.errors import ArgumentTypeError
+
+    enc = DiceEncoder.from_pretrained(tiny_folder, aggregation="max", **TINY_OPTIONS)
+    for embed in (DiceEmbedding(tiny_folder, embed_batch_size=4, **TINY_OPTIONS), DiceEmbedding(enc)):
+        want = _rows(embed.get_text_embedding_batch(TINY_TEXTS))
+        for copy in (DiceEmbedding.from_dict(embed.to_dict()), DiceEmbedding.from_json(embed.to_json())):
+            assert copy.to_dict() == embed.to_dict() and copy.encoder is not embed.encoder
+            np.testing.assert_array_equal(_rows(copy.get_text_embedding_batch(TINY_TEXTS)), want)
+            np.testing.assert_array_equal(_rows(copy.get_query_embedding("hello world")),
+                                          _rows(embed.get_query_embedding("hello world")))
+
+    server = DiceEmbedding(base_url="http://127.0.0.1:9/v1", api_key="s3cret", embed_batch_size=5,
+                           client_options={"batch_size": 3, "strategy": "late"})
+    assert "s3cret" not in server.to_json()  # a description may be logged or saved: never the key
+    again = DiceEmbedding.from_json(server.to_json(), api_key="s3cret")
+    assert again.to_dict() == server.to_dict() and again.embed_batch_size == 5
+    assert again.model_name == server.model_name == "http://127.0.0.1:9/v1/embeddings"
+
+    bare = DiceEmbedding(DiceEncoder(enc.model, enc.tokenizer, config=enc.config))
+    with pytest.raises(ArgumentTypeError, match="model object"):
+        DiceEmbedding.from_dict(bare.to_dict())
+
+
+def test_bundled_model_round_trips_through_json(bundled):
+    embed = DiceEmbedding(chunk_size=64, device="cpu", dtype="float32")
+    assert embed.to_dict()["dice"]["model"] is None  # the bundled model: None, loaded from the package again
+    copy = DiceEmbedding.from_json(embed.to_json())
+    assert copy.to_dict() == embed.to_dict()
+    np.testing.assert_array_equal(_rows(copy.get_text_embedding("a lighthouse on the cliff")),
+                                  _rows(embed.get_text_embedding("a lighthouse on the cliff")))
+
+
+def test_constructor_takes_base_embeddings_own_fields(tiny_folder):
+    from llama_index.core.callbacks import CallbackManager
+
+    manager = CallbackManager([])
+    embed = DiceEmbedding(tiny_folder, callback_manager=manager, num_workers=2, model_name="mine", **TINY_OPTIONS)
+    assert embed.callback_manager is manager and embed.num_workers == 2 and embed.model_name == "mine"
+    assert embed.encoder.config.chunk_size == 16
+
+
+def test_unpickled_embedding_whose_callback_manager_was_dropped_gets_a_default_one(tiny_folder):
+    """llama-index drops an unpicklable field when pickling (a callback handler holding a lock): the copy
+    must still embed, with a fresh CallbackManager, not fail with AttributeError."""
+    import pickle
+    import threading
+
+    from llama_index.core.callbacks import CallbackManager
+    from llama_index.core.callbacks.base_handler import BaseCallbackHandler
+
+    class LockedHandler(BaseCallbackHandler):
+        def __init__(self):
+            super().__init__([], [])
+            self.lock = threading.Lock()
+
+        def on_event_start(self, *args, **kwargs):
+            return ""
+
+        def on_event_end(self, *args, **kwargs):
+            pass
+
+        def start_trace(self, *args, **kwargs):
+            pass
+
+        def end_trace(self, *args, **kwargs):
+            pass
+
+    embed = DiceEmbedding(tiny_folder, embed_batch_size=8, **TINY_OPTIONS)
+    embed.callback_manager = CallbackManager([LockedHandler()])
+    copy = pickle.loads(pickle.dumps(embed))
+    assert isinstance(copy.callback_manager, CallbackManager) and copy.embed_batch_size == 8
+    np.testing.assert_array_equal(_rows(copy.get_text_embedding_batch(TINY_TEXTS)),
+                                  _rows(embed.get_text_embedding_batch(TINY_TEXTS)))
+
+
+def test_a_query_that_is_no_string_names_it(tiny_folder):
+    from dice_fast.errors import ArgumentTypeError
+
+    embed = DiceEmbedding(tiny_folder, **TINY_OPTIONS)
+    for bad, name in ((None, "NoneType"), (123, "int")):
+        with pytest.raises(ArgumentTypeError, match=rf"queries\[0\] is {name}, expected str"):
+            embed.get_query_embedding(bad)

@@ -120,7 +120,11 @@ def test_prompts_match_sentence_transformers_and_apply_per_chunk(enc, st_model):
 
     # long documents: the prompt is the document prefix of every chunk
     with_prefix = DiceEncoder(enc.model, enc.tokenizer, config=enc.config.replace(document_prefix="passage: "))
-    np.testing.assert_allclose(model.encode_document(DOCS), with_prefix.encode_documents(DOCS), atol=1e-6)
+    np.testing.assert_allclose(model.encode_document(DOCS, prompt_name="passage"), with_prefix.encode_documents(DOCS),
+                               atol=1e-6)
+    # as in sentence-transformers 6, "document" is always a prompt ("" here): encode_document uses it, not "passage"
+    assert model.prompts["document"] == ""
+    np.testing.assert_allclose(model.encode_document(DOCS), enc.encode_documents(DOCS), atol=1e-6)
     with_q = DiceEncoder(enc.model, enc.tokenizer, config=enc.config.replace(query_prefix="query: "))
     np.testing.assert_allclose(model.encode_query(QUERIES), with_q.encode_queries(QUERIES), atol=1e-6)
     np.testing.assert_allclose(model.encode(DOCS), enc.encode_documents(DOCS), atol=1e-6)  # no prompt named
@@ -205,3 +209,60 @@ def test_variants_read_the_model_facts_from_the_encoders_folder(enc):
     assert model.encode(DOCS, truncate_dim=64).shape == (len(DOCS), 64)
     with_prefix = DiceEncoder(enc.model, enc.tokenizer, config=enc.config.replace(document_prefix="passage: "))
     np.testing.assert_allclose(model.encode(DOCS, prompt="passage: "), with_prefix.encode_documents(DOCS), atol=1e-6)
+
+
+def test_encode_query_and_document_never_fall_back_to_the_default_prompt(enc, offline):
+    """sentence-transformers 6 seeds the prompts with {"query": "", "document": ""}, so encode_query /
+    encode_document use those (no prompt) and only encode falls back to default_prompt_name."""
+    from sentence_transformers import SentenceTransformer
+
+    from dice_fast.models import default_model_path
+
+    prompts = {"clf": "Classify the sentiment: "}
+    st = SentenceTransformer(default_model_path(), device="cpu", prompts=prompts, default_prompt_name="clf")
+    model = DiceSentenceEncoder(prompts=prompts, default_prompt_name="clf")
+    assert model.prompts == st.prompts == {"query": "", "document": "", "clf": "Classify the sentiment: "}
+    plain = enc.encode_documents(QUERIES)
+    np.testing.assert_allclose(model.encode_query(QUERIES), st.encode_query(QUERIES), atol=1e-5)
+    np.testing.assert_allclose(model.encode_document(QUERIES), st.encode_document(QUERIES), atol=1e-5)
+    np.testing.assert_allclose(model.encode_document(QUERIES), plain, atol=1e-6)  # no prompt at all
+    np.testing.assert_allclose(model.encode(QUERIES), st.encode(QUERIES), atol=1e-5)  # encode: the default prompt
+    assert np.abs(model.encode(QUERIES) - plain).max() > 1e-3
+
+    # an empty prompt is no prompt: the encoder's own prefix stays
+    prefixed = DiceEncoder(enc.model, enc.tokenizer, config=enc.config.replace(query_prefix="query: "))
+    np.testing.assert_allclose(DiceSentenceEncoder(prefixed).encode_query(QUERIES), prefixed.encode_queries(QUERIES),
+                               atol=1e-6)
+
+
+def test_similarity_follows_similarity_fn_name_as_sentence_transformers_does(enc, tiny_folder, tmp_path):
+    import json
+    import shutil
+
+    from sentence_transformers.util import SimilarityFunction
+
+    from dice_fast.errors import OptionError
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(3, 8)).astype(np.float32), rng.normal(size=(4, 8)).astype(np.float32)
+    model = DiceSentenceEncoder(enc)
+    assert model.similarity_fn_name == "cosine"
+    for name in ("cosine", "dot", "euclidean", "manhattan"):
+        model.similarity_fn_name = name
+        want = SimilarityFunction.to_similarity_fn(name)(a, b)
+        np.testing.assert_allclose(model.similarity(a, b).numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+        want_pairs = SimilarityFunction.to_similarity_pairwise_fn(name)(a, b[:3])
+        np.testing.assert_allclose(model.similarity_pairwise(a, b[:3]).numpy(), want_pairs.numpy(),
+                                   rtol=1e-5, atol=1e-5)
+    model.similarity_fn_name = SimilarityFunction.DOT_PRODUCT  # the enum is taken too
+    assert model.similarity_fn_name == "dot"
+    assert float(model.similarity(np.array([3.0, 4.0]), np.array([6.0, 0.0]))) == 18.0
+    assert DiceSentenceEncoder(enc, similarity_fn_name="euclidean").similarity_fn_name == "euclidean"
+    with pytest.raises(OptionError, match="similarity_fn_name"):
+        DiceSentenceEncoder(enc, similarity_fn_name="maxsim")
+
+    # the model folder's sentence-transformers config names it, as SentenceTransformer reads it
+    folder = shutil.copytree(tiny_folder, tmp_path / "dot-model")
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({"similarity_fn_name": "dot"}))
+    assert DiceSentenceEncoder(folder, device="cpu", dtype="float32").similarity_fn_name == "dot"
+    assert DiceSentenceEncoder(folder, similarity_fn_name="cosine", device="cpu").similarity_fn_name == "cosine"
