@@ -8,8 +8,9 @@ that backs off and recovers.
 ``torch.OutOfMemoryError``, Python's ``MemoryError``, or a RuntimeError of the CPU allocator) it splits
 the batch in halves by chunks (along ``cu_seqlens``: a chunk is never cut) and runs each half, down to
 one chunk. A chunk's vector does not depend on what else is in its batch (attention is block-diagonal,
-pooling per chunk), so every chunk that runs in some half gets exactly the vector it would have got in
-the whole batch; only a chunk that runs out of memory alone fails. Any other error is raised as is.
+pooling per chunk; only the GEMMs' float rounding, ~1e-7 in float32, may move with the batch's
+shape), so every chunk that runs in some half gets the vector it would have got in the whole batch;
+only a chunk that runs out of memory alone fails. Any other error is raised as is.
 
 `BudgetBackoff` is the rule for the batch budget after an out-of-memory batch: halve it (down to 1
 token, which packs one chunk per batch), and double it back after every `RECOVER_AFTER` consecutive
