@@ -70,13 +70,12 @@ def best_chunks(scores: np.ndarray, cu_doc_chunks: np.ndarray) -> tuple[np.ndarr
     cu = np.asarray(cu_doc_chunks, np.int64)
     n_q, n_docs = scores.shape[0], len(cu) - 1
     counts = np.diff(cu)
-    best = np.full((n_q, n_docs), -np.inf, dtype=scores.dtype if scores.dtype.kind == "f" else np.float64)
+    best = best_chunk_scores(scores, cu)
     index = np.full((n_q, n_docs), -1, dtype=np.int64)
     has = np.flatnonzero(counts > 0)
     if len(has) == 0 or n_q == 0:
         return best, index
     starts = cu[has]
-    best[:, has] = np.fmax.reduceat(scores, starts, axis=1)  # empty documents own no columns; NaN is skipped
     # the argmax inside each document: the first chunk reaching the document's maximum
     doc_of_chunk = np.repeat(np.arange(n_docs), counts)
     hit = scores >= best[:, doc_of_chunk]
@@ -84,6 +83,18 @@ def best_chunks(scores: np.ndarray, cu_doc_chunks: np.ndarray) -> tuple[np.ndarr
     index[:, has] = np.minimum.reduceat(position, starts, axis=1)
     index[index == np.iinfo(np.int64).max] = -1  # every chunk's score NaN (a non-finite chunk vector)
     return best, index
+
+
+def best_chunk_scores(scores: np.ndarray, cu_doc_chunks: np.ndarray) -> np.ndarray:
+    """The ``best`` of `best_chunks` alone, without the argmax (what a ranking needs): (n_queries,
+    n_docs) each document's best chunk score, ``-inf`` without chunks, NaN scores skipped."""
+    cu = np.asarray(cu_doc_chunks, np.int64)
+    best = np.full((scores.shape[0], len(cu) - 1), -np.inf,
+                   dtype=scores.dtype if scores.dtype.kind == "f" else np.float64)
+    has = np.flatnonzero(np.diff(cu) > 0)
+    if len(has) and scores.shape[0]:
+        best[:, has] = np.fmax.reduceat(scores, cu[has], axis=1)  # empty documents own no columns; NaN is skipped
+    return best
 
 
 def dice(queries: np.ndarray, documents: np.ndarray, chunks: np.ndarray | None = None,
@@ -147,6 +158,19 @@ def score(scoring: str, queries: np.ndarray, documents: np.ndarray, chunks: np.n
     if scoring == "maxsim":
         return maxsim(queries, chunks, cu_doc_chunks)
     return hybrid(queries, documents, chunks, cu_doc_chunks, alpha)
+
+
+def score_only(scoring: str, queries: np.ndarray, documents: np.ndarray, chunks: np.ndarray | None,
+               cu_doc_chunks: np.ndarray | None, alpha: float = DEFAULT_ALPHA) -> np.ndarray:
+    """The ``score`` of `score` (the same numbers), without finding the evidence chunk: a ranking over
+    many documents needs evidence only for its hits, and the argmax costs more than the product."""
+    check_scoring(scoring)
+    if scoring == "dice":
+        return dice(queries, documents)[0]
+    if chunks is None:
+        raise OptionError(f"scoring {scoring!r} needs chunk vectors")
+    best = best_chunk_scores(chunk_scores(queries, chunks), cu_doc_chunks)
+    return best if scoring == "maxsim" else blend(check_alpha(alpha), dice(queries, documents)[0], best)
 
 
 def check_alpha(alpha) -> float:

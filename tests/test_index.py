@@ -248,3 +248,146 @@ def test_approximate_search_returns_k_documents_however_many_chunks_each_holds()
             assert [len(row) for row in hits] == [k] * 3
             assert all(len({h.id for h in row}) == k for row in hits)
     assert [len(r) for r in index.search(queries, n + 5, "maxsim", approximate=True)] == [n] * 3
+
+
+# --- amortised growth, batched rescoring, score-only ranking: the same results as the plain code paths
+
+def _raw(n_docs=60, seed=0):
+    """`add_arrays` arguments of n_docs documents (0..5 chunks each, doc-3 none), chunks not unit length."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 6, n_docs)
+    counts[3] = 0
+    n_chunks = int(counts.sum())
+    start = rng.integers(0, 100, n_chunks)
+    return ([f"doc-{i}" for i in range(n_docs)], _unit(rng, n_docs), 3 * _unit(rng, n_chunks),
+            np.repeat(np.arange(n_docs), counts), start, start + rng.integers(1, 50, n_chunks),
+            rng.integers(1, 9, n_chunks))
+
+
+def _batch(raw, docs):
+    """The `add_arrays` batch of documents ``docs`` (indices into ``raw``) in that order."""
+    ids, documents, chunks, doc_of, start, end, tokens = raw
+    rows = np.concatenate([np.zeros(0, np.int64)] + [np.flatnonzero(doc_of == d) for d in docs])
+    new_doc = np.repeat(np.arange(len(docs)), [np.count_nonzero(doc_of == d) for d in docs])
+    return [ids[d] for d in docs], documents[docs], chunks[rows], new_doc, start[rows], end[rows], tokens[rows]
+
+
+def _built(raw, docs, chunk_dtype="float32"):
+    """An index of documents ``docs`` added in one batch."""
+    index = DiceIndex(DIM, store_text=False, chunk_dtype=chunk_dtype)
+    index.add_arrays(*_batch(raw, docs))
+    return index
+
+
+def _same_index(a: DiceIndex, b: DiceIndex):
+    assert a.ids == b.ids and len(a) == len(b) and a.n_chunks == b.n_chunks and a.nbytes == b.nbytes
+    for name in ("documents", "chunks", "cu_doc_chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
+
+
+@pytest.mark.parametrize("chunk_dtype", ["float32", "float16"])
+def test_many_small_adds_equal_one_big_add_and_arrays_read_before_stay_whole(chunk_dtype, tmp_path):
+    raw, queries = _raw(), _unit(np.random.default_rng(1), 5)
+    whole = _built(raw, list(range(60)), chunk_dtype)
+    grown = DiceIndex(DIM, store_text=False, chunk_dtype=chunk_dtype)
+    held = []
+    for lo, hi in ((0, 1), (1, 2), (2, 5), (5, 17), (17, 18), (18, 40)):  # sizes 1..22: buffers double in between
+        grown.add_arrays(*_batch(raw, list(range(lo, hi))))
+        held.append((hi, grown.chunks, grown.cu_doc_chunks.copy(), grown.chunks.copy()))
+        _same_index(grown, _built(raw, list(range(hi)), chunk_dtype))
+        assert grown.search(queries, 7) == _built(raw, list(range(hi)), chunk_dtype).search(queries, 7)
+    grown.save(tmp_path / "ix")
+    loaded = DiceIndex.load(tmp_path / "ix")  # memory-mapped: the next add copies into memory
+    for index in (grown, loaded):
+        index.add_arrays(*_batch(raw, list(range(40, 60))))
+        _same_index(index, whole)
+        for scoring in ("dice", "maxsim", "hybrid"):
+            assert index.search(queries, 9, scoring, alpha=0.3) == whole.search(queries, 9, scoring, alpha=0.3)
+    for hi, chunks, cu, copy in held:  # an array read before an add is unchanged by it
+        assert len(chunks) == cu[hi] and chunks.tobytes() == copy.tobytes()
+    _same_index(DiceIndex.load(tmp_path / "ix"), _built(raw, list(range(40)), chunk_dtype))
+
+
+@pytest.mark.parametrize("min_runs", [64, 0])  # 0: a delete gathers kept rows instead of copying runs
+def test_replacing_upserts_and_deletes_equal_an_index_built_in_their_final_order(min_runs, monkeypatch):
+    from dice_fast.index import growth
+
+    monkeypatch.setattr(growth, "_MIN_RUNS", min_runs)
+    raw, queries = _raw(), _unit(np.random.default_rng(1), 5)
+    index = _built(raw, list(range(60)))
+    before, before_copy = index.chunks, index.chunks.copy()
+    assert index.delete([f"doc-{i}" for i in range(0, 60, 7)] + ["no-such-id"]) == 9
+    assert before.tobytes() == before_copy.tobytes()  # the delete wrote new arrays
+    replaced = [5, 3, 58, 59]  # re-added at the end, in this order
+    index.upsert_arrays(*_batch(raw, replaced[:1]))
+    index.upsert_arrays(*_batch(raw, replaced[1:]))
+    index.add_arrays(*_batch(raw, [0]))
+    order = [d for d in range(60) if d % 7 and d not in replaced] + replaced + [0]
+    want = _built(raw, order)
+    _same_index(index, want)
+    for scoring in ("dice", "maxsim", "hybrid"):
+        assert index.search(queries, 60, scoring, alpha=0.6) == want.search(queries, 60, scoring, alpha=0.6)
+    many = [f"doc-{d}" for d in order[::2]]  # scattered: many runs of kept rows
+    assert index.delete(many) == len(many)
+    _same_index(index, _built(raw, order[1::2]))
+    assert index.delete(index.ids) == len(order[1::2]) and index.n_chunks == 0
+    index.add_arrays(*_batch(raw, [10, 11]))
+    _same_index(index, _built(raw, [10, 11]))
+
+
+def _per_pair_scores(index, q, pairs, scoring, alpha):
+    """What approximate search computed before: each (query, document) scored alone."""
+    from dice_fast import scoring as sc
+
+    cu = index.cu_doc_chunks
+    return np.array([sc.score(scoring, q[i : i + 1], index.documents[d : d + 1], index.chunks[cu[d] : cu[d + 1]],
+                              cu[d : d + 2] - cu[d], alpha)[0][0, 0] for i, d in pairs])
+
+
+@pytest.mark.parametrize("chunk_dtype", ["float32", "float16"])
+def test_batched_rescoring_equals_scoring_each_pair_alone_bit_for_bit(chunk_dtype, monkeypatch):
+    from dice_fast.index import rescore
+
+    index, _ = _random_index(n_docs=80, chunk_dtype=chunk_dtype)  # 0..5 chunks each, doc-3 none
+    rng = np.random.default_rng(5)
+    q = _unit(rng, 6)
+    wide = np.zeros((6, 3 * DIM), np.float32)
+    wide[:, : 2 * DIM : 2] = q
+    pairs = [(int(i), int(d)) for i, d in zip(rng.integers(0, 6, 300), rng.integers(0, 80, 300))] + [(0, 3)]
+    pq, pd = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+    # query rows contiguous, or with gaps (Fortran order, a strided view: numpy multiplies those without BLAS)
+    for q, block in ((q, 1 << 22), (q, 5), (np.asfortranarray(q), 1 << 22), (wide[:, : 2 * DIM : 2], 5)):
+        monkeypatch.setattr(rescore, "_BLOCK_VALUES", block)  # 5: every stacked product holds one pair
+        for scoring, alpha in (("dice", 0.0), ("maxsim", 0.0), ("hybrid", 0.4), ("hybrid", 1.0)):
+            got = rescore.pair_scores(q, index.documents, index.chunks, index.cu_doc_chunks, pq, pd, scoring, alpha)
+            want = _per_pair_scores(index, q, pairs, scoring, alpha)
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (scoring, alpha)
+
+
+def test_approximate_search_rescores_as_each_pair_alone():
+    pytest.importorskip("faiss")
+    index, _ = _random_index(n_docs=200)
+    queries = _unit(np.random.default_rng(9), 7)
+    for scoring in ("dice", "maxsim", "hybrid"):
+        proposed = index._proposed(queries, 20, "documents" if scoring == "dice" else "chunks", 20)
+        top = index._approximate_top(queries, 20, scoring, 0.3, 20)
+        for i, (docs, row) in enumerate(zip(proposed, top)):
+            assert docs is not None and len(row) == 20
+            scores = _per_pair_scores(index, queries, [(i, d) for d in docs], scoring, 0.3)
+            order = np.lexsort((docs, -scores))[:20]  # the old ranking: by score, ties by document order
+            assert row == [(int(docs[j]), float(scores[j])) for j in order]
+
+
+def test_score_only_equals_the_score_of_score():
+    from dice_fast import scoring as sc
+
+    index, queries = _random_index(n_docs=50)
+    chunks = index.chunks.copy()
+    chunks[4, 2] = np.nan  # a NaN chunk score is skipped by both
+    for scoring in sc.SCORINGS:
+        want, _ = sc.score(scoring, queries, index.documents, chunks, index.cu_doc_chunks, 0.25)
+        got = sc.score_only(scoring, queries, index.documents, chunks, index.cu_doc_chunks, 0.25)
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    best, _ = sc.best_chunks(sc.chunk_scores(queries, chunks), index.cu_doc_chunks)
+    assert best.tobytes() == sc.best_chunk_scores(sc.chunk_scores(queries, chunks), index.cu_doc_chunks).tobytes()

@@ -120,7 +120,7 @@ def test_re_adding_replaces_and_delete_removes(kind, tmp_path):
     store.delete(gone + ["not-there"])
     assert index.delete(gone + ["not-there"]) == 10
     assert len(store) == len(index) == 110
-    assert store.contains(["doc-0", "doc-1", "nope"]) == [True, False, False]
+    assert store.contains(["doc-0", "doc-1", "nope"]) == index.contains(["doc-0", "doc-1", "nope"]) == [True, False, False]
     assert _key(store.search(queries, 10, "maxsim")) == _key(index.search(queries, 10, "maxsim"))
 
 

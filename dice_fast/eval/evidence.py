@@ -4,7 +4,7 @@
     idx, sc = chunk_ranking(q, raw, query_groups, doc_groups, "hybrid", doc_vecs, alpha)
     ev = evidence_at_1(idx[:, 0], evidence_chunks(q, raw, idx[:, 0]), raw, gold, task.answer_span)
 
-* Scores come from `dice_fast.scoring` (``maxsim``, ``hybrid``): the same functions `DiceIndex`
+* Scores come from `dice_fast.scoring` (``maxsim``, ``hybrid``, `score_only`): the same functions `DiceIndex`
   ranks with, so the eval measures what the index serves, on L2-normalised vectors (cosines, as
   `retrieval.search` scores document vectors). A query is scored only against the documents of its
   own group (context length), in blocks of queries, keeping each block's top k: no (queries x
@@ -44,7 +44,7 @@ def chunk_ranking(query_vecs, raw, query_groups=None, doc_groups=None, scoring: 
     memory does not grow with queries x documents. The results do not depend on it (up to float32
     rounding of the products).
     """
-    from ..scoring import DEFAULT_ALPHA, cu_from_chunk_document, score, unit_rows
+    from ..scoring import DEFAULT_ALPHA, cu_from_chunk_document, score_only, unit_rows
     from .retrieval import rank
 
     q = unit_rows(query_vecs)
@@ -68,7 +68,7 @@ def chunk_ranking(query_vecs, raw, query_groups=None, doc_groups=None, scoring: 
         rows_per_block = max(1, int(max_block_elems) // max(int(hi - lo), 1))
         for s in range(0, qs.size, rows_per_block):  # query blocks, as retrieval._ranked
             qb = qs[s : s + rows_per_block]
-            sc, _ = score(scoring, q[qb], dv, chunks, cu, DEFAULT_ALPHA if alpha is None else alpha)
+            sc = score_only(scoring, q[qb], dv, chunks, cu, DEFAULT_ALPHA if alpha is None else alpha)
             idx, val = rank(np.where(np.isfinite(sc), sc, 0.0).astype(np.float32), k=kk)
             indices[qb, : idx.shape[1]] = np.where(idx >= 0, idx + ds[0], -1)
             scores[qb, : val.shape[1]] = val

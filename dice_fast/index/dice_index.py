@@ -31,6 +31,8 @@ import numpy as np
 from .. import scoring as sc
 from ..errors import OptionError
 from .ann import build as build_graph_over, extend as extend_graph, read as read_graph
+from .growth import Column, Grown, grown
+from .rescore import pair_scores
 from .common import (DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_ids, check_k, check_shard_ids, evidence_hit,
                      scored_hits)
 from .texts import TextColumn
@@ -45,7 +47,13 @@ class DiceIndex(EncoderSlot):
     Build with `from_texts` (and `add`) or `from_arrays`; `search` ranks documents for queries;
     `save` / `load` keep it in a folder. ``encoder`` (a `DiceEncoder`) is needed only to add texts
     and to search by query strings; a loaded index gets one with ``load(path, encoder)``.
+
+    The arrays below are the filled parts of buffers that double when full (`dice_fast.index.growth`),
+    so adding documents batch by batch costs time linear in the documents added, not in the index.
     """
+
+    documents, chunks, cu_doc_chunks = Column(), Column(), Column()
+    chunk_start_char, chunk_end_char, chunk_tokens = Column(), Column(), Column()
 
     def __init__(self, dim: int, encoder=None, *, store_text: bool = True, chunk_dtype: str = "float32",
                  model: str | None = None, encoder_options: dict | None = None):
@@ -128,17 +136,16 @@ class DiceIndex(EncoderSlot):
 
     def _append(self, b) -> None:
         """Append a checked `Batch` whose ids are not indexed."""
-        chunks = b.chunks.astype(CHUNK_DTYPES[self.chunk_dtype])
+        chunks = b.chunks.astype(CHUNK_DTYPES[self.chunk_dtype], copy=False)
         if self.store_text:
             self.texts.extend(b.texts)
         self.ids.extend(b.ids)
         self._id_set.update(b.ids)
-        self.documents = np.concatenate([self.documents, b.documents])
-        self.chunks = np.concatenate([self.chunks, chunks])
-        self.cu_doc_chunks = np.concatenate([self.cu_doc_chunks, b.cu[1:] + self.cu_doc_chunks[-1]])
-        self.chunk_start_char = np.concatenate([self.chunk_start_char, b.start])
-        self.chunk_end_char = np.concatenate([self.chunk_end_char, b.end])
-        self.chunk_tokens = np.concatenate([self.chunk_tokens, b.tokens])
+        # into the columns' buffers (`growth.Grown`): the index is copied only when a buffer doubles
+        grown(self, "cu_doc_chunks").append(b.cu[1:] + self.cu_doc_chunks[-1])
+        for name, rows in (("documents", b.documents), ("chunks", chunks), ("chunk_start_char", b.start),
+                           ("chunk_end_char", b.end), ("chunk_tokens", b.tokens)):
+            grown(self, name).append(rows)
         self._graph_files.clear()  # saved graphs are read-only: rebuilt when next needed
         for over in self._read_only:
             self._graphs.pop(over, None)
@@ -155,22 +162,27 @@ class DiceIndex(EncoderSlot):
         self.delete(b.ids)
         self._append(b)
 
+    def contains(self, ids: Sequence) -> list[bool]:
+        """For each id in ``ids``: whether the index holds it (as `QdrantStore` / `LanceStore` answer)."""
+        return [str(i) in self._id_set for i in ids]
+
     def delete(self, ids: Sequence) -> int:
         """Remove the documents ``ids`` (ids not indexed are ignored); returns how many were removed."""
         gone = {str(i) for i in ids} & self._id_set
         if not gone:
             return 0
-        keep = np.array([i not in gone for i in self.ids])
+        keep = ~np.fromiter(map(gone.__contains__, self.ids), bool, len(self.ids))
         counts = np.diff(self.cu_doc_chunks)
         keep_chunk = np.repeat(keep, counts)
-        self.ids = [i for i, k in zip(self.ids, keep) if k]
+        self.ids = list(itertools.compress(self.ids, keep.tolist()))
         self._id_set -= gone
         if self.store_text:
             self.texts = self.texts.take(np.flatnonzero(keep))
-        self.documents = np.asarray(self.documents)[keep]
-        for name in ("chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens"):
-            setattr(self, name, np.asarray(getattr(self, name))[keep_chunk])
-        self.cu_doc_chunks = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
+        for name in ("documents", "chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens"):
+            # new buffers (an array read before stays whole) with the old capacity (upsert appends next)
+            setattr(self, name, grown(self, name).compress(keep if name == "documents" else keep_chunk))
+        cu = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
+        self.cu_doc_chunks = Grown(cu, len(grown(self, "cu_doc_chunks").buffer))
         self._graphs, self._graph_files, self._read_only = {}, {}, set()  # rebuilt when next needed
         return len(gone)
 
@@ -231,9 +243,8 @@ class DiceIndex(EncoderSlot):
         if scoring == "dice":
             return sc.dice(q, self.documents[d0:d1])[0]
         c0, c1 = self.cu_doc_chunks[d0], self.cu_doc_chunks[d1]
-        score, _ = sc.score(scoring, q, self.documents[d0:d1], self.chunks[c0:c1],
-                            self.cu_doc_chunks[d0 : d1 + 1] - c0, alpha)
-        return score
+        return sc.score_only(scoring, q, self.documents[d0:d1], self.chunks[c0:c1],
+                             self.cu_doc_chunks[d0 : d1 + 1] - c0, alpha)
 
     def _blocks(self, n_q: int):
         """Document ranges [d0, d1): about ``_BLOCK_SCORES / n_q`` chunks and documents each (at least
@@ -267,12 +278,17 @@ class DiceIndex(EncoderSlot):
         proposed = self._proposed(q, k, "documents" if scoring == "dice" else "chunks", candidates)
         short = [i for i, docs in enumerate(proposed) if docs is None]
         exact = dict(zip(short, self._exact_top(q[short], k, scoring, alpha))) if short else {}
+        # every proposed (query, document) pair scored at once, each score as scoring it alone gives
+        sizes = [0 if docs is None else len(docs) for docs in proposed]
+        pair_q = np.repeat(np.arange(len(q)), sizes)
+        pair_d = np.concatenate([np.zeros(0, np.int64)] + [docs for docs in proposed if docs is not None])
+        scores = np.split(pair_scores(q, self.documents, self.chunks, self.cu_doc_chunks, pair_q, pair_d, scoring,
+                                      alpha), np.cumsum(sizes)[:-1])
         out = []
-        for i, docs in enumerate(proposed):
+        for i, (docs, s) in enumerate(zip(proposed, scores)):
             if docs is None:
                 out.append(exact[i])
                 continue
-            s = np.array([self._score_range(q[i : i + 1], d, d + 1, scoring, alpha)[0, 0] for d in docs])
             order = np.argsort(-s, kind="stable")[:k]
             out.append(_sorted(docs[order], s[order]))
         return out
