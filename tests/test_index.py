@@ -391,3 +391,19 @@ def test_score_only_equals_the_score_of_score():
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
     best, _ = sc.best_chunks(sc.chunk_scores(queries, chunks), index.cu_doc_chunks)
     assert best.tobytes() == sc.best_chunk_scores(sc.chunk_scores(queries, chunks), index.cu_doc_chunks).tobytes()
+
+
+def test_a_text_columns_take_copies_bytes_and_keeps_every_text():
+    """`TextColumn.take` (what a delete or a replacing upsert keeps) copies byte runs of the blob, not
+    one decoded string per document (it turned a memory-mapped index's texts into Python strings)."""
+    from dice_fast.index.texts import TextColumn
+
+    texts = ["alpha", "", "βγδ 🙂", "x" * 1000, "last\nline"]
+    stored = TextColumn(*TextColumn.from_texts(texts).arrays())  # as loaded: blob and offsets
+    stored.extend(["added one", "äöü"])
+    every = texts + ["added one", "äöü"]
+    rng = np.random.default_rng(3)
+    for keep in ([], [0], [6], [1, 2, 3], [0, 2, 4, 5, 6], [6, 0, 3], list(rng.permutation(7))):
+        got = stored.take(np.array(keep, np.int64))
+        assert list(got) == [every[i] for i in keep], keep
+        assert len(got.arrays()[0]) == sum(len(every[i].encode()) for i in keep)

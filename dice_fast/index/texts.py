@@ -53,8 +53,16 @@ class TextColumn(Sequence):
         self._added.extend(texts)
 
     def take(self, keep: np.ndarray) -> TextColumn:
-        """A new column of the texts at positions ``keep`` (int array), in that order."""
-        return TextColumn.from_texts(self[int(i)] for i in keep)
+        """A new column of the texts at positions ``keep`` (int array), in that order: their bytes copied
+        run by run of consecutive positions (a delete keeps a few long runs), never decoded."""
+        keep = np.asarray(keep, np.int64)
+        blob, offsets = self.arrays()
+        sizes = offsets[keep + 1] - offsets[keep]
+        new_offsets = np.zeros(len(keep) + 1, np.int64)
+        np.cumsum(sizes, out=new_offsets[1:])
+        runs = np.split(keep, np.flatnonzero(np.diff(keep) != 1) + 1) if len(keep) else []
+        parts = [np.asarray(blob[offsets[r[0]] : offsets[r[-1] + 1]], np.uint8) for r in runs]
+        return TextColumn(np.concatenate(parts) if parts else np.zeros(0, np.uint8), new_offsets)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(blob uint8, offsets int64 (n + 1,)) of every text, the appended ones included."""
