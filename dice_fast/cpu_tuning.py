@@ -263,7 +263,10 @@ def write_cache(data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(data, indent=1, sort_keys=True))
+            fh.flush()
+            os.fsync(fh.fileno())  # a power loss must not leave an empty file: every machine's entries
         os.replace(tmp, path)
     except OSError as exc:
         with contextlib.suppress(OSError):
