@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..errors import InputError
+from ..errors import InputError, MissingFile
 from ..textio import check_id, decode_line, parse_json_object, record_id, record_text
 from .outputs import IDS_RECORD
 
@@ -125,7 +125,7 @@ class Corpus:
         import pyarrow as pa
 
         pf = _open_parquet(path, self.text_field, self.id_field)
-        columns = [self.text_field] + ([self.id_field] if self.id_field is not None else [])
+        columns = list(dict.fromkeys([self.text_field] + ([self.id_field] if self.id_field is not None else [])))
         size, total_rows, row = path.stat().st_size, max(pf.metadata.num_rows, 1), 0
         for batch in _batches(pf, path, columns, lambda: row):
             if self.stop.is_set():
@@ -140,7 +140,7 @@ class Corpus:
             if self.id_field is None:
                 ids = [str(r) if name is None else f"{name}:{r}" for r in range(row + 1, row + 1 + len(texts))]
             else:
-                col = batch.column(1)
+                col = batch.column(columns.index(self.id_field))  # 0 where the id is the text
                 if col.null_count:
                     bad = row + 1 + col.is_null().to_pylist().index(True)
                     raise ValueError(f"{path}: row {bad}: id column {self.id_field!r} is null")
@@ -170,6 +170,9 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
         if fmt == "parquet":
             raise ValueError("Parquet cannot be read from stdin; pass the file or folder")
         input_format("-", fmt)
+        if fmt == "txt" and id_field is not None:
+            raise InputError(f"stdin read as .txt has one text per line, no fields, so --id-field {id_field!r} cannot "
+                             "apply; its ids are line numbers without --id-field, or give --format jsonl")
         corpus.stdin = True
         return corpus
     path = Path(source)
@@ -181,17 +184,28 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
         for p in sorted(_walk(path), key=lambda p: p.relative_to(path).as_posix()):
             inside_output = not skip.isdisjoint([p.resolve(), *p.resolve().parents])
             if p.suffix.lower() in wanted and not inside_output and not is_encode_output(p, text_field):
-                corpus.files.append((p.relative_to(path).as_posix(), p, FORMATS[p.suffix.lower()]))
+                name = p.relative_to(path).as_posix()
+                try:
+                    name.encode("utf-8")
+                except UnicodeEncodeError:  # ids are made of it, and ids are UTF-8 in every output
+                    raise InputError(f"input {p!r}: its file name is not valid UTF-8, and its ids would carry it; "
+                                     "rename the file") from None
+                corpus.files.append((name, p, FORMATS[p.suffix.lower()]))
         if not corpus.files:
             kinds = ", ".join(sorted(wanted))
             raise ValueError(f"input folder {source} holds no {kinds} files; {KNOWN}")
     else:
         corpus.files.append((None, path, input_format(path, fmt)))
     for _, p, f in corpus.files:
+        if p.is_symlink() and not p.exists():
+            raise MissingFile(f"input {p} is a broken symbolic link (to {os.readlink(p)})")
         if f == "parquet":
             _open_parquet(p, text_field, id_field)
         elif not os.access(p, os.R_OK):
             raise PermissionError(f"input {p} is not readable")
+        elif f == "txt" and id_field is not None:  # a line has no fields: its id would be made up
+            raise InputError(f"input {p} is a .txt file (one text per line, no fields), so --id-field {id_field!r} "
+                             "cannot apply; its ids are FILE:LINE without --id-field, or give JSON lines")
     return corpus
 
 
@@ -219,7 +233,10 @@ def is_encode_output(path: Path, text_field: str = "text") -> bool:
 
 
 def _walk(root: Path) -> Iterator[Path]:
-    for dirpath, dirnames, filenames in os.walk(root):
+    def unreadable(exc: OSError):  # a folder that cannot be listed would silently lose its documents
+        raise InputError(f"input folder {exc.filename} cannot be read ({exc.strerror})")
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for f in filenames:
             if not f.startswith("."):
@@ -238,6 +255,9 @@ def _open_parquet(path: Path, text_field: str, id_field: str | None):
     for column, what in ((text_field, "text"), (id_field, "id")):
         if column is not None and column not in names:
             raise ValueError(f"{path}: no {what} column {column!r} (columns: {', '.join(names)})")
+        if column is not None and names.count(column) > 1:
+            raise InputError(f"{path}: {names.count(column)} columns are named {column!r}; which is the {what} is "
+                             "ambiguous")
     kind = pf.schema_arrow.field(text_field).type
     if not _is_string(kind.value_type if pa.types.is_dictionary(kind) else kind):
         raise ValueError(f"{path}: column {text_field!r} is {kind}, expected strings")

@@ -130,3 +130,61 @@ def test_damaged_input_stops_the_cli_with_one_line(tmp_path, capsys, cached_enco
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{src}: row 2: column 'text' is not valid UTF-8" in err, err
     assert not (tmp_path / "o.npy").exists()
+
+
+def test_a_parquet_id_column_that_is_the_text_column(tmp_path):
+    """--id-field equal to --field asked Parquet for the column twice and got it once: IndexError."""
+    pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "d.parquet")
+    assert list(open_corpus(str(tmp_path / "d.parquet"), id_field="text").records()) == [("a", "a"), ("b", "b")]
+
+
+def test_a_parquet_with_two_columns_of_one_name_is_refused_when_opened(tmp_path):
+    table = pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])], names=["text", "text"])
+    pq.write_table(table, tmp_path / "d.parquet")
+    with pytest.raises(InputError, match=r"d\.parquet: 2 columns are named 'text'"):
+        open_corpus(str(tmp_path / "d.parquet"))
+
+
+def test_id_field_on_a_text_file_is_refused_not_made_up(tmp_path):
+    """A .txt line has no fields: its id was FILE:LINE whatever --id-field said (docs: never an invented id)."""
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "a.jsonl").write_text('{"text": "x", "_id": "d1"}\n', encoding="utf-8")
+    (tmp_path / "f" / "b.txt").write_text("y\n", encoding="utf-8")
+    for source in (tmp_path / "f", tmp_path / "f" / "b.txt"):
+        with pytest.raises(InputError, match=r"b\.txt is a \.txt file .* --id-field '_id' cannot apply"):
+            open_corpus(str(source), id_field="_id")
+    with pytest.raises(InputError, match="stdin read as .txt"):
+        open_corpus("-", fmt="txt", id_field="_id")
+    assert [i for i, _ in open_corpus(str(tmp_path / "f")).records()] == ["a.jsonl:1", "b.txt:1"]
+
+
+def test_folder_entries_that_cannot_be_read_are_named(tmp_path):
+    """A file name that is not UTF-8 failed at the very end (ids are UTF-8), naming no file; a broken
+    link read as "not readable"; a subfolder that cannot be listed lost its documents silently."""
+    import os
+
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "a.txt").write_text("x\n", encoding="utf-8")
+    bad = os.path.join(os.fsencode(tmp_path / "f"), b"n\xff.txt")
+    with open(bad, "wb") as fh:
+        fh.write(b"y\n")
+    with pytest.raises(InputError, match=r"its file name is not valid UTF-8"):
+        open_corpus(str(tmp_path / "f"))
+    os.unlink(bad)
+    (tmp_path / "f" / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    with pytest.raises(FileNotFoundError, match=r"gone\.txt is a broken symbolic link"):
+        open_corpus(str(tmp_path / "f"))
+    (tmp_path / "f" / "gone.txt").unlink()
+    (tmp_path / "f" / "locked").mkdir()
+    real = os.scandir
+
+    def refused(path="."):
+        if str(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(os, "scandir", refused):
+        with pytest.raises(InputError, match=r"input folder .*locked cannot be read \(Permission denied\)"):
+            open_corpus(str(tmp_path / "f"))
