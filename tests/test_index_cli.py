@@ -123,3 +123,60 @@ def test_alpha_without_hybrid_scoring_is_refused(tmp_path, capsys):
     """--alpha weighs only the hybrid scoring; with maxsim (the default) it was silently ignored."""
     assert main(["search", str(tmp_path / "none"), "hello", "--alpha", "0.5"]) == 2
     assert "--alpha weighs the hybrid scoring; pass --scoring hybrid" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    import dice_fast.cliargs as cliargs
+
+    monkeypatch.setattr(cliargs, "make_encoder", lambda args: pytest.fail("the model loaded"))
+
+
+def _plain_parquet(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": ["a"], "text": ["one"]}), path)
+    return path
+
+
+def test_index_extensions_in_any_case(tmp_path, capsys, no_model):
+    """`dice-fast index` refused UP.JSONL (and read X.PARQUET as texts), which `dice-fast encode` reads."""
+    from dice_fast.index.cli import _read_input
+
+    (tmp_path / "UP.JSONL").write_text('{"id": "a", "text": "one"}\n{"id": 2, "text": "two"}\n', encoding="utf-8")
+    (tmp_path / "UP.Ndjson").write_text('{"text": "one"}\n', encoding="utf-8")
+    (tmp_path / "UP.TXT").write_text("one\n\ntwo\n", encoding="utf-8")
+    assert _read_input(str(tmp_path / "UP.JSONL"), "text", "id") == (["one", "two"], ["a", "2"])
+    assert _read_input(str(tmp_path / "UP.Ndjson"), "text", None) == (["one"], ["1"])
+    assert _read_input(str(tmp_path / "UP.TXT"), "text", None) == (["one", "two"], ["1", "3"])
+    src = _plain_parquet(tmp_path / "PLAIN.PARQUET")
+    assert main(["index", str(src), "-o", str(tmp_path / "ix")]) == 2
+    assert f"{src}: not an output of `dice-fast encode --chunks`" in capsys.readouterr().err
+    assert main(["index", str(tmp_path / "d.csv"), "-o", str(tmp_path / "ix")]) == 2
+    assert "expected a .txt, .jsonl or .ndjson file" in capsys.readouterr().err
+    assert not (tmp_path / "ix").exists()
+
+
+def test_index_duplicate_id_names_file_and_lines(tmp_path, capsys, no_model):
+    """A duplicate id was refused as "duplicate id 'x': ids[0] and ids[1]", naming no file or line."""
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"id": "x", "text": "a"}\n{"id": "y", "text": "b"}\n\n{"id": "x", "text": "c"}\n', encoding="utf-8")
+    assert main(["index", str(src), "-o", str(tmp_path / "ix"), "--id-field", "id"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"duplicate id 'x': {src}:1 and {src}:4" in err, err
+    assert not (tmp_path / "ix").exists()
+
+
+def test_index_of_a_parquet_that_is_not_an_encode_output(tmp_path, capsys, no_model):
+    """A Parquet corpus of texts got "no dice_fast options in its metadata ('NoneType' object is not
+    subscriptable)"; it is named as not an `encode --chunks` output, with the command that makes one."""
+    src = _plain_parquet(tmp_path / "plain.parquet")
+    assert main(["index", str(src), "-o", str(tmp_path / "ix")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{src}: not an output of `dice-fast encode --chunks`" in err, err
+    assert f"encode it first: dice-fast encode {src} -o OUT.parquet --chunks" in err and "NoneType" not in err, err
+    (tmp_path / "junk.parquet").write_text("not parquet", encoding="utf-8")
+    assert main(["index", str(tmp_path / "junk.parquet"), "-o", str(tmp_path / "ix")]) == 2
+    assert f"{tmp_path / 'junk.parquet'}: unreadable Parquet" in capsys.readouterr().err
+    assert not (tmp_path / "ix").exists()

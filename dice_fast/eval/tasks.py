@@ -36,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..textio import read_json_objects
+from ..errors import InputError, MissingFile
+from ..textio import check_unicode, read_json_objects, read_lines, record_id, record_text
 from ._haystack import PASSKEY_FILLER, count_tokens, haystack
 
 __all__ = ["CONTEXT_LENGTHS", "PASSKEY_FILLER", "Task", "make_passkey_task", "make_needle_task", "load_local_task"]
@@ -253,60 +254,68 @@ def load_local_task(path, split: str = "test", name: str | None = None) -> Task:
     header optional).
 
     As in BEIR, only queries that appear in the qrels are kept (in queries.jsonl order) and a
-    document's text is ``title + " " + text`` when it has a title. Relevance scores must be integers;
-    0 means judged not relevant. Raises FileNotFoundError for a missing file and ValueError naming the
-    file and line for malformed JSON, missing fields, duplicate ids, bad qrels rows and ids that are
-    not in the corpus / queries.
+    document's text is ``title + " " + text`` when it has a title. Files are read as ``dice-fast encode``
+    reads its inputs (`dice_fast.textio`): UTF-8, a byte order mark on the first line dropped, lines
+    ending at ``\n`` (a ``\r`` before it dropped, a lone ``\r`` is no line break). An ``_id`` is a
+    string or an integer, taken as it is (a float, a bool, a null is refused; nothing is stripped), and
+    the qrels ids are the tab-separated fields as they are, compared exactly. Relevance scores must be
+    integers; 0 means judged not relevant. Raises `MissingFile` (a FileNotFoundError) for a missing
+    file and `InputError` (a ValueError) naming the file and line for bytes that are not UTF-8,
+    malformed JSON, missing fields, ids or texts that are not valid Unicode, duplicate ids, bad qrels
+    rows and ids that are not in the corpus / queries.
     """
     root = Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(f"{root}: not a directory (expected corpus.jsonl, queries.jsonl, qrels/{split}.tsv)")
+        raise MissingFile(f"{root}: not a directory (expected corpus.jsonl, queries.jsonl, qrels/{split}.tsv)")
     corpus_path, queries_path, qrels_path = root / "corpus.jsonl", root / "queries.jsonl", root / "qrels" / f"{split}.tsv"
     for p in (corpus_path, queries_path, qrels_path):
         if not p.is_file():
-            raise FileNotFoundError(f"{p}: missing (BEIR layout: corpus.jsonl, queries.jsonl, qrels/{split}.tsv)")
+            raise MissingFile(f"{p}: missing (BEIR layout: corpus.jsonl, queries.jsonl, qrels/{split}.tsv)")
 
     doc_ids, corpus, doc_where = [], [], []
-    for where, rec in _read_jsonl(corpus_path):
-        title = rec.get("title") or ""
-        if not isinstance(title, str):
-            raise ValueError(f"{where}: 'title' must be a string")
-        doc_ids.append(rec["_id"])
+    for where, doc_id, text, rec in _read_jsonl(corpus_path):
+        title = rec.get("title")
+        if title is None:
+            title = ""
+        elif not isinstance(title, str):
+            raise InputError(f"{where}: field 'title' is {type(title).__name__}, expected a string")
+        check_unicode(title, where, "field 'title'")
+        doc_ids.append(doc_id)
         doc_where.append(where)
-        corpus.append(f"{title} {rec['text']}" if title.strip() else rec["text"])
+        corpus.append(f"{title} {text}" if title.strip() else text)
     doc_index = _index(doc_ids, doc_where)
 
     all_qids, all_queries, query_where = [], [], []
-    for where, rec in _read_jsonl(queries_path):
-        all_qids.append(rec["_id"])
-        all_queries.append(rec["text"])
+    for where, qid, text, _ in _read_jsonl(queries_path):
+        all_qids.append(qid)
+        all_queries.append(text)
         query_where.append(where)
     query_index = _index(all_qids, query_where)
 
     judged: dict[int, dict[int, int]] = {}
-    with open(qrels_path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            where = f"{qrels_path}:{lineno}"
-            cols = line.split("\t")
-            if len(cols) != 3:
-                raise ValueError(f"{where}: expected 3 tab-separated columns (query-id, corpus-id, score), got {len(cols)}")
-            qid, did, score = (c.strip() for c in cols)
-            try:
-                rel = int(score)
-            except ValueError:
-                if lineno == 1 and not judged:
-                    continue  # header line
-                raise ValueError(f"{where}: score {score!r} is not an integer") from None
-            if qid not in query_index:
-                raise ValueError(f"{where}: query-id {qid!r} is not in {queries_path.name}")
-            if did not in doc_index:
-                raise ValueError(f"{where}: corpus-id {did!r} is not in {corpus_path.name}")
-            judged.setdefault(query_index[qid], {})[doc_index[did]] = rel
+    for lineno, (where, line) in enumerate(read_lines(qrels_path), 1):
+        if not line.strip():
+            continue
+        cols = line.split("\t")
+        if len(cols) != 3:
+            lone_cr = " (it holds a carriage return: lines end at \\n only)" if "\r" in line else ""
+            raise InputError(f"{where}: expected 3 tab-separated columns (query-id, corpus-id, score), "
+                             f"got {len(cols)}{lone_cr}")
+        qid, did, score = cols
+        try:
+            rel = int(score)
+        except ValueError:
+            if lineno == 1 and not judged:
+                continue  # header line
+            raise InputError(f"{where}: score {score!r} is not an integer") from None
+        for value, ids, what, file in ((qid, query_index, "query-id", queries_path.name),
+                                       (did, doc_index, "corpus-id", corpus_path.name)):
+            if value not in ids:
+                hint = f" ({file} has {value.strip()!r}: ids are compared exactly)" if value.strip() in ids else ""
+                raise InputError(f"{where}: {what} {value!r} is not in {file}{hint}")
+        judged.setdefault(query_index[qid], {})[doc_index[did]] = rel
     if not judged:
-        raise ValueError(f"{qrels_path}: no relevance judgements")
+        raise InputError(f"{qrels_path}: no relevance judgements")
 
     keep = sorted(judged)
     return Task(
@@ -323,22 +332,16 @@ def load_local_task(path, split: str = "test", name: str | None = None) -> Task:
 
 
 def _read_jsonl(path: Path):
-    """Yield ("file:line", record) with string ``_id`` and ``text``; ValueError naming file and line otherwise."""
+    """Yield ("file:line", id, text, record): ``_id`` and ``text`` read as ``dice-fast encode`` reads an id
+    and a text (`record_id`, `record_text`); `InputError` naming the file and line otherwise."""
     for where, rec in read_json_objects(path):
-        for key in ("_id", "text"):
-            if key not in rec:
-                raise ValueError(f"{where}: missing field {key!r}")
-        if isinstance(rec["_id"], (int, float)) and not isinstance(rec["_id"], bool):
-            rec["_id"] = str(rec["_id"])
-        if not isinstance(rec["_id"], str) or not isinstance(rec["text"], str):
-            raise ValueError(f"{where}: '_id' and 'text' must be strings")
-        yield where, rec
+        yield where, record_id(rec, "_id", where), record_text(rec, "text", where), rec
 
 
 def _index(ids: list[str], wheres: list[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for i, x in enumerate(ids):
         if x in out:
-            raise ValueError(f"{wheres[i]}: duplicate _id {x!r} (first at line {wheres[out[x]].rsplit(':', 1)[1]})")
+            raise InputError(f"{wheres[i]}: duplicate _id {x!r} (first at line {wheres[out[x]].rsplit(':', 1)[1]})")
         out[x] = i
     return out

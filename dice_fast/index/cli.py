@@ -93,7 +93,8 @@ def _build(args) -> int:
     if (Path(args.output) / "index.json").exists() and not args.overwrite:  # before any model loads
         raise ValueError(f"{args.output} already holds an index; pass --overwrite to replace it")
     args.input = args.input[0]
-    if Path(args.input).is_dir() or args.input.endswith(".parquet"):
+    if Path(args.input).is_dir() or Path(args.input).suffix.lower() == ".parquet":
+        _check_encode_output(args.input)
         index = DiceIndex.from_corpus(args.input, chunk_dtype=args.chunk_dtype)
     else:
         texts, ids = _read_input(args.input, args.field, args.id_field)
@@ -150,22 +151,53 @@ def _search(args) -> int:
     return 0
 
 
+def _check_encode_output(path: str) -> None:
+    """`InputError` for a Parquet file that is not an output of ``dice-fast encode --chunks`` (a corpus of
+    texts, which gave "no dice_fast options in its metadata ('NoneType' object is not subscriptable)"),
+    saying how to make one. A folder is checked by its manifests when it is read."""
+    from pathlib import Path
+
+    from ..errors import InputError
+
+    if not Path(path).is_file():
+        return
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: unreadable Parquet ({exc})") from None
+    if b"dice_fast" not in metadata:
+        raise InputError(f"{path}: not an output of `dice-fast encode --chunks` (no dice_fast record in its "
+                         f"metadata); to index a Parquet corpus of texts, encode it first: dice-fast encode {path} "
+                         "-o OUT.parquet --chunks [--field TEXT_COLUMN --id-field ID_COLUMN], then dice-fast index "
+                         "OUT.parquet -o INDEX")
+
+
 def _read_input(path: str, field: str, id_field: str | None) -> tuple[list[str], list[str]]:
-    """(texts, ids) of a .txt (one per non-blank line) or .jsonl file; errors name file:line, and ids are
-    checked as ``dice-fast encode`` checks them (a record without the id field, a null or a float id,
-    an id that is not valid Unicode is refused, never replaced)."""
+    """(texts, ids) of a .txt (one per non-blank line) or .jsonl / .ndjson file (extensions in any case, as
+    ``dice-fast encode`` reads them); errors name file:line, and ids are checked as ``dice-fast encode``
+    checks them (a record without the id field, a null or a float id, an id that is not valid Unicode
+    is refused, never replaced; a duplicate id is refused naming the lines of both)."""
+    from pathlib import Path
+
+    from ..errors import InputError
     from ..textio import read_json_objects, read_lines, record_id, record_text
 
-    texts, ids = [], []
-    if path.endswith((".jsonl", ".ndjson")):
+    texts, ids, seen = [], [], {}
+    suffix = Path(path).suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
         for where, record in read_json_objects(path):
             texts.append(record_text(record, field, where))
             ids.append(where.rsplit(":", 1)[1] if id_field is None else record_id(record, id_field, where))
-    elif path.endswith(".txt"):
+            if (first := seen.setdefault(ids[-1], where)) != where:
+                raise InputError(f"duplicate id {ids[-1]!r}: {first} and {where}")
+    elif suffix == ".txt":
         for where, line in read_lines(path):
             if line.strip():
                 texts.append(line)
                 ids.append(where.rsplit(":", 1)[1])
     else:
-        raise ValueError(f"{path}: expected a .txt or .jsonl file")
+        raise InputError(f"{path}: expected a .txt, .jsonl or .ndjson file, or an encode --chunks output "
+                         "(.parquet or a folder)")
     return texts, ids

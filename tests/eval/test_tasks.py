@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dice_fast.data import PROSE_PATH
+from dice_fast.errors import InputError
 from dice_fast.eval import tasks
 from dice_fast.eval.tasks import CONTEXT_LENGTHS, Task, load_local_task, make_needle_task, make_passkey_task
 
@@ -176,12 +177,12 @@ def test_load_local_task(tmp_path):
     "part, lines, match",
     [
         ("corpus", ['{"_id": "d1", "text": "ok"}', '{"_id": "d2", "text": '], r"corpus\.jsonl:2: malformed JSON"),
-        ("corpus", ['{"_id": "d1", "text": "ok"}', "", '{"_id": "d2"}'], r"corpus\.jsonl:3: missing field 'text'"),
+        ("corpus", ['{"_id": "d1", "text": "ok"}', "", '{"_id": "d2"}'], r"corpus\.jsonl:3: no field 'text' \(fields: _id\)"),
         ("corpus", ['{"_id": "d1", "text": "a"}', '{"_id": "d1", "text": "b"}'],
          r"corpus\.jsonl:2: duplicate _id 'd1' \(first at line 1\)"),
         ("corpus", ['["not", "an", "object"]'], r"corpus\.jsonl:1: expected a JSON object"),
-        ("corpus", ['{"_id": "d1", "text": 5}'], r"corpus\.jsonl:1: '_id' and 'text' must be strings"),
-        ("queries", ['{"text": "no id"}'], r"queries\.jsonl:1: missing field '_id'"),
+        ("corpus", ['{"_id": "d1", "text": 5}'], r"corpus\.jsonl:1: field 'text' is int, expected a string"),
+        ("queries", ['{"text": "no id"}'], r"queries\.jsonl:1: no id field '_id' \(fields: text\)"),
         ("qrels", ["query-id\tcorpus-id\tscore", "q1 d1 1"], r"test\.tsv:2: expected 3 tab-separated columns"),
         ("qrels", ["q1\td1\t1", "q1\td2\thigh"], r"test\.tsv:2: score 'high' is not an integer"),
         ("qrels", ["q1\td1\t1", "q1\tnope\t1"], r"test\.tsv:2: corpus-id 'nope' is not in corpus\.jsonl"),
@@ -193,6 +194,72 @@ def test_load_local_task_malformed(tmp_path, part, lines, match):
     root = _write_beir(tmp_path / "bad", **{part: lines})
     with pytest.raises(ValueError, match=match):
         load_local_task(root)
+
+
+def _write_beir_bytes(root, qrels: bytes, corpus: bytes | None = None, queries: bytes | None = None):
+    root = _write_beir(root)
+    (root / "qrels" / "test.tsv").write_bytes(qrels)
+    if corpus is not None:
+        (root / "corpus.jsonl").write_bytes(corpus)
+    if queries is not None:
+        (root / "queries.jsonl").write_bytes(queries)
+    return root
+
+
+def test_qrels_are_read_as_every_other_input(tmp_path):
+    """The qrels were read in text mode: bytes that are not UTF-8 gave a bare codec error (no file, no
+    line), a byte order mark stayed in the first query-id, and a lone CR split lines (it does not in
+    .txt / .jsonl inputs). They are read through `dice_fast.textio` now."""
+    bom = load_local_task(_write_beir_bytes(tmp_path / "bom", b"\xef\xbb\xbfq1\td1\t1\r\nq3\td2\t1\r\n"))
+    assert bom.query_ids == ["q1", "q3"] and bom.qrels == [{0: 1}, {1: 1}]
+    bom_header = load_local_task(_write_beir_bytes(tmp_path / "bh", b"\xef\xbb\xbfquery-id\tcorpus-id\tscore\nq1\td1\t1\n"))
+    assert bom_header.qrels == [{0: 1}]
+    root = _write_beir_bytes(tmp_path / "bad", b"q1\td1\t1\nq3\td\xff\t1\n")
+    with pytest.raises(InputError, match=r"qrels/test\.tsv:2: not valid UTF-8 \(invalid start byte at byte 4\)"):
+        load_local_task(root)
+    root = _write_beir_bytes(tmp_path / "cr", b"q1\td1\t1\rq3\td2\t1\r")
+    with pytest.raises(InputError, match=r"test\.tsv:1: expected 3 tab-separated columns .* got 5 "
+                       r"\(it holds a carriage return"):
+        load_local_task(root)
+
+
+@pytest.mark.parametrize("part, line, match", [
+    ("corpus", r'{"_id": "d1", "text": "x\ud800"}', r"corpus\.jsonl:1: field 'text' is not valid Unicode"),
+    ("corpus", r'{"_id": "d\udc00", "text": "x"}', r"corpus\.jsonl:1: id field '_id' is not valid Unicode"),
+    ("corpus", r'{"_id": "d1", "title": "t\ud800", "text": "x"}', r"corpus\.jsonl:1: field 'title' is not valid Unicode"),
+    ("queries", r'{"_id": "q1", "text": "x\ud800"}', r"queries\.jsonl:1: field 'text' is not valid Unicode"),
+])
+def test_lone_surrogates_are_refused_where_they_are(tmp_path, part, line, match):
+    """A lone surrogate loaded and failed later as "documents[0] is not valid Unicode" (no file, no line)."""
+    with pytest.raises(InputError, match=match):
+        load_local_task(_write_beir(tmp_path / "s", **{part: [line]}, qrels=["q1\td1\t1"]))
+
+
+@pytest.mark.parametrize("part, value, match", [
+    ("corpus", "1.0", r"corpus\.jsonl:1: id 1\.0 is float, expected a string or an integer"),
+    ("corpus", "NaN", r"corpus\.jsonl:1: id nan is float"),
+    ("corpus", "true", r"corpus\.jsonl:1: id True is bool"),
+    ("queries", "null", r"queries\.jsonl:1: id None is NoneType"),
+    ("queries", '"q\\n1"', r"queries\.jsonl:1: id 'q\\n1' contains a line break"),
+])
+def test_ids_follow_the_rules_of_encode(tmp_path, part, value, match):
+    """A float _id became "1.0" (NaN: "nan"), where `dice-fast encode` refuses it (`textio.check_id`)."""
+    with pytest.raises(InputError, match=match):
+        load_local_task(_write_beir(tmp_path / "i", **{part: ['{"_id": %s, "text": "x"}' % value]}))
+
+
+def test_ids_are_compared_exactly(tmp_path):
+    """Qrels ids were stripped and corpus / query ids were not, so " d1" never matched: no id is
+    stripped now; the tab-separated fields are the ids."""
+    corpus = [json.dumps({"_id": " d1", "text": "x"}), json.dumps({"_id": "d2", "text": "y"})]
+    queries = [json.dumps({"_id": "q1 ", "text": "w"})]
+    task = load_local_task(_write_beir(tmp_path / "ok", corpus=corpus, queries=queries, qrels=["q1 \t d1\t1"]))
+    assert task.doc_ids == [" d1", "d2"] and task.query_ids == ["q1 "] and task.qrels == [{0: 1}]
+    with pytest.raises(InputError, match=r"test\.tsv:1: corpus-id 'd1' is not in corpus\.jsonl$"):
+        load_local_task(_write_beir(tmp_path / "no", corpus=corpus, queries=queries, qrels=["q1 \td1\t1"]))
+    with pytest.raises(InputError, match=r"test\.tsv:1: corpus-id 'd2 ' is not in corpus\.jsonl "
+                       r"\(corpus\.jsonl has 'd2': ids are compared exactly\)"):
+        load_local_task(_write_beir(tmp_path / "sp", corpus=corpus, queries=queries, qrels=["q1 \td2 \t1"]))
 
 
 def test_load_local_task_missing_files(tmp_path):
