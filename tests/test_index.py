@@ -407,3 +407,18 @@ def test_a_text_columns_take_copies_bytes_and_keeps_every_text():
         got = stored.take(np.array(keep, np.int64))
         assert list(got) == [every[i] for i in keep], keep
         assert len(got.arrays()[0]) == sum(len(every[i].encode()) for i in keep)
+
+
+def test_a_document_without_chunks_adds_to_a_memory_mapped_index(tmp_path):
+    """Its zero chunk rows were written into the read-only memory-mapped buffer: a ValueError after
+    the ids, documents and offsets had grown (half added; a retry said "duplicate id")."""
+    rng = np.random.default_rng(0)
+    ix = DiceIndex(8, store_text=False)
+    ix.add_arrays(["a", "b"], rng.standard_normal((2, 8)).astype(np.float32), rng.standard_normal((3, 8)).astype(np.float32),
+                  np.array([0, 0, 1]), np.zeros(3, np.int64), np.ones(3, np.int64), np.ones(3, np.int64))
+    ix.save(tmp_path / "ix")
+    loaded = DiceIndex.load(tmp_path / "ix")  # mmap=True
+    loaded.add_arrays(["empty"], rng.standard_normal((1, 8)).astype(np.float32), np.zeros((0, 8), np.float32),
+                      np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert loaded.ids == ["a", "b", "empty"] and loaded.cu_doc_chunks.tolist() == [0, 2, 3, 3]
+    assert len(loaded.documents) == 3 and loaded.n_chunks == 3

@@ -34,8 +34,10 @@ class Grown:
 
     def append(self, rows: np.ndarray) -> None:
         """Write ``rows`` after the filled part (cast to the buffer's dtype), doubling the buffer when full."""
+        if not len(rows):  # nothing to write (a read-only memory-mapped buffer stays as it is)
+            return
         need = self.size + len(rows)
-        if need > len(self.buffer):
+        if need > len(self.buffer) or not self.buffer.flags.writeable:
             self.buffer = Grown(self.view, max(need, 2 * len(self.buffer))).buffer
         self.buffer[self.size : need] = rows
         self.size = need
