@@ -60,12 +60,17 @@ def finished_manifests(folder: Path, allow_incomplete: bool = False) -> list[dic
     manifests = sorted(Path(folder).glob("manifest*.json"))
     if not manifests:
         raise InputError(f"no manifest*.json in {folder}: not an output folder of dice-fast encode")
+    read = {p.name: read_manifest(p) for p in manifests}
+    # a complete manifest that replaced an output of another split layout names its old manifests (a
+    # job killed before removing them leaves them): they are not part of this output
+    replaced = {name for m in read.values() if m["status"] == "complete" for name in m.get("replaces") or ()}
+    manifests = [p for p in manifests if p.name not in replaced]
     if len(manifests) == 1 and manifests[0].name == "manifest.json":
-        m = read_manifest(manifests[0])
+        m = read[manifests[0].name]
         if m["status"] != "complete" and not allow_incomplete:
             raise InputError(f"{manifests[0]}: the job is not complete ({m['rows']} rows committed)")
         return [m]
-    splits = [read_manifest(p) for p in manifests]
+    splits = [read[p.name] for p in manifests]
     count = splits[0]["split"]["count"]
     have = {m["split"]["index"]: m for m in splits if m["split"]["count"] == count}
     if len(have) != len(splits) or sorted(have) != list(range(count)):

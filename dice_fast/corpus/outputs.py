@@ -339,8 +339,13 @@ class ShardWriter:
                 os.replace(tmp, self.folder / name)
             self.staged = []
             fsync_dir(self.folder)
+            mine = manifest_name(self.tag)
+            # the old output's manifests of another split layout: readers skip them from the commit on
+            replaced = sorted(p.name for p in self.replace or () if p.name.startswith("manifest") and p.name != mine)
+            if replaced:
+                self.manifest["replaces"] = replaced
             self.write_manifest("complete")  # the commit point
-            kept = {manifest_name(self.tag)} | {s["file"] for s in self.manifest["shards"]}
+            kept = {mine} | {s["file"] for s in self.manifest["shards"]}
             for p in self.replace or ():
                 if p.name not in kept:
                     p.unlink(missing_ok=True)

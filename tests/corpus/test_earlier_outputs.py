@@ -114,6 +114,33 @@ def test_an_overwrite_killed_while_committing_leaves_the_old_or_the_new_output(t
     assert len(list(out.iterdir())) == 3 and load_embeddings(out)[0] == new_ids
 
 
+def test_an_unsplit_overwrite_of_a_split_output_killed_after_its_commit_reads_as_the_new_output(
+        tmp_path, monkeypatch, cached_encoders):
+    """The old split manifests stay until removed after the commit: the new manifest names them
+    (``replaces``) and readers skip them (they read "split manifests ... are not the 2 splits of one job")."""
+    src = write_jsonl(tmp_path / "c.jsonl", corpus_docs(6, seed=7))
+    out = tmp_path / "out"
+    for split in ("0/2", "1/2"):
+        assert main(["encode", str(src), "-o", str(out), *OPTS, "--shard", split]) == 0
+    new = write_jsonl(tmp_path / "new.jsonl", corpus_docs(5, seed=9), ids=[f"new{i}" for i in range(5)])
+    real = os.unlink
+
+    def dying(path, *args, **kw):
+        if os.path.basename(path).startswith(("manifest-", "part-0of2", "part-1of2")):
+            raise Died
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(os, "unlink", dying)
+    with pytest.raises(Died):
+        main(["encode", str(new), "-o", str(out), *OPTS, "--overwrite"])
+    monkeypatch.undo()
+    assert json.loads((out / "manifest.json").read_text())["replaces"] == ["manifest-0of2.json", "manifest-1of2.json"]
+    assert (out / "manifest-0of2.json").exists()  # killed before removing it
+    assert load_embeddings(out)[0] == [f"new{i}" for i in range(5)]
+    assert main(["encode", str(new), "-o", str(out), *OPTS, "--overwrite"]) == 0
+    assert not list(out.glob("*of2*")) and load_embeddings(out)[0] == [f"new{i}" for i in range(5)]
+
+
 def test_a_folder_input_skips_earlier_outputs_in_it(tmp_path, capsys, cached_encoders):
     corp = tmp_path / "corp"
     corp.mkdir()
