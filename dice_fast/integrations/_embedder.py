@@ -62,6 +62,18 @@ def embedder(encoder, options: dict, *, base_url: str | None = None, api_key: st
     return ServerEmbedder(base_url, api_key, extra=extra, **client_options)
 
 
+def _jsonable(value):
+    """``value`` with paths as strings and anything JSON has no type for (a ``torch.device``) as its
+    ``str``: a description goes through ``json.dumps`` (LlamaIndex's ``to_json``, its cache keys)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+
 def rebuild_arguments(described: dict) -> dict:
     """The arguments of `embedder` (``encoder`` and the options, or ``base_url`` and ``client_options``)
     that build again an embedder from its ``describe()``; `ArgumentTypeError` for one over an in-memory
@@ -142,9 +154,9 @@ class LocalEmbedder:
         try:
             folder, options = self.source()
         except ArgumentTypeError:
-            return {"source": "in-memory", "vectors": vectors}
-        return {"source": "local", "model": None if folder is None else os.fspath(folder), "options": dict(options),
-                "vectors": vectors}
+            return {"source": "in-memory", "vectors": _jsonable(vectors)}
+        return {"source": "local", "model": None if folder is None else os.fspath(folder),
+                "options": _jsonable(dict(options)), "vectors": _jsonable(vectors)}
 
     def __getstate__(self) -> dict:
         return {"source": self.source()}
@@ -255,7 +267,7 @@ class ServerEmbedder:
     def describe(self) -> dict:
         """JSON-able ``{"source": "server", "base_url": ..., "client_options": {...}}`` (no api_key: a
         description may be logged or saved); ``rebuild_arguments`` builds it again from this."""
-        return {"source": "server", "base_url": self.base_url, "client_options": dict(self.client_options)}
+        return {"source": "server", "base_url": self.base_url, "client_options": _jsonable(dict(self.client_options))}
 
     @property
     def name(self) -> str:

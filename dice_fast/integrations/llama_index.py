@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import ArgumentTypeError
 from ..scoring import DEFAULT_SCORING, check_scoring
 from ._common import hit_metadata, require
 from ._embedder import DiceServerError, LocalEmbedder, QueryTooLong, embedder, rebuild_arguments
@@ -125,6 +126,9 @@ class DiceEmbedding(BaseEmbedding):
         data = {**data, **kwargs}
         data.pop("class_name", None)
         described = data.pop("dice", None)
+        if described is None and "encoder" not in data and "base_url" not in data:  # an older version's to_dict
+            raise ArgumentTypeError("this dict holds no 'dice' description of the embedder (an older dice_fast's "
+                                    "to_dict?): pass encoder= (the model folder) and its options, or base_url=")
         arguments = {} if described is None else rebuild_arguments(described)
         return cls(**{**arguments, **data})
 

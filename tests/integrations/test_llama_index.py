@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,6 +159,18 @@ def test_from_dict_and_from_json_rebuild_an_equal_embedding(tiny_folder):
     bare = DiceEmbedding(DiceEncoder(enc.model, enc.tokenizer, config=enc.config))
     with pytest.raises(ArgumentTypeError, match="model object"):
         DiceEmbedding.from_dict(bare.to_dict())
+
+
+def test_a_dict_without_its_description_is_refused_and_paths_go_to_json(tiny_folder, tmp_path):
+    """An older version's to_dict (no "dice") built the bundled MiniLM under the old model's name; an
+    option given as a Path made to_json fail."""
+    from dice_fast.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match="no 'dice' description"):
+        DiceEmbedding.from_dict({"model_name": "bge-base-en-v1.5", "embed_batch_size": 10, "num_workers": None})
+    embed = DiceEmbedding(Path(tiny_folder), cache=tmp_path / "cache", **TINY_OPTIONS)
+    copy = DiceEmbedding.from_json(embed.to_json())
+    assert copy.to_dict() == embed.to_dict() and copy.to_dict()["dice"]["options"]["cache"] == str(tmp_path / "cache")
 
 
 def test_bundled_model_round_trips_through_json(bundled):
