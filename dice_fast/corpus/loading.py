@@ -31,6 +31,8 @@ def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> 
     path = Path(path)
     if path.suffix.lower() == ".npy":
         return _read_npy(path)
+    if not path.exists():
+        raise MissingFile(f"{path} does not exist")
     if _is_parquet_file(path):
         return _read_parquet([path])
     splits = finished_manifests(path, allow_incomplete)

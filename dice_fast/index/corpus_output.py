@@ -20,10 +20,11 @@ from ..manifests import checked_shards, finished_manifests
 NEEDED = ("id", "embedding", "chunk_embeddings", "chunk_start_char", "chunk_end_char", "chunk_tokens")
 
 
-def corpus_files(path) -> list[Path]:
+def corpus_files(path, check: bool = True) -> list[Path]:
     """The Parquet files of an encode output: the file itself, or the shards every manifest lists.
     `InputError` for a folder whose job is unfinished or misses a ``--shard I/N`` split (an index of it
-    would silently lack documents), or a shard not as its manifest recorded it (`checked_shards`)."""
+    would silently lack documents), or a shard not as its manifest recorded it (`checked_shards`; not
+    checked with ``check=False``, for a look at the files' schemas: a full read of each file)."""
     path = Path(path)
     if path.is_file():
         return [path]
@@ -33,6 +34,8 @@ def corpus_files(path) -> list[Path]:
         manifests = finished_manifests(path)
     except ValueError as exc:
         raise InputError(f"{exc}; index a finished output (encode ... --resume, every split)") from None
+    if not check:
+        return [path / s["file"] for m in manifests for s in m["shards"]]
     return [f for m in manifests for f in checked_shards(path, m)]
 
 
@@ -83,7 +86,7 @@ def corpus_encoder(path) -> tuple[str | None, dict]:
 
     import pyarrow.parquet as pq
 
-    file = corpus_files(path)[0]
+    file = corpus_files(path, check=False)[0]
     try:
         meta = json.loads(pq.read_schema(file).metadata[b"dice_fast"])
         options = dict(meta["options"])

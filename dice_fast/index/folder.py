@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError, writing
+from ..errors import InputError, MissingFile, writing
 from ..folder_guard import folder_guard
 from .common import short_repr
 from .texts import TextColumn
@@ -153,6 +153,8 @@ def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = Non
 
 def _read_meta(folder: Path) -> dict:
     meta_path = folder / "index.json"
+    if not folder.exists():
+        raise MissingFile(f"{folder} does not exist")
     if not meta_path.is_file():
         raise InputError(f"{folder} is not a dice_fast index (no index.json)")
     meta = _read_json(meta_path)

@@ -69,7 +69,7 @@ def store_for_output(url: str, output, batch_size: int | None = None):
     from .stores import open_store
 
     schemas = []
-    for file in corpus_files(output):
+    for file in corpus_files(output, check=False):  # schemas only: push checks each shard once
         try:
             schemas.append(pq.read_schema(file))
         except (OSError, pa.ArrowException) as exc:

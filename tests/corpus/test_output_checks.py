@@ -85,8 +85,11 @@ def test_finished_manifests_refuse_unfinished_outputs(tmp_path, cached_encoders)
         finished_manifests(tmp_path / "split")
     with pytest.raises(ValueError, match=r"split 1/2 is not complete"):
         load_embeddings(tmp_path / "split")
-    with pytest.raises(ValueError, match="no manifest"):
+    with pytest.raises(ValueError, match="nothing does not exist"):
         load_embeddings(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no manifest"):
+        load_embeddings(tmp_path / "empty")
 
 
 @pytest.mark.parametrize("out", ["v.npy", "v.parquet", "shards/"])

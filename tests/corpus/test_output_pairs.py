@@ -92,3 +92,19 @@ def test_counts_are_checked_for_hand_made_and_edited_pairs(tmp_path, cached_enco
     shutil.copyfile(tmp_path / "shards" / "part-00001.parquet", tmp_path / "shards" / "part-00000.parquet")
     with pytest.raises(ValueError, match=r"part-00000.parquet: \d+ bytes, not the \d+ recorded when it was committed"):
         load_embeddings(tmp_path / "shards")
+
+
+def test_a_path_that_does_not_exist_is_a_missing_file(tmp_path):
+    """A missing folder or .parquet read as "no manifest*.json ...", a missing index folder as "not a
+    dice_fast index": both are a MissingFile (a FileNotFoundError and an InputError) naming the path."""
+    from dice_fast import DiceIndex
+    from dice_fast.errors import InputError, MissingFile
+
+    for path in (tmp_path / "nope", tmp_path / "nope.parquet", tmp_path / "nope.npy"):
+        with pytest.raises(MissingFile, match=str(path)) as info:
+            load_embeddings(path)
+        assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, InputError)
+    with pytest.raises(MissingFile, match="nope.index does not exist"):
+        DiceIndex.load(tmp_path / "nope.index")
+    with pytest.raises(MissingFile, match="no such file or folder"):
+        DiceIndex.from_corpus(tmp_path / "nope")
