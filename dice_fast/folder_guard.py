@@ -19,9 +19,10 @@ except ImportError:  # Windows
 
 
 @contextlib.contextmanager
-def folder_guard(folder: Path, missing_ok: bool = False):
+def folder_guard(folder: Path, missing_ok: bool = False, best_effort: bool = False):
     """Hold an exclusive flock on ``folder`` for the ``with`` block (nothing when ``missing_ok`` and it
-    does not exist)."""
+    does not exist; nothing where the file system refuses the lock and ``best_effort``: NFS emulates
+    flock with byte-range locks, which a folder opened read-only cannot take)."""
     if fcntl is None:
         yield
         return
@@ -33,7 +34,11 @@ def folder_guard(folder: Path, missing_ok: bool = False):
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            if not best_effort:
+                raise
         yield
     finally:
         os.close(fd)

@@ -106,7 +106,8 @@ def append_csv(rows: list[dict], path, fieldnames=None) -> int:
     path = Path(path)
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        with folder_guard(path.parent):  # appends by other processes wait: none is lost to a rewrite
+        # appends by other processes wait (none is lost to a rewrite); unlocked where flock is refused (NFS)
+        with folder_guard(path.parent, best_effort=True):
             _append_csv(rows, path, fieldnames)
     return len(rows)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..cliargs import add_encoder_arguments, bounded, make_encoder
-from ..errors import OptionError
+from ..errors import OptionError, writing
 
 if TYPE_CHECKING:
     from .run import EvalResult
@@ -241,14 +241,16 @@ def write_outputs(res: EvalResult, out_dir, stem: str, csv_path, plots: bool = T
     from .report import format_report, write_csv
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.md").write_text(format_report(res), encoding="utf-8")
+    with writing(out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+    with writing(out_dir / f"{stem}.md"):  # a full disk: named with the file
+        (out_dir / f"{stem}.md").write_text(format_report(res), encoding="utf-8")
     n = write_csv(res, csv_path)
     written = [f"{csv_path} (+{n} rows)", str(out_dir / f"{stem}.md")]
     if save_result:
         import pickle
 
-        with open(out_dir / f"{stem}.pkl", "wb") as fh:
+        with writing(out_dir / f"{stem}.pkl"), open(out_dir / f"{stem}.pkl", "wb") as fh:
             pickle.dump(res, fh)
         written.append(str(out_dir / f"{stem}.pkl"))
     if plots:
@@ -256,7 +258,8 @@ def write_outputs(res: EvalResult, out_dir, stem: str, csv_path, plots: bool = T
 
         for suffix, fn in (("hit1", plot_hit_vs_length), ("edi", plot_edi)):
             png = out_dir / f"{stem}-{suffix}.png"
-            fn(res, png)
+            with writing(png):
+                fn(res, png)
             if png.exists():
                 written.append(str(png))
     return written
