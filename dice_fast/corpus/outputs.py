@@ -335,9 +335,9 @@ class ShardWriter:
         self.commit_shard()
         self.manifest["summary"] = summary or {}
         with self.guard():
-            for tmp, name in self.staged:  # beside the old output's files, under names it does not use
+            for i, (tmp, name) in enumerate(self.staged):  # beside the old output's files, under names it does not use
                 os.replace(tmp, self.folder / name)
-            self.staged = []
+                self.staged[i] = (self.folder / name, name)  # where `abort` removes it until the commit
             fsync_dir(self.folder)
             mine = manifest_name(self.tag)
             # the old output's manifests of another split layout: readers skip them from the commit on
@@ -345,6 +345,7 @@ class ShardWriter:
             if replaced:
                 self.manifest["replaces"] = replaced
             self.write_manifest("complete")  # the commit point
+            self.staged = []
             kept = {mine} | {s["file"] for s in self.manifest["shards"]}
             for p in self.replace or ():
                 if p.name not in kept:
