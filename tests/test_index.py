@@ -422,3 +422,20 @@ def test_a_document_without_chunks_adds_to_a_memory_mapped_index(tmp_path):
                       np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
     assert loaded.ids == ["a", "b", "empty"] and loaded.cu_doc_chunks.tolist() == [0, 2, 3, 3]
     assert len(loaded.documents) == 3 and loaded.n_chunks == 3
+
+
+def test_output_ids_are_checked_streaming_and_named_by_file_and_row(monkeypatch):
+    """`check_output_ids` keeps 8 bytes per id (it held every id of every shard, and a dict of them);
+    a repeat names both rows, and two ids that only share a 64-bit hash are no repeat."""
+    from dice_fast.errors import InputError
+    from dice_fast.id_set import IdSet
+    from dice_fast.index.common import check_output_ids
+
+    shards = {"a.parquet": ["x", "y"], "b.parquet": ["z", "w", "y"]}
+    with pytest.raises(InputError, match=r"duplicate id 'y': a\.parquet row 1 and b\.parquet row 2"):
+        check_output_ids(list(shards), shards.__getitem__)
+    shards["b.parquet"][2] = "v"
+    assert check_output_ids(list(shards), shards.__getitem__) == 5
+    real = IdSet.add
+    monkeypatch.setattr(IdSet, "add", lambda self, ids: real(self, ids) + (["x"] if "w" in ids else []))  # a collision
+    assert check_output_ids(list(shards), shards.__getitem__) == 5

@@ -17,10 +17,11 @@ import numpy as np
 
 from .. import scoring as sc
 from ..errors import InputError, OptionError
+from ..id_set import IdSet
 from ..scoring import DEFAULT_SCORING
 from .encoder_match import check_encoder, model_id, recorded_options, restore_encoder, vector_options
 
-__all__ = ["DEFAULT_SCORING", "Hit", "Batch", "check_batch", "check_ids", "check_k", "check_shard_ids",
+__all__ = ["DEFAULT_SCORING", "Hit", "Batch", "check_batch", "check_ids", "check_k", "check_output_ids",
            "evidence_hit", "scored_hits", "EncoderSlot", "short_repr"]
 
 # one recorded encoder is rebuilt at a time, process-wide: concurrent first searches (a retriever's
@@ -110,20 +111,21 @@ def check_ids(ids: Sequence, n: int) -> list[str]:
     return ids
 
 
-def check_shard_ids(files: Sequence, id_lists: Sequence[Sequence]) -> None:
-    """Refuse an id held by two rows of an encode output (``id_lists[f]``: the ids of ``files[f]``),
-    naming it and both rows by file and row."""
-    starts = np.cumsum([0] + [len(ids) for ids in id_lists])
-    seen: dict[str, int] = {}
-
-    def where(row: int) -> str:
-        f = int(np.searchsorted(starts, row, side="right")) - 1
-        return f"{files[f]} row {row - starts[f]}"
-
-    for row, name in enumerate(str(i) for ids in id_lists for i in ids):
-        first = seen.setdefault(name, row)
-        if first != row:
-            raise InputError(f"duplicate id {name!r}: {where(first)} and {where(row)}")
+def check_output_ids(files: Sequence, read_ids) -> int:
+    """Refuse an id held by two rows of an encode output, naming it and both rows by file and row;
+    ``read_ids(file)``: the ids of one of ``files`` (a list of strings). Streams: 8 bytes per id
+    (`dice_fast.id_set.IdSet`), files read again only to name a repeat. Returns the number of rows."""
+    seen, total = IdSet(), 0
+    for f, file in enumerate(files):
+        ids = read_ids(file)
+        total += len(ids)
+        for name in dict.fromkeys(seen.add(ids)):  # a hash seen before: both rows, or two ids sharing a hash
+            rows = [(g, r) for g in range(f + 1) for r, i in enumerate(ids if g == f else read_ids(files[g]))
+                    if i == name]
+            if len(rows) > 1:
+                (g0, r0), (g1, r1) = rows[:2]
+                raise InputError(f"duplicate id {name!r}: {files[g0]} row {r0} and {files[g1]} row {r1}")
+    return total
 
 
 def short_repr(value) -> str:

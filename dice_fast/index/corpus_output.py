@@ -40,10 +40,33 @@ def corpus_files(path, check: bool = True) -> list[Path]:
 
 
 def read_corpus_output(path):
-    """Yield, per Parquet file: (ids list, documents (n, dim) float32, chunks (n_chunks, dim) float32,
+    """Yield, per row group of every Parquet file (4,096 rows as encode writes them; memory of one row
+    group, never the output's): (ids list, documents (n, dim) float32, chunks (n_chunks, dim) float32,
     chunk_document (n_chunks,) int64, start_char, end_char, tokens (n_chunks,) int64)."""
     for file in corpus_files(path):
-        yield read_corpus_file(file)
+        yield from read_corpus_parts(file)
+
+
+def output_width(path) -> int:
+    """The width of the vectors of an encode output (its first file's embedding column)."""
+    import pyarrow.parquet as pq
+
+    file = corpus_files(path, check=False)[0]
+    try:
+        return int(pq.read_schema(file).field("embedding").type.list_size)
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        raise InputError(f"{file}: no embedding column of fixed-size lists ({exc})") from None
+
+
+def read_ids(file: Path) -> list[str]:
+    """The id column of one Parquet file of an encode output, as strings."""
+    import pyarrow.parquet as pq
+
+    try:
+        column = pq.read_table(file, columns=["id"], page_checksum_verification=True).column("id")
+    except (OSError, ValueError, KeyError) as exc:
+        raise InputError(f"{file}: unreadable Parquet ({exc})") from None
+    return [str(i) for i in column.to_pylist()]
 
 
 def check_chunk_columns(file: Path, names, use: str) -> None:
@@ -53,15 +76,23 @@ def check_chunk_columns(file: Path, names, use: str) -> None:
         raise InputError(f"{file}: no {', '.join(missing)} column(s); encode with --chunks to {use} the output")
 
 
-def read_corpus_file(file: Path):
-    """The arrays of one Parquet file of an encode output (as `read_corpus_output` yields them)."""
+def read_corpus_parts(file: Path):
+    """The arrays of one Parquet file of an encode output, row group by row group (as
+    `read_corpus_output` yields them)."""
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(file, page_checksum_verification=True)  # pages we wrote carry CRCs
+        pf = pq.ParquetFile(file, page_checksum_verification=True)  # pages we wrote carry CRCs
+        check_chunk_columns(file, pf.schema_arrow.names, "index")
+        for g in range(pf.num_row_groups):
+            yield _arrays(file, pf.read_row_group(g))
     except (OSError, ValueError) as exc:
+        if isinstance(exc, InputError):
+            raise
         raise InputError(f"{file}: unreadable Parquet ({exc})") from None
-    check_chunk_columns(file, table.column_names, "index")
+
+
+def _arrays(file: Path, table) -> tuple:
     n = table.num_rows
     documents = _matrix(table.column("embedding").combine_chunks(), n)
     lists = table.column("chunk_embeddings").combine_chunks()
@@ -71,7 +102,7 @@ def read_corpus_file(file: Path):
     spans = [np.asarray(table.column(c).combine_chunks().flatten(), np.int64) for c in NEEDED[3:]]
     if any(len(s) != len(chunks) for s in spans):
         raise InputError(f"{file}: chunk spans and chunk vectors differ in count")
-    return (table.column("id").to_pylist(), documents, chunks, chunk_document, *spans)
+    return ([str(i) for i in table.column("id").to_pylist()], documents, chunks, chunk_document, *spans)
 
 
 def _matrix(fixed_lists, rows: int) -> np.ndarray:

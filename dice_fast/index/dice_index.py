@@ -33,7 +33,7 @@ from ..errors import OptionError
 from .ann import build as build_graph_over, extend as extend_graph, read as read_graph
 from .growth import Column, Grown, grown
 from .rescore import pair_scores
-from .common import (DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_ids, check_k, check_shard_ids, evidence_hit,
+from .common import (DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_ids, check_k, check_output_ids, evidence_hit,
                      scored_hits)
 from .texts import TextColumn
 
@@ -88,23 +88,18 @@ class DiceIndex(EncoderSlot):
     def from_corpus(cls, path, encoder=None, *, chunk_dtype: str = "float32") -> DiceIndex:
         """Index the output of ``dice-fast encode INPUT -o PATH --chunks`` (a .parquet file or a shard
         folder). Such an output holds no texts: hits carry spans, and ``text`` is None."""
-        from .corpus_output import corpus_encoder, corpus_files, read_corpus_file
+        from .corpus_output import corpus_encoder, corpus_files, output_width, read_corpus_parts, read_ids
 
         model, options = corpus_encoder(path)
         files = corpus_files(path)
-        parts = [read_corpus_file(f) for f in files]  # (ids, documents, chunks, chunk_document, start, end, tokens)
-        if not parts:
+        if not files:
             raise ValueError(f"{path}: the output holds no shards")
-        check_shard_ids(files, [p[0] for p in parts])
-        # one append of all shards (appending shard by shard copied the growing index once per shard)
-        first_doc = np.cumsum([0] + [len(p[1]) for p in parts[:-1]])
-        ids = [i for p in parts for i in p[0]]
-        columns = [np.concatenate([p[j] for p in parts]) for j in (1, 2, 4, 5, 6)]
-        chunk_document = np.concatenate([p[3] + d for p, d in zip(parts, first_doc)])
-        documents, chunks, start, end, tokens = columns
-        index = cls(documents.shape[1], encoder, store_text=False, chunk_dtype=chunk_dtype, model=model,
+        check_output_ids(files, read_ids)  # before anything is read whole
+        index = cls(output_width(path), encoder, store_text=False, chunk_dtype=chunk_dtype, model=model,
                     encoder_options=options)
-        index.add_arrays(ids, documents, chunks, chunk_document, start, end, tokens)
+        for file in files:  # row group by row group: memory of the index and one row group
+            for ids, documents, chunks, chunk_document, start, end, tokens in read_corpus_parts(file):
+                index.add_arrays(ids, documents, chunks, chunk_document, start, end, tokens)
         return index
 
     def add(self, texts: Iterable[str], ids: Sequence | None = None) -> None:

@@ -1,10 +1,11 @@
 """From a corpus job to a store: the output of ``dice-fast encode ... --chunks`` written into a
-`QdrantStore` or `LanceStore` one Parquet shard at a time (never the whole corpus in memory).
+`QdrantStore` or `LanceStore` one Parquet row group (4,096 documents as encode writes them) at a time,
+after a first pass over the ids that keeps 8 bytes each: never the whole corpus in memory.
 
 Every write replaces documents by id, so a push can be repeated. A push into a store that already
-holds documents must say ``resume=True``: then every shard the store already holds as it is (every id,
-with the same vectors and spans: `RemoteStore.holds`) is skipped, and the others are written again
-whole (a shard cut off by a crash, or one re-encoded after an edit), so a push killed anywhere and
+holds documents must say ``resume=True``: then every row group the store already holds as it is (every
+id, with the same vectors and spans: `RemoteStore.holds`) is skipped, and the others are written again
+whole (one cut off by a crash, or re-encoded after an edit), so a push killed anywhere and
 resumed leaves every document exactly once, and a push of a re-encoded corpus updates what changed.
 Documents the store holds that the output lacks are kept (delete them with ``store.delete``).
 """
@@ -17,40 +18,34 @@ from pathlib import Path
 def push(output, store, *, resume: bool = False, progress: bool = True) -> dict:
     """Write the encode output ``output`` (a .parquet file or a shard folder) into ``store``.
 
-    Returns {"documents": written, "skipped": documents in shards ``resume`` found stored as they are,
+    Returns {"documents": written, "skipped": documents ``resume`` found stored as they are,
     "shards": n}.
     ValueError when the store holds documents and ``resume`` is False, when its recorded model
     and options differ from the job's (checked when the store was opened with them), or when two rows
     of the output hold one id (named with both files and rows), before anything is written.
     """
-    import pyarrow.parquet as pq
     from tqdm.auto import tqdm
 
-    from .common import check_shard_ids
-    from .corpus_output import corpus_files, read_corpus_file
+    from .common import check_output_ids
+    from .corpus_output import corpus_files, read_corpus_parts, read_ids
 
     files = corpus_files(output)
     if len(store) and not resume:
         raise ValueError(f"{store.where} already holds {len(store)} documents: pass --resume (resume=True) to "
                          "continue a push into it, or choose another collection")
-    shard_ids = [[str(i) for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()] for f in files]
-    check_shard_ids(files, shard_ids)  # a repeated id would be written twice, the second copy replacing the first
-    total = sum(len(ids) for ids in shard_ids)
+    total = check_output_ids(files, read_ids)  # a repeated id would be written twice, the second replacing the first
     bar = tqdm(total=total, unit="doc", desc=f"push to {store.where}", disable=not progress, dynamic_ncols=True)
     written = skipped = 0
     try:
-        for file, ids in zip(files, shard_ids):
-            data = None
-            if resume and all(store.contains(ids)):  # all stored: skipped if stored as they are now
-                data = read_corpus_file(Path(file))
-                if store.holds(*data):
+        for file in files:
+            for data in read_corpus_parts(Path(file)):  # a row group at a time (4,096 rows as encode writes them)
+                ids = data[0]
+                if resume and all(store.contains(ids)) and store.holds(*data):  # stored as they are now
                     skipped += len(ids)
-                    bar.update(len(ids))
-                    continue
-            ids, documents, chunks, chunk_document, start, end, tokens = data or read_corpus_file(Path(file))
-            store.upsert_arrays(ids, documents, chunks, chunk_document, start, end, tokens)
-            written += len(ids)
-            bar.update(len(ids))
+                else:
+                    store.upsert_arrays(*data)
+                    written += len(ids)
+                bar.update(len(ids))
     finally:
         bar.close()
     return {"documents": written, "skipped": skipped, "shards": len(files)}

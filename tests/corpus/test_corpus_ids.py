@@ -1,4 +1,4 @@
-"""Duplicate ids in corpus jobs: `corpus.ids.IdSet` / `DuplicateIds` against a plain Python set, and
+"""Duplicate ids in corpus jobs: `id_set.IdSet` / `DuplicateIds` against a plain Python set, and
 the job's warning and manifest count (resumed shards included)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 from corpus_util import corpus_docs, interrupted_copy, write_jsonl
 from dice_fast.cli import main
 from dice_fast.corpus import load_embeddings
-from dice_fast.corpus.ids import DuplicateIds, IdSet
+from dice_fast.corpus.ids import DuplicateIds
+from dice_fast.id_set import IdSet
 
 OPTS = ["--chunk-size", "16", "-q", "--id-field", "id"]
 
