@@ -158,7 +158,9 @@ def test_memory_cache_is_bounded_and_least_recently_used_goes_first():
     import torch
 
     rows = torch.arange(40, dtype=torch.float32).reshape(10, 4)
-    mem = MemoryCache(3 * (16 + 4))  # three entries of a 4-byte identity and a 16-byte vector
+    from dice_fast.reuse.memory import ENTRY_OVERHEAD
+
+    mem = MemoryCache(3 * (16 + 4 + ENTRY_OVERHEAD))  # three entries: a 4-byte identity, a 16-byte vector, bookkeeping
     for k in range(4):
         mem.put(k, bytes([k]) * 4, rows, k)
         if k == 2:

@@ -42,11 +42,19 @@ class ChunkStats:
                                                    "disk_hits", "disk_misses", "damaged", "written")}
 
 
+# what an entry costs beside its vector and identity: the bytes object, the tuple, the ordered dict's
+# node and key (measured ~250-300 bytes on CPython 3.11)
+ENTRY_OVERHEAD = 320
+
+
 class MemoryCache:
-    """Least-recently-used chunk vectors in memory, at most ``max_bytes`` (vector + identity bytes).
+    """Least-recently-used chunk vectors in memory, at most ``max_bytes`` (vector + identity bytes +
+    `ENTRY_OVERHEAD` per entry).
 
     Values are rows of the batch output tensors (on the model's device): nothing is copied to store
-    them, and a batch's tensor is freed when its last row is evicted. Thread-safe."""
+    them, and a batch's tensor is freed when its last row is evicted, so the memory held may exceed
+    ``max_bytes`` by the rest of the batches whose rows are still stored (at most the rows of a few
+    batches: evictions go oldest first). Thread-safe."""
 
     def __init__(self, max_bytes: int):
         if not isinstance(max_bytes, int) or max_bytes < 0:
@@ -69,7 +77,7 @@ class MemoryCache:
             return item[1], item[2]
 
     def put(self, key: int, message: bytes, tensor, row: int) -> None:
-        size = len(message) + tensor.shape[1] * tensor.element_size()
+        size = len(message) + tensor.shape[1] * tensor.element_size() + ENTRY_OVERHEAD
         if size > self.max_bytes:
             return
         with self._lock:
