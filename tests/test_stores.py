@@ -409,3 +409,13 @@ def test_a_qdrant_server_that_cannot_be_reached_is_named():
     """A server that is down (or refuses the key) was qdrant_client's traceback on `dice-fast search` / `push`."""
     with pytest.raises(InputError, match=r"Qdrant at http://127\.0\.0\.1:1: .*"):
         open_store("qdrant://127.0.0.1:1/docs", dim=4)
+
+
+def test_a_store_closes_its_client_and_opens_again(tmp_path):
+    """`dice-fast index push` / `search` left a local Qdrant's client open (its threads and file lock;
+    "ImportError: sys.meta_path is None" at exit): a store is a context manager that closes it."""
+    index, queries = _reference(n_docs=20)
+    with _filled("qdrant-path", tmp_path, index) as store:
+        want = _key(store.search(queries, 3, "maxsim"))
+    with open_store(_url("qdrant-path", tmp_path)) as again:  # the local folder is free again
+        assert len(again) == 20 and _key(again.search(queries, 3, "maxsim")) == want

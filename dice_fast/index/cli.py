@@ -114,10 +114,10 @@ def _push(args) -> int:
     if len(args.input) != 2 or args.to is None or args.output is not None or args.overwrite:
         raise ValueError("usage: dice-fast index push OUT --to URL [--resume] (OUT: an encode --chunks output)")
     out = args.input[1]
-    store = store_for_output(args.to, out, args.batch_size)
-    done = push(out, store, resume=args.resume, progress=not args.quiet)
-    print(f"{args.to}: wrote {done['documents']} documents, skipped {done['skipped']} already stored "
-          f"({done['shards']} shards); it holds {len(store)}", file=sys.stderr)
+    with store_for_output(args.to, out, args.batch_size) as store:
+        done = push(out, store, resume=args.resume, progress=not args.quiet)
+        print(f"{args.to}: wrote {done['documents']} documents, skipped {done['skipped']} already stored "
+              f"({done['shards']} shards); it holds {len(store)}", file=sys.stderr)
     return 0
 
 
@@ -139,7 +139,12 @@ def _search(args) -> int:
     else:
         index = DiceIndex.load(args.index, device=args.device)
     alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
-    for query, hits in zip(args.query, index.search(args.query, args.k, args.scoring, alpha=alpha)):
+    try:
+        results = index.search(args.query, args.k, args.scoring, alpha=alpha)
+    finally:
+        if hasattr(index, "close"):  # a store's client
+            index.close()
+    for query, hits in zip(args.query, results):
         if not args.json:
             print(f"query: {query}")
         for rank, h in enumerate(hits, 1):

@@ -52,6 +52,18 @@ class RemoteStore(EncoderSlot):
     write_bytes = 8 << 20  # bytes per write request, about (a Qdrant server refuses requests above 32 MB)
     float_bytes = 24  # bytes a vector component takes in a request (JSON: "-0.012345678901234567,")
 
+    def close(self) -> None:
+        """Release the database client (a local Qdrant's file lock and threads); the store is not used after."""
+        close = getattr(getattr(self, "client", None), "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _width(self, dim: int | None, encoder, record, where: str, create: bool) -> int:
         """The vectors' width, from ``dim``, the encoder or ``record`` (what the existing collection /
         table holds, None when it does not exist). Refuses one that exists without a dice_fast record,
