@@ -15,7 +15,9 @@ from .outputs import IDS_RECORD, ids_path_for
 
 
 def load_embeddings(path: str | os.PathLike, allow_incomplete: bool = False) -> tuple[list[str], np.ndarray]:
-    """``(ids, vectors)`` of an output of ``dice-fast encode``, rows in input order.
+    """``(ids, vectors)`` of an output of ``dice-fast encode``, rows in input order, read whole into
+    memory (the vectors once, and for a moment twice while shards or splits are joined; to stream an
+    output, read its shards with pyarrow as `dice_fast.index` does).
 
     path: a ``.npy`` (ids from ``.ids.txt`` beside it), a ``.parquet`` file, or a shard folder. In a
     folder of split jobs (``--shard I/N``) every split must be complete and rows are interleaved back
