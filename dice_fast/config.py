@@ -120,7 +120,8 @@ class DiceConfig:
                                   detail="Prefix and text get the ids they have tokenized together, as "
                                   "sentence-transformers' prompts do (a trailing space is no token of its own; with "
                                   'byte-level BPE the text\'s first word takes it: "Ġthe", not "the"), and spans '
-                                  "stay in the text. Likewise `query_prefix`.")
+                                  "stay in the text; where one token would span both (\"query:\" then \",\" as "
+                                  "\":,\"), the text gets its own ids. Likewise `query_prefix`.")
     query_prefix: str = option("", 'text put after the special prefix of every query, e.g. "query: "',
                                default_help="none")
     max_chunks_per_document: int | None = option(None, "keep only each document's first N chunks",

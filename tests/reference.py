@@ -91,11 +91,15 @@ def prefix_as_before_text(tokenizer, text_prefix: str) -> list[int]:
 
 def text_after_prefix(tokenizer, text_prefix: str, text: str) -> list[int]:
     """The ids ``text`` has when tokenized together with ``text_prefix`` before it: the tokens of
-    ``text_prefix + text`` that end past the prefix without its trailing spaces."""
+    ``text_prefix + text`` that end past the prefix without its trailing spaces; where one token spans
+    both ("query:" + "," as ":," with a word-level tokenizer), the text's own ids, as the engine
+    documents (`dice_fast.text_prefix`)."""
     if not text_prefix or not text:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     enc = tokenizer(text_prefix + text, add_special_tokens=False, return_offsets_mapping=True)
     keep = len(text_prefix.rstrip(" "))
+    if any(start < keep < end for start, end in enc["offset_mapping"]):
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return [i for i, (_, end) in zip(enc["input_ids"], enc["offset_mapping"]) if end > keep]
 
 

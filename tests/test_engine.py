@@ -55,6 +55,13 @@ def test_options_match_reference(arch, options):
     check(arch, **options)
 
 
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
+def test_a_prefix_whose_last_token_takes_the_texts_first_characters_matches_reference(arch):
+    """"passage:" then "," is one word ":," to a word-level tokenizer: the text is tokenized alone (the
+    oracle encoded the ":" twice; found by randomized differential testing)."""
+    check(arch, texts=[",", ". the cat sat", "the cat", "!! on the mat"], document_prefix="passage:")
+
+
 @pytest.mark.parametrize("arch", ["bert", "roberta", "qwen2"])
 def test_global_positions_ablation_matches_reference(arch):
     rng = random.Random(3)
