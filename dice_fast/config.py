@@ -78,7 +78,8 @@ class DiceConfig:
         '(element-wise); `"topk_norm"` (mean of the `top_k` chunks of largest L2 norm; ties: the earlier '
         'chunk; norms equal to float rounding, as after a final LayerNorm of unit weight, may rank apart '
         'from a float64 computation of the same chunks); `"softmax_norm"` (weights '
-        '`softmax(norm / temperature)`, temperature at least 1e-30).')
+        '`softmax(norm / temperature)`, temperature at least 1e-30; a low temperature magnifies the norms\' '
+        'float rounding likewise: ~1e-5 at 0.05 over such norms).')
     top_k: int = option(2, "chunks kept by topk_norm", detail="All of them when a document has fewer.")
     temperature: float = option(1.0, "temperature of softmax_norm")
     normalize_chunks: bool | None = option(
@@ -175,9 +176,10 @@ class DiceConfig:
         'See [ops.md](ops.md).', role="speed")
     dedup: bool = option(
         True, "reuse chunk vectors (run identical chunks once; serve known ones from the persistent cache)",
-        detail="Off runs every chunk (the baseline of `benchmarks/bench_cache.py`); the vectors are the same "
-        "either way up to float rounding (a chunk's last bits may depend on the batch it ran in: ~1e-8 on "
-        "the CPU). See [reuse.md](reuse.md).", role="speed")
+        detail="Off runs every chunk, and no vector comes from the persistent cache (the baseline of "
+        "`benchmarks/bench_cache.py`); the vectors are the same either way up to float rounding (a chunk's "
+        "last bits may depend on the batch it ran in: ~1e-7 on the CPU, up to ~2e-6 on the padded "
+        "fallback). See [reuse.md](reuse.md).", role="speed")
     compile: str = option(
         "off", "run the packed forward under torch.compile (inductor), compiled once per encoder at construction",
         choices=COMPILE_MODES,
