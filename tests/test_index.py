@@ -431,10 +431,10 @@ def test_output_ids_are_checked_streaming_and_named_by_file_and_row(monkeypatch)
     from dice_fast.id_set import IdSet
     from dice_fast.index.common import check_output_ids
 
-    shards = {"a.parquet": ["x", "y"], "b.parquet": ["z", "w", "y"]}
+    shards = {"a.parquet": [["x", "y"]], "b.parquet": [["z"], ["w", "y"]]}  # row groups
     with pytest.raises(InputError, match=r"duplicate id 'y': a\.parquet row 1 and b\.parquet row 2"):
         check_output_ids(list(shards), shards.__getitem__)
-    shards["b.parquet"][2] = "v"
+    shards["b.parquet"][1][1] = "v"
     assert check_output_ids(list(shards), shards.__getitem__) == 5
     real = IdSet.add
     monkeypatch.setattr(IdSet, "add", lambda self, ids: real(self, ids) + (["x"] if "w" in ids else []))  # a collision

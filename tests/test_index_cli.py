@@ -10,6 +10,7 @@ import pytest
 
 from dice_fast.cli import main
 from dice_fast.engine import DiceEncoder
+from dice_fast.errors import InputError
 
 PLANTED = "The silver key to the lighthouse is hidden beneath the third blue stone."
 
@@ -150,6 +151,8 @@ def test_index_extensions_in_any_case(tmp_path, capsys, no_model):
     assert _read_input(str(tmp_path / "UP.JSONL"), "text", "id") == (["one", "two"], ["a", "2"])
     assert _read_input(str(tmp_path / "UP.Ndjson"), "text", None) == (["one"], ["1"])
     assert _read_input(str(tmp_path / "UP.TXT"), "text", None) == (["one", "two"], ["1", "3"])
+    with pytest.raises(InputError, match=r"UP\.TXT is a \.txt file .* --id-field 'id' cannot apply"):
+        _read_input(str(tmp_path / "UP.TXT"), "text", "id")  # as encode refuses it: a line has no fields
     src = _plain_parquet(tmp_path / "PLAIN.PARQUET")
     assert main(["index", str(src), "-o", str(tmp_path / "ix")]) == 2
     assert f"{src}: not an output of `dice-fast encode --chunks`" in capsys.readouterr().err

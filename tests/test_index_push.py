@@ -221,3 +221,24 @@ def test_an_output_without_chunks_is_refused_before_the_store_is_made(tmp_path, 
             assert err.count("\n") == 1 and "no chunk_embeddings, chunk_start_char" in err, err
             assert "encode with --chunks" in err
             assert not (tmp_path / "qdrant").exists() and not (tmp_path / "lance").exists()  # no empty store
+
+
+def test_a_damaged_or_missing_shard_is_refused_before_the_store_is_made(tmp_path, corpus_output, capsys):
+    """Checking every shard's sha256 moved into the push, after the store was opened: a damaged output
+    left an empty store recording its model; a missing shard read as "no dice_fast options"."""
+    shard = corpus_output / "part-00001.parquet"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes: only its sha256 tells
+    shard.write_bytes(bytes(data))
+    for url in _urls(tmp_path):
+        capsys.readouterr()
+        assert main(["index", "push", str(corpus_output), "--to", url]) == 2
+        assert f"{shard}: damaged (its sha256 is not the" in capsys.readouterr().err
+        assert not (tmp_path / "qdrant").exists() and not (tmp_path / "lance").exists()  # no empty store
+    shard.unlink()
+    for url in _urls(tmp_path):
+        capsys.readouterr()
+        assert main(["index", "push", str(corpus_output), "--to", url]) == 2
+        assert f"{shard}: missing (its manifest lists it)" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="missing"):
+        DiceIndex.from_corpus(corpus_output)

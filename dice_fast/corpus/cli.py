@@ -12,7 +12,7 @@ from ..cliargs import add_cache_arguments, add_encoder_arguments
 
 EPILOG = """\
 input:
-  .txt      one document per line; id = line number (1-based)
+  .txt      one document per line; id = line number (1-based; --id-field is refused)
   .jsonl    one JSON object per line (.ndjson too); text in --field; id = --id-field, else the line number
   .parquet  text in column --field; id = column --id-field, else the row number (1-based); read in batches
   DIR       every .txt/.jsonl/.ndjson/.parquet file below DIR (sorted by path; hidden files and earlier

@@ -340,8 +340,10 @@ class ShardWriter:
                 self.staged[i] = (self.folder / name, name)  # where `abort` removes it until the commit
             fsync_dir(self.folder)
             mine = manifest_name(self.tag)
-            # the old output's manifests of another split layout: readers skip them from the commit on
-            replaced = sorted(p.name for p in self.replace or () if p.name.startswith("manifest") and p.name != mine)
+            # the old output's manifests of another split layout, by name and sha256 (a later manifest of
+            # that name is another): readers skip them from the commit on
+            replaced = {p.name: file_sha256(p) for p in sorted(self.replace or ())
+                        if p.name.startswith("manifest") and p.name != mine and p.exists()}
             if replaced:
                 self.manifest["replaces"] = replaced
             self.write_manifest("complete")  # the commit point

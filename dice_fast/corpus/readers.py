@@ -177,7 +177,8 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
         return corpus
     path = Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"input {source} does not exist")
+        link = f" (a broken symbolic link to {os.readlink(path)})" if path.is_symlink() else ""
+        raise MissingFile(f"input {source} does not exist{link}")
     if path.is_dir():
         skip = {Path(e).resolve() for e in exclude}
         wanted = set(FORMATS) if fmt == "auto" else {s for s, f in FORMATS.items() if f == input_format(path, fmt)}

@@ -56,7 +56,9 @@ def register_cli(subparsers) -> None:
     pushing = build.add_argument_group("push OUT --to URL")
     pushing.add_argument("--to", metavar="URL", help="the store: qdrant://HOST:PORT/COLLECTION, "
                          "qdrant+path://DIR/COLLECTION or lancedb://DIR/TABLE")
-    pushing.add_argument("--resume", action="store_true", help="continue (or update) a push: skip the shards stored as they are, write the others")
+    pushing.add_argument("--resume", action="store_true",
+                         help="continue (or update) a push: skip the row groups (4,096 documents) stored as they "
+                         "are, write the others")
     pushing.add_argument("--batch-size", type=int, default=None, help="documents per write (default 256)")
     pushing.add_argument("--quiet", action="store_true", help="no progress bar")
     add_encoder_arguments(build)
@@ -109,13 +111,15 @@ def _build(args) -> int:
 
 
 def _push(args) -> int:
+    from .corpus_output import corpus_files
     from .push import push, store_for_output
 
     if len(args.input) != 2 or args.to is None or args.output is not None or args.overwrite:
         raise ValueError("usage: dice-fast index push OUT --to URL [--resume] (OUT: an encode --chunks output)")
     out = args.input[1]
+    files = corpus_files(out)  # every shard checked before the store is opened (or created)
     with store_for_output(args.to, out, args.batch_size) as store:
-        done = push(out, store, resume=args.resume, progress=not args.quiet)
+        done = push(out, store, resume=args.resume, progress=not args.quiet, files=files)
         print(f"{args.to}: wrote {done['documents']} documents, skipped {done['skipped']} already stored "
               f"({done['shards']} shards); it holds {len(store)}", file=sys.stderr)
     return 0
@@ -133,17 +137,13 @@ def _search(args) -> int:
         raise OptionError(f"--alpha weighs the hybrid scoring; pass --scoring hybrid (got --scoring {args.scoring})")
     from .stores import SCHEMES, open_store
 
-    if args.index.startswith(SCHEMES):  # the recorded model and options encode the queries
-        index = open_store(args.index, create=False)  # a typo creates nothing
-        index.attach_encoder(None, device=args.device, where=index.where)
-    else:
-        index = DiceIndex.load(args.index, device=args.device)
     alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
-    try:
-        results = index.search(args.query, args.k, args.scoring, alpha=alpha)
-    finally:
-        if hasattr(index, "close"):  # a store's client
-            index.close()
+    if args.index.startswith(SCHEMES):  # the recorded model and options encode the queries
+        with open_store(args.index, create=False) as store:  # a typo creates nothing; the client closed after
+            store.attach_encoder(None, device=args.device, where=store.where)
+            results = store.search(args.query, args.k, args.scoring, alpha=alpha)
+    else:
+        results = DiceIndex.load(args.index, device=args.device).search(args.query, args.k, args.scoring, alpha=alpha)
     for query, hits in zip(args.query, results):
         if not args.json:
             print(f"query: {query}")
@@ -198,6 +198,9 @@ def _read_input(path: str, field: str, id_field: str | None) -> tuple[list[str],
             if (first := seen.setdefault(ids[-1], where)) != where:
                 raise InputError(f"duplicate id {ids[-1]!r}: {first} and {where}")
     elif suffix == ".txt":
+        if id_field is not None:  # as encode refuses it: a line has no fields
+            raise InputError(f"input {path} is a .txt file (one text per line, no fields), so --id-field {id_field!r} "
+                             "cannot apply; its ids are line numbers without --id-field, or give JSON lines")
         for where, line in read_lines(path):
             if line.strip():
                 texts.append(line)

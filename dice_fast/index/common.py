@@ -113,18 +113,19 @@ def check_ids(ids: Sequence, n: int) -> list[str]:
 
 def check_output_ids(files: Sequence, read_ids) -> int:
     """Refuse an id held by two rows of an encode output, naming it and both rows by file and row;
-    ``read_ids(file)``: the ids of one of ``files`` (a list of strings). Streams: 8 bytes per id
-    (`dice_fast.id_set.IdSet`), files read again only to name a repeat. Returns the number of rows."""
+    ``read_ids(file)``: the ids of one of ``files``, as lists of strings (a row group's each). Streams:
+    8 bytes per id (`dice_fast.id_set.IdSet`), files read again only to name a repeat. Returns the
+    number of rows."""
     seen, total = IdSet(), 0
     for f, file in enumerate(files):
-        ids = read_ids(file)
-        total += len(ids)
-        for name in dict.fromkeys(seen.add(ids)):  # a hash seen before: both rows, or two ids sharing a hash
-            rows = [(g, r) for g in range(f + 1) for r, i in enumerate(ids if g == f else read_ids(files[g]))
-                    if i == name]
-            if len(rows) > 1:
-                (g0, r0), (g1, r1) = rows[:2]
-                raise InputError(f"duplicate id {name!r}: {files[g0]} row {r0} and {files[g1]} row {r1}")
+        for ids in read_ids(file):
+            total += len(ids)
+            for name in dict.fromkeys(seen.add(ids)):  # a hash seen before: two rows, or two ids sharing a hash
+                rows = [(g, r) for g in range(f + 1)
+                        for r, i in enumerate(i for part in read_ids(files[g]) for i in part) if i == name]
+                if len(rows) > 1:
+                    (g0, r0), (g1, r1) = rows[:2]
+                    raise InputError(f"duplicate id {name!r}: {files[g0]} row {r0} and {files[g1]} row {r1}")
     return total
 
 

@@ -23,8 +23,8 @@ NEEDED = ("id", "embedding", "chunk_embeddings", "chunk_start_char", "chunk_end_
 def corpus_files(path, check: bool = True) -> list[Path]:
     """The Parquet files of an encode output: the file itself, or the shards every manifest lists.
     `InputError` for a folder whose job is unfinished or misses a ``--shard I/N`` split (an index of it
-    would silently lack documents), or a shard not as its manifest recorded it (`checked_shards`; not
-    checked with ``check=False``, for a look at the files' schemas: a full read of each file)."""
+    would silently lack documents), or a shard not as its manifest recorded it (`checked_shards`; with
+    ``check=False`` only that it is there, of its size: its sha256 costs a full read of each file)."""
     path = Path(path)
     if path.is_file():
         return [path]
@@ -34,9 +34,7 @@ def corpus_files(path, check: bool = True) -> list[Path]:
         manifests = finished_manifests(path)
     except ValueError as exc:
         raise InputError(f"{exc}; index a finished output (encode ... --resume, every split)") from None
-    if not check:
-        return [path / s["file"] for m in manifests for s in m["shards"]]
-    return [f for m in manifests for f in checked_shards(path, m)]
+    return [f for m in manifests for f in checked_shards(path, m, digest=check)]
 
 
 def read_corpus_output(path):
@@ -58,15 +56,16 @@ def output_width(path) -> int:
         raise InputError(f"{file}: no embedding column of fixed-size lists ({exc})") from None
 
 
-def read_ids(file: Path) -> list[str]:
-    """The id column of one Parquet file of an encode output, as strings."""
+def read_ids(file: Path):
+    """Yield the ids of one Parquet file of an encode output, a row group's at a time, as strings."""
     import pyarrow.parquet as pq
 
     try:
-        column = pq.read_table(file, columns=["id"], page_checksum_verification=True).column("id")
+        pf = pq.ParquetFile(file, page_checksum_verification=True)
+        for g in range(pf.num_row_groups):
+            yield [str(i) for i in pf.read_row_group(g, columns=["id"]).column("id").to_pylist()]
     except (OSError, ValueError, KeyError) as exc:
         raise InputError(f"{file}: unreadable Parquet ({exc})") from None
-    return [str(i) for i in column.to_pylist()]
 
 
 def check_chunk_columns(file: Path, names, use: str) -> None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def push(output, store, *, resume: bool = False, progress: bool = True) -> dict:
-    """Write the encode output ``output`` (a .parquet file or a shard folder) into ``store``.
+def push(output, store, *, resume: bool = False, progress: bool = True, files: list | None = None) -> dict:
+    """Write the encode output ``output`` (a .parquet file or a shard folder) into ``store``; ``files``:
+    its checked files (`corpus_output.corpus_files`) where the caller has them already.
 
     Returns {"documents": written, "skipped": documents ``resume`` found stored as they are,
     "shards": n}.
@@ -29,7 +30,7 @@ def push(output, store, *, resume: bool = False, progress: bool = True) -> dict:
     from .common import check_output_ids
     from .corpus_output import corpus_files, read_corpus_parts, read_ids
 
-    files = corpus_files(output)
+    files = corpus_files(output) if files is None else files
     if len(store) and not resume:
         raise ValueError(f"{store.where} already holds {len(store)} documents: pass --resume (resume=True) to "
                          "continue a push into it, or choose another collection")

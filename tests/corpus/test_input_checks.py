@@ -188,3 +188,9 @@ def test_folder_entries_that_cannot_be_read_are_named(tmp_path):
     with unittest.mock.patch.object(os, "scandir", refused):
         with pytest.raises(InputError, match=r"input folder .*locked cannot be read \(Permission denied\)"):
             open_corpus(str(tmp_path / "f"))
+
+
+def test_a_broken_link_given_as_the_input_is_named_as_one(tmp_path):
+    (tmp_path / "in.txt").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(FileNotFoundError, match=r"in\.txt does not exist \(a broken symbolic link to .*gone\.txt\)"):
+        open_corpus(str(tmp_path / "in.txt"))
