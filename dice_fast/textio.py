@@ -75,6 +75,14 @@ def check_id(value, where: str) -> str:
     return value
 
 
+def no_id_field_in_lines(what: str, id_field: str, ids: str = "line numbers") -> InputError:
+    """The error for ``--id-field`` given with text lines (a .txt file, stdin as txt), which have no
+    fields, so an id would be made up: ``what`` names the input ("input a.txt is a .txt file"), ``ids``
+    what its ids are without ``--id-field``."""
+    return InputError(f"{what} (one text per line, no fields), so --id-field {id_field!r} cannot apply; its ids "
+                      f"are {ids} without --id-field, or give JSON lines")
+
+
 def read_lines(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
     """Yield ("file:line", line without its line break); ValueError on bytes that are not UTF-8."""
     with open(path, "rb") as fh:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..errors import InputError, MissingFile
-from ..textio import check_id, decode_line, parse_json_object, record_id, record_text
+from ..textio import check_id, decode_line, no_id_field_in_lines, parse_json_object, record_id, record_text
 from .outputs import IDS_RECORD
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
@@ -171,8 +171,7 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
             raise ValueError("Parquet cannot be read from stdin; pass the file or folder")
         input_format("-", fmt)
         if fmt == "txt" and id_field is not None:
-            raise InputError(f"stdin read as .txt has one text per line, no fields, so --id-field {id_field!r} cannot "
-                             "apply; its ids are line numbers without --id-field, or give --format jsonl")
+            raise no_id_field_in_lines("stdin read as .txt", id_field)
         corpus.stdin = True
         return corpus
     path = Path(source)
@@ -205,8 +204,7 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
         elif not os.access(p, os.R_OK):
             raise PermissionError(f"input {p} is not readable")
         elif f == "txt" and id_field is not None:  # a line has no fields: its id would be made up
-            raise InputError(f"input {p} is a .txt file (one text per line, no fields), so --id-field {id_field!r} "
-                             "cannot apply; its ids are FILE:LINE without --id-field, or give JSON lines")
+            raise no_id_field_in_lines(f"input {p} is a .txt file", id_field, "FILE:LINE")
     return corpus
 
 

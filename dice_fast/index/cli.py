@@ -96,7 +96,6 @@ def _build(args) -> int:
         raise ValueError(f"{args.output} already holds an index; pass --overwrite to replace it")
     args.input = args.input[0]
     if Path(args.input).is_dir() or Path(args.input).suffix.lower() == ".parquet":
-        _check_encode_output(args.input)
         index = DiceIndex.from_corpus(args.input, chunk_dtype=args.chunk_dtype)
     else:
         texts, ids = _read_input(args.input, args.field, args.id_field)
@@ -156,29 +155,6 @@ def _search(args) -> int:
     return 0
 
 
-def _check_encode_output(path: str) -> None:
-    """`InputError` for a Parquet file that is not an output of ``dice-fast encode --chunks`` (a corpus of
-    texts, which gave "no dice_fast options in its metadata ('NoneType' object is not subscriptable)"),
-    saying how to make one. A folder is checked by its manifests when it is read."""
-    from pathlib import Path
-
-    from ..errors import InputError
-
-    if not Path(path).is_file():
-        return
-    import pyarrow.parquet as pq
-
-    try:
-        metadata = pq.read_schema(path).metadata or {}
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{path}: unreadable Parquet ({exc})") from None
-    if b"dice_fast" not in metadata:
-        raise InputError(f"{path}: not an output of `dice-fast encode --chunks` (no dice_fast record in its "
-                         f"metadata); to index a Parquet corpus of texts, encode it first: dice-fast encode {path} "
-                         "-o OUT.parquet --chunks [--field TEXT_COLUMN --id-field ID_COLUMN], then dice-fast index "
-                         "OUT.parquet -o INDEX")
-
-
 def _read_input(path: str, field: str, id_field: str | None) -> tuple[list[str], list[str]]:
     """(texts, ids) of a .txt (one per non-blank line) or .jsonl / .ndjson file (extensions in any case, as
     ``dice-fast encode`` reads them); errors name file:line, and ids are checked as ``dice-fast encode``
@@ -187,7 +163,7 @@ def _read_input(path: str, field: str, id_field: str | None) -> tuple[list[str],
     from pathlib import Path
 
     from ..errors import InputError
-    from ..textio import read_json_objects, read_lines, record_id, record_text
+    from ..textio import no_id_field_in_lines, read_json_objects, read_lines, record_id, record_text
 
     texts, ids, seen = [], [], {}
     suffix = Path(path).suffix.lower()
@@ -199,8 +175,7 @@ def _read_input(path: str, field: str, id_field: str | None) -> tuple[list[str],
                 raise InputError(f"duplicate id {ids[-1]!r}: {first} and {where}")
     elif suffix == ".txt":
         if id_field is not None:  # as encode refuses it: a line has no fields
-            raise InputError(f"input {path} is a .txt file (one text per line, no fields), so --id-field {id_field!r} "
-                             "cannot apply; its ids are line numbers without --id-field, or give JSON lines")
+            raise no_id_field_in_lines(f"input {path} is a .txt file", id_field)
         for where, line in read_lines(path):
             if line.strip():
                 texts.append(line)

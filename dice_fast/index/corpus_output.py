@@ -45,17 +45,6 @@ def read_corpus_output(path):
         yield from read_corpus_parts(file)
 
 
-def output_width(path) -> int:
-    """The width of the vectors of an encode output (its first file's embedding column)."""
-    import pyarrow.parquet as pq
-
-    file = corpus_files(path, check=False)[0]
-    try:
-        return int(pq.read_schema(file).field("embedding").type.list_size)
-    except (OSError, ValueError, KeyError, AttributeError) as exc:
-        raise InputError(f"{file}: no embedding column of fixed-size lists ({exc})") from None
-
-
 def read_ids(file: Path):
     """Yield the ids of one Parquet file of an encode output, a row group's at a time, as strings."""
     import pyarrow.parquet as pq
@@ -109,19 +98,33 @@ def _matrix(fixed_lists, rows: int) -> np.ndarray:
     return values.reshape(rows, -1) if rows else values.reshape(0, fixed_lists.type.list_size)
 
 
-def corpus_encoder(path) -> tuple[str | None, dict]:
-    """(model folder, or `BUNDLED` for the bundled one; DICE options) the encode job recorded in its
-    Parquet metadata, for a query encoder that matches its vectors."""
+def corpus_encoder(path) -> tuple[str | None, dict, int]:
+    """(model folder, or `BUNDLED` for the bundled one; DICE options; the vectors' width) the encode job
+    recorded in its first Parquet file, for a query encoder that matches its vectors. `InputError`
+    naming the file for one that cannot be read or is not an output of ``dice-fast encode`` (a Parquet
+    corpus of texts: the message says how to make an output of it)."""
     from .encoder_match import BUNDLED
 
     import pyarrow.parquet as pq
 
     file = corpus_files(path, check=False)[0]
     try:
-        meta = json.loads(pq.read_schema(file).metadata[b"dice_fast"])
-        options = dict(meta["options"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        schema = pq.read_schema(file)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{file}: unreadable Parquet ({exc})") from None
+    if b"dice_fast" not in (schema.metadata or {}):
+        raise InputError(f"{file}: not an output of `dice-fast encode --chunks` (no dice_fast record in its "
+                         f"metadata); to index a Parquet corpus of texts, encode it first: dice-fast encode {file} "
+                         "-o OUT.parquet --chunks [--field TEXT_COLUMN --id-field ID_COLUMN], then dice-fast index "
+                         "OUT.parquet -o INDEX")
+    try:
+        options = dict(json.loads(schema.metadata[b"dice_fast"])["options"])
+    except (ValueError, KeyError, TypeError) as exc:
         raise InputError(f"{file}: no dice_fast options in its metadata ({exc})") from None
+    try:
+        dim = int(schema.field("embedding").type.list_size)
+    except (KeyError, AttributeError) as exc:
+        raise InputError(f"{file}: no embedding column of fixed-size lists ({exc})") from None
     model = options.pop("model", None)
     options.pop("chunks", None)
-    return (BUNDLED if model is None or model.startswith("(bundled") else model), options
+    return (BUNDLED if model is None or model.startswith("(bundled") else model), options, dim

@@ -88,14 +88,14 @@ class DiceIndex(EncoderSlot):
     def from_corpus(cls, path, encoder=None, *, chunk_dtype: str = "float32") -> DiceIndex:
         """Index the output of ``dice-fast encode INPUT -o PATH --chunks`` (a .parquet file or a shard
         folder). Such an output holds no texts: hits carry spans, and ``text`` is None."""
-        from .corpus_output import corpus_encoder, corpus_files, output_width, read_corpus_parts, read_ids
+        from .corpus_output import corpus_encoder, corpus_files, read_corpus_parts, read_ids
 
-        model, options = corpus_encoder(path)
+        model, options, dim = corpus_encoder(path)
         files = corpus_files(path)
         if not files:
             raise ValueError(f"{path}: the output holds no shards")
         check_output_ids(files, read_ids)  # before anything is read whole
-        index = cls(output_width(path), encoder, store_text=False, chunk_dtype=chunk_dtype, model=model,
+        index = cls(dim, encoder, store_text=False, chunk_dtype=chunk_dtype, model=model,
                     encoder_options=options)
         for file in files:  # row group by row group: memory of the index and one row group
             for ids, documents, chunks, chunk_document, start, end, tokens in read_corpus_parts(file):

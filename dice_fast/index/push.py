@@ -64,14 +64,12 @@ def store_for_output(url: str, output, batch_size: int | None = None):
     from .corpus_output import check_chunk_columns, corpus_encoder, corpus_files
     from .stores import open_store
 
-    schemas = []
     for file in corpus_files(output, check=False):  # schemas only: push checks each shard once
         try:
-            schemas.append(pq.read_schema(file))
+            names = pq.read_schema(file).names
         except (OSError, pa.ArrowException) as exc:
             raise InputError(f"{file}: unreadable Parquet ({' '.join(str(exc).split())})") from None
-        check_chunk_columns(file, schemas[-1].names, "push")
-    model, options = corpus_encoder(output)
-    embedding = schemas[0].field("embedding").type
+        check_chunk_columns(file, names, "push")
+    model, options, dim = corpus_encoder(output)
     extra = {} if batch_size is None else {"batch_size": batch_size}
-    return open_store(url, dim=embedding.list_size, model=model, encoder_options=options, store_text=False, **extra)
+    return open_store(url, dim=dim, model=model, encoder_options=options, store_text=False, **extra)
