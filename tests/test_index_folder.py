@@ -168,7 +168,7 @@ def test_graphs_are_saved_and_read_back(tmp_path):
     for scoring in ("dice", "maxsim"):
         want = index.search(queries, 5, scoring, approximate=True, candidates=20)
         assert back.search(queries, 5, scoring, approximate=True, candidates=20) == want
-    assert set(back._read_only) == {"documents", "chunks"}  # read from the files, not rebuilt
+    assert set(back._graphs._read_only) == {"documents", "chunks"}  # read from the files, not rebuilt
     extra, _ = _random_index(seed=3, n_docs=5)
     doc_of = np.repeat(np.arange(len(extra)), np.diff(extra.cu_doc_chunks))
     for target in (index, back):  # built graphs grow in place; read-only ones are rebuilt
@@ -178,7 +178,7 @@ def test_graphs_are_saved_and_read_back(tmp_path):
     want = [[(h.id, h.score, h.chunk, h.chunk_score) for h in row] for row in exact]
     for target in (index, back):  # all candidates: the grown graph and the rebuilt one hold every chunk
         assert_hits_equal(target.search(queries, 5, "maxsim", approximate=True, candidates=n * 5), want)
-    assert back._read_only == set()
+    assert back._graphs._read_only == set()
 
 
 def test_a_loaded_graph_survives_saving_twice_into_its_folder(tmp_path):
@@ -197,7 +197,7 @@ def test_a_loaded_graph_survives_saving_twice_into_its_folder(tmp_path):
     assert set(again.graphs()) == {"chunks"}
     want = index.search(queries, 5, "maxsim", approximate=True, candidates=20)
     assert again.search(queries, 5, "maxsim", approximate=True, candidates=20) == want
-    assert again._read_only == {"chunks"}  # read from the file, not rebuilt
+    assert again._graphs._read_only == {"chunks"}  # read from the file, not rebuilt
 
 
 def test_saves_into_one_folder_take_turns(tmp_path, monkeypatch):

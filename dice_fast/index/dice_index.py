@@ -23,16 +23,16 @@ score is exact, but a document the graph does not propose is missed (recall < 1)
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from .. import scoring as sc
 from ..errors import OptionError
-from .ann import build as build_graph_over, extend as extend_graph, read as read_graph
+from .ann import Graphs
 from .growth import Column, Grown, grown
 from .rescore import pair_scores
+from .rwlock import ReadWriteLock
 from .common import (DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_ids, check_k, check_output_ids, evidence_hit,
                      scored_hits)
 from .texts import TextColumn
@@ -50,6 +50,10 @@ class DiceIndex(EncoderSlot):
 
     The arrays below are the filled parts of buffers that double when full (`dice_fast.index.growth`),
     so adding documents batch by batch costs time linear in the documents added, not in the index.
+
+    Thread-safe: searches, `contains` and `save` run side by side; `add` (once its texts are
+    encoded), `add_arrays`, `upsert_arrays` and `delete` run alone (`dice_fast.index.rwlock`), so a
+    search sees the index before or after a write, never half of one.
     """
 
     documents, chunks, cu_doc_chunks = Column(), Column(), Column()
@@ -69,9 +73,8 @@ class DiceIndex(EncoderSlot):
         self.chunk_end_char = np.zeros(0, np.int64)
         self.chunk_tokens = np.zeros(0, np.int64)
         self._id_set: set[str] = set()
-        self._graphs: dict = {}  # over -> faiss graph built or read here
-        self._graph_files: dict = {}  # over -> a saved graph not read yet
-        self._read_only: set = set()  # graphs read (memory-mapped) from a file: not extended in place
+        self._graphs = Graphs()  # for approximate search
+        self._lock = ReadWriteLock()  # searches share it, writes hold it alone
         self._init_encoder(encoder, model, encoder_options, "this index")
 
     # ---------------------------------------------------------------------------------------------
@@ -107,15 +110,13 @@ class DiceIndex(EncoderSlot):
         from the index's size and skipping ids taken). A duplicate id (within ``ids`` or already
         indexed) is refused by name before anything is encoded."""
         texts = list(texts)
-        ids = self._new_ids(ids, len(texts))
-        texts, out = self._encode_texts(texts)
-        self.add_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
-                        out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
-        self._record_encoder()
-
-    def set_ids(self, ids: list[str]) -> None:
-        """Make ``ids`` (n_docs distinct strings, checked by the caller) the ids of this index's documents."""
-        self.ids, self._id_set = list(ids), set(ids)
+        with self._lock.reading():
+            self._new_ids(ids, len(texts))  # refused before encoding (and checked again when written)
+        texts, out = self._encode_texts(texts)  # searches go on meanwhile
+        with self._lock.writing():
+            self._add_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
+                             out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
+            self._record_encoder()
 
     def add_arrays(self, ids: Sequence, documents: np.ndarray, chunks: np.ndarray, chunk_document: np.ndarray,
                    chunk_start_char: np.ndarray, chunk_end_char: np.ndarray, chunk_tokens: np.ndarray,
@@ -125,6 +126,13 @@ class DiceIndex(EncoderSlot):
         counts (n_chunks,) each, as `DiceOutput` gives them; texts (n,) when the index stores them.
         Chunk vectors are stored L2-normalised, so ``maxsim`` is a cosine whatever the encoder's
         ``normalize_chunks`` (raw pooled norms carry no relevance: RESULTS.md §5.3); a zero row stays zero."""
+        with self._lock.writing():
+            self._add_arrays(ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char, chunk_tokens,
+                             texts)
+
+    def _add_arrays(self, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char, chunk_tokens,
+                    texts) -> None:
+        """`add_arrays` under the write lock held."""
         ids = self._new_ids(ids, len(documents))
         self._append(check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
                                  chunk_tokens, texts, self.store_text))
@@ -141,12 +149,7 @@ class DiceIndex(EncoderSlot):
         for name, rows in (("documents", b.documents), ("chunks", chunks), ("chunk_start_char", b.start),
                            ("chunk_end_char", b.end), ("chunk_tokens", b.tokens)):
             grown(self, name).append(rows)
-        self._graph_files.clear()  # saved graphs are read-only: rebuilt when next needed
-        for over in self._read_only:
-            self._graphs.pop(over, None)
-        self._read_only.clear()
-        for over, graph in self._graphs.items():
-            extend_graph(graph, b.documents if over == "documents" else chunks)
+        self._graphs.append(b.documents, chunks)
 
     def upsert_arrays(self, ids: Sequence, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
                       chunk_tokens, texts: Sequence[str] | None = None) -> None:
@@ -154,16 +157,24 @@ class DiceIndex(EncoderSlot):
         batch refused (its shapes, its own duplicate ids) leaves the index as it was."""
         b = check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
                         chunk_tokens, texts, self.store_text)
-        self.delete(b.ids)
-        self._append(b)
+        with self._lock.writing():
+            self._delete(b.ids)
+            self._append(b)
 
     def contains(self, ids: Sequence) -> list[bool]:
         """For each id in ``ids``: whether the index holds it (as `QdrantStore` / `LanceStore` answer)."""
-        return [str(i) in self._id_set for i in ids]
+        ids = [str(i) for i in ids]
+        with self._lock.reading():
+            return [i in self._id_set for i in ids]
 
     def delete(self, ids: Sequence) -> int:
         """Remove the documents ``ids`` (ids not indexed are ignored); returns how many were removed."""
-        gone = {str(i) for i in ids} & self._id_set
+        ids = [str(i) for i in ids]
+        with self._lock.writing():
+            return self._delete(ids)
+
+    def _delete(self, ids: list[str]) -> int:
+        gone = set(ids) & self._id_set
         if not gone:
             return 0
         keep = ~np.fromiter(map(gone.__contains__, self.ids), bool, len(self.ids))
@@ -178,17 +189,21 @@ class DiceIndex(EncoderSlot):
             setattr(self, name, grown(self, name).compress(keep if name == "documents" else keep_chunk))
         cu = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
         self.cu_doc_chunks = Grown(cu, len(grown(self, "cu_doc_chunks").buffer))
-        self._graphs, self._graph_files, self._read_only = {}, {}, set()  # rebuilt when next needed
+        self._graphs = Graphs()  # rebuilt when next needed
         return len(gone)
 
     def restore(self, ids: list[str], arrays: dict, texts: TextColumn | None, graph_files: dict) -> None:
         """Install contents read by `dice_fast.index.folder.load` (checked there): ids, the arrays by
         attribute name, the texts or None, and {over: saved graph file}."""
+        with self._lock.writing():
+            self._restore(ids, arrays, texts, graph_files)
+
+    def _restore(self, ids, arrays, texts, graph_files) -> None:
         for name, array in arrays.items():
             setattr(self, name, array)
         self.ids, self._id_set = ids, set(ids)
         self.texts = texts
-        self._graphs, self._graph_files, self._read_only = {}, dict(graph_files), set()
+        self._graphs = Graphs(graph_files)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -224,14 +239,15 @@ class DiceIndex(EncoderSlot):
         sc.check_scoring(scoring)
         alpha = sc.check_alpha(alpha)
         k = check_k(k)
-        q = self._query_vectors(queries)
-        if len(q) == 0 or len(self) == 0:
-            return [[] for _ in range(len(q))]
-        if approximate:
-            top = self._approximate_top(q, int(k), scoring, alpha, int(candidates))
-        else:
-            top = self._exact_top(q, int(k), scoring, alpha)
-        return [[self._hit(qv, d, s, scoring) for d, s in scored_hits(scoring, row)] for qv, row in zip(q, top)]
+        q = self._query_vectors(queries)  # encoded outside the lock: writes go on meanwhile
+        with self._lock.reading():
+            if len(q) == 0 or len(self) == 0:
+                return [[] for _ in range(len(q))]
+            if approximate:
+                top = self._approximate_top(q, int(k), scoring, alpha, int(candidates))
+            else:
+                top = self._exact_top(q, int(k), scoring, alpha)
+            return [[self._hit(qv, d, s, scoring) for d, s in scored_hits(scoring, row)] for qv, row in zip(q, top)]
 
     def _score_range(self, q, d0: int, d1: int, scoring: str, alpha: float) -> np.ndarray:
         """(n_q, d1 - d0) scores of documents d0..d1-1 (no evidence: it is found for hits only)."""
@@ -311,32 +327,23 @@ class DiceIndex(EncoderSlot):
         return found
 
     def _faiss_graph(self, over: str):
-        if over not in self._graphs:
-            n = len(self.documents) if over == "documents" else len(self.chunks)
-            file = self._graph_files.pop(over, None)
-            if file is not None and Path(file).is_file():
-                self._graphs[over] = read_graph(file, n)
-                self._read_only.add(over)
-            else:
-                self._graphs[over] = build_graph_over(self.documents if over == "documents" else self.chunks)
-        return self._graphs[over]
+        return self._graphs.get(over, self.documents if over == "documents" else self.chunks)
 
     def build_graph(self, scoring: str = "maxsim"):
         """Build (or read) now the HNSW graph that ``approximate=True`` uses for ``scoring`` (over
         document vectors for "dice", chunk vectors otherwise), so that `save` writes it too."""
-        return self._faiss_graph("documents" if sc.check_scoring(scoring) == "dice" else "chunks")
+        with self._lock.reading():
+            return self._faiss_graph("documents" if sc.check_scoring(scoring) == "dice" else "chunks")
 
     def graphs(self) -> dict:
         """{"documents" | "chunks": a faiss graph built or read so far, or the Path of a saved graph
         not read yet (still current: it is dropped when documents are added)}."""
-        return {**{over: Path(f) for over, f in self._graph_files.items() if Path(f).is_file()}, **self._graphs}
+        return self._graphs.current()
 
     def follow_saved_graphs(self, files: dict) -> None:
         """After `save` wrote ``files`` ({over: Path}): a saved graph not read yet is read from its new
         file from now on (the save removes the file it was loaded from)."""
-        for over, file in files.items():
-            if over in self._graph_files:
-                self._graph_files[over] = file
+        self._graphs.moved(files)
 
     def _hit(self, qv: np.ndarray, d: int, score: float, scoring: str) -> Hit:
         c0, c1 = int(self.cu_doc_chunks[d]), int(self.cu_doc_chunks[d + 1])
@@ -359,7 +366,8 @@ class DiceIndex(EncoderSlot):
         built by `build_graph` or an approximate search are saved with it."""
         from .folder import save
 
-        save(self, path)
+        with self._lock.reading():  # one moment of the index: writes wait, searches go on
+            save(self, path)
 
     @classmethod
     def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = None) -> DiceIndex:

@@ -1,0 +1,160 @@
+"""DiceIndex under threads: searches (exact and approximate), saves and `contains` beside adds,
+upserts and deletes. Every document's vectors and spans are a function of its id, so whatever the
+index holds at the moment of a search, each hit must carry its own id's score, chunk and span: a
+search that read one write half done pairs an id with another document's vectors and fails here."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dice_fast import DiceIndex
+from dice_fast.index.rwlock import ReadWriteLock
+from dice_fast.scoring import DEFAULT_ALPHA
+
+DIM, KEYS = 16, 300
+STRESS_S = 2.5  # wall-clock seconds of the mixed workload
+
+
+def _unit(rng, n):
+    v = rng.standard_normal((n, DIM))
+    return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _document(key: int):
+    """(document vector (DIM,), chunk vectors (n, DIM), starts (n,), ends (n,)) of document ``key``."""
+    rng = np.random.default_rng(key)
+    n = key % 4  # key 0, 4, 8, ...: no chunks
+    start = 10 * np.arange(n)
+    return _unit(rng, 1)[0], _unit(rng, n), start, start + 5 + key % 7
+
+
+def _batch(keys):
+    parts = [_document(k) for k in keys]
+    counts = [len(p[1]) for p in parts]
+    return ([f"k{k}" for k in keys], np.stack([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            np.repeat(np.arange(len(keys)), counts), np.concatenate([p[2] for p in parts]),
+            np.concatenate([p[3] for p in parts]), np.ones(sum(counts), np.int64))
+
+
+def _check_hit(q, hit, scoring):
+    key = int(hit.id[1:])
+    doc, chunks, start, end = _document(key)
+    per = chunks.astype(np.float64) @ q
+    best = per.max() if len(per) else -np.inf
+    dice = float(doc.astype(np.float64) @ q)
+    want = {"dice": dice, "maxsim": best, "hybrid": DEFAULT_ALPHA * dice + (1 - DEFAULT_ALPHA) * best}[scoring]
+    assert abs(hit.score - want) < 1e-5, (hit, want)
+    if len(per):
+        j = int(per.argmax())
+        assert (hit.chunk, hit.start_char, hit.end_char) == (j, start[j], end[j]), hit
+        assert abs(hit.chunk_score - best) < 1e-5
+    else:
+        assert hit.chunk == -1
+
+
+def test_searches_beside_writes_see_each_document_whole(tmp_path):
+    pytest.importorskip("faiss")
+    index = DiceIndex(DIM, store_text=False)
+    index.add_arrays(*_batch(range(0, KEYS, 2)))
+    index.build_graph("maxsim")
+    stop, failures, counts = threading.Event(), [], {"searches": 0, "writes": 0, "saves": 0}
+
+    def run(body):
+        def loop(seed):
+            rng = random.Random(seed)
+            try:
+                while not stop.is_set():
+                    body(rng)
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                failures.append(exc)
+                stop.set()
+        return loop
+
+    def search(rng):
+        q = _unit(np.random.default_rng(rng.randrange(1 << 30)), 3)
+        scoring = rng.choice(["dice", "maxsim", "hybrid"])
+        for qv, hits in zip(q, index.search(q, k=7, scoring=scoring, approximate=rng.random() < 0.3,
+                                            candidates=8)):
+            assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+            assert len({h.id for h in hits}) == len(hits)
+            for hit in hits:
+                _check_hit(qv.astype(np.float64), hit, scoring)
+        counts["searches"] += 1
+
+    def write(rng):
+        keys = rng.sample(range(KEYS), rng.randrange(1, 12))
+        op = rng.random()
+        if op < 0.4:
+            index.upsert_arrays(*_batch(keys))
+        elif op < 0.7:
+            index.delete([f"k{k}" for k in keys])
+        else:
+            present = index.contains([f"k{k}" for k in keys])
+            new = [k for k, p in zip(keys, present) if not p]
+            try:
+                index.add_arrays(*_batch(new)) if new else None
+            except ValueError as exc:  # another writer added one of them in between: refused by name
+                assert "already in the index" in str(exc)
+        counts["writes"] += 1
+
+    def save(rng):
+        folder = tmp_path / f"save{rng.randrange(3)}"
+        index.save(folder)
+        again = DiceIndex.load(folder)
+        for i, name in enumerate(again.ids):  # a save is one moment of the index: every document whole
+            doc, chunks, start, _ = _document(int(name[1:]))
+            c0, c1 = again.cu_doc_chunks[i], again.cu_doc_chunks[i + 1]
+            np.testing.assert_array_equal(again.documents[i], doc)
+            np.testing.assert_array_equal(again.chunk_start_char[c0:c1], start)
+        counts["saves"] += 1
+        time.sleep(0.05)
+
+    threads = [threading.Thread(target=run(body), args=(seed,))
+               for seed, body in enumerate([search, search, search, write, write, save])]
+    for t in threads:
+        t.start()
+    stop.wait(STRESS_S)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    if failures:
+        raise failures[0]
+    assert min(counts.values()) > 0, counts
+    assert len(index) == len(set(index.ids)) == len(index.documents)
+    assert index.cu_doc_chunks[-1] == len(index.chunks)
+
+
+def test_a_waiting_writer_holds_back_new_readers_and_gets_its_turn():
+    lock, order = ReadWriteLock(), []
+    first_in, writer_waiting = threading.Event(), threading.Event()
+
+    def first_reader():
+        with lock.reading():
+            first_in.set()
+            writer_waiting.wait(5)
+            time.sleep(0.1)  # the late reader arrives while the writer waits
+            order.append("reader 1 out")
+
+    def writer():
+        first_in.wait(5)
+        writer_waiting.set()
+        with lock.writing():
+            order.append("writer")
+
+    def late_reader():
+        writer_waiting.wait(5)
+        time.sleep(0.05)
+        with lock.reading():
+            order.append("reader 2")
+
+    threads = [threading.Thread(target=f) for f in (first_reader, writer, late_reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert order == ["reader 1 out", "writer", "reader 2"]
