@@ -10,7 +10,7 @@ import pytest
 
 from dice_fast import DiceEncoder, DiceIndex
 from dice_fast.errors import InputError
-from dice_fast.index import dice_index
+from dice_fast.index import dice_index, top
 from dice_fast.scoring import DEFAULT_ALPHA
 from tiny_models import tiny
 
@@ -64,7 +64,7 @@ def assert_hits_equal(got, want, atol=1e-5):
 @pytest.mark.parametrize("scoring", ["dice", "maxsim", "hybrid"])
 @pytest.mark.parametrize("block", [1 << 22, 7])
 def test_hits_equal_brute_force(scoring, block, monkeypatch):
-    monkeypatch.setattr(dice_index, "_BLOCK_SCORES", block)  # 7: blocks of one or two documents
+    monkeypatch.setattr(top, "BLOCK_SCORES", block)  # 7: blocks of one or two documents
     index, queries = _random_index()
     for k in (1, 5, 100):
         got = index.search(queries, k=k, scoring=scoring, alpha=0.5)  # a real blend (the default is 0)
@@ -188,7 +188,7 @@ def _one_vector_docs(n, dim=DIM):
 
 @pytest.mark.parametrize("block", [1 << 22, 50])
 def test_ties_at_the_cut_off_keep_the_first_documents(block, monkeypatch):
-    monkeypatch.setattr(dice_index, "_BLOCK_SCORES", block)  # 50: the running top k meets ties block after block
+    monkeypatch.setattr(top, "BLOCK_SCORES", block)  # 50: the running top k meets ties block after block
     index = DiceIndex(DIM, store_text=False)
     index.add_arrays(*_one_vector_docs(1000))
     for scoring in ("dice", "maxsim", "hybrid"):
@@ -439,3 +439,50 @@ def test_output_ids_are_checked_streaming_and_named_by_file_and_row(monkeypatch)
     real = IdSet.add
     monkeypatch.setattr(IdSet, "add", lambda self, ids: real(self, ids) + (["x"] if "w" in ids else []))  # a collision
     assert check_output_ids(list(shards), shards.__getitem__) == 5
+
+
+def _window_encoder(monkeypatch):
+    from dice_fast import engine
+
+    monkeypatch.setattr(engine, "_WINDOW_DOCUMENTS", 3)  # windows of three documents
+    model, tok = tiny("bert")[:2]
+    return DiceEncoder(model, tok, chunk_size=4, pooling="mean", pooling_impl="torch")
+
+
+STREAM_TEXTS = [f"text {i} " + "red tree blue sky river " * (i % 5) for i in range(24)]
+
+
+def test_add_reads_texts_a_window_at_a_time_and_equals_adding_a_list(monkeypatch):
+    enc = _window_encoder(monkeypatch)
+    whole = DiceIndex.from_texts(enc, STREAM_TEXTS, [f"d{i}" for i in range(24)])
+    index, ahead = DiceIndex(enc.dim, enc), []
+
+    def texts():
+        for i, text in enumerate(STREAM_TEXTS):
+            ahead.append(i - len(index))  # texts read but not yet in the index
+            yield text
+
+    index.add(texts(), (f"d{i}" for i in range(24)))
+    # the window being read and two read ahead (one planned, one encoded), not the input
+    assert max(ahead) < 3 * 3 and len(index) == 24
+    assert index.ids == whole.ids and index.texts[5] == STREAM_TEXTS[5]
+    for name in ("documents", "chunks", "cu_doc_chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens"):
+        np.testing.assert_array_equal(getattr(index, name), getattr(whole, name), err_msg=name)
+
+
+@pytest.mark.parametrize("case", ["not a string", "more texts", "fewer texts", "list count"])
+def test_an_add_refused_midway_leaves_the_index_as_it_was(case, monkeypatch):
+    enc = _window_encoder(monkeypatch)
+    index = DiceIndex.from_texts(enc, ["first"], ["a"])
+    before = (list(index.ids), index.documents.copy(), index.chunks.copy())
+    texts = iter(STREAM_TEXTS[:7] + ([None] if case == "not a string" else []))
+    ids = [f"d{i}" for i in range({"not a string": 8, "more texts": 5, "fewer texts": 9, "list count": 6}[case])]
+    error, match = {"not a string": (TypeError, r"documents\[7\] is NoneType"),
+                    "more texts": (ValueError, r"got 5 ids for more documents \(texts\[5\] has none\)"),
+                    "fewer texts": (ValueError, "got 9 ids for 7 documents"),
+                    "list count": (ValueError, "got 6 ids for 7 documents")}[case]
+    with pytest.raises(error, match=match):
+        index.add(list(texts) if case == "list count" else texts, ids)
+    assert (index.ids, index.documents.tolist(), index.chunks.tolist()) == (before[0], before[1].tolist(),
+                                                                            before[2].tolist())
+    assert len(index.texts) == 1 and index.search(["first"], k=5)[0][0].id == "a"

@@ -15,6 +15,14 @@ from dice_fast.errors import InputError
 PLANTED = "The silver key to the lighthouse is hidden beneath the third blue stone."
 
 
+
+def _read_input(path, field, id_field):
+    """(texts, ids) as `dice-fast index` reads them: the ids checked in a first pass, the texts streamed."""
+    from dice_fast.index.cli import _checked_ids, _records
+
+    ids = _checked_ids(path, field, id_field)
+    return [text for _, _, text in _records(path, field, id_field)], ids
+
 def _haystack(path, n_docs=6, chars=1500, planted_in=4):
     prose = " ".join(resources.files("dice_fast.data").joinpath("prose.txt").read_text(encoding="utf-8").split())
     docs = [prose[i * chars : (i + 1) * chars] for i in range(n_docs)]
@@ -69,8 +77,6 @@ def test_search_prints_the_planted_passage(tmp_path, capsys, loaded_once):
 def test_index_ids_are_checked_as_encode_checks_them(tmp_path, capsys, line, message):
     """An id is never invented: a record without the id field, a null, a float or a bool id stops
     `dice-fast index` naming file:line, before any model is loaded, as `dice-fast encode` does."""
-    from dice_fast.index.cli import _read_input
-
     src = tmp_path / "d.jsonl"
     src.write_text('{"id": "a", "text": "first"}\n' + line + "\n", encoding="utf-8")
     if message is None:
@@ -143,8 +149,6 @@ def _plain_parquet(path):
 
 def test_index_extensions_in_any_case(tmp_path, capsys, no_model):
     """`dice-fast index` refused UP.JSONL (and read X.PARQUET as texts), which `dice-fast encode` reads."""
-    from dice_fast.index.cli import _read_input
-
     (tmp_path / "UP.JSONL").write_text('{"id": "a", "text": "one"}\n{"id": 2, "text": "two"}\n', encoding="utf-8")
     (tmp_path / "UP.Ndjson").write_text('{"text": "one"}\n', encoding="utf-8")
     (tmp_path / "UP.TXT").write_text("one\n\ntwo\n", encoding="utf-8")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Iterator
 
 from ..cliargs import add_encoder_arguments
 from ..errors import OptionError
@@ -98,9 +99,10 @@ def _build(args) -> int:
     if Path(args.input).is_dir() or Path(args.input).suffix.lower() == ".parquet":
         index = DiceIndex.from_corpus(args.input, chunk_dtype=args.chunk_dtype)
     else:
-        texts, ids = _read_input(args.input, args.field, args.id_field)
-        if not texts:
+        ids = _checked_ids(args.input, args.field, args.id_field)  # every record, before any model loads
+        if not ids:
             raise ValueError(f"{args.input}: no documents")
+        texts = (text for _, _, text in _records(args.input, args.field, args.id_field))  # read again, streamed
         index = DiceIndex.from_texts(make_encoder(args), texts, ids, store_text=args.store_text,
                                      chunk_dtype=args.chunk_dtype)
     index.save(args.output)
@@ -155,32 +157,39 @@ def _search(args) -> int:
     return 0
 
 
-def _read_input(path: str, field: str, id_field: str | None) -> tuple[list[str], list[str]]:
-    """(texts, ids) of a .txt (one per non-blank line) or .jsonl / .ndjson file (extensions in any case, as
-    ``dice-fast encode`` reads them); errors name file:line, and ids are checked as ``dice-fast encode``
-    checks them (a record without the id field, a null or a float id, an id that is not valid Unicode
-    is refused, never replaced; a duplicate id is refused naming the lines of both)."""
+def _checked_ids(path: str, field: str, id_field: str | None) -> list[str]:
+    """The ids of the records of ``path`` (`_records`), every record read and checked, none kept: a
+    duplicate id is refused naming the lines of both."""
+    from ..errors import InputError
+
+    seen: dict[str, str] = {}
+    for where, doc_id, _ in _records(path, field, id_field):
+        if (first := seen.setdefault(doc_id, where)) != where:
+            raise InputError(f"duplicate id {doc_id!r}: {first} and {where}")
+    return list(seen)
+
+
+def _records(path: str, field: str, id_field: str | None) -> Iterator[tuple[str, str, str]]:
+    """(file:line, id, text) of each document of a .txt (one per non-blank line) or .jsonl / .ndjson
+    file (extensions in any case, as ``dice-fast encode`` reads them), read as they are asked for;
+    errors name file:line, and ids are checked as ``dice-fast encode`` checks them (a record without
+    the id field, a null or a float id, an id that is not valid Unicode is refused, never replaced)."""
     from pathlib import Path
 
     from ..errors import InputError
     from ..textio import no_id_field_in_lines, read_json_objects, read_lines, record_id, record_text
 
-    texts, ids, seen = [], [], {}
     suffix = Path(path).suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
         for where, record in read_json_objects(path):
-            texts.append(record_text(record, field, where))
-            ids.append(where.rsplit(":", 1)[1] if id_field is None else record_id(record, id_field, where))
-            if (first := seen.setdefault(ids[-1], where)) != where:
-                raise InputError(f"duplicate id {ids[-1]!r}: {first} and {where}")
+            text = record_text(record, field, where)
+            yield where, where.rsplit(":", 1)[1] if id_field is None else record_id(record, id_field, where), text
     elif suffix == ".txt":
         if id_field is not None:  # as encode refuses it: a line has no fields
             raise no_id_field_in_lines(f"input {path} is a .txt file", id_field)
         for where, line in read_lines(path):
             if line.strip():
-                texts.append(line)
-                ids.append(where.rsplit(":", 1)[1])
+                yield where, where.rsplit(":", 1)[1], line
     else:
         raise InputError(f"{path}: expected a .txt, .jsonl or .ndjson file, or an encode --chunks output "
                          "(.parquet or a folder)")
-    return texts, ids

@@ -10,13 +10,14 @@ the chunks' character spans and token counts (n_chunks,) each, and texts (n,) or
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from .. import scoring as sc
-from ..errors import InputError, OptionError
+from ..errors import ArgumentTypeError, InputError, OptionError
 from ..id_set import IdSet
 from ..scoring import DEFAULT_SCORING
 from .encoder_match import check_encoder, model_id, recorded_options, restore_encoder, vector_options
@@ -235,8 +236,21 @@ class EncoderSlot:
             return np.zeros((0, self.dim), np.float32)
         return self._need_encoder("encode query strings").encode_queries(queries)
 
-    def _encode_texts(self, texts) -> tuple[list, object]:
-        texts = list(texts)
-        if any(not isinstance(t, str) for t in texts):
-            raise TypeError("texts must be strings")
-        return texts, self._need_encoder("add texts").encode_documents(texts, return_chunks=True)
+    def _encoded_windows(self, texts) -> Iterator[tuple[list, object]]:
+        """(window of texts, its `DiceOutput` with chunks) in input order, ``texts`` (any iterable of
+        strings) read only as far as the encoder's next window (`DiceEncoder.stream_documents`): memory
+        is a window, not the input. A list holding a non-string is refused before anything is encoded."""
+        if isinstance(texts, (list, tuple)):
+            bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+            if bad is not None:
+                raise ArgumentTypeError(f"texts[{bad}] is a {type(texts[bad]).__name__}, not a string")
+        encoder = self._need_encoder("add texts")
+        read: deque = deque()  # texts the encoder has read and not yet returned: about two windows
+
+        def reading():
+            for text in texts:
+                read.append(text)
+                yield text
+
+        for out in encoder.stream_documents(reading(), return_chunks=True):
+            yield [read.popleft() for _ in range(len(out.documents))], out

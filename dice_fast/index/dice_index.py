@@ -11,9 +11,8 @@ For MiniLM with chunks of 256 tokens that is 1,544 bytes per document and 1,560 
 (float16) per chunk: a 2,000-token document with 8 chunks holds about 14 kB (float32) or 7.9 kB.
 
 Exact search (the default) scores blocks of documents by one matrix product each, keeping a running
-top k (ties by document order), so memory is bounded by the block (about ``_BLOCK_SCORES`` scores),
-not the corpus. With ``approximate=True`` a faiss HNSW graph (extra ``index``: faiss-cpu) proposes
-documents per query: its ``max(candidates, k)`` nearest vectors (document vectors for ``dice``; chunk
+top k (ties by document order): memory is bounded by the block, not the corpus (`dice_fast.index.top`).
+With ``approximate=True`` a faiss HNSW graph (extra ``index``: faiss-cpu) proposes documents per query: its ``max(candidates, k)`` nearest vectors (document vectors for ``dice``; chunk
 vectors for ``maxsim`` and ``hybrid``, a document being proposed when one of its chunks is), doubled
 until they propose ``min(k, n)`` documents; a query still short when the search spans the whole graph
 is answered exactly. The proposed documents are scored exactly and ``min(k, n)`` come back: a hit's
@@ -36,8 +35,8 @@ from .rwlock import ReadWriteLock
 from .common import (DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_ids, check_k, check_output_ids, evidence_hit,
                      scored_hits)
 from .texts import TextColumn
+from .top import by_score, exact_top
 
-_BLOCK_SCORES = 1 << 22  # query x chunk scores per exact-search block (16 MiB of float32)
 CHUNK_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
@@ -105,18 +104,37 @@ class DiceIndex(EncoderSlot):
                 index.add_arrays(ids, documents, chunks, chunk_document, start, end, tokens)
         return index
 
-    def add(self, texts: Iterable[str], ids: Sequence | None = None) -> None:
-        """Encode and append ``texts`` (n strings) under ``ids`` (n, default "0", "1", ... counting
-        from the index's size and skipping ids taken). A duplicate id (within ``ids`` or already
-        indexed) is refused by name before anything is encoded."""
-        texts = list(texts)
-        with self._lock.reading():
-            self._new_ids(ids, len(texts))  # refused before encoding (and checked again when written)
-        texts, out = self._encode_texts(texts)  # searches go on meanwhile
-        with self._lock.writing():
-            self._add_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
-                             out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
-            self._record_encoder()
+    def add(self, texts: Iterable[str], ids: Iterable | None = None) -> None:
+        """Encode and append ``texts`` (any iterable of n strings: a list, a generator, a file reader)
+        under ``ids`` (n, default "0", "1", ... counting from the index's size and skipping ids taken).
+        A duplicate id (within ``ids`` or already indexed) is refused by name before anything is
+        encoded. Texts are read, encoded and appended a window at a time: memory is the index and one
+        window, and searches meanwhile see the windows appended so far. A failure midway (a text that
+        is not a string, more or fewer texts than ids) removes them again: the index is as it was."""
+        if ids is not None:
+            ids = [str(i) for i in ids]  # any iterable
+            ids = check_ids(ids, len(ids))
+            if hasattr(texts, "__len__") and len(texts) != len(ids):
+                raise OptionError(f"got {len(ids)} ids for {len(texts)} documents")
+            with self._lock.reading():
+                self._new_ids(ids, len(ids))  # refused before encoding (and checked again when written)
+        added: list[str] = []
+        try:
+            for window, out in self._encoded_windows(texts):  # encoded outside the lock: searches go on
+                part = None if ids is None else ids[len(added) : len(added) + len(window)]
+                if part is not None and len(part) < len(window):
+                    raise OptionError(f"got {len(ids)} ids for more documents (texts[{len(ids)}] has none)")
+                with self._lock.writing():
+                    added += self._add_arrays(part, out.documents, out.chunks, out.chunk_document,
+                                              out.chunk_start_char, out.chunk_end_char, out.chunk_end - out.chunk_start,
+                                              window if self.store_text else None)
+                    self._record_encoder()
+            if ids is not None and len(added) != len(ids):
+                raise OptionError(f"got {len(ids)} ids for {len(added)} documents")
+        except BaseException:
+            with self._lock.writing():
+                self._delete(added)
+            raise
 
     def add_arrays(self, ids: Sequence, documents: np.ndarray, chunks: np.ndarray, chunk_document: np.ndarray,
                    chunk_start_char: np.ndarray, chunk_end_char: np.ndarray, chunk_tokens: np.ndarray,
@@ -132,10 +150,11 @@ class DiceIndex(EncoderSlot):
 
     def _add_arrays(self, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char, chunk_tokens,
                     texts) -> None:
-        """`add_arrays` under the write lock held."""
+        """`add_arrays` under the write lock held; returns the ids given (or made)."""
         ids = self._new_ids(ids, len(documents))
         self._append(check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
                                  chunk_tokens, texts, self.store_text))
+        return ids
 
     def _append(self, b) -> None:
         """Append a checked `Batch` whose ids are not indexed."""
@@ -246,7 +265,7 @@ class DiceIndex(EncoderSlot):
             if approximate:
                 top = self._approximate_top(q, int(k), scoring, alpha, int(candidates))
             else:
-                top = self._exact_top(q, int(k), scoring, alpha)
+                top = exact_top(self._score_range, self.cu_doc_chunks, q, int(k), scoring, alpha)
             return [[self._hit(qv, d, s, scoring) for d, s in scored_hits(scoring, row)] for qv, row in zip(q, top)]
 
     def _score_range(self, q, d0: int, d1: int, scoring: str, alpha: float) -> np.ndarray:
@@ -257,38 +276,14 @@ class DiceIndex(EncoderSlot):
         return sc.score_only(scoring, q, self.documents[d0:d1], self.chunks[c0:c1],
                              self.cu_doc_chunks[d0 : d1 + 1] - c0, alpha)
 
-    def _blocks(self, n_q: int):
-        """Document ranges [d0, d1): about ``_BLOCK_SCORES / n_q`` chunks and documents each (at least
-        one document)."""
-        budget = max(1, _BLOCK_SCORES // max(n_q, 1))
-        d0, n = 0, len(self)
-        while d0 < n:
-            d1 = int(np.searchsorted(self.cu_doc_chunks, self.cu_doc_chunks[d0] + budget, side="right")) - 1
-            d1 = min(max(d1, d0 + 1), d0 + budget, n)
-            yield d0, d1
-            d0 = d1
-
-    def _exact_top(self, q: np.ndarray, k: int, scoring: str, alpha: float) -> list[list[tuple[int, float]]]:
-        n_q = len(q)
-        best_s = np.full((n_q, 0), -np.inf, np.float64)
-        best_d = np.zeros((n_q, 0), np.int64)  # columns stay in document order: a tie keeps the first
-        for d0, d1 in self._blocks(n_q):
-            s = self._score_range(q, d0, d1, scoring, alpha).astype(np.float64)
-            s[np.isnan(s)] = -np.inf  # (only from overflowing vectors) ranks last
-            s = np.concatenate([best_s, s], axis=1)
-            d = np.concatenate([best_d, np.broadcast_to(np.arange(d0, d1), (n_q, d1 - d0))], axis=1)
-            if s.shape[1] > k:
-                keep = _top_mask(s, k)
-                s, d = s[keep].reshape(n_q, k), d[keep].reshape(n_q, k)
-            best_s, best_d = s, d
-        return [_sorted(best_d[i], best_s[i]) for i in range(n_q)]
-
     def _approximate_top(self, q, k: int, scoring: str, alpha: float, candidates: int):
         if candidates < 1:
             raise ValueError(f"candidates must be a positive integer, got {candidates}")
         proposed = self._proposed(q, k, "documents" if scoring == "dice" else "chunks", candidates)
         short = [i for i, docs in enumerate(proposed) if docs is None]
-        exact = dict(zip(short, self._exact_top(q[short], k, scoring, alpha))) if short else {}
+        exact = {}
+        if short:
+            exact = dict(zip(short, exact_top(self._score_range, self.cu_doc_chunks, q[short], k, scoring, alpha)))
         # every proposed (query, document) pair scored at once, each score as scoring it alone gives
         sizes = [0 if docs is None else len(docs) for docs in proposed]
         pair_q = np.repeat(np.arange(len(q)), sizes)
@@ -301,7 +296,7 @@ class DiceIndex(EncoderSlot):
                 out.append(exact[i])
                 continue
             order = np.argsort(-s, kind="stable")[:k]
-            out.append(_sorted(docs[order], s[order]))
+            out.append(by_score(docs[order], s[order]))
         return out
 
     def _proposed(self, q, k: int, over: str, candidates: int) -> list:
@@ -378,18 +373,3 @@ class DiceIndex(EncoderSlot):
         from .folder import load
 
         return load(cls, path, encoder, mmap=mmap, device=device)
-
-
-def _top_mask(s: np.ndarray, k: int) -> np.ndarray:
-    """(n_q, m) bool: per row the k highest of ``s`` (n_q, m > k, no NaN), ties going to the first
-    columns; linear in m (a partition, no sort)."""
-    kth = np.partition(s, s.shape[1] - k, axis=1)[:, s.shape[1] - k : s.shape[1] - k + 1]
-    above, tied = s > kth, s == kth
-    room = k - above.sum(axis=1, keepdims=True)
-    return above | (tied & (np.cumsum(tied, axis=1) <= room))
-
-
-def _sorted(docs: np.ndarray, scores: np.ndarray) -> list[tuple[int, float]]:
-    """(document, score) pairs by descending score, ties by document order."""
-    order = np.lexsort((docs, -scores))
-    return [(int(docs[i]), float(scores[i])) for i in order]

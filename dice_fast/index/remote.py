@@ -123,14 +123,19 @@ class RemoteStore(EncoderSlot):
     # ---------------------------------------------------------------------------------------------
     def add(self, texts, ids: Sequence) -> None:
         """Encode ``texts`` (n strings) and write them under ``ids`` (n distinct, checked before anything
-        is encoded), replacing documents with the same ids. A store that records no model (made with
-        ``dim=``) records the encoder's model and options at its first write."""
+        is encoded), replacing documents with the same ids, a window of the encoder at a time (memory:
+        one window's vectors; a failure midway leaves the windows written, which a repeated add
+        rewrites). A store that records no model (made with ``dim=``) records the encoder's model and
+        options at its first write."""
         texts = list(texts)
         ids = check_ids(ids, len(texts))
-        texts, out = self._encode_texts(texts)
-        self.upsert_arrays(ids, out.documents, out.chunks, out.chunk_document, out.chunk_start_char,
-                           out.chunk_end_char, out.chunk_end - out.chunk_start, texts if self.store_text else None)
-        self._record_encoder()
+        done = 0
+        for window, out in self._encoded_windows(texts):
+            self.upsert_arrays(ids[done : done + len(window)], out.documents, out.chunks, out.chunk_document,
+                               out.chunk_start_char, out.chunk_end_char, out.chunk_end - out.chunk_start,
+                               window if self.store_text else None)
+            done += len(window)
+            self._record_encoder()
 
     def upsert_arrays(self, ids: Sequence, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
                       chunk_tokens, texts: Sequence[str] | None = None) -> None:
