@@ -27,7 +27,7 @@ import torch
 from . import cpu_attention
 from .chunk_queue import ChunkQueue
 from .chunking import (EncodingPlan, TokenizedDocuments, check_texts, check_vocabulary, plan_chunks, plan_windows,
-                       tokenize, warn_truncated)
+                       private_tokenizer, tokenize, warn_truncated)
 from .config import DiceConfig
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .errors import ArgumentTypeError, OptionError, TextError
@@ -94,9 +94,11 @@ class DiceEncoder:
         if device.type == "cpu":
             keep_freed_pages()
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path  # model_path: its folder, or None
-        self._tokenizer_lock = threading.Lock()  # a fast tokenizer is not safe to call from two threads
+        # its own copy, one call at a time: a fast tokenizer is not thread-safe, and the caller's may be in use
+        self._tokenizer, self._tokenizer_lock = private_tokenizer(tokenizer), threading.Lock()
         self._cuts_exact: bool | None = None  # `cuts_are_exact`, probed on first use
-        self.settings: Settings = resolve(cfg, inspect_model(model, tokenizer, model_path), tokenizer, device, dtype)
+        self.settings: Settings = resolve(cfg, inspect_model(model, self._tokenizer, model_path), self._tokenizer, device,
+                                          dtype)
         s = self.settings
         self.chunk_stats = ChunkStats()
         if cfg.openvino:
@@ -278,17 +280,17 @@ class DiceEncoder:
         after = self.settings.text_prefix(kind)
         if any(len(t) > PIECE_CHARS for t in texts) and self.cuts_are_exact():  # a huge text goes in pieces: whole,
             # the tokenizer's working memory is ~160 bytes a character (8 GB for one line of 50 MB)
-            return tokenize_bounded(self.tokenizer, texts, self._tokenizer_lock, piece_chars=PIECE_CHARS, what=what,
+            return tokenize_bounded(self._tokenizer, texts, self._tokenizer_lock, piece_chars=PIECE_CHARS, what=what,
                                     base=base, after=after, exact=True)
         with self._tokenizer_lock:
-            return tokenize(self.tokenizer, texts, what=what, base=base, spans=spans, after=after)
+            return tokenize(self._tokenizer, texts, what=what, base=base, spans=spans, after=after)
 
     def tokenize_bounded(self, texts: list[str], *, piece_chars: int | None, check=None, enough: int | None = None,
                          what: str = "texts", kind: str | None = None) -> TokenizedDocuments:
         """`dice_fast.pieces.tokenize_bounded` of ``texts`` (after ``kind``'s prefix, as `tokenize`):
         tokenizer calls of about ``piece_chars`` characters, each holding the tokenizer alone, so another
         thread waits at most one piece; ``check`` / ``enough`` stop early (see there). Thread-safe."""
-        return tokenize_bounded(self.tokenizer, texts, self._tokenizer_lock, piece_chars=piece_chars, check=check,
+        return tokenize_bounded(self._tokenizer, texts, self._tokenizer_lock, piece_chars=piece_chars, check=check,
                                 enough=enough, what=what, after=self.settings.text_prefix(kind))
 
     def cuts_are_exact(self) -> bool:
@@ -296,7 +298,7 @@ class DiceEncoder:
         tokenizer (`dice_fast.pieces.cuts_are_exact`), so `tokenize_bounded` may cut long texts. Probed once."""
         if self._cuts_exact is None:
             with self._tokenizer_lock:
-                self._cuts_exact = cuts_are_exact(self.tokenizer)
+                self._cuts_exact = cuts_are_exact(self._tokenizer)
         return self._cuts_exact
 
     # ----------------------------------------------------------------------------------------

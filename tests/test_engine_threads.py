@@ -1,0 +1,45 @@
+"""A `DiceEncoder` shared between threads: beside its caller's own use of the tokenizer it was given,
+and beside other encoders built over the same tokenizer."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from dice_fast import DiceEncoder
+from tiny_models import WORDS, tiny
+
+BESIDE_S = 1.5  # seconds of the caller's tokenizer calls beside the encoder's
+
+
+def test_a_callers_truncating_calls_on_the_same_tokenizer_never_cut_the_encoders_texts():
+    """transformers sets the Rust tokenizer's truncation before each call, then encodes: a caller's
+    ``tok(..., truncation=True, max_length=8)`` between those steps of the encoder's call cut its
+    document to 8 tokens, silently (seen within 3 s); the encoder now tokenizes with its own copy."""
+    model, tok = tiny("bert")[:2]
+    enc = DiceEncoder(model, tok, chunk_size=16, pooling_impl="torch")
+    doc = " ".join(WORDS * 10)
+    full = len(enc.tokenize([doc], spans=False).ids)
+    assert full > 100
+    want = enc.encode_documents([doc])
+    stop = threading.Event()
+
+    def caller():
+        while not stop.is_set():
+            tok(["the cat sat on the mat " * 5], truncation=True, max_length=8)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    seen, t0 = set(), time.monotonic()
+    try:
+        while time.monotonic() - t0 < BESIDE_S:
+            seen.add(len(enc.tokenize([doc], spans=False).ids))
+        got = enc.encode_documents([doc])
+    finally:
+        stop.set()
+        thread.join(10)
+    assert seen == {full}
+    np.testing.assert_array_equal(got, want)
+    assert tok(doc, add_special_tokens=False)["input_ids"] == enc.tokenize([doc], spans=False).ids.tolist()
