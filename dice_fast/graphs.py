@@ -23,6 +23,8 @@ host syncs (`dice_fast.nosync`). Off by default: `use_cuda_graphs(encoder)` swit
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,6 +171,9 @@ class GraphedRunner:
         self.buckets = buckets_within(buckets, self.budget, graph_bytes_per_token(runner.model.config, dtype))
         self.capture = bool(capture)
         self._graphs: dict[Bucket, _Graph] = {}
+        # a bucket's static buffers are loaded, replayed and read (the pooling enqueued, in stream order
+        # before the next load) by one thread at a time; captures take it too
+        self._lock = threading.Lock()
         self._pool = None
         self._pool_bytes = 0  # what captures grew the reserved memory by (a dropped bucket's stays counted)
         self.replays = 0  # batches run through a graph (or padded eagerly when capture is False)
@@ -185,13 +190,13 @@ class GraphedRunner:
         if bucket is None:
             return r.run(batch)
         padded = pad_batch(batch, bucket, r.pad_id, r.spec.first_position)
-        with torch.inference_mode():
+        with torch.inference_mode(), (self._lock if self.capture else contextlib.nullcontext()):
             hidden = self._replay(bucket, padded) if self.capture else self._forward(padded)
-            if hidden is None:  # the bucket was dropped at capture (memory): unpadded
-                return r.run(batch)
-            self.replays += 1
-            cu = to_device(batch.cu_seqlens, r.device)
-            return pool_chunks(hidden[: batch.n_tokens], cu, r.pooling, impl=r.pooling_impl)
+            if hidden is not None:
+                self.replays += 1
+                cu = to_device(batch.cu_seqlens, r.device)
+                return pool_chunks(hidden[: batch.n_tokens], cu, r.pooling, impl=r.pooling_impl)
+        return r.run(batch)  # the bucket was dropped at capture (memory): unpadded
 
     # ----------------------------------------------------------------------------------------
     def _forward(self, padded: PackedBatch, ids=None, pos=None, cu=None) -> torch.Tensor:

@@ -119,3 +119,68 @@ def test_the_option_is_off_by_default_and_refused_without_cuda():
     assert not DiceEncoder(model, tok, chunk_size=8).config.cuda_graphs
     with pytest.raises(ValueError, match=r"cuda_graphs=True.*not cpu"):
         DiceEncoder(model, tok, chunk_size=8, cuda_graphs=True)
+
+
+class _EmulatedGraph:
+    """A captured graph on the CPU: replay runs the forward on the bucket's static inputs and writes
+    its static output in place, as `torch.cuda.CUDAGraph.replay` does."""
+
+    def __init__(self, runner, g):
+        self.runner, self.g = runner, g
+
+    def replay(self):
+        g = self.g
+        g.hidden.copy_(self.runner._forward(g.padded, g.ids, g.pos, g.cu))
+
+
+def test_replays_from_threads_each_read_their_own_batch(monkeypatch):
+    """One bucket's static buffers were loaded, replayed and read by several threads at once: a
+    thread pooled another's hidden states (27 of 571 calls wrong in 3 s, found by a review); the
+    runner now holds them for one thread from load to pooling."""
+    import threading
+    import time
+
+    load = graphs._Graph.load
+
+    def load_keeping_the_batch(self, padded):  # the emulated replay reads its host lengths
+        load(self, padded)
+        self.padded = padded
+
+    def capture(self, bucket, padded):
+        g = graphs._Graph(bucket, self.runner.device)
+        g.load(padded)
+        g.hidden = self._forward(padded, g.ids, g.pos, g.cu).clone()
+        g.graph = _EmulatedGraph(self, g)
+        self._graphs[bucket] = g
+        return g
+
+    monkeypatch.setattr(graphs._Graph, "load", load_keeping_the_batch)
+    monkeypatch.setattr(graphs.GraphedRunner, "_capture", capture)
+    model, tok = tiny("bert")[:2]
+    enc = DiceEncoder(model, tok, chunk_size=16, max_batch_tokens=512, pooling_impl="torch")
+    plain = DiceEncoder(model, tok, chunk_size=16, max_batch_tokens=512, pooling_impl="torch")
+    runner = graphs.use_cuda_graphs(enc, buckets=(256, 512), capture=False)
+    runner.capture = True  # refused off CUDA: the emulated capture stands in
+    words = TEXTS[0].split() + TEXTS[2].split()
+    queries = [[" ".join(words[(i + j) % len(words):][: 2 + (i * j) % 12]) for j in range(6)] for i in range(12)]
+    want = [plain.encode_queries(q) for q in queries]
+    stop, wrong, errors = threading.Event(), [], []
+
+    def work(seed):
+        i = seed
+        try:
+            while not stop.is_set():
+                i = (i + 5) % len(queries)
+                if not np.allclose(enc.encode_queries(queries[i]), want[i], atol=1e-5):
+                    wrong.append(i)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not errors and not wrong and runner.replays > 50, (errors, wrong, runner.replays)
