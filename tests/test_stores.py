@@ -419,3 +419,52 @@ def test_a_store_closes_its_client_and_opens_again(tmp_path):
         want = _key(store.search(queries, 3, "maxsim"))
     with open_store(_url("qdrant-path", tmp_path)) as again:  # the local folder is free again
         assert len(again) == 20 and _key(again.search(queries, 3, "maxsim")) == want
+
+
+@pytest.mark.parametrize("kind", ["qdrant-path", "qdrant-memory", "lancedb"])
+def test_two_writers_and_a_searcher_share_a_store(kind, tmp_path):
+    """Qdrant in process on disk ran two threads' writes as sqlite transactions on one connection at
+    once and failed within a few writes (sqlite3.OperationalError, SystemError); its calls now take
+    turns. Every store: no error, and each stored document is whole (its vector is its own)."""
+    index, queries = _reference(n_docs=60)
+    store = open_store(_url(kind, tmp_path), dim=DIM, batch_size=7)
+    stop, errors = threading.Event(), []
+
+    def rows(keys):
+        keep = np.isin(np.arange(len(index)), keys)
+        doc_of = np.repeat(np.arange(len(keys)), np.diff(index.cu_doc_chunks)[keep])
+        chunks = np.repeat(keep, np.diff(index.cu_doc_chunks))
+        return ([index.ids[k] for k in keys], index.documents[keep], index.chunks[chunks], doc_of,
+                index.chunk_start_char[chunks], index.chunk_end_char[chunks], index.chunk_tokens[chunks])
+
+    def loop(body, seed):
+        rng = np.random.default_rng(seed)
+        try:
+            while not stop.is_set():
+                body(rng)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            stop.set()
+
+    def write(rng):
+        keys = np.sort(rng.choice(len(index), 4, replace=False))
+        ids, *arrays = rows(keys)
+        if rng.random() < 0.7:
+            store.upsert_arrays(ids, *arrays, texts=[index.texts[k] for k in keys])
+        else:
+            store.delete(ids)
+
+    def search(rng):
+        for hit in store.search(queries[:2], k=5, scoring="dice")[0]:
+            d = index.ids.index(hit.id)
+            assert abs(hit.score - float(index.documents[d] @ queries[0])) < 1e-4, hit
+
+    threads = [threading.Thread(target=loop, args=(body, s)) for s, body in enumerate([write, write, search])]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    store.close()
+    assert not errors, errors[0]

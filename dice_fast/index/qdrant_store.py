@@ -12,10 +12,13 @@ The same client API runs in process (``QdrantClient(path=DIR)`` or ``":memory:"`
 Python loop, for parity and prototypes; it warns above 20,000 points) and against a server or cluster
 (``QdrantClient(url=...)``: the ``doc`` vector by HNSW, MaxSim exact over the multivectors).
 Qdrant does not say which chunk won MaxSim: hits take the argmax over the returned chunk vectors.
+In process, the client's calls take turns (`OneCallAtATime`): its on-disk persistence runs sqlite
+transactions from whichever thread calls, and two threads writing at once failed with sqlite3 errors.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from typing import Sequence
 
@@ -28,6 +31,29 @@ NAMESPACE = uuid.UUID("6f1e3c2a-5d4b-4e8f-9a7c-0d1e2f3a4b5c")  # document id -> 
 
 def point_id(doc_id: str) -> str:
     return str(uuid.uuid5(NAMESPACE, str(doc_id)))
+
+
+class OneCallAtATime:
+    """A client whose method calls take turns, one thread at a time; attributes are the client's."""
+
+    def __init__(self, client):
+        self._inner, self._lock = client, threading.Lock()
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            with self._lock:
+                return attr(*args, **kwargs)
+
+        return call
+
+
+def _in_process(client) -> bool:
+    """Whether ``client`` runs Qdrant in this process (``path=`` or ``":memory:"``), not against a server."""
+    return type(getattr(client, "_client", None)).__name__ == "QdrantLocal"
 
 
 class QdrantStore(RemoteStore):
@@ -46,6 +72,8 @@ class QdrantStore(RemoteStore):
                  encoder_options: dict | None = None, store_text: bool | None = None, batch_size: int = DEFAULT_BATCH,
                  create: bool = True):
         self._models = require("qdrant_client.models", "qdrant")
+        if _in_process(client):
+            client = OneCallAtATime(client)
         self.client, self.collection = client, str(collection)
         where = f"Qdrant collection {self.collection!r}"
         exists = client.collection_exists(self.collection)
