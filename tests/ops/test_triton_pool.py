@@ -35,6 +35,13 @@ TINY = tp.LaunchConfig(block_h=16, block_r=4, num_warps=1, piece=8)
 _gen, _cu, _hidden, _lengths = pool_data.gen, pool_data.cu, pool_data.hidden, pool_data.lengths
 
 
+@pytest.fixture(autouse=True)
+def _helpers_build_on_the_test_device(monkeypatch):
+    """The helpers' tensors land on ``DEVICE``: on a GPU machine (no interpreter) the kernels refuse
+    CPU tensors, so every test of this module ran there only through its ``gpu``-marked ones."""
+    monkeypatch.setattr(pool_data, "DEFAULT_DEVICE", DEVICE)
+
+
 # --------------------------------------------------------------------------------------------
 # token -> chunk
 # --------------------------------------------------------------------------------------------
