@@ -88,3 +88,36 @@ class CountingTokenizer:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def side_by_side(bodies, seconds: float) -> dict:
+    """Run each of ``bodies`` (callables taking a `random.Random` of their own, seeded by position) in a
+    loop in its own thread for ``seconds``, all at once; the first exception stops them all and is
+    raised here. Returns {body's __name__: loops done} (bodies sharing a name add up)."""
+    import random
+
+    stop, errors, done = threading.Event(), [], [0] * len(bodies)
+
+    def loop(body, seed):
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                body(rng)
+                done[seed] += 1
+        except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=loop, args=(body, seed)) for seed, body in enumerate(bodies)]
+    for t in threads:
+        t.start()
+    stop.wait(seconds)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    counts: dict = {}
+    for body, n in zip(bodies, done):
+        counts[body.__name__] = counts.get(body.__name__, 0) + n
+    return counts

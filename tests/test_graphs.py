@@ -11,6 +11,7 @@ import torch
 from dice_fast import DiceEncoder, graphs
 from dice_fast.bench.run import encode_plan
 from dice_fast.packing import PackedBatch
+from helpers import side_by_side
 from tiny_models import tiny
 
 TEXTS = ["alpha beta gamma delta " * 5, "one two three", "x y z w " * 9, "solo"]
@@ -137,9 +138,6 @@ def test_replays_from_threads_each_read_their_own_batch(monkeypatch):
     """One bucket's static buffers were loaded, replayed and read by several threads at once: a
     thread pooled another's hidden states (27 of 571 calls wrong in 3 s, found by a review); the
     runner now holds them for one thread from load to pooling."""
-    import threading
-    import time
-
     load = graphs._Graph.load
 
     def load_keeping_the_batch(self, padded):  # the emulated replay reads its host lengths
@@ -164,23 +162,12 @@ def test_replays_from_threads_each_read_their_own_batch(monkeypatch):
     words = TEXTS[0].split() + TEXTS[2].split()
     queries = [[" ".join(words[(i + j) % len(words):][: 2 + (i * j) % 12]) for j in range(6)] for i in range(12)]
     want = [plain.encode_queries(q) for q in queries]
-    stop, wrong, errors = threading.Event(), [], []
+    wrong = []
 
-    def work(seed):
-        i = seed
-        try:
-            while not stop.is_set():
-                i = (i + 5) % len(queries)
-                if not np.allclose(enc.encode_queries(queries[i]), want[i], atol=1e-5):
-                    wrong.append(i)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+    def work(rng):
+        i = rng.randrange(len(queries))
+        if not np.allclose(enc.encode_queries(queries[i]), want[i], atol=1e-5):
+            wrong.append(i)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    time.sleep(2.0)
-    stop.set()
-    for t in threads:
-        t.join(30)
-    assert not errors and not wrong and runner.replays > 50, (errors, wrong, runner.replays)
+    side_by_side([work] * 4, 2.0)
+    assert not wrong and runner.replays > 50, (wrong, runner.replays)

@@ -5,7 +5,6 @@ search that read one write half done pairs an id with another document's vectors
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
@@ -15,6 +14,7 @@ import pytest
 from dice_fast import DiceIndex
 from dice_fast.index.rwlock import ReadWriteLock
 from dice_fast.scoring import DEFAULT_ALPHA
+from helpers import side_by_side
 
 DIM, KEYS = 16, 300
 STRESS_S = 2.5  # wall-clock seconds of the mixed workload
@@ -62,18 +62,6 @@ def test_searches_beside_writes_see_each_document_whole(tmp_path):
     index = DiceIndex(DIM, store_text=False)
     index.add_arrays(*_batch(range(0, KEYS, 2)))
     index.build_graph("maxsim")
-    stop, failures, counts = threading.Event(), [], {"searches": 0, "writes": 0, "saves": 0}
-
-    def run(body):
-        def loop(seed):
-            rng = random.Random(seed)
-            try:
-                while not stop.is_set():
-                    body(rng)
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-                failures.append(exc)
-                stop.set()
-        return loop
 
     def search(rng):
         q = _unit(np.random.default_rng(rng.randrange(1 << 30)), 3)
@@ -84,7 +72,6 @@ def test_searches_beside_writes_see_each_document_whole(tmp_path):
             assert len({h.id for h in hits}) == len(hits)
             for hit in hits:
                 _check_hit(qv.astype(np.float64), hit, scoring)
-        counts["searches"] += 1
 
     def write(rng):
         keys = rng.sample(range(KEYS), rng.randrange(1, 12))
@@ -100,7 +87,6 @@ def test_searches_beside_writes_see_each_document_whole(tmp_path):
                 index.add_arrays(*_batch(new)) if new else None
             except ValueError as exc:  # another writer added one of them in between: refused by name
                 assert "already in the index" in str(exc)
-        counts["writes"] += 1
 
     def save(rng):
         folder = tmp_path / f"save{rng.randrange(3)}"
@@ -111,20 +97,10 @@ def test_searches_beside_writes_see_each_document_whole(tmp_path):
             c0, c1 = again.cu_doc_chunks[i], again.cu_doc_chunks[i + 1]
             np.testing.assert_array_equal(again.documents[i], doc)
             np.testing.assert_array_equal(again.chunk_start_char[c0:c1], start)
-        counts["saves"] += 1
         time.sleep(0.05)
 
-    threads = [threading.Thread(target=run(body), args=(seed,))
-               for seed, body in enumerate([search, search, search, write, write, save])]
-    for t in threads:
-        t.start()
-    stop.wait(STRESS_S)
-    stop.set()
-    for t in threads:
-        t.join(30)
-    if failures:
-        raise failures[0]
-    assert min(counts.values()) > 0, counts
+    counts = side_by_side([search, search, search, write, write, save], STRESS_S)
+    assert len(counts) == 3 and min(counts.values()) > 0, counts
     assert len(index) == len(set(index.ids)) == len(index.documents)
     assert index.cu_doc_chunks[-1] == len(index.chunks)
 

@@ -17,6 +17,7 @@ from dice_fast.errors import InputError
 from dice_fast.index import common, open_store
 from dice_fast.index.qdrant_store import QdrantStore
 from dice_fast.index.stores import split_url
+from helpers import side_by_side
 from test_index import _random_index, brute_force
 from test_index_folder import TEXTS, model_folder  # noqa: F401 (a fixture)
 
@@ -428,7 +429,6 @@ def test_two_writers_and_a_searcher_share_a_store(kind, tmp_path):
     turns. Every store: no error, and each stored document is whole (its vector is its own)."""
     index, queries = _reference(n_docs=60)
     store = open_store(_url(kind, tmp_path), dim=DIM, batch_size=7)
-    stop, errors = threading.Event(), []
 
     def rows(keys):
         keep = np.isin(np.arange(len(index)), keys)
@@ -437,17 +437,8 @@ def test_two_writers_and_a_searcher_share_a_store(kind, tmp_path):
         return ([index.ids[k] for k in keys], index.documents[keep], index.chunks[chunks], doc_of,
                 index.chunk_start_char[chunks], index.chunk_end_char[chunks], index.chunk_tokens[chunks])
 
-    def loop(body, seed):
-        rng = np.random.default_rng(seed)
-        try:
-            while not stop.is_set():
-                body(rng)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            stop.set()
-
     def write(rng):
-        keys = np.sort(rng.choice(len(index), 4, replace=False))
+        keys = sorted(rng.sample(range(len(index)), 4))
         ids, *arrays = rows(keys)
         if rng.random() < 0.7:
             store.upsert_arrays(ids, *arrays, texts=[index.texts[k] for k in keys])
@@ -459,12 +450,8 @@ def test_two_writers_and_a_searcher_share_a_store(kind, tmp_path):
             d = index.ids.index(hit.id)
             assert abs(hit.score - float(index.documents[d] @ queries[0])) < 1e-4, hit
 
-    threads = [threading.Thread(target=loop, args=(body, s)) for s, body in enumerate([write, write, search])]
-    for t in threads:
-        t.start()
-    time.sleep(2.0)
-    stop.set()
-    for t in threads:
-        t.join(60)
-    store.close()
-    assert not errors, errors[0]
+    try:
+        counts = side_by_side([write, write, search], 2.0)
+    finally:
+        store.close()
+    assert min(counts.values()) > 0, counts
