@@ -134,3 +134,25 @@ def test_a_waiting_writer_holds_back_new_readers_and_gets_its_turn():
     for t in threads:
         t.join(10)
     assert order == ["reader 1 out", "writer", "reader 2"]
+
+
+def test_a_pickled_index_searches_and_grows_as_the_original(tmp_path):
+    """The lock made a DiceIndex unpicklable (Ray and process pools pickle what they send): it is
+    pickled as one moment of the index, without its lock, encoder or built faiss graphs."""
+    import pickle
+
+    pytest.importorskip("faiss")
+    index = DiceIndex(DIM)
+    ids, *arrays = _batch(range(40))
+    index.add_arrays(ids, *arrays, texts=[f"text of {i}" for i in ids])
+    index.build_graph("maxsim")
+    again = pickle.loads(pickle.dumps(index))
+    q = _unit(np.random.default_rng(5), 4)
+    for approximate in (False, True):
+        assert again.search(q, k=5, approximate=approximate) == index.search(q, k=5, approximate=approximate)
+    for target in (index, again):  # each grows on its own, from the buffers' filled parts
+        target.add_arrays(*_batch([100, 101]), texts=["a", "b"])
+        target.delete(["k3"])
+    assert again.search(q, k=50) == index.search(q, k=50) and again.texts[-1] == "b"
+    again.save(tmp_path / "ix")
+    assert DiceIndex.load(tmp_path / "ix").ids == index.ids

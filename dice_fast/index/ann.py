@@ -68,6 +68,13 @@ class Graphs:
         self._read_only: set = set()  # graphs read (memory-mapped) from a file
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:  # pickled: saved graphs by file; built ones (faiss objects) rebuilt later
+        with self._lock:
+            return {"files": dict(self._files)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["files"])
+
     def get(self, over: str, vectors: np.ndarray):
         """The graph over ``vectors`` (n, dim), the index's document or chunk vectors as ``over`` says."""
         with self._lock:

@@ -57,6 +57,7 @@ class DiceIndex(EncoderSlot):
 
     documents, chunks, cu_doc_chunks = Column(), Column(), Column()
     chunk_start_char, chunk_end_char, chunk_tokens = Column(), Column(), Column()
+    _COLUMNS = ("documents", "chunks", "cu_doc_chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens")
 
     def __init__(self, dim: int, encoder=None, *, store_text: bool = True, chunk_dtype: str = "float32",
                  model: str | None = None, encoder_options: dict | None = None):
@@ -223,6 +224,24 @@ class DiceIndex(EncoderSlot):
         self.ids, self._id_set = ids, set(ids)
         self.texts = texts
         self._graphs = Graphs(graph_files)
+
+    def __getstate__(self) -> dict:
+        """Pickled (sent to a Ray worker, a process pool): one moment of the index, without its lock,
+        its encoder (the recorded one is loaded when first needed) or built faiss graphs (rebuilt)."""
+        with self._lock.reading():
+            state = dict(vars(self))
+            state["texts"] = None if self.texts is None else TextColumn(*self.texts.arrays())
+            state["ids"], state["_id_set"] = list(self.ids), set(self._id_set)
+            state.update((name, getattr(self, name)) for name in self._COLUMNS)  # the filled parts only
+        del state["_lock"]
+        state["encoder"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name in self._COLUMNS:
+            setattr(self, name, state.pop(name))
+        vars(self).update(state)
+        self._lock = ReadWriteLock()
 
     def __len__(self) -> int:
         return len(self.ids)
