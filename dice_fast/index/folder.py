@@ -34,11 +34,13 @@ import numpy as np
 
 from ..errors import InputError, MissingFile, writing
 from ..folder_guard import folder_guard
+from ..scoring import unit_rows
 from .common import short_repr
 from .texts import TextColumn
 
 FORMAT = "dice_fast.index/2"
 LEGACY = "dice_fast.index/1"
+UNIT_TOLERANCE = {"float32": 1e-4, "float16": 2e-3}  # |norm - 1| of a stored unit chunk row, by dtype
 _ARRAYS = ("documents", "chunks", "cu_doc_chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens")
 _TEXT_ARRAYS = ("text_blob", "text_offsets")
 _GENERATION_FILE = re.compile(r"^(?:documents|chunks|cu_doc_chunks|chunk_start_char|chunk_end_char|chunk_tokens"
@@ -190,6 +192,8 @@ def _read_generation(cls, folder: Path, meta: dict, mmap: bool):
         if (shape != (None,) and array.shape != shape) or array.ndim != len(shape) or str(array.dtype) != dtype:
             raise InputError(f"{file}: shape {array.shape} {array.dtype}, expected {shape} {dtype} as index.json says")
         loaded[name] = array
+    if meta["format"] == LEGACY:
+        loaded["chunks"] = _unit_chunks(loaded["chunks"])
     cu = np.asarray(loaded["cu_doc_chunks"])
     if cu[0] != 0 or cu[-1] != n_chunks or np.any(np.diff(cu) < 0):
         raise InputError(f"{folder / files['cu_doc_chunks']}: chunk offsets are not 0..{n_chunks} in order")
@@ -210,6 +214,17 @@ def _read_generation(cls, folder: Path, meta: dict, mmap: bool):
     graphs = {over: folder / name for over, name in (meta.get("graphs") or {}).items()}
     index.restore(ids, loaded, texts, graphs)
     return index
+
+
+def _unit_chunks(chunks: np.ndarray) -> np.ndarray:
+    """The chunk vectors of a ``dice_fast.index/1`` folder as this version stores them, unit length: the
+    first of those (before 0.2) stored them as the encoder gave them, raw with ``normalize_chunks=False``,
+    and MaxSim scored their norms (a loaded one ranked silently wrong, and rows added beside them unit
+    length). Rows already unit length are returned untouched (read into memory only when rescaled)."""
+    norms = np.linalg.norm(np.asarray(chunks, np.float32), axis=1)
+    if np.all((norms == 0) | (np.abs(norms - 1) <= UNIT_TOLERANCE[str(chunks.dtype)])):
+        return chunks
+    return unit_rows(chunks).astype(chunks.dtype)
 
 
 def _graph_bytes(graph) -> bytes:

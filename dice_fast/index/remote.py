@@ -29,7 +29,7 @@ from .. import scoring as sc
 from ..errors import InputError
 from .common import (DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, check_ids, check_k, evidence_hit,
                      scored_hits, short_repr)
-from .encoder_match import model_id, vector_options
+from .encoder_match import model_id, recorded_model, vector_options
 
 DEFAULT_BATCH = 256  # documents per write, at most
 
@@ -118,7 +118,7 @@ class RemoteStore(EncoderSlot):
                            if theirs.get(k) != mine["encoder_options"].get(k))
             raise ValueError(f"{where} holds vectors made with other options ({', '.join(names)}: "
                              f"{short_repr({k: theirs.get(k) for k in names})}); choose another name or delete it")
-        self.model, self.encoder_options = found.get("model"), theirs
+        self.model, self.encoder_options = recorded_model(found.get("model")), theirs
 
     # ---------------------------------------------------------------------------------------------
     def add(self, texts, ids: Sequence) -> None:

@@ -138,6 +138,10 @@ def test_an_unsplit_overwrite_of_a_split_output_killed_after_its_commit_reads_as
                                                                                      "manifest-1of2.json"]
     assert (out / "manifest-0of2.json").exists()  # killed before removing it
     assert load_embeddings(out)[0] == [f"new{i}" for i in range(5)]
+    manifest = json.loads((out / "manifest.json").read_text())  # as 0.2.0 wrote it: the names alone
+    manifest["replaces"] = sorted(manifest["replaces"])
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert load_embeddings(out)[0] == [f"new{i}" for i in range(5)]  # it read "are not the 2 splits of one job"
     assert main(["encode", str(new), "-o", str(out), *OPTS, "--overwrite"]) == 0
     assert not list(out.glob("*of2*")) and load_embeddings(out)[0] == [f"new{i}" for i in range(5)]
 
