@@ -241,6 +241,29 @@ def test_a_killed_writers_leftovers_are_removed_when_the_entry_is_written(tmp_pa
     assert sorted(p.name for p in entry.parent.iterdir()) == sorted(["key", young.name, other.name])
 
 
+def test_entries_unused_for_a_month_are_removed_when_another_is_written(tmp_path):
+    """Keys hold the library versions, so an upgrade left every older export behind, a model's size
+    each, forever: writing an entry removes those beside it not read for `UNUSED_DAYS`; a read marks
+    its entry used, so one still in use (whenever written) stays."""
+    root = tmp_path / "openvino"
+    stale, read_lately, unmarked = (_fake_model(root / name, name) for name in ("stale", "read_lately", "unmarked"))
+    month_ago = time.time() - (model_cache.UNUSED_DAYS + 1) * 86400
+    for entry in (stale, read_lately, unmarked):
+        for p in entry.iterdir():
+            os.utime(p, (month_ago, month_ago))
+
+    class Core:
+        def read_model(self, path):
+            return Path(path).read_text()
+
+    assert model_cache.read_or_write(Core(), read_lately, lambda out: pytest.fail("rebuilt")) == "read_lately"
+    (stale / model_cache.LAST_USED).touch()
+    os.utime(stale / model_cache.LAST_USED, (month_ago, month_ago))
+    assert model_cache.read_or_write(Core(), root / "new", lambda out: _fake_model(out, "new")) == "new"
+    assert sorted(p.name for p in root.iterdir()) == ["new", "read_lately"]
+    assert (root / "new" / model_cache.LAST_USED).is_file()
+
+
 @needs_openvino
 def test_a_full_disk_is_named(ov_cache, monkeypatch):
     """OpenVINO's save on a full disk raises "basic_ios::clear: iostream error": the error names the

@@ -11,6 +11,8 @@ would read and run) or that OpenVINO cannot read is set aside and written again,
 naming it; a model another process put in its place meanwhile is read, never discarded. A folder
 that cannot be written, or a full disk, is an `InputError` naming the cache and
 ``DICE_FAST_CACHE_DIR``, raised before the (minutes-long) export and quantization where it can be.
+A read marks its entry used (`LAST_USED`); writing an entry removes those beside it unused for
+`UNUSED_DAYS` (keys hold the library versions: an upgrade leaves every older entry, a model's size each).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import NoReturn
 from ..errors import InputError
 
 CHECKSUM = "model.sha256"
+LAST_USED = "last_used"  # its modification time: when the entry was last read (or written)
+UNUSED_DAYS = 30
 
 
 def save(ov_model, out: Path) -> None:
@@ -99,7 +103,9 @@ def read_or_write(core, folder: Path, write):
         if seen is not None:
             try:
                 if _verified(folder):
-                    return core.read_model(str(xml))
+                    model = core.read_model(str(xml))
+                    _mark_used(folder)
+                    return model
                 damage = "does not match its checksum (changed on disk)"
             except FileNotFoundError as exc:
                 damage = f"lacks {Path(exc.filename or CHECKSUM).name}"
@@ -117,8 +123,32 @@ def read_or_write(core, folder: Path, write):
     except OSError as exc:
         _unwritable(folder, exc)
     _remove_leftovers(folder)
+    _remove_unused(folder.parent)
     write(folder)
+    _mark_used(folder)
     return core.read_model(str(xml))
+
+
+def _mark_used(folder: Path) -> None:
+    """Record that the entry ``folder`` was used now (a read-only cache is left as it is)."""
+    with contextlib.suppress(OSError):
+        (folder / LAST_USED).touch()
+
+
+def _remove_unused(root: Path) -> None:
+    """Delete the entries of ``root`` not used for `UNUSED_DAYS` (by their `LAST_USED`, else their
+    `CHECKSUM`: entries written before the mark), each moved aside first so no reader sees half of one."""
+    cutoff = time.time() - UNUSED_DAYS * 86400
+    for entry in root.iterdir() if root.is_dir() else ():
+        if entry.name.startswith(".") or not (entry / CHECKSUM).is_file():
+            continue
+        try:
+            used = max(p.stat().st_mtime for p in (entry / LAST_USED, entry / CHECKSUM) if p.exists())
+        except (OSError, ValueError):  # removed meanwhile
+            continue
+        if used < cutoff:
+            with contextlib.suppress(InputError):
+                _set_aside(entry)
 
 
 LEFTOVER_AGE_S = 3600  # a live write changes its files every second; one untouched for an hour was killed
