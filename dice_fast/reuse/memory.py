@@ -54,7 +54,9 @@ class MemoryCache:
     Values are rows of the batch output tensors (on the model's device): nothing is copied to store
     them, and a batch's tensor is freed when its last row is evicted, so the memory held may exceed
     ``max_bytes`` by the rest of the batches whose rows are still stored (at most the rows of a few
-    batches: evictions go oldest first). Thread-safe."""
+    batches: evictions go oldest first). A row found again is copied out of its batch once, as it
+    moves to the young end: it held its whole batch there (a popular row of each of 1,200 batches of
+    256 rows held 450 MB under a 64 MB bound). Thread-safe."""
 
     def __init__(self, max_bytes: int):
         if not isinstance(max_bytes, int) or max_bytes < 0:
@@ -74,6 +76,8 @@ class MemoryCache:
             if item is None or item[0] != message:
                 return None
             self._items.move_to_end(key)
+            if item[1].shape[0] > 1:  # out of its batch: its batch is evicted with its other rows
+                item = self._items[key] = (item[0], item[1][item[2] : item[2] + 1].clone(), 0, item[3])
             return item[1], item[2]
 
     def put(self, key: int, message: bytes, tensor, row: int) -> None:
