@@ -57,20 +57,6 @@ def check_texts(texts, what: str = "documents") -> list[str]:
     return items
 
 
-def private_tokenizer(tokenizer):
-    """A copy of ``tokenizer`` for one encoder's own calls (or ``tokenizer`` itself when it cannot be
-    copied). A transformers fast tokenizer sets its Rust tokenizer's truncation and padding before
-    each call, then encodes: a caller's ``tokenizer(texts, truncation=True, max_length=8)`` in another
-    thread, between those two steps of the encoder's call, cut the encoder's documents to 8 tokens,
-    silently. A copy costs ~40 ms for all-MiniLM-L6-v2's, ~0.16 s for a 150,000-word vocabulary."""
-    import copy
-
-    try:
-        return copy.deepcopy(tokenizer)
-    except Exception:  # noqa: BLE001 - a tokenizer that refuses copying is used as given, one call at a time
-        return tokenizer
-
-
 def tokenize(tokenizer, texts: list[str], batch_size: int = 1024, what: str = "texts", base: int = 0,
              spans: bool = True, after: TextPrefix | None = None, follows=None) -> TokenizedDocuments:
     """Batched fast tokenization without special tokens, flattened, with every token's character

@@ -17,7 +17,6 @@ document whose chunks fall into several packed batches gets exactly the vector i
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections import deque
 from typing import Callable, Iterable, Iterator
 
@@ -27,7 +26,7 @@ import torch
 from . import cpu_attention
 from .chunk_queue import ChunkQueue
 from .chunking import (EncodingPlan, TokenizedDocuments, check_texts, check_vocabulary, plan_chunks, plan_windows,
-                       private_tokenizer, tokenize, warn_truncated)
+                       tokenize, warn_truncated)
 from .config import DiceConfig
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .errors import ArgumentTypeError, OptionError, TextError
@@ -36,6 +35,7 @@ from .output import DiceOutput, concat_outputs  # noqa: F401 - DiceOutput is par
 from .packing import PackedBatch
 from .pipeline import BatchPipeline
 from .pieces import PIECE_CHARS, cuts_are_exact, tokenize_bounded
+from .private_tokenizer import private_tokenizer
 from .progress import progress_reporter
 from .reuse import ChunkStats, MemoryCache
 from .reuse.manager import ChunkReuse
@@ -94,11 +94,10 @@ class DiceEncoder:
         if device.type == "cpu":
             keep_freed_pages()
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path  # model_path: its folder, or None
-        # its own copy, one call at a time: a fast tokenizer is not thread-safe, and the caller's may be in use
-        self._tokenizer, self._tokenizer_lock = private_tokenizer(tokenizer), threading.Lock()
+        # what it tokenizes with, one call at a time: its own copy (the caller's may be in use meanwhile)
+        self.engine_tokenizer, self._tokenizer_lock = tok, _ = private_tokenizer(tokenizer)
         self._cuts_exact: bool | None = None  # `cuts_are_exact`, probed on first use
-        self.settings: Settings = resolve(cfg, inspect_model(model, self._tokenizer, model_path), self._tokenizer, device,
-                                          dtype)
+        self.settings: Settings = resolve(cfg, inspect_model(model, tok, model_path), tok, device, dtype)
         s = self.settings
         self.chunk_stats = ChunkStats()
         if cfg.openvino:
@@ -280,17 +279,17 @@ class DiceEncoder:
         after = self.settings.text_prefix(kind)
         if any(len(t) > PIECE_CHARS for t in texts) and self.cuts_are_exact():  # a huge text goes in pieces: whole,
             # the tokenizer's working memory is ~160 bytes a character (8 GB for one line of 50 MB)
-            return tokenize_bounded(self._tokenizer, texts, self._tokenizer_lock, piece_chars=PIECE_CHARS, what=what,
+            return tokenize_bounded(self.engine_tokenizer, texts, self._tokenizer_lock, piece_chars=PIECE_CHARS, what=what,
                                     base=base, after=after, exact=True)
         with self._tokenizer_lock:
-            return tokenize(self._tokenizer, texts, what=what, base=base, spans=spans, after=after)
+            return tokenize(self.engine_tokenizer, texts, what=what, base=base, spans=spans, after=after)
 
     def tokenize_bounded(self, texts: list[str], *, piece_chars: int | None, check=None, enough: int | None = None,
                          what: str = "texts", kind: str | None = None) -> TokenizedDocuments:
         """`dice_fast.pieces.tokenize_bounded` of ``texts`` (after ``kind``'s prefix, as `tokenize`):
         tokenizer calls of about ``piece_chars`` characters, each holding the tokenizer alone, so another
         thread waits at most one piece; ``check`` / ``enough`` stop early (see there). Thread-safe."""
-        return tokenize_bounded(self._tokenizer, texts, self._tokenizer_lock, piece_chars=piece_chars, check=check,
+        return tokenize_bounded(self.engine_tokenizer, texts, self._tokenizer_lock, piece_chars=piece_chars, check=check,
                                 enough=enough, what=what, after=self.settings.text_prefix(kind))
 
     def cuts_are_exact(self) -> bool:
@@ -298,7 +297,7 @@ class DiceEncoder:
         tokenizer (`dice_fast.pieces.cuts_are_exact`), so `tokenize_bounded` may cut long texts. Probed once."""
         if self._cuts_exact is None:
             with self._tokenizer_lock:
-                self._cuts_exact = cuts_are_exact(self._tokenizer)
+                self._cuts_exact = cuts_are_exact(self.engine_tokenizer)
         return self._cuts_exact
 
     # ----------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def raw_twin(encoder, *, cache=None, **changes):
     """
     from .. import DiceEncoder
 
-    twin = DiceEncoder(encoder.model, encoder.tokenizer, config=encoder.config.replace(**changes), cache=cache)
+    twin = DiceEncoder(encoder.model, encoder.engine_tokenizer, config=encoder.config.replace(**changes), cache=cache)
     if twin.spec != encoder.spec:
         raise ValueError("cannot derive a twin encoder: the model facts differ from the encoder's "
                          f"({twin.spec} vs {encoder.spec}); build the encoder with from_pretrained(path)")

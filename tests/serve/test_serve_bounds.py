@@ -79,8 +79,8 @@ def test_the_response_budget_refuses_before_any_work(tiny_encoder, monkeypatch):
     with ServerThread(create_app(proxy, max_response_floats=1000)) as server, \
             httpx.Client(base_url=server.url, timeout=60) as http:
         wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
-        ran, counting = len(proxy.batches), CountingTokenizer(tiny_encoder._tokenizer)
-        monkeypatch.setattr(tiny_encoder, "_tokenizer", counting)  # the engine tokenizes through its own copy
+        ran, counting = len(proxy.batches), CountingTokenizer(tiny_encoder.engine_tokenizer)
+        monkeypatch.setattr(tiny_encoder, "engine_tokenizer", counting)  # the engine tokenizes through its own copy
         r = http.post("/v1/embeddings", json={"input": ["word"] * 40})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         msg = r.json()["error"]["message"]
@@ -110,8 +110,8 @@ def test_evidence_is_charged_for_its_rows_not_for_the_chunk_vectors_it_scores(ti
         assert r.status_code == 200, r.text
         assert [row["index"] for row in r.json()["data"]] == [0, 1] and r.json()["data"][0]["text"] in doc
 
-        ran, counting = len(proxy.batches), CountingTokenizer(tiny_encoder._tokenizer)
-        monkeypatch.setattr(tiny_encoder, "_tokenizer", counting)  # the engine tokenizes through its own copy
+        ran, counting = len(proxy.batches), CountingTokenizer(tiny_encoder.engine_tokenizer)
+        monkeypatch.setattr(tiny_encoder, "engine_tokenizer", counting)  # the engine tokenizes through its own copy
         r = http.post("/v1/evidence", json={"query": "word", "documents": ["the cat"] * 54})  # 324 numbers
         err = r.json()["error"]
         assert r.status_code == 413 and err["param"] == "documents" and err["code"] == "request_too_large", r.text
@@ -142,8 +142,8 @@ def test_one_evidence_request_is_one_request(tiny_encoder, monkeypatch):
         r = http.post("/v1/evidence", json={"query": "word another", "documents": docs})
         assert r.status_code == 200, r.text
         assert [row["index"] for row in r.json()["data"]] == [0, 1, 2]
-        ran, counting = len(proxy.batches), CountingTokenizer(tiny_encoder._tokenizer)
-        monkeypatch.setattr(tiny_encoder, "_tokenizer", counting)  # the engine tokenizes through its own copy
+        ran, counting = len(proxy.batches), CountingTokenizer(tiny_encoder.engine_tokenizer)
+        monkeypatch.setattr(tiny_encoder, "engine_tokenizer", counting)  # the engine tokenizes through its own copy
         long_query = word_texts(1, 300, 300, seed=52)[0]
         r = http.post("/v1/evidence", json={"query": long_query, "documents": docs})
         assert r.status_code == 413 and r.json()["error"]["param"] == "query"  # one string: no index

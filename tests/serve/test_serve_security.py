@@ -158,8 +158,8 @@ def test_huge_inputs_are_refused_before_costing_their_tokenization(tiny_encoder,
     proxy = ProxyEncoder(tiny_encoder)
     body = json.dumps({"input": ["short", big]}).encode()
 
-    counting = CountingTokenizer(tiny_encoder._tokenizer)
-    monkeypatch.setattr(tiny_encoder, "_tokenizer", counting)  # the engine tokenizes through its own copy
+    counting = CountingTokenizer(tiny_encoder.engine_tokenizer)
+    monkeypatch.setattr(tiny_encoder, "engine_tokenizer", counting)  # the engine tokenizes through its own copy
 
     @contextlib.contextmanager
     def serve(**limits):
