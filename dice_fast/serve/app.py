@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
@@ -90,9 +91,14 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     else:
         core, owned = AsyncDiceEncoder(encoder, **limits), True
     check_limits(max_body_bytes=max_body_bytes, read_timeout=read_timeout)
+    # the app holds its core and metrics (app.state); everything it registers reaches them weakly: FastAPI
+    # keeps every route function it has seen in module-level caches (4,096 entries), and through closures
+    # over the core each app made in a process kept its core, chunk cache and model alive, served or not
+    held, core = core, weakref.proxy(core)
     body_limit = max_body_bytes or default_max_body_bytes(core.max_queue_tokens)
     name = model_name or model_label(core.encoder.spec.name)
-    metrics = ServerMetrics(core)
+    held_metrics = ServerMetrics(core)
+    metrics = weakref.proxy(held_metrics)
     created = int(time.time())
     documented = {"keyed": api_key is not None, "host_checked": allowed_hosts is not None}
     embeddings_schema, evidence_schema = oa.request_schemas(core)
@@ -107,7 +113,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     pages = {"docs_url": None, "redoc_url": None} if api_key is not None else {}
     app = FastAPI(title="dice-fast embeddings", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible DICE long-document embeddings.", **pages)
-    app.state.core, app.state.metrics, app.state.model_name = core, metrics, name
+    app.state.core, app.state.metrics, app.state.model_name = held, held_metrics, name
     app.state.max_body_bytes = body_limit
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=check_api_key(api_key), on_refused=metrics.observe_unauthorized)

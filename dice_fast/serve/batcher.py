@@ -32,6 +32,7 @@ import asyncio
 import logging
 import math
 import threading
+import weakref
 from collections import deque
 from typing import Callable, Iterable
 
@@ -133,7 +134,7 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
         self._ran = False  # a forward (the warm-up or a request's) has completed
         self._broken: str | None = None  # why the worker cannot go on
         self._worker: threading.Thread | None = None
-        self._listeners: list[Callable[[BatchStats], None]] = []
+        self._listeners: list[Callable] = []  # () -> the listener, or None once a weak one is gone
         self._rate: float | None = None  # tokens/s of recent batches, for Retry-After
 
     # ---------------------------------------------------------------------------------- public
@@ -251,9 +252,12 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
                                              numbers=numbers_per_document)],
                                        lease, None))
 
-    def add_batch_listener(self, listener: Callable[[BatchStats], None]) -> None:
-        """Call ``listener(stats)`` from the worker thread after every forward (e.g. for metrics)."""
-        self._listeners.append(listener)
+    def add_batch_listener(self, listener: Callable[[BatchStats], None], *, weak: bool = False) -> None:
+        """Call ``listener(stats)`` from the worker thread after every forward (e.g. for metrics).
+        ``weak``: ``listener`` is a bound method held weakly, dropped once its object is gone (an app's
+        metrics on a core that outlives the app)."""
+        ref = weakref.WeakMethod(listener) if weak else (lambda: listener)
+        self._listeners.append(ref)
 
     def retry_after(self) -> int:
         """Seconds until the tokens now waiting have likely run (at least 1), from recent throughput."""

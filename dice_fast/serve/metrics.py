@@ -81,7 +81,7 @@ class ServerMetrics:
         r.register(_ReadCounters("dice_fast_chunk_cache_lookups", "Chunk lookups in the memory and disk caches.",
                                  ("tier", "result"), lambda: _cache_lookups(core.chunk_stats.snapshot())))
         ProcessCollector(registry=r)
-        core.add_batch_listener(self.observe_batch)
+        core.add_batch_listener(self.observe_batch, weak=True)  # a core shared by apps: each app's goes with it
 
     def observe_request(self, input_type: str, status: int, seconds: float | None = None, inputs: int = 0,
                         tokens: int = 0) -> None:

@@ -191,7 +191,11 @@ class WorkerLoop:
         rate = tokens / max(seconds, 1e-6)
         self._rate = rate if self._rate is None else 0.8 * self._rate + 0.2 * rate
         stats = BatchStats(tokens, len(batch.packed.chunk_ids), len(batch.jobs), self.max_batch_tokens, seconds)
-        for listener in self._listeners:
+        for ref in list(self._listeners):
+            listener = ref()
+            if listener is None:  # held weakly, and gone
+                self._listeners.remove(ref)
+                continue
             try:
                 listener(stats)
             except Exception:  # a broken listener must not stop the worker

@@ -238,3 +238,40 @@ def test_create_app_mounted_in_another_app_and_sharing_a_core(tiny_encoder):
     assert_close(embeddings_of(a.json()), tiny_encoder.encode_documents(texts), atol=1e-5)
     assert b.status_code == 413
     core.close()
+
+
+def test_an_app_once_dropped_frees_its_core_and_model_and_its_listener_on_a_shared_core():
+    """FastAPI keeps every route function it has seen (module-level caches): through the routes'
+    closures over the core, every app made in a process kept its core, chunk cache and model alive,
+    served or not (8 of 8 models in a review's soak), and a shared core called every dropped app's
+    metrics after each batch. The routes reach the core and metrics weakly; the app holds them."""
+    import gc
+    import weakref
+
+    from dice_fast import DiceEncoder
+    from tiny_models import tiny
+
+    def fresh():
+        model, tok = tiny("bert")[:2]
+        return DiceEncoder(model, tok, chunk_size=16, max_batch_tokens=128)
+
+    refs = []
+    for served in (False, True):
+        enc = fresh()
+        app = create_app(enc)
+        refs += [weakref.ref(enc), weakref.ref(app.state.core)]
+        if served:
+            with ServerThread(app) as server:
+                assert httpx.post(server.url + "/v1/embeddings", json={"input": ["a b c"]}, timeout=60).status_code == 200
+            del server
+        del enc, app
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 4
+
+    core = AsyncDiceEncoder(fresh())
+    for _ in range(3):
+        create_app(core)
+    gc.collect()
+    asyncio.run(core.embed_documents(["one two three"]))  # a batch: the dropped apps' listeners go
+    assert len(core._listeners) == 0
+    core.close()
