@@ -55,5 +55,6 @@ def ov_cache(tmp_path, monkeypatch):
     from dice_fast.quant import openvino as ovq
 
     monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(ovq, "_MEMO", {})
+    monkeypatch.setattr(ovq, "_MEMO", type(ovq._MEMO)())
+    monkeypatch.setattr(ovq, "_RECENT", type(ovq._RECENT)(maxlen=ovq._RECENT.maxlen))
     return tmp_path

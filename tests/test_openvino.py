@@ -79,6 +79,30 @@ def test_chunk_vectors_do_not_depend_on_the_batch(ov_cache, monkeypatch):
 
 
 @needs_openvino
+def test_compiled_models_go_with_their_encoders_beyond_the_last_few(ov_cache, monkeypatch):
+    """Every model compiled stayed in the process's memo (~80 MB each for a 4-layer model, one after
+    another, in a review's soak): an entry lives while an encoder holds it or it is among the last
+    `_KEEP` compiled (here one)."""
+    import gc
+    from collections import deque
+
+    monkeypatch.setattr(ovq, "_RECENT", deque(maxlen=1))
+    model, tok, *_ = tiny("bert")
+    kept = DiceEncoder(model, tok, runtime="openvino", chunk_size=K)
+    for i in range(3):
+        changed = copy.deepcopy(model)
+        with torch.no_grad():
+            changed.embeddings.word_embeddings.weight[7, 0] += 1.0 + i
+        DiceEncoder(changed, tok, runtime="openvino", chunk_size=K).encode_documents(corpus(seed=4)[:2])
+        del changed
+        gc.collect()
+        assert len(ovq._MEMO) == 2  # the kept encoder's and the last one compiled
+    last = ovq._RECENT[0]
+    DiceEncoder(model, tok, runtime="openvino", chunk_size=K)  # the kept encoder's, not compiled again
+    assert len(ovq._MEMO) == 2 and ovq._RECENT[0] is last
+
+
+@needs_openvino
 def test_export_cached_per_model(ov_cache, monkeypatch):
     model, tok, *_ = tiny("bert")
     first = DiceEncoder(model, tok, runtime="openvino", chunk_size=K).encode_documents(corpus(seed=4))

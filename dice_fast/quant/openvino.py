@@ -35,6 +35,8 @@ import hashlib
 import inspect
 import json
 import threading
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +54,12 @@ from .model_cache import read_or_write, save
 # at 0.85-0.9, whose calibration cosines looked best (RESULTS §16). Changing any of these changes the key.
 RECIPE = {"backend": "openvino+nncf", "model_type": "transformer", "preset": "mixed", "subset_size": 300,
           "smooth_quant_alpha": 0.7}
-_MEMO: dict = {}
+# compiled models by (folder, properties, width), while an encoder holds one or it is among the last
+# `_KEEP` compiled (dtype="auto"'s chosen path reuses its candidate's): a process that loaded model after
+# model kept every one compiled (~80 MB each for a 4-layer model in a review's soak)
+_MEMO: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_KEEP = 4
+_RECENT: deque = deque(maxlen=_KEEP)
 _LOCK = threading.Lock()
 
 
@@ -208,8 +215,9 @@ def _load(folder: Path, write, props: dict, width: int | None, name) -> OpenVino
         raise InputError(f"OpenVINO fixed width must be a positive token count, got {width!r}")
     memo = (str(folder), json.dumps(props, sort_keys=True), width)
     with _LOCK:
-        if memo in _MEMO:
-            return _MEMO[memo]
+        found = _MEMO.get(memo)  # (a weak entry may go between a test and a read)
+        if found is not None:
+            return found
         core = ov.Core()
         read = read_or_write(core, folder, write)
         dynamic = core.compile_model(read, "CPU", props)
@@ -221,8 +229,9 @@ def _load(folder: Path, write, props: dict, width: int | None, name) -> OpenVino
         # the precision the float ops really run in (int8: OpenVINO's per-CPU default, bf16 where the
         # CPU has it): named, since it shifts vectors (within the stated agreement)
         rest = dynamic.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16" / "f32"
-        _MEMO[memo] = OpenVinoModel(dynamic, fixed, width, name(rest), rest)
-        return _MEMO[memo]
+        compiled = _MEMO[memo] = OpenVinoModel(dynamic, fixed, width, name(rest), rest)
+        _RECENT.append(compiled)
+        return compiled
 
 
 def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int,
