@@ -12,8 +12,9 @@ For MiniLM with chunks of 256 tokens that is 1,544 bytes per document and 1,560 
 
 Exact search (the default) scores blocks of documents by one matrix product each, keeping a running
 top k (ties by document order): memory is bounded by the block, not the corpus (`dice_fast.index.top`).
-With ``approximate=True`` a faiss HNSW graph (extra ``index``: faiss-cpu) proposes documents per query: its ``max(candidates, k)`` nearest vectors (document vectors for ``dice``; chunk
-vectors for ``maxsim`` and ``hybrid``, a document being proposed when one of its chunks is), doubled
+With ``approximate=True`` a faiss HNSW graph (extra ``index``: faiss-cpu) proposes documents per query:
+its ``max(candidates, k)`` nearest vectors (document vectors for ``dice``; chunk vectors for
+``maxsim`` and ``hybrid``, a document being proposed when one of its chunks is), doubled
 until they propose ``min(k, n)`` documents; a query still short when the search spans the whole graph
 is answered exactly. The proposed documents are scored exactly and ``min(k, n)`` come back: a hit's
 score is exact, but a document the graph does not propose is missed (recall < 1).
@@ -150,7 +151,7 @@ class DiceIndex(EncoderSlot):
                              texts)
 
     def _add_arrays(self, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char, chunk_tokens,
-                    texts) -> None:
+                    texts) -> list[str]:
         """`add_arrays` under the write lock held; returns the ids given (or made)."""
         ids = self._new_ids(ids, len(documents))
         self._append(check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
