@@ -486,3 +486,12 @@ def test_an_add_refused_midway_leaves_the_index_as_it_was(case, monkeypatch):
     assert (index.ids, index.documents.tolist(), index.chunks.tolist()) == (before[0], before[1].tolist(),
                                                                             before[2].tolist())
     assert len(index.texts) == 1 and index.search(["first"], k=5)[0][0].id == "a"
+
+
+def test_a_single_string_is_refused_not_read_character_by_character(monkeypatch):
+    enc = _window_encoder(monkeypatch)
+    index = DiceIndex(enc.dim, enc)
+    for ids in (None, ["a"]):
+        with pytest.raises(TypeError, match="texts must be an iterable of strings, not a single str"):
+            index.add("one long document", ids)
+    assert len(index) == 0

@@ -20,6 +20,7 @@ from .. import scoring as sc
 from ..errors import ArgumentTypeError, InputError, OptionError
 from ..id_set import IdSet
 from ..scoring import DEFAULT_SCORING
+from ..streaming import as_iterator
 from .encoder_match import check_encoder, model_id, recorded_model, recorded_options, restore_encoder, vector_options
 
 __all__ = ["DEFAULT_SCORING", "Hit", "Batch", "check_batch", "check_ids", "check_k", "check_output_ids",
@@ -244,11 +245,12 @@ class EncoderSlot:
             bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
             if bad is not None:
                 raise ArgumentTypeError(f"texts[{bad}] is a {type(texts[bad]).__name__}, not a string")
+        source = as_iterator(texts, "texts")  # a single string is refused, not read character by character
         encoder = self._need_encoder("add texts")
         read: deque = deque()  # texts the encoder has read and not yet returned: about two windows
 
         def reading():
-            for text in texts:
+            for text in source:
                 read.append(text)
                 yield text
 

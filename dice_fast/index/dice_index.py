@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import scoring as sc
 from ..errors import OptionError
+from ..streaming import as_iterator
 from .ann import Graphs
 from .growth import Column, Grown, grown
 from .rescore import pair_scores
@@ -113,6 +114,8 @@ class DiceIndex(EncoderSlot):
         encoded. Texts are read, encoded and appended a window at a time: memory is the index and one
         window, and searches meanwhile see the windows appended so far. A failure midway (a text that
         is not a string, more or fewer texts than ids) removes them again: the index is as it was."""
+        if isinstance(texts, (str, bytes)):
+            as_iterator(texts, "texts")  # raises, naming the mistake (before the ids are counted against it)
         if ids is not None:
             ids = [str(i) for i in ids]  # any iterable
             ids = check_ids(ids, len(ids))

@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import scoring as sc
 from ..errors import InputError
+from ..streaming import as_iterator
 from .common import (DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, check_ids, check_k, evidence_hit,
                      scored_hits, short_repr)
 from .encoder_match import model_id, recorded_model, vector_options
@@ -127,7 +128,7 @@ class RemoteStore(EncoderSlot):
         one window's vectors; a failure midway leaves the windows written, which a repeated add
         rewrites). A store that records no model (made with ``dim=``) records the encoder's model and
         options at its first write."""
-        texts = list(texts)
+        texts = list(as_iterator(texts, "texts"))  # a single string is refused, not split into characters
         ids = check_ids(ids, len(texts))
         done = 0
         for window, out in self._encoded_windows(texts):
