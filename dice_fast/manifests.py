@@ -63,15 +63,14 @@ def finished_manifests(folder: Path, allow_incomplete: bool = False) -> list[dic
     read = {p.name: read_manifest(p) for p in manifests}
     # a complete manifest that replaced an output of another split layout names its old manifests by
     # name and sha256 (a job killed before removing them leaves them): those are not part of this output;
-    # before 0.3 by name alone (a list)
-    replaced, by_name = set(), set()
-    for m in read.values():
-        if m["status"] == "complete" and isinstance(m.get("replaces"), dict):
-            replaced.update(m["replaces"].items())
-        elif m["status"] == "complete" and isinstance(m.get("replaces"), list):
-            by_name.update(name for name in m["replaces"] if isinstance(name, str))
-    manifests = [p for p in manifests if p.name not in by_name
-                 and (not replaced or (p.name, file_sha256(p)) not in replaced)]
+    # before 0.3 by name alone (a list), honoured from the manifests still standing (a stale one hides nothing)
+    replaced = {(name, digest) for m in read.values() if m["status"] == "complete"
+                and isinstance(m.get("replaces"), dict) for name, digest in m["replaces"].items()}
+    manifests = [p for p in manifests if not replaced or (p.name, file_sha256(p)) not in replaced]
+    by_name = {name for p in manifests if read[p.name]["status"] == "complete"
+               and isinstance(read[p.name].get("replaces"), list) for name in read[p.name]["replaces"]
+               if isinstance(name, str)}
+    manifests = [p for p in manifests if p.name not in by_name]
     if not manifests:
         raise InputError(f"{folder}: every manifest*.json there is named replaced by another; encode again with "
                          "--overwrite")

@@ -142,6 +142,14 @@ def test_an_unsplit_overwrite_of_a_split_output_killed_after_its_commit_reads_as
     manifest["replaces"] = sorted(manifest["replaces"])
     (out / "manifest.json").write_text(json.dumps(manifest))
     assert load_embeddings(out)[0] == [f"new{i}" for i in range(5)]  # it read "are not the 2 splits of one job"
+    from dice_fast.manifests import file_sha256
+
+    for split in ("manifest-0of2.json", "manifest-1of2.json"):  # 0.2.0 splits that replaced an unsplit output
+        old = json.loads((out / split).read_text())
+        (out / split).write_text(json.dumps({**old, "replaces": ["manifest.json"]}))
+    manifest["replaces"] = {n: file_sha256(out / n) for n in ("manifest-0of2.json", "manifest-1of2.json")}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert load_embeddings(out)[0] == [f"new{i}" for i in range(5)]  # the stale splits' list hides nothing
     assert main(["encode", str(new), "-o", str(out), *OPTS, "--overwrite"]) == 0
     assert not list(out.glob("*of2*")) and load_embeddings(out)[0] == [f"new{i}" for i in range(5)]
 
