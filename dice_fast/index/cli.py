@@ -29,10 +29,12 @@ push (write a corpus job's output into a vector database, shard by shard):
   holds documents only with --resume, which skips shards stored as they are (a killed push resumes; a
   re-encoded corpus updates the documents that changed).
 
-The index is a folder (documents.npy, chunks.npy, spans, ids.json, texts.json, index.json). Texts
-are stored by default so `dice-fast search` can print the evidence passage; --no-store-text keeps
-only the spans (search then prints the character span instead of the text). An existing index is
-refused unless --overwrite, which replaces it whole (atomically: readers see the old or the new one).
+The index is a folder: vectors, spans, ids and texts (one UTF-8 blob) in files of one generation,
+named by index.json (docs/retrieval.md). Texts are stored by default so `dice-fast search` can print
+the evidence passage; --no-store-text keeps only the spans (search then prints the character span
+instead of the text). An existing index is refused unless --overwrite, which replaces it whole
+(atomically: readers see the old or the new one). A .txt / .jsonl input is read twice: every record
+checked first (only the ids kept), then the texts streamed into the model a window at a time.
 """
 
 
