@@ -95,7 +95,8 @@ class DiceEncoder:
             keep_freed_pages()
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path  # model_path: its folder, or None
         # what it tokenizes with, one call at a time: its own copy (the caller's may be in use meanwhile)
-        self.engine_tokenizer, self._tokenizer_lock = tok, _ = private_tokenizer(tokenizer)
+        tok, self._tokenizer_lock = private_tokenizer(tokenizer)
+        self.engine_tokenizer = tok
         self._cuts_exact: bool | None = None  # `cuts_are_exact`, probed on first use
         self.settings: Settings = resolve(cfg, inspect_model(model, tok, model_path), tok, device, dtype)
         s = self.settings

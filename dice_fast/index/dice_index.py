@@ -257,9 +257,7 @@ class DiceIndex(EncoderSlot):
     @property
     def nbytes(self) -> int:
         """Bytes held by the vectors and spans (ids and texts not counted)."""
-        arrays = (self.documents, self.chunks, self.cu_doc_chunks, self.chunk_start_char, self.chunk_end_char,
-                  self.chunk_tokens)
-        return sum(a.nbytes for a in arrays)
+        return sum(getattr(self, name).nbytes for name in self._COLUMNS)
 
     def __repr__(self) -> str:
         return (f"DiceIndex({len(self)} documents, {self.n_chunks} chunks, dim={self.dim}, "
