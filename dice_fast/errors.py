@@ -88,6 +88,24 @@ def writing(path):
         raise err from exc
 
 
+@contextlib.contextmanager
+def reading_parquet(path):
+    """Turn a failure to open or read the Parquet file ``path`` (truncated, damaged, not Parquet: pyarrow's
+    errors, an ``OSError``) into an `InputError` naming it, a `MissingFile` when it is not there. The
+    core's own errors and running out of memory pass through unchanged."""
+    try:
+        yield
+    except (DiceError, MemoryError):
+        raise
+    except Exception as exc:
+        pa = sys.modules.get("pyarrow")  # only a process that loaded pyarrow can have its errors
+        if not isinstance(exc, (OSError, ValueError, KeyError) + ((pa.ArrowException,) if pa else ())):
+            raise
+        if isinstance(exc, FileNotFoundError):
+            raise MissingFile(f"{path}: missing") from None
+        raise InputError(f"{path}: not a readable Parquet file, damaged or truncated ({one_line(exc)})") from None
+
+
 class Int8Unsupported(DiceError, RuntimeError):
     """dtype="int8" was asked for on a CPU without int8 dot-product instructions (VNNI or AMX)."""
 
@@ -150,4 +168,4 @@ def one_line(exc: BaseException) -> str:
 
 
 __all__ = ["ArgumentTypeError", "CacheError", "DiceError", "InputError", "InputOutOfMemory", "Int8Unsupported", "MissingDependency", "MissingFile",
-           "ModelError", "OptionError", "TextError", "WriteError", "describe", "is_out_of_memory", "one_line", "writing"]
+           "ModelError", "OptionError", "TextError", "WriteError", "describe", "is_out_of_memory", "one_line", "reading_parquet", "writing"]

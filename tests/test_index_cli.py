@@ -185,5 +185,5 @@ def test_index_of_a_parquet_that_is_not_an_encode_output(tmp_path, capsys, no_mo
     assert f"encode it first: dice-fast encode {src} -o OUT.parquet --chunks" in err and "NoneType" not in err, err
     (tmp_path / "junk.parquet").write_text("not parquet", encoding="utf-8")
     assert main(["index", str(tmp_path / "junk.parquet"), "-o", str(tmp_path / "ix")]) == 2
-    assert f"{tmp_path / 'junk.parquet'}: unreadable Parquet" in capsys.readouterr().err
+    assert f"{tmp_path / 'junk.parquet'}: not a readable Parquet file" in capsys.readouterr().err
     assert not (tmp_path / "ix").exists()

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError, MissingFile, one_line
+from ..errors import InputError, MissingFile, one_line, reading_parquet
 from ..manifests import checked_shards, file_sha256, finished_manifests
 from .outputs import IDS_RECORD, ids_path_for
 
@@ -101,7 +100,7 @@ def _read_shards(folder: Path, manifest: dict, dim: int) -> tuple[list[str], np.
 
     files = checked_shards(folder, manifest)
     for f, shard in zip(files, manifest["shards"]):
-        with _reading(f):
+        with reading_parquet(f):
             rows = pq.ParquetFile(f).metadata.num_rows
         if rows != shard["rows"]:
             raise InputError(f"{f}: {rows} rows, but its manifest lists {shard['rows']} (replaced after commit?)")
@@ -116,13 +115,13 @@ def _read_parquet(files: list[Path], dim: int = 0) -> tuple[list[str], np.ndarra
     ids: list[str] = []
     blocks = []
     for f in files:
-        with _reading(f):
+        with reading_parquet(f):
             pf = pq.ParquetFile(f, page_checksum_verification=True)  # pages we wrote carry CRCs
         kinds = {name: pf.schema_arrow.field(name).type for name in pf.schema_arrow.names}
         if "id" not in kinds or not pa.types.is_fixed_size_list(kinds.get("embedding", pa.null())):
             raise InputError(f"{f}: not an output of dice-fast encode (no id column, or no embedding column of "
                              f"fixed-size lists; columns: {', '.join(kinds) or 'none'})")
-        with _reading(f):
+        with reading_parquet(f):
             table = pf.read(columns=["id", "embedding"])
         ids.extend(table.column("id").to_pylist())
         emb = table.column("embedding").combine_chunks()
@@ -130,16 +129,3 @@ def _read_parquet(files: list[Path], dim: int = 0) -> tuple[list[str], np.ndarra
         blocks.append(emb.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim))
     vectors = np.concatenate(blocks) if blocks else np.zeros((0, dim), np.float32)
     return ids, vectors.astype(np.float32, copy=False)
-
-
-@contextlib.contextmanager
-def _reading(f: Path):
-    """Turn pyarrow's failure to open or read ``f`` (missing, truncated, damaged) into an InputError naming it."""
-    import pyarrow as pa
-
-    try:
-        yield
-    except FileNotFoundError:
-        raise InputError(f"{f}: missing (its manifest lists it)") from None
-    except (pa.ArrowException, OSError) as exc:
-        raise InputError(f"{f}: not a readable Parquet file, damaged or truncated ({one_line(exc)})") from None

@@ -16,7 +16,7 @@ line. An empty string in a JSON field or a Parquet column is an (empty) document
 In a folder, every file with a known extension is read (recursively, hidden files and folders
 skipped, sorted by relative path) except the outputs of ``dice-fast encode`` (`is_encode_output`);
 line- and row-number ids then carry the file's relative path: ``"sub/a.txt:12"``. Ids are strings
-everywhere. A malformed line raises ValueError naming ``file:line``.
+everywhere. A malformed line raises `InputError` (a ValueError) naming ``file:line``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ..errors import InputError, MissingFile
+from ..errors import InputError, MissingFile, OptionError, reading_parquet
 from ..textio import check_id, decode_line, no_id_field_in_lines, parse_json_object, record_id, record_text
 from .outputs import IDS_RECORD
 
@@ -46,14 +46,14 @@ class Stopped(Exception):
 
 
 def input_format(path: str | os.PathLike, fmt: str = "auto") -> str:
-    """The format of one input file: ``fmt`` unless "auto", else from the extension (ValueError if unknown)."""
+    """The format of one input file: ``fmt`` unless "auto", else from the extension (`OptionError` / `InputError` if unknown)."""
     if fmt != "auto":
         if fmt not in FORMATS.values():
-            raise ValueError(f"unknown input format {fmt!r}; allowed: auto, txt, jsonl, parquet")
+            raise OptionError(f"unknown input format {fmt!r}; allowed: auto, txt, jsonl, parquet")
         return fmt
     suffix = Path(path).suffix.lower()
     if suffix not in FORMATS:
-        raise ValueError(f"{path}: unknown input type {suffix or '(no extension)'!r}; {KNOWN}; or name the "
+        raise InputError(f"{path}: unknown input type {suffix or '(no extension)'!r}; {KNOWN}; or name the "
                          "format of this file with --format txt, jsonl or parquet")
     return FORMATS[suffix]
 
@@ -86,7 +86,7 @@ class Corpus:
                           for name, p, f in self.files]}
 
     def records(self) -> Iterator[tuple[str, str]]:
-        """``(id, text)`` of every document, in order; ValueError naming ``file:line`` on bad input."""
+        """``(id, text)`` of every document, in order; `InputError` naming ``file:line`` on bad input."""
         if self.stdin:
             yield from self._lines("<stdin>", None, self.fmt, _stdin_lines(self.stop))
             return
@@ -135,7 +135,7 @@ class Corpus:
                 texts = texts.cast(texts.type.value_type)
             if texts.null_count:
                 bad = row + 1 + texts.is_null().to_pylist().index(True)
-                raise ValueError(f"{path}: row {bad}: column {self.text_field!r} is null")
+                raise InputError(f"{path}: row {bad}: column {self.text_field!r} is null")
             texts = _pylist(texts, path, row, f"column {self.text_field!r}")
             if self.id_field is None:
                 ids = [str(r) if name is None else f"{name}:{r}" for r in range(row + 1, row + 1 + len(texts))]
@@ -143,7 +143,7 @@ class Corpus:
                 col = batch.column(columns.index(self.id_field))  # 0 where the id is the text
                 if col.null_count:
                     bad = row + 1 + col.is_null().to_pylist().index(True)
-                    raise ValueError(f"{path}: row {bad}: id column {self.id_field!r} is null")
+                    raise InputError(f"{path}: row {bad}: id column {self.id_field!r} is null")
                 if not _is_string(col.type):
                     try:
                         col = col.cast(pa.string())
@@ -166,9 +166,9 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
     corpus = Corpus(source, fmt, text_field, id_field)
     if source == "-":
         if fmt == "auto":
-            raise ValueError("reading stdin (-) needs --format txt or --format jsonl")
+            raise OptionError("reading stdin (-) needs --format txt or --format jsonl")
         if fmt == "parquet":
-            raise ValueError("Parquet cannot be read from stdin; pass the file or folder")
+            raise OptionError("Parquet cannot be read from stdin; pass the file or folder")
         input_format("-", fmt)
         if fmt == "txt" and id_field is not None:
             raise no_id_field_in_lines("stdin read as .txt", id_field)
@@ -193,7 +193,7 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
                 corpus.files.append((name, p, FORMATS[p.suffix.lower()]))
         if not corpus.files:
             kinds = ", ".join(sorted(wanted))
-            raise ValueError(f"input folder {source} holds no {kinds} files; {KNOWN}")
+            raise InputError(f"input folder {source} holds no {kinds} files; {KNOWN}")
     else:
         corpus.files.append((None, path, input_format(path, fmt)))
     for _, p, f in corpus.files:
@@ -246,20 +246,18 @@ def _open_parquet(path: Path, text_field: str, id_field: str | None):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    try:
+    with reading_parquet(path):
         pf = pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise ValueError(f"{path}: not a readable Parquet file ({exc})") from None
     names = pf.schema_arrow.names
     for column, what in ((text_field, "text"), (id_field, "id")):
         if column is not None and column not in names:
-            raise ValueError(f"{path}: no {what} column {column!r} (columns: {', '.join(names)})")
+            raise InputError(f"{path}: no {what} column {column!r} (columns: {', '.join(names)})")
         if column is not None and names.count(column) > 1:
             raise InputError(f"{path}: {names.count(column)} columns are named {column!r}; which is the {what} is "
                              "ambiguous")
     kind = pf.schema_arrow.field(text_field).type
     if not _is_string(kind.value_type if pa.types.is_dictionary(kind) else kind):
-        raise ValueError(f"{path}: column {text_field!r} is {kind}, expected strings")
+        raise InputError(f"{path}: column {text_field!r} is {kind}, expected strings")
     if id_field is not None:
         kind = pf.schema_arrow.field(id_field).type
         value = kind.value_type if pa.types.is_dictionary(kind) else kind

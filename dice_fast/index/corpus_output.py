@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError, MissingFile
+from ..errors import InputError, MissingFile, reading_parquet
 from ..manifests import checked_shards, finished_manifests
 
 NEEDED = ("id", "embedding", "chunk_embeddings", "chunk_start_char", "chunk_end_char", "chunk_tokens")
@@ -49,12 +49,10 @@ def read_ids(file: Path):
     """Yield the ids of one Parquet file of an encode output, a row group's at a time, as strings."""
     import pyarrow.parquet as pq
 
-    try:
+    with reading_parquet(file):
         pf = pq.ParquetFile(file, page_checksum_verification=True)
         for g in range(pf.num_row_groups):
             yield [str(i) for i in pf.read_row_group(g, columns=["id"]).column("id").to_pylist()]
-    except (OSError, ValueError, KeyError) as exc:
-        raise InputError(f"{file}: unreadable Parquet ({exc})") from None
 
 
 def check_chunk_columns(file: Path, names, use: str) -> None:
@@ -69,15 +67,11 @@ def read_corpus_parts(file: Path):
     `read_corpus_output` yields them)."""
     import pyarrow.parquet as pq
 
-    try:
+    with reading_parquet(file):
         pf = pq.ParquetFile(file, page_checksum_verification=True)  # pages we wrote carry CRCs
         check_chunk_columns(file, pf.schema_arrow.names, "index")
         for g in range(pf.num_row_groups):
             yield _arrays(file, pf.read_row_group(g))
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, InputError):
-            raise
-        raise InputError(f"{file}: unreadable Parquet ({exc})") from None
 
 
 def _arrays(file: Path, table) -> tuple:
@@ -108,10 +102,8 @@ def corpus_encoder(path) -> tuple[str | None, dict, int]:
     import pyarrow.parquet as pq
 
     file = corpus_files(path, check=False)[0]
-    try:
+    with reading_parquet(file):
         schema = pq.read_schema(file)
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{file}: unreadable Parquet ({exc})") from None
     if b"dice_fast" not in (schema.metadata or {}):
         raise InputError(f"{file}: not an output of `dice-fast encode --chunks` (no dice_fast record in its "
                          f"metadata); to index a Parquet corpus of texts, encode it first: dice-fast encode {file} "

@@ -57,18 +57,15 @@ def store_for_output(url: str, output, batch_size: int | None = None):
     (a store holding another model's vectors is refused), no texts (an encode output holds none).
     An output without the chunk columns (encoded without ``--chunks``) is refused naming its file
     before the store is opened (which would create it)."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ..errors import InputError
+    from ..errors import reading_parquet
     from .corpus_output import check_chunk_columns, corpus_encoder, corpus_files
     from .stores import open_store
 
     for file in corpus_files(output, check=False):  # schemas only: push checks each shard once
-        try:
+        with reading_parquet(file):
             names = pq.read_schema(file).names
-        except (OSError, pa.ArrowException) as exc:
-            raise InputError(f"{file}: unreadable Parquet ({' '.join(str(exc).split())})") from None
         check_chunk_columns(file, names, "push")
     model, options, dim = corpus_encoder(output)
     extra = {} if batch_size is None else {"batch_size": batch_size}

@@ -177,3 +177,30 @@ def test_damaged_outputs_are_refused_naming_the_file(tmp_path, capsys, cached_en
     assert main(["index", str(tmp_path / "shards"), "-o", str(tmp_path / "ix")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{path}: damaged manifest" in err, err
+
+
+def test_every_parquet_reader_says_the_same_for_a_file_that_is_not_parquet(tmp_path, capsys):
+    """One wording, one set of errors caught (`reading_parquet`) wherever a Parquet file is read: encode's
+    input, ``load_embeddings``, ``index`` and ``push`` (pyarrow's errors that are no ValueError or
+    OSError too); a missing file is a `MissingFile`, a bug or running out of memory passes through."""
+    import pyarrow as pa
+
+    from dice_fast.corpus.readers import read_documents
+    from dice_fast.errors import InputError, MissingFile, reading_parquet
+
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"PAR1 not really")
+    said = f"{junk}: not a readable Parquet file, damaged or truncated ("
+    with pytest.raises(InputError, match=re.escape(said)):
+        read_documents(str(junk))
+    with pytest.raises(InputError, match=re.escape(said)):
+        load_embeddings(junk)
+    for command in (["index", str(junk), "-o", str(tmp_path / "ix")],
+                    ["index", "push", str(junk), "--to", f"lancedb://{tmp_path / 'db'}#t"]):
+        assert main(command) != 0
+        assert said in capsys.readouterr().err, command
+    for raised, caught in ((pa.ArrowCapacityError("too big"), InputError), (FileNotFoundError(2, "gone"), MissingFile),
+                           (KeyError("id"), InputError), (MemoryError(), MemoryError), (AttributeError("bug"), AttributeError)):
+        with pytest.raises(caught) as info, reading_parquet(junk):
+            raise raised
+        assert isinstance(info.value, InputError) == (caught in (InputError, MissingFile)), raised
