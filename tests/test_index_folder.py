@@ -20,6 +20,7 @@ import pytest
 from dice_fast import DiceEncoder, DiceIndex
 from dice_fast.errors import InputError, ModelError, WriteError
 from dice_fast.index import folder
+from dice_fast.index.growth import COLUMNS
 from test_index import _random_index, assert_hits_equal, brute_force
 from tiny_models import tiny
 
@@ -287,7 +288,7 @@ def _legacy_folder(path, index, chunks=None, model=None, chunk_dtype="float32"):
     """``index`` written as a ``dice_fast.index/1`` folder (plain file names), its chunk rows ``chunks``."""
     path.mkdir()
     files = {}
-    for name in folder._ARRAYS:
+    for name in COLUMNS:
         array = getattr(index, name) if name != "chunks" or chunks is None else chunks
         np.save(path / f"{name}.npy", array)
         files[f"{name}.npy"] = [list(array.shape), str(array.dtype)]

@@ -31,7 +31,7 @@ from .. import scoring as sc
 from ..errors import OptionError
 from ..streaming import as_iterator
 from .ann import Graphs
-from .growth import Column, Grown, grown
+from .growth import COLUMNS, Column, Grown, grown
 from .rescore import pair_scores
 from .rwlock import ReadWriteLock
 from .common import (DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_ids, check_k, check_output_ids, evidence_hit,
@@ -59,7 +59,6 @@ class DiceIndex(EncoderSlot):
 
     documents, chunks, cu_doc_chunks = Column(), Column(), Column()
     chunk_start_char, chunk_end_char, chunk_tokens = Column(), Column(), Column()
-    _COLUMNS = ("documents", "chunks", "cu_doc_chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens")
 
     def __init__(self, dim: int, encoder=None, *, store_text: bool = True, chunk_dtype: str = "float32",
                  model: str | None = None, encoder_options: dict | None = None):
@@ -208,11 +207,13 @@ class DiceIndex(EncoderSlot):
         self._id_set -= gone
         if self.store_text:
             self.texts = self.texts.take(np.flatnonzero(keep))
-        for name in ("documents", "chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens"):
-            # new buffers (an array read before stays whole) with the old capacity (upsert appends next)
-            setattr(self, name, grown(self, name).compress(keep if name == "documents" else keep_chunk))
         cu = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
-        self.cu_doc_chunks = Grown(cu, len(grown(self, "cu_doc_chunks").buffer))
+        for name in COLUMNS:
+            # new buffers (an array read before stays whole) with the old capacity (upsert appends next)
+            if name == "cu_doc_chunks":
+                self.cu_doc_chunks = Grown(cu, len(grown(self, name).buffer))
+            else:
+                setattr(self, name, grown(self, name).compress(keep if name == "documents" else keep_chunk))
         self._graphs = Graphs()  # rebuilt when next needed
         return len(gone)
 
@@ -236,13 +237,13 @@ class DiceIndex(EncoderSlot):
             state = dict(vars(self))
             state["texts"] = None if self.texts is None else TextColumn(*self.texts.arrays())
             state["ids"], state["_id_set"] = list(self.ids), set(self._id_set)
-            state.update((name, getattr(self, name)) for name in self._COLUMNS)  # the filled parts only
+            state.update((name, getattr(self, name)) for name in COLUMNS)  # the filled parts only
         del state["_lock"]
         state["encoder"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
-        for name in self._COLUMNS:
+        for name in COLUMNS:
             setattr(self, name, state.pop(name))
         vars(self).update(state)
         self._lock = ReadWriteLock()
@@ -257,7 +258,7 @@ class DiceIndex(EncoderSlot):
     @property
     def nbytes(self) -> int:
         """Bytes held by the vectors and spans (ids and texts not counted)."""
-        return sum(getattr(self, name).nbytes for name in self._COLUMNS)
+        return sum(getattr(self, name).nbytes for name in COLUMNS)
 
     def __repr__(self) -> str:
         return (f"DiceIndex({len(self)} documents, {self.n_chunks} chunks, dim={self.dim}, "

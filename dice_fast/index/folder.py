@@ -36,18 +36,17 @@ from ..errors import InputError, MissingFile, writing
 from ..folder_guard import folder_guard
 from ..scoring import unit_rows
 from .common import short_repr
+from .growth import COLUMNS
 from .texts import TextColumn
 
 FORMAT = "dice_fast.index/2"
 LEGACY = "dice_fast.index/1"
 UNIT_TOLERANCE = {"float32": 1e-4, "float16": 2e-3}  # |norm - 1| of a stored unit chunk row, by dtype
-_ARRAYS = ("documents", "chunks", "cu_doc_chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens")
 _TEXT_ARRAYS = ("text_blob", "text_offsets")
-_GENERATION_FILE = re.compile(r"^(?:documents|chunks|cu_doc_chunks|chunk_start_char|chunk_end_char|chunk_tokens"
-                              r"|text_blob|text_offsets|ids|graph_documents|graph_chunks)"
+_GENERATION_FILE = re.compile(rf"^(?:{'|'.join((*COLUMNS, *_TEXT_ARRAYS, 'ids', 'graph_documents', 'graph_chunks'))})"
                               r"\.([0-9a-f]{12})\.(?:npy|json|faiss)$")
 _TMP = ".index.json.tmp"
-_LEGACY_FILES = {*(f"{name}.npy" for name in _ARRAYS), "ids.json", "texts.json"}
+_LEGACY_FILES = {*(f"{name}.npy" for name in COLUMNS), "ids.json", "texts.json"}
 
 
 class _Gone(InputError):
@@ -86,7 +85,7 @@ def _save_generation(index, folder: Path, previous: str | None) -> None:
 def _write_generation(index, folder: Path, gen: str) -> dict:
     """Write generation ``gen``'s files and switch index.json to them (the commit point); returns the
     graph files written ({over: file name})."""
-    arrays = {name: getattr(index, name) for name in _ARRAYS}
+    arrays = {name: getattr(index, name) for name in COLUMNS}
     if index.store_text:
         arrays["text_blob"], arrays["text_offsets"] = index.texts.arrays()
     files = {}
@@ -179,10 +178,10 @@ def _read_generation(cls, folder: Path, meta: dict, mmap: bool):
         raise InputError(f"{meta_path}: damaged description ({exc})") from None
     want = {"documents": ((n_docs, dim), "float32"), "chunks": ((n_chunks, dim), meta["chunk_dtype"]),
             "cu_doc_chunks": ((n_docs + 1,), "int64"), "text_offsets": ((n_docs + 1,), "int64")}
-    for name in _ARRAYS[3:]:
+    for name in COLUMNS[3:]:
         want[name] = ((n_chunks,), "int64")
     loaded = {}
-    for name in (*_ARRAYS, *(_TEXT_ARRAYS if store_text and "texts" not in files else ())):
+    for name in (*COLUMNS, *(_TEXT_ARRAYS if store_text and "texts" not in files else ())):
         file = folder / files[name]
         try:
             array = np.load(file, allow_pickle=False, mmap_mode="r" if mmap else None)
@@ -238,14 +237,14 @@ def _graph_bytes(graph) -> bytes:
 
 def _file_names(meta: dict, store_text: bool) -> dict:
     if meta["format"] == LEGACY:
-        names = {name: f"{name}.npy" for name in _ARRAYS}
+        names = {name: f"{name}.npy" for name in COLUMNS}
         names["ids"] = "ids.json"
         if store_text:
             names["texts"] = "texts.json"
         return names
     gen = meta["generation"]
     names = {name: entry["file"] for name, entry in meta["files"].items()}
-    needed = [*_ARRAYS, "ids", *(_TEXT_ARRAYS if store_text else ())]
+    needed = [*COLUMNS, "ids", *(_TEXT_ARRAYS if store_text else ())]
     for name in needed:
         if not re.fullmatch(rf"{name}\.{gen}\.(npy|json)", names.get(name, "")):
             raise InputError(f"file of {name!r} is {names.get(name)!r}, not one of generation {gen}")

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+# `DiceIndex`'s grown arrays (each a `Column`), in the order an index folder saves them
+COLUMNS = ("documents", "chunks", "cu_doc_chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens")
+
 # `Grown.compress` copies runs of kept rows one by one while they are few (at most _MIN_RUNS, or one per
 # _RUN_BYTES of array: a copy each, not a gather into a temporary and a copy); more: one boolean gather
 _MIN_RUNS, _RUN_BYTES = 64, 1 << 16
