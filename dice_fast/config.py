@@ -8,12 +8,14 @@ of ``docs/python.md``. Adding an option is adding a field with `option(...)` (an
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 from dataclasses import dataclass
 
 from .errors import ArgumentTypeError, OptionError
 from .ops import IMPLS
-from .ops.names import AGGREGATIONS, POOLINGS, check_aggregation, check_pooling
+from .ops.names import AGGREGATIONS, MIN_TEMPERATURE, POOLINGS, check_aggregation, check_pooling
 
 STRATEGIES = ("dice", "single", "late")
 POSITIONS = ("local", "global")
@@ -205,20 +207,13 @@ class DiceConfig:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.pooling is not None:
             check_pooling(self.pooling)
+        for name in ("top_k", "chunk_size", "truncate_dim", "max_chunks_per_document", "max_length", "window_tokens",
+                     "max_batch_tokens", "window_overlap", "overlap"):
+            self._set(name, _integer(name, getattr(self, name), minimum=0 if "overlap" in name else 1,
+                                     optional=name not in ("top_k", "overlap")))
+        # the one temperature whatever the aggregation: the index and a resumed job compare it as recorded
+        self._set("temperature", _real("temperature", self.temperature, MIN_TEMPERATURE, math.inf))
         check_aggregation(self.aggregation, self.top_k, self.temperature)
-        if self.aggregation != "topk_norm":
-            _positive_int("top_k", self.top_k)
-        _positive_int("chunk_size", self.chunk_size, optional=True)
-        _positive_int("truncate_dim", self.truncate_dim, optional=True)
-        _positive_int("max_chunks_per_document", self.max_chunks_per_document, optional=True)
-        _positive_int("max_length", self.max_length, optional=True)
-        _positive_int("window_tokens", self.window_tokens, optional=True)
-        if self.window_overlap is not None and (isinstance(self.window_overlap, bool)
-                                                or not isinstance(self.window_overlap, int) or self.window_overlap < 0):
-            raise OptionError(f"window_overlap must be an integer >= 0 or None, got {self.window_overlap!r}")
-        _positive_int("max_batch_tokens", self.max_batch_tokens, optional=True)
-        if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) or self.overlap < 0:
-            raise OptionError(f"overlap must be an integer >= 0, got {self.overlap!r}")
         if self.chunk_size is not None and self.overlap >= self.chunk_size:
             raise OptionError(
                 f"overlap ({self.overlap}) must be smaller than chunk_size ({self.chunk_size}); "
@@ -227,8 +222,10 @@ class DiceConfig:
         for name in ("document_prefix", "query_prefix"):
             if not isinstance(getattr(self, name), str):
                 raise ArgumentTypeError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
-        for name in ("normalize", "normalize_chunks", "dedup"):
+        for name in ("normalize", "normalize_chunks", "dedup", "cuda_graphs"):
             value = getattr(self, name)
+            if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):  # numpy.True_
+                self._set(name, value := bool(value))
             if not (isinstance(value, bool) or (value is None and name == "normalize_chunks")):
                 raise ArgumentTypeError(f"{name} must be True or False, got {value!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -245,9 +242,8 @@ class DiceConfig:
         if self.runtime == "openvino" and self.dtype == "float16":
             raise OptionError("runtime='openvino' runs float32, bfloat16 or int8 on the CPU, not float16")
         _choice("pipeline", self.pipeline, PIPELINE_MODES)
-        a = self.auto_agreement
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 < a <= 1.0:
-            raise OptionError(f"auto_agreement must be a cosine in (0, 1], got {a!r}")
+        self._set("auto_agreement", _real("auto_agreement", self.auto_agreement, 0.0, 1.0, above=True,
+                                          what="a cosine in (0, 1]"))
         if isinstance(self.calibration, os.PathLike):  # a pathlib.Path is kept as the str it names
             object.__setattr__(self, "calibration", os.fspath(self.calibration))
         if self.calibration is not None and not isinstance(self.calibration, str):
@@ -256,6 +252,9 @@ class DiceConfig:
             raise OptionError(f"calibration (a text file path) applies to dtype='int8' only; got "
                              f"calibration={self.calibration!r} with dtype={self.dtype!r}")
         _choice("pooling_impl", self.pooling_impl, IMPLS)
+
+    def _set(self, name: str, value) -> None:  # a checked value in its plain Python type (frozen dataclass)
+        object.__setattr__(self, name, value)
 
     @property
     def openvino(self) -> str | None:
@@ -268,6 +267,18 @@ class DiceConfig:
     def replace(self, **changes) -> DiceConfig:
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
+
+    def changed(self, names, shown=()) -> str:
+        """", name=value" for each option of ``names`` not in ``shown`` whose value is not its default."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        return "".join(f", {n}={getattr(self, n)!r}" for n in names
+                       if n not in shown and getattr(self, n) != fields[n].default)
+
+    @classmethod
+    def check_names(cls, options) -> None:
+        """`ArgumentTypeError` naming the keys of ``options`` that are no option."""
+        if unknown := set(options) - set(cls.field_names()):
+            raise ArgumentTypeError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(cls.field_names())}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -287,11 +298,27 @@ def _choice(name: str, value, allowed) -> None:
         raise OptionError(f"unknown {name} {value!r}; allowed: {', '.join(map(repr, allowed))}")
 
 
-def _positive_int(name: str, value, optional: bool = False) -> None:
+_INT64_MAX = 2**63 - 1  # counts go to torch and numpy as int64
+
+
+def _integer(name: str, value, minimum: int, optional: bool = False) -> int | None:
+    """``value`` as a plain int (a numpy integer is the int it holds); `OptionError` naming ``name`` for
+    None (unless ``optional``), a bool, a float, a string, or a value outside ``minimum``..2**63-1."""
     if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OptionError(f"{name} must be an integer >= 1{' or None' if optional else ''}, got {value!r}")
+        return None
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not minimum <= value <= _INT64_MAX:
+        raise OptionError(f"{name} must be an integer >= {minimum}{' or None' if optional else ''}, got {value!r}")
+    return int(value)
+
+
+def _real(name: str, value, low: float, high: float, above: bool = False, what: str = "") -> float:
+    """``value`` as a float (any real number: numpy's too, not a bool), within [``low``, ``high``] (``above``:
+    ``low`` excluded); `OptionError` naming ``name`` otherwise (NaN included)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    x = float(value) if ok else math.nan
+    if not ((low < x if above else low <= x) and x <= high and math.isfinite(x)):
+        raise OptionError(f"{name} must be {what or f'a finite number >= {low:g}'}, got {value!r}")
+    return x
 
 
 __all__ = ["DiceConfig", "option", "DTYPES", "COMPILE_MODES", "RUNTIMES", "PIPELINE_MODES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES",

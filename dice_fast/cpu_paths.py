@@ -348,10 +348,10 @@ def _unit(x: np.ndarray) -> np.ndarray:
 def resolve(encoder_cls, model, tokenizer, cfg, model_path=None, measure=None, model_key=None):
     """(cfg with the chosen path's options, `PathChoice`) for an encoder built with ``dtype="auto"``
     or ``compile="auto"``; each candidate runs on its own copy of ``model`` (the caller's is untouched)."""
-    import torch
+    from .settings import parse_device
 
     param = next(model.parameters())
-    device = torch.device(cfg.device) if cfg.device is not None else param.device
+    device = parse_device(cfg.device) if cfg.device is not None else param.device
     if device.type != "cpu":
         raise OptionError(f"dtype='auto' and compile='auto' choose among CPU forwards; on {device} pass an explicit "
                          "dtype (bfloat16) and compile ('off' or 'on')")

@@ -29,7 +29,7 @@ from .chunking import (EncodingPlan, TokenizedDocuments, check_texts, check_voca
                        tokenize, warn_truncated)
 from .config import DiceConfig
 from .cpu_heap import keep_freed_pages, release_freed_memory
-from .errors import ArgumentTypeError, OptionError, TextError
+from .errors import ArgumentTypeError, TextError
 from .models import inspect_model, load_model
 from .output import DiceOutput, concat_outputs  # noqa: F401 - DiceOutput is part of the engine's API
 from .packing import PackedBatch
@@ -41,7 +41,7 @@ from .reuse import ChunkStats, MemoryCache
 from .reuse.manager import ChunkReuse
 from .reuse.persistent import settings_namespace
 from .runner import ModelRunner
-from .settings import WEIGHT_DTYPES, Settings, placement, pretrained_placement, resolve, weight_dtype
+from .settings import WEIGHT_DTYPES, Settings, check_kind, placement, pretrained_placement, resolve, weight_dtype
 from .streaming import Prefetch, as_iterator, windows
 
 _WINDOW_BATCHES = 16  # a streaming window holds about 16 batches' worth of text
@@ -49,6 +49,7 @@ _CHARS_PER_TOKEN = 4  # to size windows before tokenizing (a window is cut by ch
 _WINDOW_DOCUMENTS = 8192
 # vectors kept per call so that identical chunks in different windows run once (~40k 384-d chunks)
 _CALL_MEMORY_BYTES = 64 << 20
+_SHOWN = ("strategy", "chunk_size", "overlap", "positions", "pooling", "aggregation", "max_length")  # by __repr__
 
 
 class DiceEncoder:
@@ -76,7 +77,7 @@ class DiceEncoder:
                  cache=None, cache_max_gb: float | None = None, **options):
         if config is not None and options:
             raise ArgumentTypeError("pass either config= or keyword options, not both")
-        _check_option_names(options)
+        DiceConfig.check_names(options)
         if isinstance(options.get("dtype"), torch.dtype):
             options["dtype"] = str(options["dtype"]).replace("torch.", "")
         cfg = config or DiceConfig(**options)
@@ -124,7 +125,7 @@ class DiceEncoder:
         ``cache_max_gb`` as for the constructor. A folder that holds no loadable model raises
         `dice_fast.errors.ModelError` naming it.
         """
-        _check_option_names(options)
+        DiceConfig.check_names(options)
         device, dtype = pretrained_placement(options.get("device"), options.get("dtype"), options.get("runtime"))
         cfg = DiceConfig(**{**options, "device": str(device), "dtype": dtype})  # fail on bad options before loading
         model, tokenizer = load_model(path, device, weight_dtype(cfg, WEIGHT_DTYPES[dtype]), trust_remote_code)
@@ -181,7 +182,8 @@ class DiceEncoder:
             f"attention={backend}{'' if self.causal is None else ('/causal' if self.causal else '/bidirectional')}, "
             f"pooling_impl={self.pooling_impl}, strategy={c.strategy}, chunk_size={c.chunk_size}, overlap={c.overlap}, "
             f"positions={c.positions}, pooling={self.pooling}, aggregation={c.aggregation}, window={self.window}, "
-            f"max_batch_tokens={self.max_batch_tokens}{self._speed_label()})"
+            f"max_batch_tokens={self.max_batch_tokens}{c.changed(DiceConfig.options_of('vector'), shown=_SHOWN)}"
+            f"{self._speed_label()})"
         )
 
     def _speed_label(self) -> str:
@@ -203,18 +205,18 @@ class DiceEncoder:
         this plan only (None: the encoder's; "single": one window of each document, "late": late
         chunking's windows); plans of every strategy run through one queue of this encoder together.
         """
-        return self._plan(check_texts(texts, _check_kind(kind)), kind, strategy=strategy)
+        return self._plan(check_texts(texts, check_kind(kind)), kind, strategy=strategy)
 
     def plan_tokens(self, tokens: TokenizedDocuments, kind: str = "documents", strategy: str | None = None) -> EncodingPlan:
         """`plan` for texts already tokenized (``tokens``: n texts' ids without special tokens, as
         ``self.tokenize(texts, kind=kind)`` gives them: after ``kind``'s prefix, which ``plan`` equals)."""
-        return self._plan_tokens(tokens, _check_kind(kind), strategy=strategy)
+        return self._plan_tokens(tokens, check_kind(kind), strategy=strategy)
 
     def max_tokens_used(self, kind: str = "documents", strategy: str | None = None) -> int | None:
         """Most tokens of one text the model runs (special tokens and prefix aside); a longer text is
         cut to them: a query to one window, a document with ``strategy="single"`` or
         ``max_chunks_per_document``. None: every token runs."""
-        _, size, overlap, cap, _, _ = self.settings.chunking(_check_kind(kind), strategy)
+        _, size, overlap, cap, _, _ = self.settings.chunking(check_kind(kind), strategy)
         return None if cap is None else size + (cap - 1) * (size - overlap)
 
     def encode_documents(self, texts: Iterable[str], return_chunks: bool = False, show_progress: bool = False,
@@ -386,14 +388,3 @@ class DiceEncoder:
             raise TextError(f"positions='global' needs {int(last[bad[0]])} positions for document {d}, but the model "
                             f"has {self.spec.position_limit}; use positions='local' or max_chunks_per_document", d)
 
-
-# --------------------------------------------------------------------------------------------
-def _check_option_names(options: dict) -> None:
-    if unknown := set(options) - set(DiceConfig.field_names()):
-        raise ArgumentTypeError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(DiceConfig.field_names())}")
-
-
-def _check_kind(kind: str) -> str:
-    if kind not in ("documents", "queries"):
-        raise OptionError(f"unknown kind {kind!r}; allowed: 'documents', 'queries'")
-    return kind

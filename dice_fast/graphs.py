@@ -162,9 +162,8 @@ class GraphedRunner:
         self.runner = runner
         if capture is None:
             capture = runner.device.type == "cuda" and runner.backend in GRAPH_BACKENDS
-        if capture and (runner.device.type != "cuda" or runner.backend not in GRAPH_BACKENDS):
-            raise OptionError(f"CUDA graphs (cuda_graphs=True) need a CUDA device and attention_backend one of "
-                             f"{', '.join(GRAPH_BACKENDS)}, not {runner.device} with {runner.backend!r}")
+        if capture:
+            check_graphable(runner.device, runner.backend)
         buckets = make_buckets(DEFAULT_BUCKETS if buckets is None else buckets, longest_chunk, shortest_chunk)
         dtype = next(runner.model.parameters()).dtype
         self.budget = int(memory_mb * 2**20)
@@ -262,6 +261,13 @@ class GraphedRunner:
             return None
         self._graphs[bucket] = g
         return g
+
+
+def check_graphable(device: torch.device, backend: str) -> None:
+    """`OptionError` unless small batches on ``device`` with attention ``backend`` can be captured."""
+    if device.type != "cuda" or backend not in GRAPH_BACKENDS:
+        raise OptionError(f"CUDA graphs (cuda_graphs=True) need a CUDA device and attention_backend one of "
+                          f"{', '.join(GRAPH_BACKENDS)}, not {device} with {backend!r}")
 
 
 def use_cuda_graphs(encoder, buckets=None, capture: bool | None = None, memory_mb: float = DEFAULT_MEMORY_MB):

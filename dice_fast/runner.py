@@ -34,7 +34,7 @@ from .nosync import sync_free_kwargs
 from .ops import pool_chunks
 from .packing import PackedBatch, pack
 from .chunking import ChunkPlan, TokenizedDocuments
-from .errors import OptionError
+from .errors import ModelError, OptionError
 
 PADDED = "padded"
 # the attention backends the compiled forward (dice_fast.compiled) traces, per device type
@@ -73,7 +73,7 @@ class ModelRunner:
         self._layer_norm = None  # dice_fast.cpu_layer_norm.layer_norm where it runs a bf16 model's LayerNorms, decided then
         self.pooling, self.pooling_impl, self.max_batch_tokens = pooling, pooling_impl, max_batch_tokens
         param = next(model.parameters())
-        self.device = param.device
+        self.device, self.dtype = param.device, param.dtype
         if self.device.type == "cpu":
             cpu_paths.warn_if_emulated(param.dtype)
         self.pad_id = int(pad_token_id or 0)
@@ -104,6 +104,7 @@ class ModelRunner:
         """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32 in the batch's packing order."""
         if batch.n_tokens == 0:
             return torch.zeros((0, self.spec.hidden_size), dtype=torch.float32, device=self.device)
+        self._check_placement()
         cu = on_device(batch, "cu_seqlens", self.device)
         with torch.inference_mode():
             if self.uses_packed(batch.max_seqlen):
@@ -114,6 +115,18 @@ class ModelRunner:
             else:
                 hidden = self._padded_hidden(batch)
             return pool_batch(hidden, batch, cu, self.pooling, self.pooling_impl)
+
+    def _check_placement(self) -> None:
+        """`ModelError` when the model's weights are no longer where and what they were at construction
+        (another encoder built on the same model object moved them): the vectors, and the chunk cache's
+        key, would silently change."""
+        param = next(self.model.parameters())
+        if param.dtype != self.dtype or param.device != self.device:
+            were = f"{str(self.dtype).replace('torch.', '')} on {self.device}"
+            raise ModelError(f"the model's weights are now {str(param.dtype).replace('torch.', '')} on {param.device}, "
+                             f"not the {were} this encoder was built with: another encoder on the same model object "
+                             "(or its caller) moved them; give each encoder its own copy of the model "
+                             "(copy.deepcopy), or build them with the same dtype and device")
 
     def uses_packed(self, longest_chunk: int) -> bool:
         """Whether a batch whose longest chunk has ``longest_chunk`` tokens runs packed."""

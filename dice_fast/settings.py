@@ -229,6 +229,10 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
         pipeline=cfg.pipeline == "on" or (cfg.pipeline == "auto" and device.type == "cuda"),
         document_text_prefix=doc_text, query_text_prefix=query_text,
     )
+    if cfg.cuda_graphs:  # refused before a forward is compiled or exported, not after
+        from .graphs import check_graphable
+
+        check_graphable(device, "openvino" if cfg.openvino else settings.backend)
     if cfg.strategy == "late":
         settings.late_windows()  # refuse what late chunking cannot take now, not at the first document
     if cfg.openvino and cfg.attention_backend not in ("auto", "padded"):  # it runs padded rows through its own
@@ -239,6 +243,13 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
                           f"model's own ({'causal' if spec.is_causal else 'bidirectional'}) attention; use the torch "
                           "runtime or attention='model default'")
     return settings
+
+
+def check_kind(kind: str) -> str:
+    """``kind`` if it is "documents" or "queries", else `OptionError` naming it."""
+    if kind not in ("documents", "queries"):
+        raise OptionError(f"unknown kind {kind!r}; allowed: 'documents', 'queries'")
+    return kind
 
 
 def check_strategy(strategy) -> str:

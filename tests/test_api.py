@@ -113,12 +113,65 @@ def test_empty_document_without_special_tokens_is_a_zero_vector():
         (dict(attention_backend="flash_attn"), "not available on cpu"),
         (dict(max_length=1000), "exceeds the model's 128 positions"),
         (dict(max_batch_tokens=0), "max_batch_tokens must be an integer >= 1"),
+        # the temperature is recorded whatever the aggregation: NaN made an index refuse its own encoder
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 1e-30, got nan"),
+        (dict(temperature=True), "temperature must be a finite number"),
+        (dict(max_chunks_per_document=2**63), "max_chunks_per_document must be an integer >= 1 or None"),
+        (dict(aggregation="topk_norm", top_k=2**63), "top_k must be an integer >= 1"),
+        (dict(chunk_size=np.float64(8)), "chunk_size must be an integer >= 1"),
+        (dict(auto_agreement=np.float32("nan")), "auto_agreement must be a cosine in"),
+        (dict(dtype="auto", device=" cpu"), "device must be a torch device"),  # was torch's RuntimeError
     ],
 )
 def test_bad_options_raise_value_error_saying_what_is_allowed(options, match):
     model, tok, *_ = tiny("bert")
     with pytest.raises(ValueError, match=match):
         DiceEncoder(model, tok, **options)
+
+
+def test_numpy_values_are_the_plain_ones_and_huge_counts_mean_all():
+    """Options from numpy or pandas are the Python values they hold (stored as such: the index and a
+    resumed job compare them as recorded); a bool is never a count; 2**63-1 (sys.maxsize) means every
+    chunk, as None does; a string is never a switch (cuda_graphs="false" was taken as on)."""
+    model, tok, *_ = tiny("bert")
+    docs = ["word " * 120, "short text", "x " * 40]
+    plain = DiceEncoder(model, tok, chunk_size=8, aggregation="softmax_norm", temperature=0.5).encode_documents(docs)
+    enc = DiceEncoder(model, tok, chunk_size=np.int64(8), aggregation="softmax_norm", temperature=np.float32(0.5),
+                      normalize=np.True_, max_chunks_per_document=sys.maxsize, max_batch_tokens=np.int32(4096))
+    assert type(enc.config.chunk_size) is int and type(enc.config.temperature) is float
+    assert enc.config.normalize is True
+    np.testing.assert_array_equal(enc.encode_documents(docs), plain)
+    top = DiceEncoder(model, tok, chunk_size=8, aggregation="topk_norm", top_k=sys.maxsize).encode_documents(docs)
+    mean = DiceEncoder(model, tok, chunk_size=8).encode_documents(docs)
+    np.testing.assert_allclose(top, mean, atol=1e-6)
+    for bad in (dict(cuda_graphs="false"), dict(cuda_graphs=None), dict(dedup="0"), dict(chunk_size=True)):
+        with pytest.raises((TypeError, ValueError), match=next(iter(bad))):
+            DiceEncoder(model, tok, **bad)
+
+
+def test_cuda_graphs_off_cuda_are_refused_before_the_forward_is_compiled(monkeypatch):
+    import dice_fast.runner
+
+    def never(*args, **kwargs):
+        raise AssertionError("the runner was built (and compiled) before the refusal")
+
+    monkeypatch.setattr(dice_fast.runner.ModelRunner, "__init__", never)
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(ValueError, match=r"CUDA graphs \(cuda_graphs=True\) need a CUDA device"):
+        DiceEncoder(model, tok, cuda_graphs=True, compile="on")
+
+
+def test_an_encoder_whose_model_another_encoder_moved_refuses_to_run():
+    """A second encoder built on the same model object in bfloat16 cast its weights: the first went on
+    saying float32 (and keying its chunk cache so) while computing in bfloat16 (1.6e-3 off)."""
+    model, tok, *_ = tiny("bert")
+    model = copy.deepcopy(model)  # tiny's model is shared by the other tests
+    first = DiceEncoder(model, tok, chunk_size=8)
+    before = first.encode_documents(["a few words of text"])
+    second = DiceEncoder(model, tok, chunk_size=8, dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"weights are now bfloat16 on cpu, not the float32 on cpu this encoder"):
+        first.encode_documents(["a few words of text"])
+    assert np.abs(second.encode_documents(["a few words of text"]) - before).max() > 1e-4  # bf16 weights now
 
 
 def test_unknown_option_is_a_type_error():
@@ -134,6 +187,11 @@ def test_config_object_and_repr(bert):
     text = repr(enc)
     for part in ("device=cpu", "dtype=float32", "attention=sdpa_groups", "aggregation=max", "chunk_size=8"):
         assert part in text
+    assert "top_k" not in text and "truncate_dim" not in text  # defaults are not repeated
+    other = DiceEncoder(bert.model, bert.tokenizer, chunk_size=8, aggregation="topk_norm", top_k=3, truncate_dim=16,
+                        normalize=False, max_chunks_per_document=2, document_prefix="p: ")
+    for part in ("top_k=3", "truncate_dim=16", "normalize=False", "max_chunks_per_document=2", "document_prefix='p: '"):
+        assert part in repr(other)  # every option that changes the vectors, where it is not the default
 
 
 def test_queries_are_one_window_and_truncation_warns(bert):

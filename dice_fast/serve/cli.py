@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import sys
 
 from ..reuse.persistent import SERVE_MAX_GB
 from ..cliargs import add_cache_arguments, add_encoder_arguments, bounded, make_encoder
@@ -14,7 +16,10 @@ from .server import SERVER_LIMITS
 
 ENV_PREFIX = "DICE_FAST_"
 API_KEY_ENV = ENV_PREFIX + "API_KEY"
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# variables of dice_fast read elsewhere than a serve flag (the engine's CPU kernels and caches)
+OTHER_VARIABLES = ("DICE_FAST_CACHE_DIR", "DICE_FAST_CPU_", "DICE_FAST_CSRC",
+                   "DICE_FAST_INT8_ANY_CPU")
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,22 +49,25 @@ def add_server_arguments(g) -> None:
 
 def environment_defaults(p: argparse.ArgumentParser, environ=os.environ) -> None:
     """Let every long flag of ``p`` be set from ``$DICE_FAST_<FLAG>`` (``--max-queue-tokens``:
-    ``DICE_FAST_MAX_QUEUE_TOKENS``; a switch takes 1/true/yes/on or 0/false/no/off), as TEI does; the
-    flag wins over the variable. Each flag's help names its variable. A bad value is an error when the
-    command parses its arguments (``p.set_defaults(environment_errors=...)``)."""
-    errors = []
+    ``DICE_FAST_MAX_QUEUE_TOKENS``; a switch takes 1/true/yes/on or 0/false/no/off; an empty variable is
+    unset), as TEI does; the flag wins over the variable. Each flag's help names its variable. A bad value
+    is an error when the command parses its arguments (``p.set_defaults(environment_errors=...)``); a
+    ``DICE_FAST_`` variable that is neither a flag's nor in `OTHER_VARIABLES` (``DICE_FAST_NORMALIZE`` for
+    ``DICE_FAST_NO_NORMALIZE``) a warning (``environment_warnings``)."""
+    errors, names = [], []
     for action in p._actions:
         longs = [o for o in action.option_strings if o.startswith("--")]
         if not longs or action.help == argparse.SUPPRESS or action.dest == "help":
             continue
         env = ENV_PREFIX + longs[0][2:].replace("-", "_").upper()
         action.help = f"{action.help or ''} [env: {env}]".strip()
-        if action.dest == "api_key" or env not in environ:  # the key: see api_key(), which reads it last
+        names.append(env)
+        if action.dest == "api_key" or not environ.get(env):  # the key: see api_key(), which reads it last
             continue
         value = environ[env]
         if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
             if value.strip().lower() not in _TRUE + _FALSE:
-                errors.append(f"${env}={value[:40]!r}: expected one of {', '.join(_TRUE)} or {', '.join(_FALSE[:-1])}")
+                errors.append(f"${env}={value[:40]!r}: expected one of {', '.join(_TRUE)} or {', '.join(_FALSE)}")
                 continue
             on = value.strip().lower() in _TRUE
             action.default = on if isinstance(action, argparse.BooleanOptionalAction) else (
@@ -71,7 +79,12 @@ def environment_defaults(p: argparse.ArgumentParser, environ=os.environ) -> None
                 action.default = action.type(value) if callable(action.type) else value
             except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
                 errors.append(f"${env}={value[:40]!r}: {exc}")
-    p.set_defaults(environment_errors=errors)
+    unknown = sorted(v for v in environ if v.startswith(ENV_PREFIX) and v not in names
+                     and not v.startswith(OTHER_VARIABLES))
+    warnings = [f"${v} is not a variable of dice-fast serve; ignored"
+                + "".join(f" (did you mean ${m}?)" for m in difflib.get_close_matches(v, names, 1, 0.8))
+                for v in unknown]
+    p.set_defaults(environment_errors=errors, environment_warnings=warnings)
 
 
 def limits(args) -> dict:
@@ -174,6 +187,8 @@ def cmd_serve(args) -> int:
     # a query over the window is cut to it, as offline; one warning per such request would flood the log
     warnings.filterwarnings("ignore", message=r".*longer than the model window", category=UserWarning)
 
+    for said in getattr(args, "environment_warnings", ()):  # a misnamed variable may explain the refusal below
+        print(f"dice-fast serve: warning: {said}", file=sys.stderr)
     if getattr(args, "environment_errors", None):
         raise ValueError("; ".join(args.environment_errors))
     if not 0 <= args.port < 65536:

@@ -189,3 +189,32 @@ def test_bodies_must_be_declared_json(server):
     for headers in ({}, {"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}):
         r = server.post("/v1/embeddings", content=json.dumps({"input": "word"}).encode(), headers=headers)
         assert r.status_code == 415 and r.headers["connection"] == "close", (headers, r.text)
+
+
+def test_a_variable_that_names_no_flag_is_warned_about_and_an_empty_one_is_unset(monkeypatch, capsys):
+    """``DICE_FAST_NORMALIZE=false`` (the flag is ``--no-normalize``) was silently ignored, vectors kept
+    normalised; an empty ``DICE_FAST_CHUNK_SIZE=`` was an error while an empty switch turned it off."""
+    from dice_fast.serve.cli import OTHER_VARIABLES, cmd_serve
+
+    for name, value in {"NORMALIZE": "false", "CHUNKSIZE": "64", "CPU_HEAP": "x", "CACHE_DIR": "/tmp/c",
+                        "CHUNK_SIZE": "", "NO_CROSS_REQUEST_BATCHING": "", "PORT": "not-a-port"}.items():
+        monkeypatch.setenv("DICE_FAST_" + name, value)
+    args = serve_parser()[0].parse_args(["serve"])
+    assert args.chunk_size is None and args.cross_request_batching is True  # empty: the defaults
+    assert args.environment_warnings == [
+        "$DICE_FAST_CHUNKSIZE is not a variable of dice-fast serve; ignored (did you mean $DICE_FAST_CHUNK_SIZE?)",
+        "$DICE_FAST_NORMALIZE is not a variable of dice-fast serve; ignored (did you mean $DICE_FAST_NO_NORMALIZE?)"]
+    with pytest.raises(ValueError, match="DICE_FAST_PORT"):
+        cmd_serve(args)  # the warnings come first, then the refusal
+    assert "warning: $DICE_FAST_CHUNKSIZE" in capsys.readouterr().err
+    # every DICE_FAST_ variable the package reads is a serve flag's or one of OTHER_VARIABLES
+    import pathlib
+    import re
+
+    import dice_fast
+
+    read = {m for f in pathlib.Path(dice_fast.__file__).parent.rglob("*.py")
+            for m in re.findall(r"[\"'](DICE_FAST_[A-Z0-9_]*)", f.read_text(encoding="utf-8"))}
+    flags = {"DICE_FAST_" + next(o for o in a.option_strings if o.startswith("--"))[2:].replace("-", "_").upper()
+             for a in serve_parser()[1]._actions if a.option_strings and a.dest != "help"}
+    assert {v for v in read if v not in flags and not v.startswith(OTHER_VARIABLES)} <= {"DICE_FAST_"}, read
