@@ -35,10 +35,10 @@ from .nosync import sync_free_kwargs
 from .ops import pool_chunks
 from .packing import PackedBatch
 from .runner import to_device
+from .settings import GRAPH_BACKENDS, check_graphable
 
 DEFAULT_BUCKETS = (256, 512, 1024, 2048, 4096)  # tokens per replayed batch (serving and query batches)
 DEFAULT_MEMORY_MB = 2048  # the graphs' shared pool may not grow past this (larger buckets then run eagerly)
-GRAPH_BACKENDS = ("flash_attn", "torch_varlen")  # cu_seqlens read on the device, no per-batch host data
 
 
 @dataclass(frozen=True)
@@ -261,13 +261,6 @@ class GraphedRunner:
             return None
         self._graphs[bucket] = g
         return g
-
-
-def check_graphable(device: torch.device, backend: str) -> None:
-    """`OptionError` unless small batches on ``device`` with attention ``backend`` can be captured."""
-    if device.type != "cuda" or backend not in GRAPH_BACKENDS:
-        raise OptionError(f"CUDA graphs (cuda_graphs=True) need a CUDA device and attention_backend one of "
-                          f"{', '.join(GRAPH_BACKENDS)}, not {device} with {backend!r}")
 
 
 def use_cuda_graphs(encoder, buckets=None, capture: bool | None = None, memory_mb: float = DEFAULT_MEMORY_MB):

@@ -230,8 +230,6 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
         document_text_prefix=doc_text, query_text_prefix=query_text,
     )
     if cfg.cuda_graphs:  # refused before a forward is compiled or exported, not after
-        from .graphs import check_graphable
-
         check_graphable(device, "openvino" if cfg.openvino else settings.backend)
     if cfg.strategy == "late":
         settings.late_windows()  # refuse what late chunking cannot take now, not at the first document
@@ -243,6 +241,17 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
                           f"model's own ({'causal' if spec.is_causal else 'bidirectional'}) attention; use the torch "
                           "runtime or attention='model default'")
     return settings
+
+
+GRAPH_BACKENDS = ("flash_attn", "torch_varlen")  # CUDA graphs: cu_seqlens read on the device, no per-batch host data
+
+
+def check_graphable(device: torch.device, backend: str) -> None:
+    """`OptionError` unless small batches on ``device`` with attention ``backend`` can be captured as CUDA
+    graphs (`dice_fast.graphs`)."""
+    if device.type != "cuda" or backend not in GRAPH_BACKENDS:
+        raise OptionError(f"CUDA graphs (cuda_graphs=True) need a CUDA device and attention_backend one of "
+                          f"{', '.join(GRAPH_BACKENDS)}, not {device} with {backend!r}")
 
 
 def check_kind(kind: str) -> str:
