@@ -282,8 +282,18 @@ def default_batch_tokens(device: torch.device, flops_per_token: float, dtype: to
 
 
 def placement(config: DiceConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
-    """Where a model now on ``device`` in ``dtype`` runs under ``config`` (``None`` options: where it is)."""
-    return parse_device(config.device) if config.device is not None else device, weight_dtype(config, dtype)
+    """Where a model now on ``device`` in ``dtype`` runs under ``config`` (``None`` options: where it is);
+    `OptionError` for OpenVINO's paths anywhere but on the CPU, before the model moves."""
+    device = parse_device(config.device) if config.device is not None else device
+    refuse_openvino_off_cpu(config.openvino, device)
+    return device, weight_dtype(config, dtype)
+
+
+def refuse_openvino_off_cpu(openvino: str | None, device: torch.device) -> None:
+    """`OptionError` when ``openvino`` (`DiceConfig.openvino`: the option that puts the forward on OpenVINO)
+    would run on ``device`` other than the CPU."""
+    if openvino and device.type != "cpu":
+        raise OptionError(f"{openvino} runs on the CPU only; got device {device}")
 
 
 def parse_device(value) -> torch.device:
@@ -320,6 +330,7 @@ def pretrained_placement(device=None, dtype=None, runtime=None) -> tuple[torch.d
     ``dtype`` (a name or a ``torch.dtype``) is kept."""
     on_cpu = str(dtype) == "int8" or runtime == "openvino"
     device = parse_device(device or ("cuda" if torch.cuda.is_available() and not on_cpu else "cpu"))
+    refuse_openvino_off_cpu("dtype='int8'" if str(dtype) == "int8" else on_cpu and "runtime='openvino'", device)
     dtype = str(dtype or ("bfloat16" if device.type == "cuda" else "float32")).replace("torch.", "")
     if dtype not in WEIGHT_DTYPES:
         raise OptionError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")

@@ -373,8 +373,10 @@ def test_options_it_cannot_take_are_refused(monkeypatch):
     for culprit in ({"runtime": "openvino"}, {"dtype": "int8"}):  # the export keeps the model's own attention
         with pytest.raises(OptionError, match="attention='bidirectional' cannot run with"):
             DiceEncoder(decoder, dtok, chunk_size=K, pooling="mean", attention="bidirectional", **culprit)
+    mine = copy.deepcopy(model)
     with pytest.raises(OptionError, match="runtime='openvino' runs on the CPU only; got device meta"):
-        DiceEncoder(copy.deepcopy(model), tok, runtime="openvino", chunk_size=K, device="meta")
+        DiceEncoder(mine, tok, runtime="openvino", chunk_size=K, device="meta")
+    assert next(mine.parameters()).device.type == "cpu"  # refused before the model moved (to a GPU: its memory)
     monkeypatch.setattr("dice_fast.cpu_tuning.cpu_flags", lambda: {"avx2"})
     with pytest.raises(OptionError, match="bf16 units"):
         DiceEncoder(copy.deepcopy(model), tok, runtime="openvino", dtype="bfloat16", chunk_size=K)

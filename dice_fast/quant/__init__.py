@@ -41,8 +41,6 @@ def openvino_runner(encoder, model, pad_token_id, streams: int | None = None, hi
     # the precision OpenVINO runs: the dtype option (the torch weights stay float32, `weight_dtype`), else
     # the model's own
     dtype = cfg.dtype or str(encoder.dtype).replace("torch.", "")
-    if encoder.device.type != "cpu":
-        raise OptionError(f"{cfg.openvino} runs on the CPU only; got device {encoder.device}")
     if not int8 and dtype not in FLOAT_PRECISIONS:
         raise OptionError(f"runtime='openvino' runs dtype float32, bfloat16 or int8, not {dtype!r}")
     if dtype == "bfloat16" and bf16_units() is not None:
