@@ -122,6 +122,23 @@ def test_export_cached_per_model(ov_cache, monkeypatch):
 
 
 @needs_openvino
+def test_an_export_traces_once_without_torchscripts_check(ov_cache, monkeypatch):
+    """``ov.convert_model`` traced with ``check_trace`` on: a second trace whose TorchScript state stays for
+    the life of the process (~2.5 MB per transformer layer, every new model exported: RESULTS §28)."""
+    calls = []
+    real = torch.jit.trace
+
+    def trace(*args, **kwargs):
+        calls.append(kwargs.get("check_trace", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.jit, "trace", trace)
+    monkeypatch.setattr(ovq, "_MEMO", {})  # exported here, not taken from an earlier test's
+    check("bert", runtime="openvino", dtype="float32")  # the same graph: within 1e-5 of the per-chunk forward
+    assert calls == [False]
+
+
+@needs_openvino
 @pytest.mark.parametrize("damage", ["truncated weights", "no graph"])
 def test_a_damaged_cached_export_is_built_again(ov_cache, monkeypatch, damage):
     model, tok, *_ = tiny("bert")

@@ -154,8 +154,14 @@ def _export(model, takes_positions: bool, ids: np.ndarray, pos: np.ndarray):
     if takes_positions:
         example["position_ids"] = pos
     with torch.no_grad():
-        return ov.convert_model(_Dense(twin, takes_positions), example_input=example,
-                                input=[(n, [-1, -1], ov.Type.i64) for n in names])
+        # torch.jit.trace's check_trace (on by default; convert_model cannot turn it off) traces the
+        # module again to compare, and TorchScript keeps ~2.5 MB per transformer layer of that check
+        # for the life of the process (per traced op, whatever the hidden size); the graph is the same
+        from openvino.frontend.pytorch.ts_decoder import TorchScriptPythonDecoder
+
+        decoder = TorchScriptPythonDecoder(_Dense(twin, takes_positions), example_input=example,
+                                           trace_kwargs={"check_trace": False})
+        return ov.convert_model(decoder, input=[(n, [-1, -1], ov.Type.i64) for n in names])
 
 
 def _quantize(fp, calibration, takes_positions: bool):
