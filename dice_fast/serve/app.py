@@ -69,7 +69,8 @@ _BODY_READ = "dice_fast.body_read"  # scope key: the request body was read whole
 
 
 def create_app(encoder, *, model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int | None = None, allowed_hosts=None, read_timeout: float | None = 60.0, **limits):
+               max_body_bytes: int | None = None, allowed_hosts=None, read_timeout: float | None = 60.0,
+               shutdown_timeout: float | None = None, **limits):
     """A FastAPI app serving ``encoder``.
 
     encoder: a `DiceEncoder` (the app builds an `AsyncDiceEncoder` over it with ``limits``, the keyword
@@ -82,7 +83,9 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     allowed_hosts: the ``Host`` names and addresses answered (`dice_fast.serve.guards.allowed_hosts`
     builds them for a bound address; ``["*"]``: any); others get 400. None (the default for an app you
     mount in your own server): no check. read_timeout: seconds a request body may take to arrive
-    (408 past it; None: no bound).
+    (408 past it; None: no bound). shutdown_timeout: seconds the app's shutdown waits for the worker to
+    finish the forward it is in (a warm-up, a batch whose requests are gone), then leaves it (None: as
+    long as it takes).
     """
     if isinstance(encoder, AsyncDiceEncoder):
         if limits:
@@ -107,8 +110,9 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     async def lifespan(app):
         core.start()  # the worker runs a warm-up forward; /health is 503 "starting" until it has
         yield
-        if owned:  # uvicorn has finished the requests in flight by now; drain and stop the worker
-            await core.aclose()
+        if owned and not await core.aclose(shutdown_timeout):  # uvicorn has finished the requests in flight
+            log.warning("dice_fast.serve: the worker was still in a forward after %s s; shutting down without it",
+                        shutdown_timeout)
 
     pages = {"docs_url": None, "redoc_url": None} if api_key is not None else {}
     app = FastAPI(title="dice-fast embeddings", version=__version__, lifespan=lifespan,

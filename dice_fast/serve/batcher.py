@@ -265,18 +265,20 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
             return 1
         return min(60, max(1, math.ceil(self.tokens_waiting / self._rate)))
 
-    def close(self, timeout: float | None = None) -> None:
-        """Refuse new requests (`ShuttingDown`), let the queued ones finish, and stop the worker."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new requests (`ShuttingDown`), let the queued ones finish, and stop the worker, waiting
+        up to ``timeout`` seconds (None: as long as it takes); whether the worker has stopped."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
             worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout)
+        return worker is None or not worker.is_alive()
 
-    async def aclose(self) -> None:
+    async def aclose(self, timeout: float | None = None) -> bool:
         """`close` without blocking the event loop."""
-        await asyncio.get_running_loop().run_in_executor(None, self.close)
+        return await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)
 
     async def __aenter__(self) -> AsyncDiceEncoder:
         return self

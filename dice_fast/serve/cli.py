@@ -133,7 +133,8 @@ def register_cli(subparsers) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="model name in responses and /v1/models (default: the model folder's name)")
     g.add_argument("--graceful-timeout", type=bounded(float, 0), default=30.0,
-                   help="seconds to finish requests in flight after SIGTERM before cancelling them (default 30)")
+                   help="seconds to finish requests in flight after SIGTERM before cancelling them, and then as long for a "
+                        "forward still running (default 30)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
     add_server_arguments(p.add_argument_group("connections (what is left for a reverse proxy: docs/serving.md)"))
@@ -207,7 +208,7 @@ def cmd_serve(args) -> int:
     hosts = allowed_hosts(args.host, args.allowed_hosts.split(","))
     app = create_app(encoder, model_name=args.served_model_name, api_key=key, max_body_bytes=args.max_body_bytes,
                      allowed_hosts=hosts, read_timeout=args.read_timeout, cache_memory_mb=args.cache_memory_mb,
-                     **limits(args))
+                     shutdown_timeout=args.graceful_timeout, **limits(args))
     if encoder.cache is not None:
         print(f"dice-fast serve: chunk cache {encoder.cache.cache!r}", flush=True)
     print(f"dice-fast serve: {encoder!r}", flush=True)
@@ -220,6 +221,10 @@ def cmd_serve(args) -> int:
                            access_log=not args.no_access_log, timeout_graceful_shutdown=args.graceful_timeout,
                            lifespan="on", **{name: getattr(args, name) for name in SERVER_DEFAULTS})
     draining_server(app.state.core)(config).run()
+    state, why = app.state.core.health
+    if state == "unhealthy":  # a status for the supervisor (systemd Restart=on-failure, a container's policy)
+        print(f"dice-fast serve: error: the encoder stopped ({why}); exit status 3", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -28,6 +28,11 @@ request line and headers, 16 KiB), ``backlog``.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
+log = logging.getLogger("dice_fast.serve")
+
 # name -> (default, meaning); the flag is --name-with-dashes (see dice_fast.serve.cli)
 SERVER_LIMITS = {
     "max_connections": (1024, "connections and requests open at once (uvicorn's limit_concurrency); more: 503 and "
@@ -177,12 +182,26 @@ def server_config(app, *, host: str, port: int, max_connections: int, keep_alive
 
 def draining_server(core):
     """A ``uvicorn.Server`` class whose SIGTERM / Ctrl-C first marks ``core`` draining (``/health`` 503
-    "draining") while uvicorn finishes the requests in flight."""
+    "draining") while uvicorn finishes the requests in flight, then returns (uvicorn raised the signal
+    again: Ctrl-C read as an error, SIGTERM as a kill); and that shuts down by itself once ``core`` is
+    unhealthy (a failed warm-up, a worker that stopped), so that a supervisor can restart the process."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             core.drain()
             super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if counter % 10 == 0 and not self.should_exit and core.health[0] == "unhealthy":
+                log.error("dice_fast.serve: the encoder is unhealthy (%s); shutting down", core.health[1])
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()  # handled: the drain is done
 
     return DrainingServer
