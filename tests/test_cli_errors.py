@@ -98,6 +98,52 @@ def test_ctrl_c_anywhere_is_one_line_and_exit_2(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "dice-fast: error: interrupted (Ctrl-C) during encode"
 
 
+def test_sigterm_is_ctrl_c_for_every_command(monkeypatch, capsys):
+    """SIGTERM (a container stopped, a job killed by its scheduler) ended `index`, `search`, `eval` and
+    `bench` at once: no message, no ``finally`` (an index save's clean-up skipped)."""
+    import argparse
+    import os
+    import signal
+    import time
+
+    cleaned = []
+
+    def terminated(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            cleaned.append(True)
+
+    before = signal.getsignal(signal.SIGTERM)
+    parsed = argparse.Namespace(command="index", func=terminated)
+    monkeypatch.setattr(cli, "build_parser", lambda: argparse.Namespace(parse_args=lambda argv: parsed))
+    assert cli.main(["index", "in.jsonl", "-o", "ix"]) == 2
+    assert cleaned == [True] and signal.getsignal(signal.SIGTERM) is before
+    assert capsys.readouterr().err.strip() == "dice-fast: error: interrupted (SIGTERM) during index"
+
+
+def test_output_whose_reader_went_away_ends_quietly(tmp_path):
+    """`dice-fast search ... | head -1` printed "dice-fast: error: [Errno 32] Broken pipe" with status 2."""
+    import subprocess
+    import sys
+
+    script = ("import argparse, sys\n"
+              "from dice_fast import cli\n"
+              "def many(args):\n"
+              "    for i in range(200000):\n"
+              "        print(f'line {i}')\n"
+              "    return 0\n"
+              "parsed = argparse.Namespace(command='search', func=many)\n"
+              "cli.build_parser = lambda: argparse.Namespace(parse_args=lambda argv: parsed)\n"
+              "sys.exit(cli.main([]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline() == b"line 0\n"
+    proc.stdout.close()
+    assert proc.wait(timeout=60) == 141
+    assert proc.stderr.read() == b""
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["serve", "--graceful-timeout", "nan"], "--graceful-timeout: must be >= 0"),
     (["serve", "--graceful-timeout", "-5"], "--graceful-timeout: must be >= 0"),
