@@ -373,11 +373,26 @@ class EncodingPlan:
         return np.concatenate([self.prefix, self.tokens.ids[o + s : o + s + n], self.suffix])
 
 
+class TruncatedWarning(UserWarning):
+    """Texts longer than the model window were cut to it; ``positions`` (their indices in the call), their
+    ``lengths`` in tokens, the ``capacity`` kept and the ``window`` (for a caller that reports them its way)."""
+
+    def __init__(self, message: str, positions=(), lengths=(), capacity: int = 0, window: int = 0):
+        super().__init__(message)
+        self.positions, self.lengths, self.capacity, self.window = positions, lengths, capacity, window
+
+
+def truncated_message(names: list[str], count: int, capacity: int, window: int, what: str) -> str:
+    """"N <what> longer than the model window ... were cut ...: " and the first three of ``names``."""
+    return (f"{count} {what} longer than the model window ({window} tokens with special tokens) were cut to their "
+            f"first {capacity} tokens: {', '.join(names[:3])}{' ...' if count > 3 else ''}")
+
+
 def warn_truncated(doc_lengths: np.ndarray, capacity: int, window: int, what: str) -> None:
-    """Warn that the texts of ``doc_lengths`` over ``capacity`` tokens were cut to it, naming the first three."""
+    """Warn (`TruncatedWarning`) that the texts of ``doc_lengths`` over ``capacity`` tokens were cut to it,
+    naming the first three."""
     over = np.flatnonzero(doc_lengths > capacity)
     if len(over):
-        first = ", ".join(f"{what}[{i}] ({int(doc_lengths[i])} tokens)" for i in over[:3])
-        warnings.warn(f"{len(over)} {what} longer than the model window ({window} tokens with special tokens) "
-                      f"were cut to their first {capacity} tokens: {first}{' ...' if len(over) > 3 else ''}",
-                      stacklevel=4)
+        names = [f"{what}[{i}] ({int(doc_lengths[i])} tokens)" for i in over[:3]]
+        warnings.warn(TruncatedWarning(truncated_message(names, len(over), capacity, window, what), over,
+                                       doc_lengths[over], capacity, window), stacklevel=4)

@@ -20,7 +20,6 @@ import time
 import warnings
 from collections import deque
 from dataclasses import asdict
-from itertools import islice
 from pathlib import Path
 
 from .chunk_rows import ChunkRows
@@ -33,10 +32,10 @@ from .lock import OutputLock
 from .model import load_encoder
 from .readers import Corpus, ReadProgress, open_corpus
 from .resume import compare_settings, skip_committed, text_digest
+from .query_blocks import QueryBlocks
 from .signals import Interrupted, Signals, one_line_warnings
 
 OUTPUT_TYPES = ".npy (with NAME.ids.txt beside it), .parquet, or a folder of Parquet shards (DIR/)"
-_QUERY_BATCH = 256
 
 
 def output_type(path: str) -> str:
@@ -168,6 +167,7 @@ class EncodeJob:
         bar = ProgressBar(None, desc=f"encode {self.kind}", show=not args.quiet)
         progress = ReadProgress(bar, corpus)
         pending: deque = deque()
+        queries = None
 
         def texts():
             for doc_id, text in records:
@@ -179,19 +179,23 @@ class EncodeJob:
             if self.kind == "documents":
                 blocks = enc.stream_documents(texts(), return_chunks=self.chunks, progress=progress)
             else:
-                blocks = _query_blocks(enc, texts(), progress)
+                blocks = queries = QueryBlocks(enc, texts(), progress)
             rows = 0
             for block in blocks:
                 chunks = ChunkRows.of_output(block) if self.chunks else None
                 block = block.documents if self.chunks else block
                 items = [pending.popleft() for _ in range(len(block))]
                 ids = [i for i, _ in items]
+                if queries is not None:
+                    queries.note(ids)
                 duplicates.add(ids)
                 with writing(self.out):
                     self.writer.write(ids, [d for _, d in items], block, *([chunks] if self.chunks else []))
                 rows += len(block)
         finally:
             bar.close()
+        if queries is not None:
+            queries.warn()  # after the bar, on a line of its own
         seconds = time.perf_counter() - t0
         summary = {"rows": skipped + rows, "encoded": rows, "tokens": bar.tokens, "seconds": round(seconds, 3),
                    "blank_lines": corpus.blank_lines, "duplicate_ids": duplicates.count,
@@ -368,15 +372,6 @@ def _take_split(records, index: int, count: int):
     for d, record in enumerate(records):
         if d % count == index:
             yield record
-
-
-def _query_blocks(enc, texts, progress):
-    """Queries encoded in batches of `_QUERY_BATCH` (one window each), as (n, dim) blocks."""
-    while True:
-        batch = list(islice(texts, _QUERY_BATCH))
-        if not batch:
-            return
-        yield enc.encode_queries(batch, progress=progress)
 
 
 def _check_writable(folder: Path) -> None:

@@ -182,6 +182,17 @@ def test_stdin_and_queries(tmp_path, monkeypatch, capsys, cached_encoders):
     assert_close(got, want, 1e-5, what="queries")
 
 
+def test_queries_cut_to_the_window_are_named_once_per_job_by_id(tmp_path, capsys, cached_encoders):
+    """Per block of 256 queries, numbered within it: row 301 was named "queries[44]", once per block."""
+    texts = ["where is the " + "stone " * 400 if i in (5, 300, 301) else f"query {i}" for i in range(600)]
+    src = write_jsonl(tmp_path / "q.jsonl", texts, [f"q{i}" for i in range(600)])
+    assert main(["encode", str(src), "--queries", "--id-field", "id", "-o", str(tmp_path / "q.npy"), "-q"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("dice-fast: warning: 3 queries longer than the model window ("), err
+    assert err[0].endswith("tokens: id 'q5' (403 tokens), id 'q300' (403 tokens), id 'q301' (403 tokens)"), err
+
+
 def test_stdin_needs_a_format(tmp_path, capsys):
     assert main(["encode", "-", "-o", str(tmp_path / "o.npy")]) == 2
     assert "reading stdin (-) needs --format txt or --format jsonl" in capsys.readouterr().err
