@@ -45,12 +45,14 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from .. import __version__
+from ..errors import one_line
 from ..matryoshka import truncate
 from ..runinfo import model_label
 from . import openapi as oa
 from .batcher import AsyncDiceEncoder
 from .errors import (DeadlineExceeded, InvalidRequest, OutOfMemory, Overloaded, RequestTooLarge, ServeError,
-                     ShuttingDown, Unauthorized, Unhealthy, UnsupportedMediaType, internal_error_body, quote)
+                     ShuttingDown, Unauthorized, Unhealthy, UnsupportedMediaType, internal_error_body, quote,
+                     was_logged)
 from .evidence import add_evidence_route
 from .guards import BearerAuth, HostGuard, check_api_key
 from .limits import check_limits, default_max_body_bytes
@@ -173,7 +175,10 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
             _release(lease)
             if not isinstance(exc, Exception):
                 raise
-            log.exception("dice_fast.serve: %s request failed", labels[0])
+            if was_logged(exc):  # the worker logged it once for its batch
+                log.error("dice_fast.serve: %s request failed: %s", labels[0], one_line(exc))
+            else:
+                log.exception("dice_fast.serve: %s request failed", labels[0])
             metrics.observe_request(labels[0], 500)
             return JSONResponse(internal_error_body(), status_code=500)
         if result is None:

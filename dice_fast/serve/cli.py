@@ -183,7 +183,7 @@ def cmd_serve(args) -> int:
 
     from .app import create_app
     from .guards import allowed_hosts
-    from .server import SERVER_DEFAULTS, check_server_limits, draining_server, server_config
+    from .server import SERVER_DEFAULTS, check_server_limits, draining_server, log_config, server_config
 
     # a query over the window is cut to it, as offline; one warning per such request would flood the log
     warnings.filterwarnings("ignore", message=r".*longer than the model window", category=UserWarning)
@@ -218,6 +218,7 @@ def cmd_serve(args) -> int:
               f"can use the model (set ${API_KEY_ENV} or --api-key-file)", flush=True)
     print(f"dice-fast serve: answering Host {', '.join(hosts)}", flush=True)
     config = server_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                           log_config=log_config(args.log_level),
                            access_log=not args.no_access_log, timeout_graceful_shutdown=args.graceful_timeout,
                            lifespan="on", **{name: getattr(args, name) for name in SERVER_DEFAULTS})
     draining_server(app.state.core)(config).run()

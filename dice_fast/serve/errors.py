@@ -103,3 +103,18 @@ def internal_error_body() -> dict:
     """The body of an unexpected server-side failure (HTTP 500); it never echoes internals."""
     return {"error": {"message": "internal error while encoding; see the server log", "type": "server_error",
                       "param": None, "code": "internal_error"}}
+
+
+_LOGGED = "dice_fast_logged"
+
+
+def mark_logged(exc: BaseException) -> BaseException:
+    """``exc``, marked as logged with its traceback (by the worker, once for the batch it failed)."""
+    setattr(exc, _LOGGED, True)
+    return exc
+
+
+def was_logged(exc: BaseException) -> bool:
+    """Whether ``exc`` was logged with its traceback already: each request it failed needs one line, not
+    the same traceback again (a batch shared by 64 requests wrote 65)."""
+    return getattr(exc, _LOGGED, False)

@@ -180,6 +180,18 @@ def server_config(app, *, host: str, port: int, max_connections: int, keep_alive
                           timeout_keep_alive=keep_alive_timeout, **uvicorn_options)
 
 
+def log_config(level: str) -> dict:
+    """uvicorn's logging configuration with dice_fast's loggers on its handler, at ``level`` (dice_fast's
+    own lines were left to Python's last-resort handler: bare, and printed whatever --log-level said)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["dice_fast"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config
+
+
 def draining_server(core):
     """A ``uvicorn.Server`` class whose SIGTERM / Ctrl-C first marks ``core`` draining (``/health`` 503
     "draining") while uvicorn finishes the requests in flight, then returns (uvicorn raised the signal

@@ -284,6 +284,48 @@ def test_out_of_memory_names_the_text_as_the_route_does(tiny_encoder):
     assert fine.status_code == 200, fine.text
 
 
+def test_a_failed_batch_is_one_traceback_and_a_line_per_request(tiny_encoder):
+    """The worker logged the batch's traceback, then every request it failed logged it again."""
+    texts = word_texts(3, 5, 30, seed=38)
+    records = _Records()
+    logging.getLogger("dice_fast.serve").addHandler(records)
+    try:
+        with ServerThread(create_app(tiny_encoder)) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+            wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
+            with failing_forward(tiny_encoder.model, has_poison, error=lambda: RuntimeError("injected failure")), \
+                    ThreadPoolExecutor(3) as pool:
+                answers = list(pool.map(lambda t: http.post("/v1/embeddings", json={"input": [poisoned(t)]}), texts))
+    finally:
+        logging.getLogger("dice_fast.serve").removeHandler(records)
+    assert [r.status_code for r in answers] == [500] * 3
+    batches = [r for r in records.records if "tokens failed" in r.getMessage()]
+    requests = [r for r in records.records if "request failed" in r.getMessage()]
+    assert batches and all(r.exc_info for r in batches)
+    assert len(requests) == 3 and not any(r.exc_info for r in requests), [r.getMessage() for r in requests]
+    assert all(r.getMessage().endswith("request failed: injected failure") for r in requests)
+
+
+def test_serve_logs_at_its_log_level_in_uvicorns_format():
+    """dice_fast's own lines (a failed batch, the out-of-memory back-off) went to Python's last-resort
+    handler: bare messages, printed even under --log-level critical."""
+    import logging.config
+
+    from dice_fast.serve.server import log_config
+
+    before = logging.getLogger("dice_fast").level
+    try:
+        logging.config.dictConfig(log_config("critical"))
+        served = logging.getLogger("dice_fast.serve")
+        assert not served.isEnabledFor(logging.ERROR) and served.isEnabledFor(logging.CRITICAL)
+        assert any(h.formatter is not None and "levelprefix" in h.formatter._fmt
+                   for h in logging.getLogger("dice_fast").handlers)
+    finally:
+        logging.config.dictConfig(log_config("info"))
+        logging.getLogger("dice_fast").handlers.clear()
+        logging.getLogger("dice_fast").setLevel(before)
+        logging.getLogger("dice_fast").propagate = True
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)
