@@ -215,7 +215,7 @@ def cmd_serve(args) -> int:
     print(f"dice-fast serve: {app.state.core!r}, max_body_bytes={app.state.max_body_bytes}", flush=True)
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"dice-fast serve: WARNING: listening on {args.host} without an API key; anyone who can reach it "
-              f"can use the model (set ${API_KEY_ENV} or --api-key-file)", flush=True)
+              f"can use the model (set ${API_KEY_ENV} or --api-key-file)", file=sys.stderr, flush=True)
     print(f"dice-fast serve: answering Host {', '.join(hosts)}", flush=True)
     config = server_config(app, host=args.host, port=args.port, log_level=args.log_level,
                            log_config=log_config(args.log_level),
