@@ -97,7 +97,7 @@ def csrc_dir() -> Path:
     raise RuntimeError(
         "the dice_fast C++ sources (csrc/) were not found; looked in: "
         + ", ".join(str(c) for c in candidates)
-        + ". Install dice_fast from a source checkout (pip install -e .), or point DICE_FAST_CSRC at csrc/."
+        + ". Reinstall dice_fast (its wheel ships them as dice_fast/_csrc), or point DICE_FAST_CSRC at csrc/."
     )
 
 
@@ -168,6 +168,25 @@ def _variant(with_cuda: bool, cap: str) -> str:
 _BUILT: dict = {}
 
 
+def _reach_installed_ninja() -> None:
+    """Put the ninja pip installed with dice_fast on PATH when PATH has none (torch looks there only): a
+    virtual environment's python run by its path (systemd, a container's CMD, pipx), not activated, has
+    its ``bin`` off PATH, and the C++ kernels were then silently off."""
+    if shutil.which("ninja") is not None:
+        return
+    folders = [Path(sys.executable).parent]
+    try:
+        import ninja
+
+        folders.insert(0, Path(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    for folder in folders:
+        if shutil.which("ninja", path=str(folder)) is not None:
+            os.environ["PATH"] = str(folder) + os.pathsep + os.environ.get("PATH", "")
+            return
+
+
 def build(verbose: bool = False, with_cuda: bool | None = None) -> str:
     """Compile (or reuse the cached build of) ``csrc/`` and load it; return the library's path.
 
@@ -193,6 +212,7 @@ def build(verbose: bool = False, with_cuda: bool | None = None) -> str:
     if with_cuda is None:
         with_cuda = torch.cuda.is_available() and has_nvcc
     cxx = _compiler()
+    _reach_installed_ninja()
     try:
         cpp_extension.verify_ninja_availability()
     except RuntimeError as e:

@@ -568,3 +568,17 @@ def test_cuda_aggregate_ties_and_empty(cuda_native):
     for agg in AGGREGATIONS:
         args = (chunks, cu_gap, w, agg, 1, 1.0, False, True)
         assert_close(cuda_native.aggregate_documents_native(*args), aggregate_documents_ref(*args), *F32_TOL, what=agg)
+
+
+def test_the_ninja_installed_beside_python_is_found_without_an_activated_environment(tmp_path, monkeypatch):
+    """A virtual environment's python run by its path has its bin off PATH: torch found no ninja and the C++
+    kernels were silently off, though pip had installed ninja with dice_fast."""
+    from dice_fast.ops import native
+
+    if shutil.which("ninja", path=str(Path(sys.executable).parent)) is None:
+        pytest.skip("no ninja beside this python")
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH without ninja
+    assert shutil.which("ninja") is None
+    native._reach_installed_ninja()
+    assert shutil.which("ninja") is not None
+    assert os.environ["PATH"].endswith(os.pathsep + str(tmp_path))  # put in front, nothing taken away
