@@ -5,6 +5,7 @@ demand by `dice_fast.ops.native.build()` (torch.utils.cpp_extension + ninja), so
 ships a hollow or half-built extension and installs on machines without a compiler or CUDA.
 """
 
+import re
 import shutil
 from pathlib import Path
 
@@ -42,7 +43,7 @@ STACK_TESTS = [*STACKS["langchain"], *STACKS["llama-index"], "openai>=1.40"]  # 
 
 setup(
     name="dice-fast",
-    version="0.2.0",
+    version=re.search(r'__version__ = "([^"]+)"', Path("dice_fast/__init__.py").read_text(encoding="utf-8"))[1],
     description="High-throughput, exact DICE long-document embedding: packed varlen chunks, fused segment pooling",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

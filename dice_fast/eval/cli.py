@@ -209,6 +209,10 @@ def check_options(args) -> None:
     if args.hybrid_alphas is not None and "hybrid" not in args.scorings:
         raise OptionError(f"--hybrid-alphas are blends of the hybrid scoring, but --scorings is "
                           f"{','.join(args.scorings)}: add hybrid to --scorings or leave --hybrid-alphas out")
+    if not args.no_plots:
+        from .plots import need_matplotlib
+
+        need_matplotlib()
     _check_lists_and_paths(args)
 
 

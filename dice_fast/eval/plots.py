@@ -5,24 +5,34 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
 
+from ..errors import MissingDependency
+
 from .report import PAPER_EDI_SHARE, edi_by_length, length_label, side_names, strategy_of
 from .run import GROUP_ALL, EvalResult
 
-__all__ = ["plot_hit_vs_length", "plot_edi"]
+__all__ = ["plot_hit_vs_length", "plot_edi", "need_matplotlib"]
 
 _AGG_SHORT = {"mean": "mean", "max": "max", "topk_norm": "topk", "weighted_mean": "wmean", "softmax_norm": "softmax",
               "maxsim": "MaxSim", "hybrid": "hybrid"}
 
 
+def need_matplotlib() -> None:
+    """`MissingDependency` naming the extra unless matplotlib is installed (``dice-fast eval`` asks before
+    the model loads: it found out after the first task had run, and the later tasks never did)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MissingDependency("plots need matplotlib: pip install 'dice-fast[eval]' (or pip install matplotlib), "
+                                "or pass --no-plots")
+
+
 def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:  # pragma: no cover - optional dependency
-        raise ImportError("plots need matplotlib: pip install 'dice-fast[eval]' (or pip install matplotlib)") from None
+    need_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 

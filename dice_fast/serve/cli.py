@@ -10,7 +10,7 @@ import sys
 
 from ..reuse.persistent import SERVE_MAX_GB
 from ..cliargs import add_cache_arguments, add_encoder_arguments, bounded, make_encoder
-from ..errors import OptionError
+from ..errors import MissingDependency, OptionError
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, HTTP_LIMITS, LIMITS, check_limits
 from .server import SERVER_LIMITS
 
@@ -178,9 +178,22 @@ def register_cli(subparsers) -> None:
     b.set_defaults(func=cmd_bench_serve)
 
 
+def _need_serve_extra() -> None:
+    """`MissingDependency` naming the extra unless the server's packages are installed (it said only
+    "No module named 'fastapi'")."""
+    import importlib.util
+
+    if missing := [m for m in _SERVE_MODULES if importlib.util.find_spec(m) is None]:
+        raise MissingDependency(f"the server needs {', '.join(missing)}: pip install 'dice-fast[serve]'")
+
+
+_SERVE_MODULES = ("fastapi", "uvicorn", "httpx", "orjson", "prometheus_client")
+
+
 def cmd_serve(args) -> int:
     import warnings
 
+    _need_serve_extra()
     from .app import create_app
     from .guards import allowed_hosts
     from .server import SERVER_DEFAULTS, check_server_limits, draining_server, log_config, server_config
@@ -245,6 +258,7 @@ def _check_listenable(host: str, port: int) -> None:
 
 
 def cmd_bench_serve(args) -> int:
+    _need_serve_extra()
     from .bench import run_bench_serve
 
     return run_bench_serve(args)

@@ -85,6 +85,21 @@ def test_a_csv_that_cannot_take_rows_is_refused_before_the_run(tmp_path):
             check_options(_parser().parse_args(["eval", *argv]))
 
 
+def test_plots_without_matplotlib_are_refused_before_the_run(monkeypatch):
+    """A base install (no [eval] extra) ran the first task whole, then failed writing its plots; the
+    later tasks never ran."""
+    import importlib.util
+
+    from dice_fast.errors import MissingDependency
+    from dice_fast.eval.cli import check_options
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find(name, *a))
+    with pytest.raises(MissingDependency, match=r"plots need matplotlib: pip install 'dice-fast\[eval\]'.*--no-plots"):
+        check_options(_parser().parse_args(["eval", "--task", "passkey", "needle"]))
+    check_options(_parser().parse_args(["eval", "--task", "passkey", "--no-plots"]))
+
+
 def test_cli_warns_for_options_some_tasks_ignore(capsys):
     from dice_fast.eval.cli import check_options
 

@@ -218,3 +218,17 @@ def test_a_variable_that_names_no_flag_is_warned_about_and_an_empty_one_is_unset
     flags = {"DICE_FAST_" + next(o for o in a.option_strings if o.startswith("--"))[2:].replace("-", "_").upper()
              for a in serve_parser()[1]._actions if a.option_strings and a.dest != "help"}
     assert {v for v in read if v not in flags and not v.startswith(OTHER_VARIABLES)} <= {"DICE_FAST_"}, read
+
+
+def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
+    """A base install said only "No module named 'fastapi'"."""
+    import importlib.util
+
+    from dice_fast.cli import main
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else find(name, *a))
+    for command in (["serve"], ["bench-serve"]):
+        assert main(command) == 2
+        assert capsys.readouterr().err.strip() == ("dice-fast: error: the server needs fastapi: pip install "
+                                                   "'dice-fast[serve]'")
