@@ -246,7 +246,13 @@ def test_an_explicit_pooling_impl_that_cannot_run_is_refused_when_the_encoder_is
 
     model, tok, *_ = tiny("bert")
     monkeypatch.setattr(native, "is_loaded", lambda: False)
-    with pytest.raises(ValueError, match=r"pooling_impl='native' cannot run on cpu: the C\+\+ extension is not built"):
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(native, "build", no_compiler)  # asked for by name, it is built first (the CLI cannot)
+    with pytest.raises(ValueError, match=r"pooling_impl='native' cannot run on cpu: the C\+\+ extension did not "
+                                         r"build \(no C\+\+ compiler found\)"):
         DiceEncoder(model, tok, pooling_impl="native")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="pooling_impl='triton' cannot run on cpu: the Triton kernels need"):

@@ -92,8 +92,11 @@ def unavailable(impl: str, device: torch.device) -> str | None:
     if impl == "native":
         from . import native
 
-        if not native.is_loaded():
-            return "the C++ extension is not built in this process: call dice_fast.ops.native.build() first"
+        if not native.is_loaded():  # asked for by name (the command line cannot call build()): build it now
+            try:
+                native.build()
+            except RuntimeError as exc:
+                return f"the C++ extension did not build ({exc})"
         if device.type == "cuda" and not native.has_cuda_kernels():
             return "the C++ extension was built without CUDA kernels"
     return None

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import OptionError
 from .spec import check_aggregate_inputs, check_pool_chunks_inputs
 
 __all__ = [
@@ -108,7 +109,7 @@ def _cpu_capability() -> str:
     forced = os.environ.get("DICE_FAST_CPU_CAPABILITY", "").strip().upper()
     if forced:
         if forced not in _ISA_FLAGS:
-            raise ValueError(f"DICE_FAST_CPU_CAPABILITY must be one of {', '.join(_ISA_FLAGS)}, got {forced!r}")
+            raise OptionError(f"DICE_FAST_CPU_CAPABILITY must be one of {', '.join(_ISA_FLAGS)}, got {forced!r}")
         return forced
     if platform.machine().lower() not in ("x86_64", "amd64") or os.name == "nt":
         return "DEFAULT"

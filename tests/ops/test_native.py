@@ -582,3 +582,19 @@ def test_the_ninja_installed_beside_python_is_found_without_an_activated_environ
     native._reach_installed_ninja()
     assert shutil.which("ninja") is not None
     assert os.environ["PATH"].endswith(os.pathsep + str(tmp_path))  # put in front, nothing taken away
+
+
+def test_the_command_line_can_ask_for_the_native_pooling(native, tmp_path):
+    """`--pooling-impl native` was offered by every command and always refused ("call build() first"):
+    a command line cannot call build(). Asked for by name, it is built (here: loaded from its cache)."""
+    from dice_fast.corpus import load_embeddings
+
+    docs = tmp_path / "d.txt"
+    docs.write_text("the first document\nand a second, longer one with more words in it\n", encoding="utf-8")
+    for impl in ("native", "torch"):
+        done = subprocess.run([sys.executable, "-m", "dice_fast.cli", "encode", str(docs), "-o", str(tmp_path / f"{impl}.npy"),
+                               "--pooling-impl", impl, "--chunk-size", "8", "-q"], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+    (_, a), (_, b) = load_embeddings(tmp_path / "native.npy"), load_embeddings(tmp_path / "torch.npy")
+    assert_close(a, b, atol=1e-6, what="native vs torch pooling")
