@@ -1,12 +1,14 @@
 """What the integrations share: importing an optional extra with an install hint, building the engine
 from a path or taking a built one, variants of one loaded encoder, the model's own sentence-transformers
-config (prompts, similarity), and the settings that shape an encoder's vectors.
+config (prompts, similarity), the settings that shape an encoder's vectors, an encoding in a worker
+thread that a cancelled caller stops, and one SSL context for the clients of a served instance.
 
 Imports nothing optional at module level (``import dice_fast.integrations`` must stay light).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import os
@@ -21,6 +23,41 @@ def require(module: str, extra: str):
         return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(f"this dice_fast integration needs {module!r}: pip install dice-fast[{extra}]") from exc
+
+
+class _Abandoned(Exception):
+    """Raised in the worker thread of a call whose caller was cancelled (nobody reads it)."""
+
+
+async def in_thread_until_cancelled(work):
+    """``await`` ``work(progress)`` (an encoding call taking a ``progress(done, total)`` callback) in a worker
+    thread; a cancelled caller stops it at its next batch, where ``progress`` raises. (It ran the whole
+    call on: six abandoned calls held every thread of the event loop's default executor for seconds.)"""
+    stop = threading.Event()
+
+    def progress(done: int, total: int) -> None:
+        if stop.is_set():
+            raise _Abandoned
+
+    try:
+        return await asyncio.to_thread(work, progress)
+    except asyncio.CancelledError:
+        stop.set()
+        raise
+
+
+_SSL_LOCK, _SSL = threading.Lock(), []
+
+
+def ssl_context():
+    """One SSL context for every HTTP client of the process: httpx builds one per client, loading the CA
+    bundle (35-87 ms), on the event loop thread for an async client, for every call."""
+    with _SSL_LOCK:
+        if not _SSL:
+            import httpx
+
+            _SSL.append(httpx.create_ssl_context())
+        return _SSL[0]
 
 
 def as_encoder(encoder, options: dict):

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..chunking import check_texts
 from ..errors import ArgumentTypeError
-from ._common import as_encoder, require, vector_settings
+from ._common import as_encoder, in_thread_until_cancelled, require, ssl_context, vector_settings
 from ._retry import RetryPolicy
 
 _KINDS = {"documents": "document", "queries": "query"}
@@ -176,10 +176,10 @@ class LocalEmbedder:
 
         return model_label(self.encoder.spec.name)
 
-    def documents(self, texts: list[str]) -> np.ndarray:
-        return self.encoder.encode_documents(texts)
+    def documents(self, texts: list[str], progress=None) -> np.ndarray:
+        return self.encoder.encode_documents(texts, progress=progress)
 
-    def queries(self, texts: list[str]) -> np.ndarray:
+    def queries(self, texts: list[str], progress=None) -> np.ndarray:
         """(n, dim) float32; `QueryTooLong` for a query longer than the model window (as a server refuses it),
         `ArgumentTypeError` naming a query that is no string."""
         texts = check_texts(texts, "queries")
@@ -190,13 +190,13 @@ class LocalEmbedder:
             i = int(over[0])
             raise QueryTooLong(f"query {i} of this call has {int(lengths[i])} tokens, more than the model window "
                                f"holds ({used} besides special tokens and prefix); shorten it", i)
-        return enc.encode_queries(texts)
+        return enc.encode_queries(texts, progress=progress)
 
     async def adocuments(self, texts: list[str]) -> np.ndarray:
-        return await asyncio.to_thread(self.documents, texts)
+        return await in_thread_until_cancelled(lambda progress: self.documents(texts, progress))
 
     async def aqueries(self, texts: list[str]) -> np.ndarray:
-        return await asyncio.to_thread(self.queries, texts)
+        return await in_thread_until_cancelled(lambda progress: self.queries(texts, progress))
 
 
 class QueryTooLong(ValueError):
@@ -299,7 +299,7 @@ class ServerEmbedder:
     def _run(self, texts, kind: str) -> np.ndarray:
         httpx = require("httpx", self._extra)
         rows = []
-        with httpx.Client(timeout=self.timeout) as client:
+        with httpx.Client(timeout=self.timeout, verify=ssl_context()) as client:
             for lo, n, body in self._batches(texts, kind):
                 attempts = self.retry.start()
                 while True:
@@ -318,7 +318,7 @@ class ServerEmbedder:
     async def _arun(self, texts, kind: str) -> np.ndarray:
         httpx = require("httpx", self._extra)
         rows = []
-        async with httpx.AsyncClient(timeout=self.timeout) as client:
+        async with httpx.AsyncClient(timeout=self.timeout, verify=ssl_context()) as client:
             for lo, n, body in self._batches(texts, kind):
                 attempts = self.retry.start()
                 while True:

@@ -156,7 +156,17 @@ class RequestSide:
                 lease.release()
 
     async def _embed_parts(self, parts: list[Part], lease: Lease, width: int):
-        self._check_accepting()
+        with self._cond:
+            self._check_accepting()
+            self._planning += 1  # accepted: a close from here on lets the call finish (it was refused)
+        try:
+            return await self._embed_accepted(parts, lease, width)
+        finally:
+            with self._cond:
+                self._planning -= 1
+                self._cond.notify_all()  # a closing worker waits for calls still planning
+
+    async def _embed_accepted(self, parts: list[Part], lease: Lease, width: int):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout if self.request_timeout else None
         texts = [check_texts(p.texts, p.field) for p in parts]
@@ -221,10 +231,13 @@ class RequestSide:
         return out
 
     def _check_accepting(self) -> None:
-        if self.health[0] == "unhealthy":
-            raise Unhealthy(f"the encoder cannot serve: {self._broken}")
+        self._check_healthy()
         if self._closing:
             raise ShuttingDown("the encoder is shutting down and takes no new requests")
+
+    def _check_healthy(self) -> None:
+        if self.health[0] == "unhealthy":
+            raise Unhealthy(f"the encoder cannot serve: {self._broken}")
 
     async def _until(self, deadline: float | None, awaitable):
         """Await ``awaitable`` until ``deadline`` (event-loop time; None: no deadline), else raise
@@ -291,7 +304,7 @@ class RequestSide:
         """Queue ``requests`` (the parts of one call) together, or none of them."""
         tokens = sum(r.tokens for r in requests)
         with self._cond:
-            self._check_accepting()
+            self._check_healthy()  # accepted before a close: queued all the same
             held = self.tokens_held
             if held and held + tokens > self.max_queue_tokens:
                 raise self._queue_full(tokens)

@@ -130,6 +130,7 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
         self._in_flight = 0
         self._held_tokens = 0  # tokens of finished calls whose lease is not released (responses being sent)
         self._closing = False
+        self._planning = 0  # calls accepted and tokenizing, not yet queued: a close lets them finish
         self._draining = False
         self._ran = False  # a forward (the warm-up or a request's) has completed
         self._broken: str | None = None  # why the worker cannot go on
@@ -270,6 +271,8 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
         up to ``timeout`` seconds (None: as long as it takes); whether the worker has stopped."""
         with self._cond:
             self._closing = True
+            if self._planning:  # calls accepted before the close queue their work yet: a worker to run it
+                self._start_worker(warm_up=False)
             self._cond.notify_all()
             worker = self._worker
         if worker is not None and worker is not threading.current_thread():

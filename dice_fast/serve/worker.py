@@ -56,7 +56,7 @@ class BatchStats:
 
 class WorkerLoop:
     """The worker thread of `AsyncDiceEncoder` (a base class: it shares the core's ``_cond``, ``_queue``,
-    ``_pending``, ``_closing``, ``_ran``, ``_broken`` and ``_worker``)."""
+    ``_pending``, ``_closing``, ``_planning``, ``_ran``, ``_broken`` and ``_worker``)."""
 
     def _start_worker(self, warm_up: bool) -> None:
         """Start the worker thread unless it runs. Called with ``_cond`` held."""
@@ -104,7 +104,7 @@ class WorkerLoop:
                 self._admit()
                 batch = self._next_batch()
                 if batch is None:
-                    if self._closing and not self._pending:
+                    if self._closing and not self._pending and not self._planning:
                         return
                     if not busy or not self._trims_heap:
                         self._cond.wait()
@@ -133,6 +133,9 @@ class WorkerLoop:
                 if cur is not None and not (cur.done or cur.cancelled):
                     return
             request = self._pending.popleft()
+            if request.loop.is_closed():  # its caller's event loop is gone, uncancelled: nobody will read it
+                self._pending_tokens -= request.tokens
+                continue
             job = error = None
             self._cond.release()
             try:
@@ -148,7 +151,9 @@ class WorkerLoop:
             if error is not None:
                 _settle(request, exc=error)
                 continue
-            request.job = self._current = job
+            request.job = job
+            if not self.cross_request_batching:  # else it pinned the last job (its request, future and task)
+                self._current = job
             if request.cancelled:  # while it was being admitted: `_cancel` found neither job nor pending
                 self._queue.cancel(job)
             elif job.done:  # every chunk was in memory or the cache

@@ -165,3 +165,35 @@ def test_retriever_refuses_an_unknown_scoring_when_built():
         DiceRetriever(index=object(), scoring="nope")
     assert DiceRetriever(index=object(), scoring="hybrid").scoring == "hybrid"
     assert DiceRetriever(index=object()).scoring == "maxsim"
+
+
+def test_a_cancelled_async_call_stops_at_its_next_batch(bundled):
+    """A cancelled aembed_documents ran its whole encoding on in the event loop's default executor (six
+    abandoned calls held every thread of it for seconds)."""
+    import time
+
+    from dice_fast import DiceEncoder
+
+    enc = DiceEncoder(bundled.model, bundled.tokenizer, config=bundled.config.replace(max_batch_tokens=256))
+    forwards = []
+    hook = enc.model.register_forward_pre_hook(lambda module, args: forwards.append(time.monotonic()))
+    texts = [f"text {i}: " + "the river ran past the old mill and on to the sea " * 40 for i in range(16)]
+    emb = DiceEmbeddings(enc)
+
+    async def cancelled():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(emb.aembed_documents(texts), 0.3)
+
+    try:
+        asyncio.run(cancelled())  # returns once the executor's thread is done (it waits for it)
+        time.sleep(1.0)  # the batch running when the call was cancelled finishes
+        ran = len(forwards)
+        time.sleep(1.0)
+        forwards.clear()
+        enc.encode_documents(texts)  # the forwards of the whole call (the chunk cache is off)
+        assert len(forwards) > 12 and 0 < ran < len(forwards) // 2, (ran, len(forwards))  # stopped long before
+        short = ["a short text", "another one"]
+        np.testing.assert_array_equal(np.asarray(asyncio.run(emb.aembed_documents(short)), np.float32),
+                                      enc.encode_documents(short))
+    finally:
+        hook.remove()

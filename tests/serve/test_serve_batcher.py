@@ -344,6 +344,71 @@ def test_close_drains_queued_requests_then_refuses(tiny_encoder):
     assert_close(np.concatenate([o.vectors for o in outs]), tiny_encoder.encode_documents(texts), atol=1e-5)
 
 
+def test_close_lets_calls_still_tokenizing_finish(tiny_encoder, monkeypatch):
+    """Calls accepted and still tokenizing when aclose() began were refused (ShuttingDown) once planned,
+    while /health said requests in flight finish; a closing worker now waits for them."""
+    import threading
+
+    from dice_fast.serve import admission
+
+    texts = word_texts(3, 10, 60, seed=12)
+    entered, gate = [], threading.Event()
+    plan = admission.plan_request
+
+    def held_plan(*args, **kwargs):
+        entered.append(1)
+        gate.wait(30)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(admission, "plan_request", held_plan)
+
+    async def main():
+        core = AsyncDiceEncoder(tiny_encoder)
+        tasks = [asyncio.create_task(core.embed_documents([t])) for t in texts]
+        while len(entered) < len(texts):
+            await asyncio.sleep(0.01)
+        closing = asyncio.create_task(core.aclose())
+        await asyncio.sleep(0.2)
+        assert not closing.done()  # the worker waits for the calls still planning
+        with pytest.raises(ShuttingDown):
+            await core.embed_documents(texts[:1])  # a new call is refused
+        gate.set()
+        outs = await asyncio.gather(*tasks)
+        return outs, await closing
+
+    outs, stopped = run(main())
+    assert stopped is True
+    assert_close(np.concatenate([o.vectors for o in outs]), tiny_encoder.encode_documents(texts), atol=1e-5)
+
+
+def test_a_call_whose_event_loop_closed_gives_its_slot_back(tiny_encoder):
+    """A loop closed with a call still waiting (not cancelled: a loop torn down in a thread): the worker
+    kept the last job, and through it the call's task, for good, so its max_concurrent_requests slot
+    never came back (every later call: Overloaded)."""
+    import gc
+    import time
+
+    proxy = ProxyEncoder(tiny_encoder)
+    core = AsyncDiceEncoder(proxy, max_concurrent_requests=1)
+    texts = word_texts(2, 20, 60, seed=13)
+    proxy.running.clear()
+    proxy.gate.clear()
+    loop = asyncio.new_event_loop()
+    loop.create_task(core.embed_documents(texts))
+    while not proxy.running.is_set():
+        loop.run_until_complete(asyncio.sleep(0.01))
+    loop.close()  # its task still waiting for the batch held at the gate
+    del loop
+    proxy.gate.set()
+    deadline = time.monotonic() + 30
+    while core.requests_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()  # the abandoned task, once nothing holds it, ends and releases its slot
+    assert core.requests_in_flight == 0
+    assert_close(run(core.embed_documents(texts)).vectors, tiny_encoder.encode_documents(texts), atol=1e-5)
+    core.close()
+
+
 @pytest.mark.parametrize("bad", [{"max_inputs_per_request": 0}, {"max_queue_tokens": -1},
                                  {"max_concurrent_requests": 1.5}, {"max_tokens_per_document": True}])
 def test_bad_limits_raise(tiny_encoder, bad):
