@@ -70,7 +70,7 @@ def gelu_pairs(model: nn.Module) -> tuple[GeluPair, ...]:
         return ()
     holders: dict[int, int] = {}  # id(weight) -> how many modules hold it
     seen: dict[int, int] = {}  # id(module) -> how many times it is registered
-    for module in model.modules(remove_duplicate=False):
+    for _, module in model.named_modules(remove_duplicate=False):  # modules() takes no remove_duplicate before torch 2.11
         seen[id(module)] = seen.get(id(module), 0) + 1
         for p in module.parameters(recurse=False):
             holders[id(p)] = holders.get(id(p), 0) + 1

@@ -76,8 +76,11 @@ def test_categorical_parquet_text_column_is_read_as_strings(tmp_path):
 
 def test_string_view_parquet_columns_are_read_as_strings(tmp_path):
     p = tmp_path / "v.parquet"  # pyarrow and polars write string_view columns
-    pq.write_table(pa.table({"text": pa.array(["a b", "c d"], pa.string_view()),
-                             "id": pa.array(["x", "y"], pa.string_view())}), p)
+    try:
+        pq.write_table(pa.table({"text": pa.array(["a b", "c d"], pa.string_view()),
+                                 "id": pa.array(["x", "y"], pa.string_view())}), p)
+    except pa.ArrowNotImplementedError:  # pyarrow 16-18 read string_view from Parquet but cannot write it
+        pytest.skip(f"pyarrow {pa.__version__} cannot write string_view columns to Parquet")
     assert list(open_corpus(str(p), id_field="id").records()) == [("x", "a b"), ("y", "c d")]
 
 
@@ -88,7 +91,7 @@ def test_string_view_parquet_columns_are_read_as_strings(tmp_path):
 def test_a_json_integer_too_long_to_convert_names_the_line(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"text": "fine"}\n{"text": "a", "n": ' + "1" * 5000 + "}\n", encoding="utf-8")
-    with pytest.raises(InputError, match=r"d\.jsonl:2: unreadable JSON \(Exceeds the limit \(4300 digits\)"):
+    with pytest.raises(InputError, match=r"d\.jsonl:2: unreadable JSON \(Exceeds the limit \(4300( digits)?\)"):
         list(open_corpus(str(p)).records())
 
 
