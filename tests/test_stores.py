@@ -279,12 +279,15 @@ def test_qdrant_deletes_in_requests_of_bounded_size(monkeypatch):
     store = open_store("qdrant+memory:///del", dim=DIM)
     index, _ = _reference(n_docs=5)
     store.upsert_arrays(index.ids, *_arrays(index), texts=list(index.texts))
-    calls = []
-    real = store.client.delete
+    calls, asked = [], []
+    real, retrieve = store.client.delete, store.client.retrieve
     monkeypatch.setattr(store.client, "delete", lambda name, points_selector, **kw: (
         calls.append(len(points_selector.points)), real(name, points_selector=points_selector, **kw))[1])
-    store.delete(["doc-1"] + [f"absent-{i}" for i in range(2500)] + ["doc-3"])
-    assert calls == [1024, 1024, 454] and len(store) == 3 and store.contains(["doc-1", "doc-3"]) == [False, False]
+    monkeypatch.setattr(store.client, "retrieve", lambda name, ids, **kw: (asked.append(len(ids)),
+                                                                            retrieve(name, ids=ids, **kw))[1])
+    assert store.delete(["doc-1"] + [f"absent-{i}" for i in range(2500)] + ["doc-3"]) == 2
+    assert asked == [1024, 1024, 454] and calls == [2]  # looked up in bounded requests, only the held deleted
+    assert len(store) == 3 and store.contains(["doc-1", "doc-3"]) == [False, False]
 
 
 @pytest.mark.parametrize("kind", ["qdrant-path", "lancedb", "dice_index"])
@@ -455,3 +458,35 @@ def test_two_writers_and_a_searcher_share_a_store(kind, tmp_path):
     finally:
         store.close()
     assert min(counts.values()) > 0, counts
+
+
+@pytest.mark.parametrize("kind", ["dice_index", "qdrant-memory", "lancedb"])
+def test_every_store_answers_edge_inputs_alike(kind, tmp_path):
+    """What a differential run of the three stores found them to answer differently: a NaN query (-inf
+    hits, an error, nothing), an id that is not valid Unicode in contains / delete (False, or a
+    UnicodeEncodeError), delete's return (a count, or None), a huge k (LanceDB: OverflowError), ids=None
+    and one string as ids (read a character at a time)."""
+    from dice_fast.errors import ArgumentTypeError, OptionError
+
+    index, queries = _reference(n_docs=12)
+    if kind == "dice_index":
+        store = DiceIndex(DIM)
+        store.add_arrays(index.ids, *_arrays(index), texts=list(index.texts))
+    else:
+        store = _filled(kind, tmp_path, index)
+    bad = queries[:2].copy()
+    bad[1, 3] = np.nan
+    with pytest.raises(InputError, match="query vector 1 holds NaN or an infinity"):
+        store.search(bad, 3)
+    assert store.contains([index.ids[0], "\ud800", "absent"]) == [True, False, False]
+    assert store.delete([index.ids[0], "\ud800", index.ids[0], "absent"]) == 1
+    assert len(store) == 11 and store.contains([index.ids[0]]) == [False]
+    assert [h.id for h in store.search(queries[:1], 2**40)[0]] == [h.id for h in store.search(queries[:1], 11)[0]]
+    with pytest.raises(ArgumentTypeError, match="ids must be a list of ids, not a single str"):
+        store.delete(index.ids[1])
+    with pytest.raises(ArgumentTypeError, match="not a single str"):
+        store.contains("ab")
+    if kind != "dice_index":  # DiceIndex.add_arrays numbers documents given no ids
+        with pytest.raises(OptionError, match="ids are required"):
+            store.upsert_arrays(None, *_arrays(index))
+    assert len(store) == 11

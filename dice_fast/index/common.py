@@ -24,7 +24,7 @@ from ..streaming import as_iterator
 from .encoder_match import check_encoder, model_id, recorded_model, recorded_options, restore_encoder, vector_options
 
 __all__ = ["DEFAULT_SCORING", "Hit", "Batch", "check_batch", "check_ids", "check_k", "check_output_ids",
-           "evidence_hit", "scored_hits", "EncoderSlot", "short_repr"]
+           "evidence_hit", "lookup_ids", "scored_hits", "storable", "EncoderSlot", "short_repr"]
 
 # one recorded encoder is rebuilt at a time, process-wide: concurrent first searches (a retriever's
 # batch, asyncio.gather) load the model once, and never import transformers from two threads at once
@@ -101,7 +101,9 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
 def check_ids(ids: Sequence, n: int) -> list[str]:
     """``ids`` as strings, one per document of ``n``, distinct and valid Unicode; `OptionError` naming
     the culprit otherwise (checked before anything is encoded or written)."""
-    ids = [str(i) for i in ids]
+    if ids is None:
+        raise OptionError(f"ids are required: one per document ({n}); only DiceIndex.add_arrays numbers them")
+    ids = lookup_ids(ids)
     if len(ids) != n:
         raise OptionError(f"got {len(ids)} ids for {n} documents")
     seen: dict[str, int] = {}
@@ -135,6 +137,23 @@ def short_repr(value) -> str:
     """``repr(value)``, cut to 60 characters."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def lookup_ids(ids) -> list[str]:
+    """``ids`` (an iterable of ids, never one string: it was read a character at a time) as strings."""
+    if isinstance(ids, (str, bytes)):
+        raise ArgumentTypeError(f"ids must be a list of ids, not a single {type(ids).__name__} ({short_repr(ids)})")
+    return [str(i) for i in ids]
+
+
+def storable(doc_id: str) -> bool:
+    """Whether a store can hold ``doc_id`` (valid Unicode); one it cannot is never held: `contains` answers
+    False and `delete` ignores it, in every store alike (two raised a UnicodeEncodeError)."""
+    try:
+        doc_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_unicode(text: str, name: str) -> None:
@@ -225,10 +244,13 @@ class EncoderSlot:
         """Keep ``model`` and ``encoder_options`` where the store keeps them (`DiceIndex`: its next save)."""
 
     def _query_vectors(self, queries) -> np.ndarray:
-        """(n, dim) float32 query vectors: an array as given, or strings encoded by the encoder."""
+        """(n, dim) float32 query vectors: an array as given (finite: a NaN query got -inf, NaN or an
+        error depending on the store), or strings encoded by the encoder."""
         if isinstance(queries, np.ndarray):
             if queries.ndim != 2 or queries.shape[1] != self.dim:
                 raise ValueError(f"query vectors must be (n, {self.dim}), got {queries.shape}")
+            if (bad := _first_non_finite(queries)) is not None:
+                raise InputError(f"query vector {bad} holds NaN or an infinity")
             return queries.astype(np.float32, copy=False)
         if isinstance(queries, str):
             raise TypeError("queries must be a list of strings (or an (n, dim) array), not a single string")

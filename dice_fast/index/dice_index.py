@@ -35,7 +35,7 @@ from .growth import COLUMNS, Column, Grown, grown
 from .rescore import pair_scores
 from .rwlock import ReadWriteLock
 from .common import (DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_ids, check_k, check_output_ids, evidence_hit,
-                     scored_hits)
+                     lookup_ids, scored_hits)
 from .texts import TextColumn
 from .top import by_score, exact_top
 
@@ -186,13 +186,13 @@ class DiceIndex(EncoderSlot):
 
     def contains(self, ids: Sequence) -> list[bool]:
         """For each id in ``ids``: whether the index holds it (as `QdrantStore` / `LanceStore` answer)."""
-        ids = [str(i) for i in ids]
+        ids = lookup_ids(ids)
         with self._lock.reading():
             return [i in self._id_set for i in ids]
 
     def delete(self, ids: Sequence) -> int:
         """Remove the documents ``ids`` (ids not indexed are ignored); returns how many were removed."""
-        ids = [str(i) for i in ids]
+        ids = lookup_ids(ids)
         with self._lock.writing():
             return self._delete(ids)
 

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .common import lookup_ids, storable
 from .remote import DEFAULT_BATCH, Candidate, RemoteStore, require
 
 
@@ -132,18 +133,21 @@ class LanceStore(RemoteStore):
         self.table.create_index(metric="cosine" if column == "chunks" else "dot", vector_column_name=column,
                                 index_type="IVF_PQ", replace=True, **options)
 
-    def delete(self, ids: Sequence) -> None:
-        """Remove the documents ``ids`` (ids not stored are ignored)."""
-        ids = [str(i) for i in ids]
-        for i in range(0, len(ids), 512):
-            self.table.delete(_in_list(ids[i : i + 512]))
+    def delete(self, ids: Sequence) -> int:
+        """Remove the documents ``ids`` (ids not stored are ignored); returns how many were removed."""
+        ids = list(dict.fromkeys(lookup_ids(ids)))
+        held = [i for i, h in zip(ids, self.contains(ids)) if h]
+        for i in range(0, len(held), 512):
+            self.table.delete(_in_list(held[i : i + 512]))
+        return len(held)
 
     def contains(self, ids: Sequence) -> list[bool]:
         """For each id in ``ids``: whether the table holds it."""
-        ids = [str(i) for i in ids]
+        ids = lookup_ids(ids)
         found = set()
-        for i in range(0, len(ids), 512):
-            part = ids[i : i + 512]
+        asked = [i for i in ids if storable(i)]
+        for i in range(0, len(asked), 512):
+            part = asked[i : i + 512]
             rows = self.table.search().where(_in_list(part)).select(["id"]).limit(len(part)).to_arrow()
             found.update(rows["id"].to_pylist())
         return [i in found for i in ids]
@@ -151,7 +155,7 @@ class LanceStore(RemoteStore):
     def fetch(self, ids: Sequence) -> dict:
         """{id: `Candidate`} of the documents of ``ids`` the table holds (ids not stored are left out)."""
         found = {}
-        ids = [str(i) for i in ids]
+        ids = [i for i in lookup_ids(ids) if storable(i)]
         for i in range(0, len(ids), 512):
             part = ids[i : i + 512]
             for record in self._candidates(self.table.search().where(_in_list(part)).limit(len(part)).to_arrow()):

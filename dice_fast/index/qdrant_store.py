@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .common import lookup_ids, storable
 from .remote import DEFAULT_BATCH, Candidate, RemoteStore, require
 
 NAMESPACE = uuid.UUID("6f1e3c2a-5d4b-4e8f-9a7c-0d1e2f3a4b5c")  # document id -> point id
@@ -128,27 +129,29 @@ class QdrantStore(RemoteStore):
         return Candidate(payload["id"], np.asarray(vectors["doc"], np.float32), chunks, payload["start"],
                          payload["end"], payload.get("text"))
 
-    def delete(self, ids: Sequence) -> None:
-        """Remove the documents ``ids`` (ids not stored are ignored)."""
-        ids = [point_id(i) for i in ids]
-        for i in range(0, len(ids), 1024):  # as `contains`: a request of bounded size
-            self.client.delete(self.collection, points_selector=self._models.PointIdsList(points=ids[i : i + 1024]),
-                               wait=True)
+    def delete(self, ids: Sequence) -> int:
+        """Remove the documents ``ids`` (ids not stored are ignored); returns how many were removed."""
+        ids = list(dict.fromkeys(lookup_ids(ids)))
+        held = [i for i, h in zip(ids, self.contains(ids)) if h]
+        for i in range(0, len(held), 1024):  # as `contains`: a request of bounded size
+            points = [point_id(x) for x in held[i : i + 1024]]
+            self.client.delete(self.collection, points_selector=self._models.PointIdsList(points=points), wait=True)
+        return len(held)
 
     def contains(self, ids: Sequence) -> list[bool]:
         """For each id in ``ids``: whether the collection holds it."""
-        ids = [str(i) for i in ids]
+        ids = lookup_ids(ids)
         found = set()
         for i in range(0, len(ids), 1024):
-            records = self.client.retrieve(self.collection, ids=[point_id(x) for x in ids[i : i + 1024]],
-                                           with_payload=["id"], with_vectors=False)
+            asked = [point_id(x) for x in ids[i : i + 1024] if storable(x)]
+            records = self.client.retrieve(self.collection, ids=asked, with_payload=["id"], with_vectors=False)
             found.update(r.payload["id"] for r in records)
         return [i in found for i in ids]
 
     def fetch(self, ids: Sequence) -> dict:
         """{id: `Candidate`} of the documents of ``ids`` the collection holds (ids not stored are left out)."""
         found = {}
-        ids = [str(i) for i in ids]
+        ids = [i for i in lookup_ids(ids) if storable(i)]
         for i in range(0, len(ids), 256):
             for point in self.client.retrieve(self.collection, ids=[point_id(x) for x in ids[i : i + 256]],
                                               with_payload=True, with_vectors=True):

@@ -21,6 +21,7 @@ exact, and a document is missed only when it is outside both lists (docs/retriev
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -33,6 +34,7 @@ from .common import (DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, chec
 from .encoder_match import model_id, recorded_model, vector_options
 
 DEFAULT_BATCH = 256  # documents per write, at most
+_MOST = 2**31 - 1  # records one search asks a database for
 
 
 class Candidate(NamedTuple):
@@ -198,14 +200,15 @@ class RemoteStore(EncoderSlot):
         q = self._query_vectors(queries)
         if len(q) == 0:
             return []
+        # a database takes at most 2**31-1 records at once (LanceDB raised an OverflowError for a huge k)
         if scoring == "hybrid" and alpha in (0.0, 1.0):
-            lists = self._nearest(q, "maxsim" if alpha == 0.0 else "dice", max(k, check_k(candidates or k)))
+            lists = self._nearest(q, "maxsim" if alpha == 0.0 else "dice", min(max(k, check_k(candidates or k)), _MOST))
         elif scoring == "hybrid":
-            limit = max(k, check_k(candidates)) if candidates is not None else max(4 * k, 40)
+            limit = min(max(k, check_k(candidates)) if candidates is not None else max(4 * k, 40), _MOST)
             by_dice, by_maxsim = self._nearest(q, "dice", limit), self._nearest(q, "maxsim", limit)
             lists = [list({c.id: c for c in a + b}.values()) for a, b in zip(by_dice, by_maxsim)]
         else:
-            lists = self._nearest(q, scoring, max(k, check_k(candidates or k)))
+            lists = self._nearest(q, scoring, min(max(k, check_k(candidates or k)), _MOST))
         return [self._rank(qv, found, k, scoring, alpha) for qv, found in zip(q, lists)]
 
     def _rank(self, qv: np.ndarray, found: list[Candidate], k: int, scoring: str, alpha: float) -> list[Hit]:
@@ -216,6 +219,8 @@ class RemoteStore(EncoderSlot):
             s = {"dice": dice, "maxsim": best}.get(scoring)
             if s is None:
                 s = float(sc.blend(alpha, np.float32(dice), np.float32(best)))
+            if math.isnan(s):  # a product past float32's range: last, as DiceIndex ranks it (it sorted NaN anywhere)
+                s = float("-inf")
             scored.append((-s, position, c))
         scored.sort(key=lambda t: (t[0], t[1]))
         kept = scored_hits(scoring, ((c, -s) for s, _, c in scored))
