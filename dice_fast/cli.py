@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exact, packed DICE embeddings of long documents: every document is split into token "
         "chunks, each chunk is encoded on its own by a frozen Hugging Face model (positions restarting per "
         "chunk), and chunk vectors are aggregated into one vector per document.",
+        epilog="exit status: 0 done; 2 an error (one line on stderr) or an interruption (Ctrl-C or SIGTERM: "
+        "the command's clean-up runs); 141 the reader of the output went away (| head); serve: 0 after a "
+        "drain, 3 when its encoder stopped (a failed warm-up).",
     )
     parser.add_argument("--version", action="version", version=f"dice-fast {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

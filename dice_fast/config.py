@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .errors import ArgumentTypeError, OptionError
 from .ops import IMPLS
-from .ops.names import AGGREGATIONS, MIN_TEMPERATURE, POOLINGS, check_aggregation, check_pooling
+from .ops.names import AGGREGATIONS, POOLINGS, check_aggregation, check_pooling
 
 STRATEGIES = ("dice", "single", "late")
 POSITIONS = ("local", "global")
@@ -211,8 +211,10 @@ class DiceConfig:
                      "max_batch_tokens", "window_overlap", "overlap"):
             self._set(name, _integer(name, getattr(self, name), minimum=0 if "overlap" in name else 1,
                                      optional=name not in ("top_k", "overlap")))
-        # the one temperature whatever the aggregation: the index and a resumed job compare it as recorded
-        self._set("temperature", _real("temperature", self.temperature, MIN_TEMPERATURE, math.inf))
+        # a finite number whatever the aggregation (the index and a resumed job compare it as recorded: NaN
+        # never equals itself); softmax_norm's own bound below
+        self._set("temperature", _real("temperature", self.temperature, -math.inf, math.inf,
+                                                what="a finite number"))
         check_aggregation(self.aggregation, self.top_k, self.temperature)
         if self.chunk_size is not None and self.overlap >= self.chunk_size:
             raise OptionError(

@@ -183,6 +183,7 @@ class GraphedRunner:
     def run(self, batch: PackedBatch) -> torch.Tensor:
         """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32, as `ModelRunner.run`."""
         r = self.runner
+        r.check_placement()  # a graph replays the weights it captured: moved, they are freed memory
         bucket = None
         if batch.n_tokens and r.uses_packed(batch.max_seqlen) and batch.pool_rows is None:  # late: unpadded
             bucket = choose_bucket(self.buckets, batch.n_tokens, len(batch.lengths), batch.max_seqlen)

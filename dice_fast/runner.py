@@ -104,7 +104,7 @@ class ModelRunner:
         """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32 in the batch's packing order."""
         if batch.n_tokens == 0:
             return torch.zeros((0, self.spec.hidden_size), dtype=torch.float32, device=self.device)
-        self._check_placement()
+        self.check_placement()
         cu = on_device(batch, "cu_seqlens", self.device)
         with torch.inference_mode():
             if self.uses_packed(batch.max_seqlen):
@@ -116,7 +116,7 @@ class ModelRunner:
                 hidden = self._padded_hidden(batch)
             return pool_batch(hidden, batch, cu, self.pooling, self.pooling_impl)
 
-    def _check_placement(self) -> None:
+    def check_placement(self) -> None:
         """`ModelError` when the model's weights are no longer where and what they were at construction
         (another encoder built on the same model object moved them): the vectors, and the chunk cache's
         key, would silently change."""

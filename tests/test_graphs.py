@@ -171,3 +171,19 @@ def test_replays_from_threads_each_read_their_own_batch(monkeypatch):
 
     side_by_side([work] * 4, 2.0)
     assert not wrong and runner.replays > 50, (wrong, runner.replays)
+
+
+def test_a_graphed_encoder_whose_model_another_encoder_moved_refuses_to_run():
+    """Bucketed batches replay without ModelRunner.run, so its placement check never ran: the first
+    encoder went on in bf16 (1.7e-3 off here; on CUDA a graph replays weights that were freed)."""
+    import copy
+
+    model, tok, *_ = tiny("bert")
+    model = copy.deepcopy(model)
+    first = DiceEncoder(model, tok, chunk_size=8)
+    graphs.use_cuda_graphs(first, capture=False)  # the CPU stand-in of the graphed path
+    first.encode_documents(["a few words of text"])
+    assert first.runner.replays == 1
+    DiceEncoder(model, tok, chunk_size=8, dtype="bfloat16")  # casts the shared model
+    with pytest.raises(ValueError, match="weights are now bfloat16 on cpu"):
+        first.encode_documents(["a few words of text"])

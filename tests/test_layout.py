@@ -161,6 +161,7 @@ THIRD_PARTY_PRIVATE = {
     # a linear's output keeps it out of the GELU fusion (cpu_fusion)
     "_forward_hooks", "_forward_pre_hooks", "_global_forward_hooks", "_global_forward_pre_hooks",
     "_backward_hooks", "_backward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks",
+    "_exit",  # os._exit, documented: `dice-fast serve` ends without joining a thread left inside a forward
 }
 ROOT = PACKAGE.parent
 # a GPU preflight inspects the Triton kernels' launch internals and attention's probes by design

@@ -23,13 +23,20 @@ class QueryBlocks:
 
     def __iter__(self):
         while batch := list(islice(self.texts, BATCH)):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            cut = []
+            with warnings.catch_warnings():  # only TruncatedWarning is taken; the others show as ever
+                shown = warnings.showwarning
+                warnings.simplefilter("always", TruncatedWarning)  # the same text in two blocks: two
+
+                def show(message, category, filename, lineno, file=None, line=None):
+                    if issubclass(category, TruncatedWarning):
+                        cut.append(message)
+                    else:
+                        shown(message, category, filename, lineno, file, line)
+
+                warnings.showwarning = show
                 block = self.enc.encode_queries(batch, progress=self.progress)
-            self._cut = [w.message for w in caught if isinstance(w.message, TruncatedWarning)]
-            for w in caught:  # any other warning goes on as it came
-                if not isinstance(w.message, TruncatedWarning):
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            self._cut = cut
             yield block
 
     def note(self, ids: list[str]) -> None:

@@ -134,7 +134,8 @@ class LanceStore(RemoteStore):
                                 index_type="IVF_PQ", replace=True, **options)
 
     def delete(self, ids: Sequence) -> int:
-        """Remove the documents ``ids`` (ids not stored are ignored); returns how many were removed."""
+        """Remove the documents ``ids`` (ids not stored are ignored); returns how many it found and removed
+        (looked up, then removed: an id another writer adds in between stays)."""
         ids = list(dict.fromkeys(lookup_ids(ids)))
         held = [i for i, h in zip(ids, self.contains(ids)) if h]
         for i in range(0, len(held), 512):

@@ -77,6 +77,9 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return "native" if native.is_loaded() and device.type == "cpu" else "torch"
 
 
+_BUILD_FAILED: list[str] = []  # why `unavailable` could not build the C++ extension, once tried
+
+
 def unavailable(impl: str, device: torch.device) -> str | None:
     """Why the concrete implementation ``impl`` cannot run on ``device`` in this process (None: it can),
     so that an encoder refuses an explicit choice when it is built, not at its first batch."""
@@ -93,10 +96,13 @@ def unavailable(impl: str, device: torch.device) -> str | None:
         from . import native
 
         if not native.is_loaded():  # asked for by name (the command line cannot call build()): build it now
+            if _BUILD_FAILED:  # once per process: a compiler that failed fails again
+                return _BUILD_FAILED[0]
             try:
                 native.build()
-            except RuntimeError as exc:
-                return f"the C++ extension did not build ({exc})"
+            except (RuntimeError, OSError) as exc:
+                _BUILD_FAILED.append(f"the C++ extension did not build ({exc})")
+                return _BUILD_FAILED[0]
         if device.type == "cuda" and not native.has_cuda_kernels():
             return "the C++ extension was built without CUDA kernels"
     return None

@@ -157,11 +157,15 @@ def _export(model, takes_positions: bool, ids: np.ndarray, pos: np.ndarray):
         # torch.jit.trace's check_trace (on by default; convert_model cannot turn it off) traces the
         # module again to compare, and TorchScript keeps ~2.5 MB per transformer layer of that check
         # for the life of the process (per traced op, whatever the hidden size); the graph is the same
-        from openvino.frontend.pytorch.ts_decoder import TorchScriptPythonDecoder
+        inputs = [(n, [-1, -1], ov.Type.i64) for n in names]
+        try:
+            from openvino.frontend.pytorch.ts_decoder import TorchScriptPythonDecoder
 
-        decoder = TorchScriptPythonDecoder(_Dense(twin, takes_positions), example_input=example,
-                                           trace_kwargs={"check_trace": False})
-        return ov.convert_model(decoder, input=[(n, [-1, -1], ov.Type.i64) for n in names])
+            decoder = TorchScriptPythonDecoder(_Dense(twin, takes_positions), example_input=example,
+                                               trace_kwargs={"check_trace": False})
+        except (ImportError, TypeError):  # an OpenVINO whose decoder takes no trace_kwargs: its own trace
+            return ov.convert_model(_Dense(twin, takes_positions), example_input=example, input=inputs)
+        return ov.convert_model(decoder, input=inputs)
 
 
 def _quantize(fp, calibration, takes_positions: bool):

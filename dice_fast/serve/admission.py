@@ -88,6 +88,15 @@ class QueuedRequest:
         return self.part.name(index) if self.part is not None else input_name("input", index)
 
 
+class Planning:
+    """One accepted call, tokenizing until its requests are queued (`AsyncDiceEncoder._planning` counts them)."""
+
+    __slots__ = ("planning",)
+
+    def __init__(self):
+        self.planning = True
+
+
 class Lease:
     """One request's share of an `AsyncDiceEncoder` (``core.lease()``): a ``max_concurrent_requests``
     slot, and the request's tokens against ``max_queue_tokens`` once its vectors are ready, until
@@ -158,15 +167,22 @@ class RequestSide:
     async def _embed_parts(self, parts: list[Part], lease: Lease, width: int):
         with self._cond:
             self._check_accepting()
-            self._planning += 1  # accepted: a close from here on lets the call finish (it was refused)
+            self._planning += 1  # accepted: a close from here on lets it queue its work (it was refused)
+        call = Planning()
         try:
-            return await self._embed_accepted(parts, lease, width)
+            return await self._embed_accepted(parts, lease, width, call)
         finally:
-            with self._cond:
+            self._planned(call)  # queued, refused or failed before
+
+    def _planned(self, call: Planning) -> None:
+        """``call`` no longer plans (its requests are queued, or it ended before): once, whatever the path."""
+        with self._cond:
+            if call.planning:
+                call.planning = False
                 self._planning -= 1
                 self._cond.notify_all()  # a closing worker waits for calls still planning
 
-    async def _embed_accepted(self, parts: list[Part], lease: Lease, width: int):
+    async def _embed_accepted(self, parts: list[Part], lease: Lease, width: int, call: Planning):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout if self.request_timeout else None
         texts = [check_texts(p.texts, p.field) for p in parts]
@@ -210,7 +226,7 @@ class RequestSide:
                              keys=keys, keep_chunks=p.return_chunks, part=p)
                     for p, (plan, _, keys) in zip(parts, planned)]
         queued = [r for r in requests if r is not None]
-        self._submit(queued)
+        self._submit(queued, call)
         try:
             await self._until(deadline, _all_or_first_error([r.future for r in queued]))
         except BaseException:
@@ -300,16 +316,19 @@ class RequestSide:
         return Overloaded(f"the queue holds {self.tokens_held} tokens; {tokens} more would pass its limit of "
                           f"{self.max_queue_tokens} (max_queue_tokens); retry later", self.retry_after())
 
-    def _submit(self, requests: list[QueuedRequest]) -> None:
+    def _submit(self, requests: list[QueuedRequest], call: Planning) -> None:
         """Queue ``requests`` (the parts of one call) together, or none of them."""
         tokens = sum(r.tokens for r in requests)
         with self._cond:
-            self._check_healthy()  # accepted before a close: queued all the same
+            self._check_healthy()
+            if self._closing and self._refuse_planned:  # closed from the loop's thread: no worker waited
+                raise ShuttingDown("the encoder is shutting down and takes no new requests")
             held = self.tokens_held
             if held and held + tokens > self.max_queue_tokens:
                 raise self._queue_full(tokens)
             self._pending.extend(requests)
             self._pending_tokens += tokens
+            self._planned(call)  # queued: the pending requests keep a closing worker running now
             self._start_worker(warm_up=False)
             self._cond.notify()
 

@@ -115,6 +115,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
         if owned and not await core.aclose(shutdown_timeout):  # uvicorn has finished the requests in flight
             log.warning("dice_fast.serve: the worker was still in a forward after %s s; shutting down without it",
                         shutdown_timeout)
+            app.state.worker_left = True  # `dice-fast serve` then ends the process without joining it
 
     pages = {"docs_url": None, "redoc_url": None} if api_key is not None else {}
     app = FastAPI(title="dice-fast embeddings", version=__version__, lifespan=lifespan,

@@ -130,7 +130,8 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
         self._in_flight = 0
         self._held_tokens = 0  # tokens of finished calls whose lease is not released (responses being sent)
         self._closing = False
-        self._planning = 0  # calls accepted and tokenizing, not yet queued: a close lets them finish
+        self._planning = 0  # calls accepted and tokenizing, not yet queued: a close lets them queue and finish
+        self._refuse_planned = False  # closed on an event loop's own thread: those calls cannot go on, refused
         self._draining = False
         self._ran = False  # a forward (the warm-up or a request's) has completed
         self._broken: str | None = None  # why the worker cannot go on
@@ -267,11 +268,19 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
         return min(60, max(1, math.ceil(self.tokens_waiting / self._rate)))
 
     def close(self, timeout: float | None = None) -> bool:
-        """Refuse new requests (`ShuttingDown`), let the queued ones finish, and stop the worker, waiting
-        up to ``timeout`` seconds (None: as long as it takes); whether the worker has stopped."""
+        """Refuse new requests (`ShuttingDown`), let the queued ones and those still tokenizing finish, and
+        stop the worker, waiting up to ``timeout`` seconds (None: as long as it takes); whether the worker
+        has stopped. Called on a thread running an event loop (use `aclose` there), calls still tokenizing
+        are refused: their loop is blocked here and could never queue them."""
+        try:
+            asyncio.get_running_loop()
+            on_a_loop = True
+        except RuntimeError:
+            on_a_loop = False
         with self._cond:
             self._closing = True
-            if self._planning:  # calls accepted before the close queue their work yet: a worker to run it
+            self._refuse_planned = self._refuse_planned or on_a_loop
+            if self._planning and not self._refuse_planned:  # calls accepted before the close: a worker for them
                 self._start_worker(warm_up=False)
             self._cond.notify_all()
             worker = self._worker

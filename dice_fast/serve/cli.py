@@ -236,10 +236,15 @@ def cmd_serve(args) -> int:
                            lifespan="on", **{name: getattr(args, name) for name in SERVER_DEFAULTS})
     draining_server(app.state.core)(config).run()
     state, why = app.state.core.health
+    status = 0
     if state == "unhealthy":  # a status for the supervisor (systemd Restart=on-failure, a container's policy)
         print(f"dice-fast serve: error: the encoder stopped ({why}); exit status 3", file=sys.stderr)
-        return 3
-    return 0
+        status = 3
+    if getattr(app.state, "worker_left", False):  # a thread still inside a forward: interpreter shutdown
+        sys.stdout.flush()  # could abort in C++ ("terminate called without an active exception")
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def _check_listenable(host: str, port: int) -> None:

@@ -214,6 +214,6 @@ def draining_server(core):
         def capture_signals(self):
             with super().capture_signals():
                 yield
-                self._captured_signals.clear()  # handled: the drain is done
+                self._captured_signals.clear()  # handled: the drain is done (uvicorn 0.30-0.55 re-raises these)
 
     return DrainingServer

@@ -56,7 +56,7 @@ class BatchStats:
 
 class WorkerLoop:
     """The worker thread of `AsyncDiceEncoder` (a base class: it shares the core's ``_cond``, ``_queue``,
-    ``_pending``, ``_closing``, ``_planning``, ``_ran``, ``_broken`` and ``_worker``)."""
+    ``_pending``, ``_closing``, ``_planning``, ``_refuse_planned``, ``_ran``, ``_broken`` and ``_worker``)."""
 
     def _start_worker(self, warm_up: bool) -> None:
         """Start the worker thread unless it runs. Called with ``_cond`` held."""
@@ -104,7 +104,7 @@ class WorkerLoop:
                 self._admit()
                 batch = self._next_batch()
                 if batch is None:
-                    if self._closing and not self._pending and not self._planning:
+                    if self._closing and not self._pending and (not self._planning or self._refuse_planned):
                         return
                     if not busy or not self._trims_heap:
                         self._cond.wait()

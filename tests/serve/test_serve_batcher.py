@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import numpy as np
 import pytest
@@ -407,6 +408,56 @@ def test_a_call_whose_event_loop_closed_gives_its_slot_back(tiny_encoder):
     assert core.requests_in_flight == 0
     assert_close(run(core.embed_documents(texts)).vectors, tiny_encoder.encode_documents(texts), atol=1e-5)
     core.close()
+
+
+def test_a_synchronous_close_on_the_loop_with_a_call_in_flight_returns(tiny_encoder):
+    """close() on the event loop's thread (a synchronous shutdown hook) while a call tokenizes: the loop
+    is blocked in close, so the call can never queue its work; the worker must not wait for it (a review
+    found close() hanging there once the worker waited for calls still tokenizing)."""
+    texts = word_texts(3, 10, 60, seed=12)
+
+    async def main():
+        core = AsyncDiceEncoder(tiny_encoder)
+        core.start()
+        task = asyncio.create_task(core.embed_documents(texts))
+        await asyncio.sleep(0)  # the call is accepted (_planning = 1) and awaits its tokenizing
+        t = time.monotonic()
+        stopped = core.close(5)  # synchronous, on the loop thread
+        waited = time.monotonic() - t
+        try:
+            await task
+        except ShuttingDown:
+            pass
+        return stopped, waited
+
+    stopped, waited = asyncio.run(main())
+    assert stopped and waited < 4, (stopped, waited)
+
+
+def test_close_does_not_wait_for_a_call_whose_loop_closed(tiny_encoder):
+    """A loop closed with a call queued and waiting: close() returns once the queue is done, without
+    waiting for the abandoned call's garbage collection."""
+    import gc
+
+    proxy = ProxyEncoder(tiny_encoder)
+    core = AsyncDiceEncoder(proxy)
+    texts = word_texts(2, 20, 60, seed=13)
+    proxy.running.clear()
+    proxy.gate.clear()
+    loop = asyncio.new_event_loop()
+    loop.create_task(core.embed_documents(texts))
+    while not proxy.running.is_set():
+        loop.run_until_complete(asyncio.sleep(0.01))
+    loop.close()
+    del loop
+    proxy.gate.set()
+    gc.disable()
+    try:
+        t = time.monotonic()
+        stopped = core.close(5)
+    finally:
+        gc.enable()
+    assert stopped, time.monotonic() - t
 
 
 @pytest.mark.parametrize("bad", [{"max_inputs_per_request": 0}, {"max_queue_tokens": -1},
