@@ -382,15 +382,11 @@ def test_close_lets_calls_still_tokenizing_finish(tiny_encoder, monkeypatch):
     assert_close(np.concatenate([o.vectors for o in outs]), tiny_encoder.encode_documents(texts), atol=1e-5)
 
 
-def test_a_call_whose_event_loop_closed_gives_its_slot_back(tiny_encoder):
-    """A loop closed with a call still waiting (not cancelled: a loop torn down in a thread): the worker
-    kept the last job, and through it the call's task, for good, so its max_concurrent_requests slot
-    never came back (every later call: Overloaded)."""
-    import gc
-    import time
-
-    proxy = ProxyEncoder(tiny_encoder)
-    core = AsyncDiceEncoder(proxy, max_concurrent_requests=1)
+def _a_call_left_by_its_closed_loop(encoder, **limits):
+    """(core, texts): a core over ``encoder`` with a call of ``texts`` queued from a loop that was then
+    closed with the call still waiting (its batch held at a gate until the loop was gone)."""
+    proxy = ProxyEncoder(encoder)
+    core = AsyncDiceEncoder(proxy, **limits)
     texts = word_texts(2, 20, 60, seed=13)
     proxy.running.clear()
     proxy.gate.clear()
@@ -401,6 +397,16 @@ def test_a_call_whose_event_loop_closed_gives_its_slot_back(tiny_encoder):
     loop.close()  # its task still waiting for the batch held at the gate
     del loop
     proxy.gate.set()
+    return core, texts
+
+
+def test_a_call_whose_event_loop_closed_gives_its_slot_back(tiny_encoder):
+    """A loop closed with a call still waiting (not cancelled: a loop torn down in a thread): the worker
+    kept the last job, and through it the call's task, for good, so its max_concurrent_requests slot
+    never came back (every later call: Overloaded)."""
+    import gc
+
+    core, texts = _a_call_left_by_its_closed_loop(tiny_encoder, max_concurrent_requests=1)
     deadline = time.monotonic() + 30
     while core.requests_in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -439,18 +445,7 @@ def test_close_does_not_wait_for_a_call_whose_loop_closed(tiny_encoder):
     waiting for the abandoned call's garbage collection."""
     import gc
 
-    proxy = ProxyEncoder(tiny_encoder)
-    core = AsyncDiceEncoder(proxy)
-    texts = word_texts(2, 20, 60, seed=13)
-    proxy.running.clear()
-    proxy.gate.clear()
-    loop = asyncio.new_event_loop()
-    loop.create_task(core.embed_documents(texts))
-    while not proxy.running.is_set():
-        loop.run_until_complete(asyncio.sleep(0.01))
-    loop.close()
-    del loop
-    proxy.gate.set()
+    core, _ = _a_call_left_by_its_closed_loop(tiny_encoder)
     gc.disable()
     try:
         t = time.monotonic()
