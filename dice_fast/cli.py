@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         "chunks, each chunk is encoded on its own by a frozen Hugging Face model (positions restarting per "
         "chunk), and chunk vectors are aggregated into one vector per document.",
         epilog="exit status: 0 done; 2 an error (one line on stderr) or an interruption (Ctrl-C or SIGTERM: "
-        "the command's clean-up runs); 141 the reader of the output went away (| head); serve: 0 after a "
-        "drain, 3 when its encoder stopped (a failed warm-up).",
+        "the command's clean-up runs); 1 a bug (with its traceback), or bench --require-packed found the "
+        "padded path; 141 the reader of the output went away (| head); serve: 0 after a drain, 3 when its "
+        "encoder stopped (a failed warm-up).",
     )
     parser.add_argument("--version", action="version", version=f"dice-fast {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -486,6 +486,9 @@ def test_every_store_answers_edge_inputs_alike(kind, tmp_path):
         store.delete(index.ids[1])
     with pytest.raises(ArgumentTypeError, match="not a single str"):
         store.contains("ab")
+    if kind == "dice_index":
+        with pytest.raises(ArgumentTypeError, match="not a single str"):
+            store.add(["a text", "another"], "ab")  # ids "a" and "b" before
     if kind != "dice_index":  # DiceIndex.add_arrays numbers documents given no ids
         with pytest.raises(OptionError, match="ids are required"):
             store.upsert_arrays(None, *_arrays(index))

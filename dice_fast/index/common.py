@@ -102,7 +102,7 @@ def check_ids(ids: Sequence, n: int) -> list[str]:
     """``ids`` as strings, one per document of ``n``, distinct and valid Unicode; `OptionError` naming
     the culprit otherwise (checked before anything is encoded or written)."""
     if ids is None:
-        raise OptionError(f"ids are required: one per document ({n}); only DiceIndex.add_arrays numbers them")
+        raise OptionError(f"ids are required: one per document ({n}); only DiceIndex numbers documents given none")
     ids = lookup_ids(ids)
     if len(ids) != n:
         raise OptionError(f"got {len(ids)} ids for {n} documents")

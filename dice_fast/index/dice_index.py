@@ -116,7 +116,7 @@ class DiceIndex(EncoderSlot):
         if isinstance(texts, (str, bytes)):
             as_iterator(texts, "texts")  # raises, naming the mistake (before the ids are counted against it)
         if ids is not None:
-            ids = [str(i) for i in ids]  # any iterable
+            ids = lookup_ids(ids)  # any iterable, never one string (read a character at a time)
             ids = check_ids(ids, len(ids))
             if hasattr(texts, "__len__") and len(texts) != len(ids):
                 raise OptionError(f"got {len(ids)} ids for {len(texts)} documents")
