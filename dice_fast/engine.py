@@ -41,7 +41,8 @@ from .reuse import ChunkStats, MemoryCache
 from .reuse.manager import ChunkReuse
 from .reuse.persistent import settings_namespace
 from .runner import ModelRunner
-from .settings import WEIGHT_DTYPES, Settings, check_kind, placement, pretrained_placement, resolve, weight_dtype
+from .settings import (WEIGHT_DTYPES, Settings, check_kind, placement, pretrained_placement, refuse_openvino_off_cpu,
+                       resolve, weight_dtype)
 from .streaming import Prefetch, as_iterator, windows
 
 _WINDOW_BATCHES = 16  # a streaming window holds about 16 batches' worth of text
@@ -128,6 +129,7 @@ class DiceEncoder:
         DiceConfig.check_names(options)
         device, dtype = pretrained_placement(options.get("device"), options.get("dtype"), options.get("runtime"))
         cfg = DiceConfig(**{**options, "device": str(device), "dtype": dtype})  # fail on bad options before loading
+        refuse_openvino_off_cpu(cfg.openvino, device)  # before the model loads onto a GPU
         model, tokenizer = load_model(path, device, weight_dtype(cfg, WEIGHT_DTYPES[dtype]), trust_remote_code)
         from .models import default_model_path
 

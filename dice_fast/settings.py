@@ -330,7 +330,6 @@ def pretrained_placement(device=None, dtype=None, runtime=None) -> tuple[torch.d
     ``dtype`` (a name or a ``torch.dtype``) is kept."""
     on_cpu = str(dtype) == "int8" or runtime == "openvino"
     device = parse_device(device or ("cuda" if torch.cuda.is_available() and not on_cpu else "cpu"))
-    refuse_openvino_off_cpu("dtype='int8'" if str(dtype) == "int8" else on_cpu and "runtime='openvino'", device)
     dtype = str(dtype or ("bfloat16" if device.type == "cuda" else "float32")).replace("torch.", "")
     if dtype not in WEIGHT_DTYPES:
         raise OptionError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")

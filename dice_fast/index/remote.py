@@ -200,15 +200,17 @@ class RemoteStore(EncoderSlot):
         q = self._query_vectors(queries)
         if len(q) == 0:
             return []
-        # a database takes at most 2**31-1 records at once (LanceDB raised an OverflowError for a huge k)
+        def nearest(by: str, limit: int):  # a database takes at most 2**31-1 records at once (LanceDB: OverflowError)
+            return self._nearest(q, by, min(limit, _MOST))
+
         if scoring == "hybrid" and alpha in (0.0, 1.0):
-            lists = self._nearest(q, "maxsim" if alpha == 0.0 else "dice", min(max(k, check_k(candidates or k)), _MOST))
+            lists = nearest("maxsim" if alpha == 0.0 else "dice", max(k, check_k(candidates or k)))
         elif scoring == "hybrid":
-            limit = min(max(k, check_k(candidates)) if candidates is not None else max(4 * k, 40), _MOST)
-            by_dice, by_maxsim = self._nearest(q, "dice", limit), self._nearest(q, "maxsim", limit)
+            limit = max(k, check_k(candidates)) if candidates is not None else max(4 * k, 40)
+            by_dice, by_maxsim = nearest("dice", limit), nearest("maxsim", limit)
             lists = [list({c.id: c for c in a + b}.values()) for a, b in zip(by_dice, by_maxsim)]
         else:
-            lists = self._nearest(q, scoring, min(max(k, check_k(candidates or k)), _MOST))
+            lists = nearest(scoring, max(k, check_k(candidates or k)))
         return [self._rank(qv, found, k, scoring, alpha) for qv, found in zip(q, lists)]
 
     def _rank(self, qv: np.ndarray, found: list[Candidate], k: int, scoring: str, alpha: float) -> list[Hit]:

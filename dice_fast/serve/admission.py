@@ -246,14 +246,13 @@ class RequestSide:
                 out.append(Embeddings(vectors, tokens, truncated))
         return out
 
-    def _check_accepting(self) -> None:
-        self._check_healthy()
-        if self._closing:
-            raise ShuttingDown("the encoder is shutting down and takes no new requests")
-
-    def _check_healthy(self) -> None:
+    def _check_accepting(self, accepted: bool = False) -> None:
+        """`Unhealthy` or `ShuttingDown` for a new call; a call ``accepted`` before a close goes on, unless
+        the close came from an event loop's own thread (no worker waited for it)."""
         if self.health[0] == "unhealthy":
             raise Unhealthy(f"the encoder cannot serve: {self._broken}")
+        if self._closing and (not accepted or self._refuse_planned):
+            raise ShuttingDown("the encoder is shutting down and takes no new requests")
 
     async def _until(self, deadline: float | None, awaitable):
         """Await ``awaitable`` until ``deadline`` (event-loop time; None: no deadline), else raise
@@ -320,9 +319,7 @@ class RequestSide:
         """Queue ``requests`` (the parts of one call) together, or none of them."""
         tokens = sum(r.tokens for r in requests)
         with self._cond:
-            self._check_healthy()
-            if self._closing and self._refuse_planned:  # closed from the loop's thread: no worker waited
-                raise ShuttingDown("the encoder is shutting down and takes no new requests")
+            self._check_accepting(accepted=True)
             held = self.tokens_held
             if held and held + tokens > self.max_queue_tokens:
                 raise self._queue_full(tokens)

@@ -108,10 +108,11 @@ def internal_error_body() -> dict:
 _LOGGED = "dice_fast_logged"
 
 
-def mark_logged(exc: BaseException) -> BaseException:
-    """``exc``, marked as logged with its traceback (by the worker, once for the batch it failed)."""
+def log_once(log, exc: BaseException, message: str, *args) -> None:
+    """Log ``message`` with ``exc``'s traceback and mark ``exc`` so (the worker, once for the batch it
+    failed): the requests it fails log a line each (`was_logged`)."""
+    log.error(message, *args, exc_info=exc)
     setattr(exc, _LOGGED, True)
-    return exc
 
 
 def was_logged(exc: BaseException) -> bool:

@@ -205,9 +205,11 @@ def draining_server(core):
             super().handle_exit(sig, frame)
 
         async def on_tick(self, counter: int) -> bool:
-            if counter % 10 == 0 and not self.should_exit and core.health[0] == "unhealthy":
-                log.error("dice_fast.serve: the encoder is unhealthy (%s); shutting down", core.health[1])
-                self.should_exit = True
+            if counter % 10 == 0 and not self.should_exit:
+                state, why = core.health
+                if state == "unhealthy":
+                    log.error("dice_fast.serve: the encoder is unhealthy (%s); shutting down", why)
+                    self.should_exit = True
             return await super().on_tick(counter)
 
         @contextlib.contextmanager

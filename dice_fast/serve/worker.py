@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..cpu_heap import release_freed_memory
 from ..faults import InputOutOfMemory
-from .errors import OutOfMemory, Unhealthy, mark_logged
+from .errors import OutOfMemory, Unhealthy, log_once
 
 IDLE_TRIM_S = 1.0  # seconds without work after which a CPU worker hands its kept heap pages back
 # ... and under steady load, at most this long apart: glibc keeps freed pages per thread arena (the
@@ -143,8 +143,7 @@ class WorkerLoop:
                                          keep_chunks=request.keep_chunks, keys=request.keys)
             except Exception as exc:
                 error = exc
-                log.exception("dice_fast.serve: admitting a request failed")
-                mark_logged(exc)
+                log_once(log, exc, "dice_fast.serve: admitting a request failed")
             finally:
                 self._cond.acquire()
                 self._pending_tokens -= request.tokens
@@ -169,8 +168,7 @@ class WorkerLoop:
                 failed = self._queue.fail_packing(exc)
                 if not failed:  # nothing to blame: the queue cannot go on
                     raise
-                log.exception("dice_fast.serve: packing a batch failed; %d request(s) fail", len(failed))
-                mark_logged(exc)
+                log_once(log, exc, "dice_fast.serve: packing a batch failed; %d request(s) fail", len(failed))
                 for job in failed:
                     _settle(job.tag, exc=exc)
 
@@ -179,8 +177,7 @@ class WorkerLoop:
         try:
             finished, failed = self._queue.run(batch, self.encoder.run_batch)
         except Exception as exc:  # the forward or pooling failed: its unfinished requests fail, keep serving
-            log.exception("dice_fast.serve: a batch of %d tokens failed", batch.packed.n_tokens)
-            mark_logged(exc)
+            log_once(log, exc, "dice_fast.serve: a batch of %d tokens failed", batch.packed.n_tokens)
             with self._cond:
                 for job in batch.jobs:
                     if job.done:  # finished before the error
