@@ -129,6 +129,33 @@ class InputOutOfMemory(DiceError, RuntimeError):
         return InputOutOfMemory(self.index + offset, self.tokens, self.cause, name)
 
 
+def require(*modules: str, extra: str, needed_by: str, hint: str = "", load: bool = True):
+    """Import ``modules`` and return the first; with ``load=False`` only check that they are installed
+    (nothing imported, returns None). Any missing: `MissingDependency` "<needed_by> needs <the missing>:
+    pip install 'dice-fast[<extra>]'<hint>" (one installed that fails to import says so, and why)."""
+    import importlib
+    import importlib.util
+
+    def installed(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package missing, or a module without a spec
+            return False
+
+    if missing := [m for m in modules if not installed(m)]:
+        raise MissingDependency(f"{needed_by} needs {', '.join(missing)}: pip install 'dice-fast[{extra}]'{hint}")
+    if not load:
+        return None
+    loaded = []
+    for name in modules:
+        try:
+            loaded.append(importlib.import_module(name))
+        except ImportError as exc:
+            raise MissingDependency(f"{needed_by} needs {name}, which is installed but failed to import "
+                                    f"({one_line(exc)}): pip install 'dice-fast[{extra}]'{hint}") from exc
+    return loaded[0]
+
+
 def describe(exc: BaseException) -> str | None:
     """The one-line message the command line prints for ``exc``, or None when it is not a user's error
     (a bug: let it raise with its traceback). Decided by the exception's type, never by its message."""
@@ -168,4 +195,4 @@ def one_line(exc: BaseException) -> str:
 
 
 __all__ = ["ArgumentTypeError", "CacheError", "DiceError", "InputError", "InputOutOfMemory", "Int8Unsupported", "MissingDependency", "MissingFile",
-           "ModelError", "OptionError", "TextError", "WriteError", "describe", "is_out_of_memory", "one_line", "reading_parquet", "writing"]
+           "ModelError", "OptionError", "TextError", "WriteError", "describe", "is_out_of_memory", "one_line", "reading_parquet", "require", "writing"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dice_fast import DiceEncoder, DiceIndex, cli
-from dice_fast.errors import CacheError, InputOutOfMemory, ModelError, OptionError, describe
+from dice_fast.errors import CacheError, InputOutOfMemory, MissingDependency, ModelError, OptionError, describe, require
 from tiny_models import tiny
 
 BAD = "/nonexistent/dice-model"
@@ -65,6 +65,22 @@ def test_errors_are_described_by_type_not_text():
     assert describe(MemoryError()).startswith("out of memory (")
     assert describe(RuntimeError("out of memory")) is None  # never by its text: a bug, raised with its traceback
     assert describe(KeyError("x")) is None
+
+
+def test_a_missing_optional_package_is_named_with_its_extra(tmp_path, monkeypatch):
+    """Every optional package goes through `errors.require` (three wrappers before, two of them a plain
+    ImportError): the missing ones named with the extra to install; one installed that fails to import
+    says so and why; ``load=False`` imports nothing."""
+    with pytest.raises(MissingDependency, match=r"^the X needs no_such_a, no_such_b.sub: pip install 'dice-fast\[x\]' \(hint\)$"):
+        require("json", "no_such_a", "no_such_b.sub", extra="x", needed_by="the X", hint=" (hint)")
+    (tmp_path / "broken_dependency.py").write_text("import no_such_module_inside\n")
+    (tmp_path / "not_imported.py").write_text("raise SystemExit('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(MissingDependency, match="broken_dependency, which is installed but failed to import .*no_such_module_inside"):
+        require("broken_dependency", extra="x", needed_by="the X")
+    assert require("not_imported", extra="x", needed_by="the X", load=False) is None
+    assert require("json", "math", extra="x", needed_by="the X") is json
+    assert isinstance(MissingDependency("x"), ImportError) and describe(MissingDependency("m")) == "m"
 
 
 def test_a_model_folder_without_its_tokenizer_is_refused(inputs, capsys):

@@ -5,12 +5,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import numpy as np
 
-from ..errors import MissingDependency
+from ..errors import require
 
 from .report import PAPER_EDI_SHARE, edi_by_length, length_label, side_names, strategy_of
 from .run import GROUP_ALL, EvalResult
@@ -24,9 +23,8 @@ _AGG_SHORT = {"mean": "mean", "max": "max", "topk_norm": "topk", "weighted_mean"
 def need_matplotlib() -> None:
     """`MissingDependency` naming the extra unless matplotlib is installed (``dice-fast eval`` asks before
     the model loads: it found out after the first task had run, and the later tasks never did)."""
-    if importlib.util.find_spec("matplotlib") is None:
-        raise MissingDependency("plots need matplotlib: pip install 'dice-fast[eval]' (or pip install matplotlib), "
-                                "or pass --no-plots")
+    require("matplotlib", extra="eval", needed_by="plotting", hint=" (or pip install matplotlib), or pass --no-plots",
+            load=False)
 
 
 def _pyplot():

@@ -10,17 +10,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import require
+
 HNSW_M = 32  # neighbours per node
 EF_SEARCH = 128  # candidates kept while searching (recall vs time)
 EF_CONSTRUCTION = 80
 
 
 def faiss():
-    try:
-        import faiss as module
-    except ImportError:
-        raise ImportError("approximate search needs faiss: pip install 'dice_fast[index]' (faiss-cpu)") from None
-    return module
+    return require("faiss", extra="index", needed_by="approximate search", hint=" (faiss-cpu)")
 
 
 def build(vectors: np.ndarray):

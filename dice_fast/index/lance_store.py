@@ -24,7 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from .common import lookup_ids, storable
-from .remote import DEFAULT_BATCH, Candidate, RemoteStore, require
+from ..errors import require
+from .remote import DEFAULT_BATCH, Candidate, RemoteStore
 
 
 class LanceStore(RemoteStore):
@@ -43,8 +44,8 @@ class LanceStore(RemoteStore):
     def __init__(self, uri, table: str, *, dim: int | None = None, encoder=None, model: str | None = None,
                  encoder_options: dict | None = None, store_text: bool | None = None,
                  batch_size: int = DEFAULT_BATCH, search_options: dict | None = None, create: bool = True):
-        lancedb = require("lancedb", "lancedb")
-        self._pa = require("pyarrow", "lancedb")
+        lancedb = require("lancedb", "pyarrow", extra="lancedb", needed_by="the LanceDB store")
+        self._pa = require("pyarrow", extra="lancedb", needed_by="the LanceDB store")
         self.db = lancedb.connect(str(uri)) if isinstance(uri, (str, bytes)) or hasattr(uri, "__fspath__") else uri
         self.name = str(table)
         where = f"LanceDB table {self.name!r}"

@@ -25,7 +25,8 @@ from typing import Sequence
 import numpy as np
 
 from .common import lookup_ids, storable
-from .remote import DEFAULT_BATCH, Candidate, RemoteStore, require
+from ..errors import require
+from .remote import DEFAULT_BATCH, Candidate, RemoteStore
 
 NAMESPACE = uuid.UUID("6f1e3c2a-5d4b-4e8f-9a7c-0d1e2f3a4b5c")  # document id -> point id
 
@@ -72,7 +73,7 @@ class QdrantStore(RemoteStore):
     def __init__(self, client, collection: str, *, dim: int | None = None, encoder=None, model: str | None = None,
                  encoder_options: dict | None = None, store_text: bool | None = None, batch_size: int = DEFAULT_BATCH,
                  create: bool = True):
-        self._models = require("qdrant_client.models", "qdrant")
+        self._models = require("qdrant_client.models", extra="qdrant", needed_by="the Qdrant store")
         if _in_process(client):
             client = OneCallAtATime(client)
         self.client, self.collection = client, str(collection)

@@ -232,16 +232,6 @@ class RemoteStore(EncoderSlot):
         return f"{type(self).__name__}({self.where}, {len(self)} documents, dim={self.dim})"
 
 
-def require(module: str, extra: str):
-    """Import ``module`` or raise ImportError saying ``pip install dice-fast[extra]``."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(f"this dice_fast store needs {module!r}: pip install dice-fast[{extra}]") from exc
-
-
 def _slice(b: Batch, d0: int, d1: int) -> Batch:
     c0, c1 = int(b.cu[d0]), int(b.cu[d1])
     return Batch(b.ids[d0:d1], b.documents[d0:d1], b.chunks[c0:c1], b.cu[d0 : d1 + 1] - c0, b.start[c0:c1],

@@ -46,9 +46,9 @@ def open_store(url: str, *, api_key: str | None = None, create: bool = True, **o
 
         return LanceStore(location, name, **options)
     from .qdrant_store import QdrantStore
-    from .remote import require
+    from ..errors import require
 
-    client_class = require("qdrant_client", "qdrant").QdrantClient
+    client_class = require("qdrant_client", extra="qdrant", needed_by="the Qdrant store").QdrantClient
     if scheme == "qdrant+path://":
         client = client_class(path=location)
     elif scheme == "qdrant+memory://":

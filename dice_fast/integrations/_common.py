@@ -9,20 +9,11 @@ Imports nothing optional at module level (``import dice_fast.integrations`` must
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-
-
-def require(module: str, extra: str):
-    """Import ``module`` or raise ImportError saying ``pip install dice-fast[extra]``."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(f"this dice_fast integration needs {module!r}: pip install dice-fast[{extra}]") from exc
 
 
 class _Abandoned(Exception):

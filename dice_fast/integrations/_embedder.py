@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from ..chunking import check_texts
-from ..errors import ArgumentTypeError
-from ._common import as_encoder, in_thread_until_cancelled, require, ssl_context, vector_settings
+from ..errors import ArgumentTypeError, require
+from ._common import as_encoder, in_thread_until_cancelled, ssl_context, vector_settings
 from ._retry import RetryPolicy
 
 _KINDS = {"documents": "document", "queries": "query"}
@@ -297,7 +297,7 @@ class ServerEmbedder:
             yield lo, len(batch), body.encode("utf-8")
 
     def _run(self, texts, kind: str) -> np.ndarray:
-        httpx = require("httpx", self._extra)
+        httpx = require("httpx", extra=self._extra, needed_by="a remote dice_fast server")
         rows = []
         with httpx.Client(timeout=self.timeout, verify=ssl_context()) as client:
             for lo, n, body in self._batches(texts, kind):
@@ -316,7 +316,7 @@ class ServerEmbedder:
         return _stack(rows)
 
     async def _arun(self, texts, kind: str) -> np.ndarray:
-        httpx = require("httpx", self._extra)
+        httpx = require("httpx", extra=self._extra, needed_by="a remote dice_fast server")
         rows = []
         async with httpx.AsyncClient(timeout=self.timeout, verify=ssl_context()) as client:
             for lo, n, body in self._batches(texts, kind):

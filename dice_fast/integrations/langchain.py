@@ -27,11 +27,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import require
 from ..scoring import DEFAULT_SCORING, check_scoring
-from ._common import hit_metadata, require
+from ._common import hit_metadata
 from ._embedder import DiceServerError, QueryTooLong, embedder
 
-require("langchain_core", "langchain")
+require("langchain_core", extra="langchain", needed_by="dice_fast.integrations.langchain")
 from langchain_core.callbacks import CallbackManagerForRetrieverRun  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.embeddings import Embeddings  # noqa: E402

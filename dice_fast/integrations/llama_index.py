@@ -37,12 +37,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ArgumentTypeError
+from ..errors import ArgumentTypeError, require
 from ..scoring import DEFAULT_SCORING, check_scoring
-from ._common import hit_metadata, require
+from ._common import hit_metadata
 from ._embedder import DiceServerError, LocalEmbedder, QueryTooLong, embedder, rebuild_arguments
 
-require("llama_index.core", "llama-index")
+require("llama_index.core", extra="llama-index", needed_by="dice_fast.integrations.llama_index")
 from llama_index.core.base.embeddings.base import BaseEmbedding  # noqa: E402
 from llama_index.core.retrievers import BaseRetriever  # noqa: E402
 from llama_index.core.schema import NodeRelationship, NodeWithScore, RelatedNodeInfo, TextNode  # noqa: E402

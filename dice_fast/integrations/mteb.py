@@ -29,8 +29,9 @@ import json
 
 import numpy as np
 
+from ..errors import require
 from ..runinfo import model_label
-from ._common import Variants, as_encoder, model_prompts, require, vector_settings
+from ._common import Variants, as_encoder, model_prompts, vector_settings
 
 __all__ = ["DiceMTEBModel"]
 
@@ -53,7 +54,7 @@ class DiceMTEBModel:
     """
 
     def __init__(self, encoder=None, prompts: dict[str, str] | None = None, *, name: str | None = None, **options):
-        require("mteb", "mteb")
+        require("mteb", extra="mteb", needed_by="DiceMTEBModel")
         self.encoder = as_encoder(encoder, options)
         self._variants = Variants(self.encoder)
         self.model_prompts = dict(model_prompts(self.encoder)[0] if prompts is None else prompts)

@@ -41,7 +41,7 @@ import os
 import numpy as np
 
 from ..scoring import cu_from_chunk_document
-from ._common import require
+from ..errors import require
 
 __all__ = ["DiceEmbedder", "encode_dataset", "DEFAULT_BATCH_SIZE"]
 
@@ -177,7 +177,7 @@ def encode_dataset(ds, model: str | os.PathLike | None = None, *, text_column: s
     or a pipeline whose actors hold every CPU waits forever. Ray Data may reorder rows: keep an id column.
     Returns the lazy `ray.data.Dataset`; rows keep their other columns.
     """
-    ray_data = require("ray.data", "ray")
+    ray_data = require("ray.data", extra="ray", needed_by="encoding with Ray Data")
     from dice_fast import DiceConfig
 
     unknown = set(options) - set(DiceConfig.field_names())

@@ -10,7 +10,7 @@ import sys
 
 from ..reuse.persistent import SERVE_MAX_GB
 from ..cliargs import add_cache_arguments, add_encoder_arguments, bounded, make_encoder
-from ..errors import MissingDependency, OptionError
+from ..errors import OptionError, require
 from .limits import DEFAULT_CACHE_MEMORY_MB, DEFAULT_LIMITS, HTTP_LIMITS, LIMITS, check_limits
 from .server import SERVER_LIMITS
 
@@ -180,11 +180,8 @@ def register_cli(subparsers) -> None:
 
 def _need_serve_extra() -> None:
     """`MissingDependency` naming the extra unless the server's packages are installed (it said only
-    "No module named 'fastapi'")."""
-    import importlib.util
-
-    if missing := [m for m in _SERVE_MODULES if importlib.util.find_spec(m) is None]:
-        raise MissingDependency(f"the server needs {', '.join(missing)}: pip install 'dice-fast[serve]'")
+    "No module named 'fastapi'"); nothing imported yet."""
+    require(*_SERVE_MODULES, extra="serve", needed_by="the server", load=False)
 
 
 _SERVE_MODULES = ("fastapi", "uvicorn", "httpx", "orjson", "prometheus_client")

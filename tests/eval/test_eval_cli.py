@@ -95,7 +95,7 @@ def test_plots_without_matplotlib_are_refused_before_the_run(monkeypatch):
 
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find(name, *a))
-    with pytest.raises(MissingDependency, match=r"plots need matplotlib: pip install 'dice-fast\[eval\]'.*--no-plots"):
+    with pytest.raises(MissingDependency, match=r"plotting needs matplotlib: pip install 'dice-fast\[eval\]'.*--no-plots"):
         check_options(_parser().parse_args(["eval", "--task", "passkey", "needle"]))
     check_options(_parser().parse_args(["eval", "--task", "passkey", "--no-plots"]))
 
