@@ -194,6 +194,12 @@ def _is_decoder_only(model) -> bool:
     return False
 
 
+def pipeline_normalizes(path: str | os.PathLike) -> bool:
+    """Whether the sentence-transformers pipeline saved in the folder ``path`` ends in ``Normalize``
+    (False for a folder without one, or not a folder)."""
+    return _sentence_transformers_facts(os.fspath(path)).get("normalizes", False)
+
+
 def _sentence_transformers_facts(path) -> dict:
     """max_seq_length, pooling and Normalize from a sentence-transformers folder, when there is one."""
     facts: dict = {}

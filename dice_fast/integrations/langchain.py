@@ -25,6 +25,7 @@ A server refuses token ids; LangChain's own ``OpenAIEmbeddings`` sends them by d
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from ..errors import require
@@ -33,7 +34,7 @@ from ._common import hit_metadata
 from ._embedder import DiceServerError, QueryTooLong, embedder
 
 require("langchain_core", extra="langchain", needed_by="dice_fast.integrations.langchain")
-from langchain_core.callbacks import CallbackManagerForRetrieverRun  # noqa: E402
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
@@ -95,6 +96,9 @@ class DiceRetriever(BaseRetriever):
         when the retriever is built); search_kwargs: more
         arguments of ``search`` (``alpha``, ``approximate``, ``candidates`` ...).
 
+    ``invoke(query, k=2, scoring="dice", alpha=0.5)`` overrides them for one call (as LangChain's
+    standard retriever tests expect; without these, langchain-core dropped ``k`` silently).
+
     Each hit becomes a ``Document`` whose ``page_content`` is the evidence passage (the chunk of the
     document that best matches the query, ``text[start_char:end_char]``), ``id`` the document's id, and
     ``metadata`` ``{"id", "score", "scoring", "chunk", "start_char", "end_char", "chunk_score"}``.
@@ -109,9 +113,18 @@ class DiceRetriever(BaseRetriever):
         check_scoring(kwargs.get("scoring", DEFAULT_SCORING))  # OptionError now, as LlamaIndex's retriever does
         super().__init__(**kwargs)
 
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
-        hits = self.index.search([_text(query)], k=self.k, scoring=self.scoring, **self.search_kwargs)[0]
-        return [_document(hit, self.scoring) for hit in hits]
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
+                                **overrides: Any) -> list[Document]:
+        overrides.pop("verbose", None)  # langchain-core's own argument of invoke, passed on with the rest
+        k, scoring = overrides.pop("k", self.k), check_scoring(overrides.pop("scoring", self.scoring))
+        hits = self.index.search([_text(query)], k=k, scoring=scoring, **{**self.search_kwargs, **overrides})[0]
+        return [_document(hit, scoring) for hit in hits]
+
+    async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
+                                       **overrides: Any) -> list[Document]:
+        # langchain-core's default passes no overrides on (ainvoke(q, k=3) raised a TypeError)
+        return await asyncio.to_thread(self._get_relevant_documents, query, run_manager=run_manager.get_sync(),
+                                       **overrides)
 
 
 def _document(hit, scoring: str) -> Document:

@@ -17,8 +17,10 @@ Differences from ``SentenceTransformer.encode``, by design:
   special prefix of **every chunk** (of the query), instead of being glued to the text once; for
   WordPiece/BPE tokenizers that split at spaces this is the same token sequence sentence-transformers
   builds. A resolved prompt replaces the encoder's own prefix for that call.
-* Vectors are L2-normalised when the encoder's ``normalize`` option is on (the default);
-  ``normalize_embeddings=True`` normalises again, ``False`` leaves them as the encoder returns them.
+* Vectors are L2-normalised as the model's own pipeline does: a model folder (or the bundled model)
+  loaded here normalises when its sentence-transformers pipeline ends in ``Normalize`` (unless
+  ``normalize=`` is given); a `DiceEncoder` passed in keeps its own ``normalize`` option.
+  ``normalize_embeddings=True`` normalises them, ``False`` leaves them as the encoder returns them.
 * ``truncate_dim`` is the engine's option (`dice_fast.matryoshka`): the first N components,
   re-normalised when the encoder normalises. sentence-transformers leaves a truncated vector shorter
   than 1 unless ``normalize_embeddings``; cosine similarities are the same either way.
@@ -38,12 +40,14 @@ Differences from ``SentenceTransformer.encode``, by design:
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import numpy as np
 
 from ..errors import OptionError
 from ..matryoshka import check_dim
+from ..models import pipeline_normalizes
 from ._common import Variants, as_encoder, model_prompts, st_config
 
 __all__ = ["DiceSentenceEncoder"]
@@ -72,6 +76,10 @@ class DiceSentenceEncoder:
 
     def __init__(self, encoder=None, prompts: dict[str, str] | None = None, default_prompt_name: str | None = None,
                  truncate_dim: int | None = None, similarity_fn_name: str | None = None, **options):
+        if isinstance(encoder, (str, os.PathLike)) and "normalize" not in options:
+            # as SentenceTransformer: normalised only by a Normalize module (a dot-product model's
+            # vectors were made unit length, its scores and ranking changed)
+            options = {**options, "normalize": pipeline_normalizes(encoder)}
         self.encoder = as_encoder(encoder, options)
         self._variants = Variants(self.encoder)
         own, own_default = model_prompts(self.encoder)

@@ -83,6 +83,21 @@ def test_retriever_returns_the_planted_passage(index, haystack, scoring):
     assert [(d.id, d.page_content) for d in again] == [(d.id, d.page_content) for d in docs]
 
 
+def test_invoke_overrides_k_scoring_and_search_arguments_for_one_call(index, haystack):
+    """langchain-tests' ``test_invoke_with_k_kwarg``: ``invoke(q, k=1)`` gives 1 document (langchain-core
+    dropped ``k`` and the retriever gave its 4); ainvoke too (its default passed nothing on)."""
+    retriever = DiceRetriever(index=index, k=3)
+    assert len(retriever.invoke(haystack.query, k=1)) == 1 and len(retriever.invoke(haystack.query)) == 3
+    docs = asyncio.run(retriever.ainvoke(haystack.query, k=2, scoring="dice"))
+    assert len(docs) == 2 and {d.metadata["scoring"] for d in docs} == {"dice"} and retriever.scoring == "maxsim"
+    hybrid = retriever.invoke(haystack.query, scoring="hybrid", alpha=1.0, k=2)  # alpha 1: the document vector's rank
+    assert [d.id for d in hybrid] == [h.id for h in index.search([haystack.query], k=2, scoring="hybrid", alpha=1.0)[0]]
+    with pytest.raises(ValueError, match="scoring"):
+        retriever.invoke(haystack.query, scoring="bm25")
+    with pytest.raises(TypeError, match="no_such_argument"):
+        retriever.invoke(haystack.query, no_such_argument=1)
+
+
 def test_retriever_needs_an_index_with_texts(bundled, haystack):
     from dice_fast import DiceIndex
 

@@ -266,3 +266,34 @@ def test_similarity_follows_similarity_fn_name_as_sentence_transformers_does(enc
     (folder / "config_sentence_transformers.json").write_text(json.dumps({"similarity_fn_name": "dot"}))
     assert DiceSentenceEncoder(folder, device="cpu", dtype="float32").similarity_fn_name == "dot"
     assert DiceSentenceEncoder(folder, similarity_fn_name="cosine", device="cpu").similarity_fn_name == "cosine"
+
+
+def test_vectors_are_normalised_as_the_folders_pipeline_does(tiny_folder, tmp_path, offline):
+    """A folder whose pipeline has no ``Normalize`` (a dot-product model) gives SentenceTransformer's raw
+    pooled vectors (they were made unit length: dot scores and rankings changed); one with it, unit
+    vectors; ``normalize=`` given, or a built DiceEncoder, decides for itself."""
+    import json
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    from tiny_models import WORDS
+
+    texts = [" ".join(WORDS[i : i + 6]) for i in range(0, 24, 6)]  # one chunk each
+    folder = shutil.copytree(tiny_folder, tmp_path / "dot-model")
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32,
+                                                                  "pooling_mode_mean_tokens": True}))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    for normalizes in (False, True):
+        steps = modules + [{"idx": 2, "name": "2", "path": "2_Normalize",
+                            "type": "sentence_transformers.models.Normalize"}] * normalizes
+        (folder / "modules.json").write_text(json.dumps(steps))
+        want = SentenceTransformer(str(folder), device="cpu").encode(texts)
+        got = DiceSentenceEncoder(folder, device="cpu").encode(texts)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert np.allclose(np.linalg.norm(got, axis=1), 1.0) == normalizes
+    (folder / "modules.json").write_text(json.dumps(modules))
+    unit = DiceSentenceEncoder(str(folder), device="cpu", normalize=True).encode(texts)
+    assert np.allclose(np.linalg.norm(unit, axis=1), 1.0)
