@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -98,13 +98,14 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
     return Batch(ids, documents, sc.unit_rows(chunks), cu, *spans, texts)
 
 
-def check_ids(ids: Sequence, n: int) -> list[str]:
-    """``ids`` as strings, one per document of ``n``, distinct and valid Unicode; `OptionError` naming
-    the culprit otherwise (checked before anything is encoded or written)."""
+def check_ids(ids: Iterable, n: int | None = None) -> list[str]:
+    """``ids`` (any iterable, never one string) as strings, one per document of ``n`` (None: as many as
+    given), distinct and valid Unicode; `OptionError` naming the culprit otherwise (checked before
+    anything is encoded or written)."""
     if ids is None:
         raise OptionError(f"ids are required: one per document ({n}); only DiceIndex numbers documents given none")
     ids = lookup_ids(ids)
-    if len(ids) != n:
+    if n is not None and len(ids) != n:
         raise OptionError(f"got {len(ids)} ids for {n} documents")
     seen: dict[str, int] = {}
     for i, name in enumerate(ids):

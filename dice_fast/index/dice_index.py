@@ -116,8 +116,7 @@ class DiceIndex(EncoderSlot):
         if isinstance(texts, (str, bytes)):
             as_iterator(texts, "texts")  # raises, naming the mistake (before the ids are counted against it)
         if ids is not None:
-            ids = lookup_ids(ids)  # any iterable, never one string (read a character at a time)
-            ids = check_ids(ids, len(ids))
+            ids = check_ids(ids)  # any iterable, never one string (read a character at a time)
             if hasattr(texts, "__len__") and len(texts) != len(ids):
                 raise OptionError(f"got {len(ids)} ids for {len(texts)} documents")
             with self._lock.reading():

@@ -136,6 +136,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):  # 404, 405 in OpenAI's shape
+        metrics.observe_unrouted(exc.status_code)
         body = {"error": {"message": f"{exc.detail}: {quote(request.method)} {quote(request.url.path)}",
                           "type": "invalid_request_error", "param": None, "code": str(exc.status_code)}}
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))

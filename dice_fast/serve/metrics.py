@@ -4,6 +4,8 @@ of the app's own; `ServerMetrics` is the set the app exposes at ``GET /metrics``
     dice_fast_requests_total{input_type, status}        requests by outcome (499: client gone)
     dice_fast_unauthorized_total{reason}                401s: API key missing or invalid
     dice_fast_wrong_host_total                          400s: a Host header the server does not answer to
+    dice_fast_unrouted_total{status}                    404s (no such path) and 405s (a method the path
+                                                        does not take); never labelled by path
     dice_fast_inputs_total{input_type}                  inputs embedded
     dice_fast_prompt_tokens_total{input_type}           tokens of the inputs embedded (usage.prompt_tokens)
     dice_fast_request_duration_seconds{input_type}      latency of successful requests (histogram)
@@ -60,6 +62,8 @@ class ServerMetrics:
                                     ("reason",), registry=r)
         self.wrong_host = Counter("dice_fast_wrong_host", "Requests refused with 400: a Host the server does not "
                                   "answer to.", registry=r)
+        self.unrouted = Counter("dice_fast_unrouted", "Requests answered 404 (no such path) or 405 (a method the "
+                                "path does not take).", ("status",), registry=r)
         self.inputs = Counter("dice_fast_inputs", "Inputs embedded.", ("input_type",), registry=r)
         self.tokens = Counter("dice_fast_prompt_tokens", "Tokens of the inputs embedded.", ("input_type",), registry=r)
         self.latency = Histogram("dice_fast_request_duration_seconds", "Latency of successful requests.",
@@ -100,6 +104,10 @@ class ServerMetrics:
     def observe_wrong_host(self) -> None:
         """Count one 400 for a Host the server does not answer to."""
         self.wrong_host.inc()
+
+    def observe_unrouted(self, status: int) -> None:
+        """Count one request no route took (404, 405); by status only, so a client's paths add no series."""
+        self.unrouted.labels(status=str(status)).inc()
 
     def observe_batch(self, stats) -> None:
         """A `BatchStats` from the worker."""

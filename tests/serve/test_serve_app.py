@@ -77,8 +77,12 @@ def test_bad_bodies_get_4xx_naming_the_culprit(real_server):
     assert "max_tokens_per_document" in r.json()["error"]["message"]
     assert real_server.get("/v1/nothing").status_code == 404
     assert real_server.get("/v1/embeddings").json()["error"]["code"] == "405"
+    for path in (f"/v1/no-such-{i}" for i in range(3)):
+        assert real_server.post(path, json={}).status_code == 404
     metrics = real_server.get("/metrics").text
     assert metric(metrics, "dice_fast_requests_total", input_type="unknown", status="422") >= 3
+    assert metric(metrics, "dice_fast_unrouted_total", status="404") >= 4  # by status: no series per path
+    assert metric(metrics, "dice_fast_unrouted_total", status="405") >= 1 and "no-such" not in metrics
     assert "status=\"500\"" not in metrics
 
 

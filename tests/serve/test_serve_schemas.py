@@ -115,6 +115,7 @@ def test_metrics_render_in_the_text_format_with_process_metrics(tiny_encoder):
     m.observe_request("query", 429)
     m.observe_unauthorized("missing")
     m.observe_wrong_host()
+    m.observe_unrouted(404)
     m.observe_batch(BatchStats(tokens=64, chunks=4, requests=2, budget=128, seconds=0.5))
     families = {f.name: f for f in parser.text_string_to_metric_families(m.render())}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
@@ -124,6 +125,7 @@ def test_metrics_render_in_the_text_format_with_process_metrics(tiny_encoder):
     assert samples[("dice_fast_request_duration_seconds_bucket", (("input_type", 'a"b\\c'), ("le", "0.05")))] == 1
     assert samples[("dice_fast_unauthorized_total", (("reason", "missing"),))] == 1
     assert samples[("dice_fast_wrong_host_total", ())] == 1
+    assert samples[("dice_fast_unrouted_total", (("status", "404"),))] == 1
     assert samples[("dice_fast_batch_fill_ratio_bucket", (("le", "0.5"),))] == 1
     assert samples[("dice_fast_batch_tokens_total", ())] == 64
     assert samples[("dice_fast_chunks_total", (("source", "computed"),))] == 0
