@@ -4,8 +4,9 @@
     uvicorn.run(app, host="127.0.0.1", port=8080)         # or mount it: parent.mount("/dice", app)
 
 Routes: ``POST /v1/embeddings`` (OpenAI-shaped, see `dice_fast.serve.schemas`), ``POST /v1/evidence``,
-``GET /health``, ``GET /v1/models``, ``GET /metrics`` (Prometheus text), and FastAPI's ``/openapi.json``
-(every status code of every route, `dice_fast.serve.openapi`), ``/docs`` and ``/redoc``. The app checks
+``GET /health``, ``GET /v1/models`` (and ``/v1/models/{name}``), ``GET /metrics`` (Prometheus text),
+and FastAPI's ``/openapi.json`` (every status code of every route, `dice_fast.serve.openapi`),
+``/docs`` and ``/redoc``. The app checks
 the Host and the API key (`dice_fast.serve.guards`), takes the request's share of the core (a `Lease`,
 held until the response's last byte is handed to the connection), counts the body in as it streams
 (`dice_fast.serve.transport`), parses, maps the core's errors to status codes and serialises;
@@ -15,13 +16,13 @@ With an API key every route but ``/health`` needs ``Authorization: Bearer <key>`
 time), ``/metrics`` and ``/openapi.json`` included; ``/docs`` and ``/redoc`` are off (a browser page
 cannot send the key).
 
-Status codes: 200; 400 a Host header the server does not answer to; 401 (with ``WWW-Authenticate:
+Status codes: 200; 400 a malformed body (as OpenAI's API: the ``openai`` client raises
+``BadRequestError``) or a Host header the server does not answer to; 401 (with ``WWW-Authenticate:
 Bearer``) no key or the wrong one; 408 a body slower than ``read_timeout``; 413 a request over a size
-limit (body bytes, inputs, characters, tokens, response floats); 415 a body not declared as JSON; 422 a
-malformed body; 429 (with ``Retry-After``) the queue or the concurrency limit is full; 503
-``shutting_down`` while shutting down (also for a request still in flight past the server's graceful
-timeout, with ``Connection: close``); 499 is logged (never sent) when the client went away and its
-unstarted chunks were dropped; 503 ``out_of_memory`` (naming the input) when one of its chunks ran out
+limit (body bytes, inputs, characters, tokens, response floats); 415 a body not declared as JSON; 429
+(with ``Retry-After``) the queue or the concurrency limit is full; 503 ``shutting_down`` while shutting
+down (also for a request still in flight past the server's graceful timeout, with ``Connection:
+close``); 499 is logged (never sent) when the client went away and its unstarted chunks were dropped; 503 ``out_of_memory`` (naming the input) when one of its chunks ran out
 of memory alone, 503 ``unhealthy`` when the worker has stopped; 504 past ``request_timeout``; 500 only
 for another failure of the model itself. Error bodies are OpenAI's ``{"error": {"message", "type",
 "param", "code"}}``; an error sent before the body was read whole also closes the connection (the rest
@@ -62,7 +63,7 @@ from .transport import LeasedResponse, RequestTimeout, check_content_type, read_
 
 log = logging.getLogger("dice_fast.serve")
 
-STATUS = {InvalidRequest: 422, UnsupportedMediaType: 415, RequestTooLarge: 413, Overloaded: 429, ShuttingDown: 503,
+STATUS = {InvalidRequest: 400, UnsupportedMediaType: 415, RequestTooLarge: 413, Overloaded: 429, ShuttingDown: 503,
           Unauthorized: 401, OutOfMemory: 503, Unhealthy: 503, DeadlineExceeded: 504, RequestTimeout: 408}
 CLIENT_GONE = 499  # nginx's "client closed request": counted in metrics, never sent
 _OFF_LOOP_FLOATS = 1 << 16  # responses with more floats than this are serialised in a worker thread
@@ -128,7 +129,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
         app.add_middleware(HostGuard, allowed=list(allowed_hosts), on_refused=metrics.observe_wrong_host)
 
     def error(exc: ServeError, request: Request) -> JSONResponse:
-        status = STATUS.get(type(exc), 422)
+        status = STATUS.get(type(exc), 400)
         headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else {}
         if request.method == "POST" and not request.scope.get(_BODY_READ):
             headers["Connection"] = "close"  # the rest of the body is never read
@@ -164,7 +165,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
             result = await handle(labels, lease)
         except ServeError as exc:
             _release(lease)
-            metrics.observe_request(labels[0], STATUS.get(type(exc), 422))
+            metrics.observe_request(labels[0], STATUS.get(type(exc), 400))
             return error(exc, request)
         except ClientDisconnect:  # gone while sending the body
             result = None
@@ -258,8 +259,20 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
 
     @app.get("/v1/models", summary="The served model", responses=oa.responses(oa.MODELS_RESPONSE, **documented))
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                            "owned_by": "dice-fast", "dimensions": core.dim}]}
+        return {"object": "list", "data": [served()]}
+
+    @app.get("/v1/models/{model:path}", summary="The served model, by its name (OpenAI's models.retrieve)",
+             responses=oa.responses(oa.MODEL_RESPONSE, (404,), **documented))
+    async def model(model: str):
+        if model != name:
+            body = {"error": {"message": f"the model {quote(model)!r} is not served here; this server serves "
+                              f"{quote(name)!r}", "type": "invalid_request_error", "param": "model",
+                              "code": "model_not_found"}}
+            return JSONResponse(body, status_code=404)
+        return served()
+
+    def served() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "dice-fast", "dimensions": core.dim}
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse,
              responses=oa.responses(None, ok_type="text/plain", ok_status="Prometheus text format 0.0.4",

@@ -33,7 +33,7 @@ class ServeError(Exception):
 
 
 class InvalidRequest(ServeError):
-    """The request is malformed: not JSON, wrong types, an empty input, an unknown option (HTTP 422)."""
+    """The request is malformed: not JSON, wrong types, an empty input, an unknown option (HTTP 400, as OpenAI answers it)."""
 
 
 class UnsupportedMediaType(InvalidRequest):

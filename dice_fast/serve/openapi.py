@@ -64,13 +64,13 @@ ERROR_SCHEMA = {
                        "param": {"type": ["string", "null"]}, "code": {"type": "string"}}}},
 }
 MEANINGS = {
-    400: "the Host header is not one this server answers to (code host_not_allowed)",
+    400: "a malformed body, param naming the field (code invalid_request), as OpenAI's API answers it; or a Host "
+         "header this server does not answer to (code host_not_allowed)",
     401: "no API key, or a wrong one (code invalid_api_key; with WWW-Authenticate: Bearer)",
-    404: "no such route", 405: "method not allowed on this route",
+    404: "no such route (or, for /v1/models/{model}, no such model: code model_not_found)", 405: "method not allowed on this route",
     408: "the request body did not arrive within the read timeout (code request_timeout)",
     413: "over a size limit: body bytes, inputs, characters, tokens or response floats (code request_too_large)",
     415: "the body is not declared as JSON in UTF-8 (code unsupported_media_type)",
-    422: "a malformed body; param names the field (code invalid_request)",
     429: "the queue or the concurrency limit is full; retry after Retry-After seconds (code overloaded)",
     500: "the model failed (code internal_error); never the client's fault",
     503: "shutting down, out of memory for an input (param names it), or unhealthy",
@@ -111,14 +111,16 @@ HEALTH_RESPONSE = {
                    "queue_tokens": {"type": "integer"}, "requests_in_flight": {"type": "integer"},
                    "detail": {"type": "string"}},
 }
+MODEL_RESPONSE = {
+    "type": "object", "required": ["id", "object", "created", "owned_by", "dimensions"],
+    "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                   "owned_by": {"type": "string"}, "dimensions": {"type": "integer"}},
+}
 MODELS_RESPONSE = {
     "type": "object", "required": ["object", "data"],
-    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-        "type": "object", "required": ["id", "object", "created", "owned_by", "dimensions"],
-        "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                       "owned_by": {"type": "string"}, "dimensions": {"type": "integer"}}}}},
+    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": MODEL_RESPONSE}},
 }
-POST_ERRORS = (408, 413, 415, 422, 429, 500, 503, 504)
+POST_ERRORS = (400, 408, 413, 415, 429, 500, 503, 504)
 
 
 def responses(ok: dict | None, errors=(), *, keyed: bool, host_checked: bool, ok_type: str = "application/json",

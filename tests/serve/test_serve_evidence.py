@@ -1,6 +1,6 @@
 """Chunks and evidence over HTTP (uvicorn on 127.0.0.1, httpx): ``return_chunks`` equals offline
 ``encode_documents(return_chunks=True)``; ``/v1/evidence`` equals the offline scoring and finds a
-planted sentence with the bundled model; bad bodies get 422 naming the field."""
+planted sentence with the bundled model; bad bodies get 400 naming the field."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_evidence_equals_offline_scoring(tiny_server, tiny_encoder, name):
 ])
 def test_bad_evidence_requests_name_the_field(tiny_server, body, param):
     r = tiny_server.post("/v1/evidence", json=body)
-    assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert "input" not in r.json()["error"]["message"].split(";")[0], r.text  # named as this route names it
 
 
@@ -104,7 +104,7 @@ def test_evidence_refusals_name_the_query_without_an_index(tiny_server, body, pa
 def test_bad_return_chunks_is_named(tiny_server):
     for body in ({"input": ["a"], "return_chunks": "yes"}, {"input": ["a"], "return_chunks": True, "input_type": "query"}):
         r = tiny_server.post("/v1/embeddings", json=body)
-        assert r.status_code == 422 and r.json()["error"]["param"] == "return_chunks", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "return_chunks", r.text
     r = tiny_server.post("/v1/evidence", json={"query": "q", "documents": ["a"] * 9})  # the route's limits hold
     assert r.status_code == 413
 

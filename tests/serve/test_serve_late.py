@@ -1,6 +1,6 @@
 """Late chunking through the server: the request field ``strategy`` ("dice", "single", "late") on
 /v1/embeddings and /v1/evidence gives exactly the offline vectors of an encoder with that strategy,
-beside requests of the server's own strategy; a bad value or one the encoder cannot take is a 422
+beside requests of the server's own strategy; a bad value or one the encoder cannot take is a 400
 naming ``strategy``; the server client of the adapters sends it through."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_bad_strategy_is_named(server, value):
     _, client = server
     for route, body in (("/v1/embeddings", {"input": ["a cat"]}), ("/v1/evidence", {"query": "q", "documents": ["a"]})):
         r = client.post(route, json={**body, "strategy": value})
-        assert r.status_code == 422 and r.json()["error"]["param"] == "strategy", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "strategy", r.text
 
 
 def test_a_strategy_the_encoder_cannot_take_is_named():
@@ -78,7 +78,7 @@ def test_a_strategy_the_encoder_cannot_take_is_named():
     enc = DiceEncoder(model, tok, chunk_size=16, pooling="cls")
     with ServerThread(create_app(enc)) as s, httpx.Client(base_url=s.url, timeout=60) as client:
         r = client.post("/v1/embeddings", json={"input": ["a cat sat"], "strategy": "late"})
-        assert r.status_code == 422 and r.json()["error"]["param"] == "strategy", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "strategy", r.text
         assert "pooling" in r.json()["error"]["message"]
         assert client.post("/v1/embeddings", json={"input": ["a cat sat"]}).status_code == 200
 
