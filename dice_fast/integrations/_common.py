@@ -37,20 +37,6 @@ async def in_thread_until_cancelled(work):
         raise
 
 
-_SSL_LOCK, _SSL = threading.Lock(), []
-
-
-def ssl_context():
-    """One SSL context for every HTTP client of the process: httpx builds one per client, loading the CA
-    bundle (35-87 ms), on the event loop thread for an async client, for every call."""
-    with _SSL_LOCK:
-        if not _SSL:
-            import httpx
-
-            _SSL.append(httpx.create_ssl_context())
-        return _SSL[0]
-
-
 def as_encoder(encoder, options: dict):
     """``encoder``: a `DiceEncoder` (used as is; ``options`` must then be empty), a local model folder,
     or None (the bundled all-MiniLM-L6-v2), loaded with ``options`` (`DiceConfig` fields)."""

@@ -38,7 +38,8 @@ import numpy as np
 
 from ..chunking import check_texts
 from ..errors import ArgumentTypeError, require
-from ._common import as_encoder, in_thread_until_cancelled, ssl_context, vector_settings
+from ._common import as_encoder, in_thread_until_cancelled, vector_settings
+from ._http import Connections
 from ._retry import RetryPolicy
 
 _KINDS = {"documents": "document", "queries": "query"}
@@ -260,6 +261,7 @@ class ServerEmbedder:
         self.strategy = None if strategy is None else check_strategy(strategy)
         self.batch_size, self.timeout, self._extra = batch_size, timeout, extra
         self.retry = RetryPolicy(max_retries, max_retry_seconds)
+        self._connections = Connections(timeout)  # kept between calls: one connection, not one per call
         self.base_url = base_url
         self.client_options = {"batch_size": batch_size, "timeout": timeout, "max_retries": max_retries,
                                "max_retry_seconds": max_retry_seconds, "strategy": self.strategy}
@@ -299,39 +301,39 @@ class ServerEmbedder:
     def _run(self, texts, kind: str) -> np.ndarray:
         httpx = require("httpx", extra=self._extra, needed_by="a remote dice_fast server")
         rows = []
-        with httpx.Client(timeout=self.timeout, verify=ssl_context()) as client:
-            for lo, n, body in self._batches(texts, kind):
-                attempts = self.retry.start()
-                while True:
-                    response, error = None, None
-                    try:
-                        response = client.post(self.url, content=body, headers=self.headers)
-                    except httpx.TransportError as exc:
-                        error = exc
-                    wait = self._wait(httpx, attempts, response, error)
-                    if wait is None:
-                        break
-                    time.sleep(wait)
-                rows.append(self._vectors(response, lo, n, error, attempts, kind))
+        client = self._connections.sync(httpx)
+        for lo, n, body in self._batches(texts, kind):
+            attempts = self.retry.start()
+            while True:
+                response, error = None, None
+                try:
+                    response = client.post(self.url, content=body, headers=self.headers)
+                except httpx.TransportError as exc:
+                    error = exc
+                wait = self._wait(httpx, attempts, response, error)
+                if wait is None:
+                    break
+                time.sleep(wait)
+            rows.append(self._vectors(response, lo, n, error, attempts, kind))
         return _stack(rows)
 
     async def _arun(self, texts, kind: str) -> np.ndarray:
         httpx = require("httpx", extra=self._extra, needed_by="a remote dice_fast server")
         rows = []
-        async with httpx.AsyncClient(timeout=self.timeout, verify=ssl_context()) as client:
-            for lo, n, body in self._batches(texts, kind):
-                attempts = self.retry.start()
-                while True:
-                    response, error = None, None
-                    try:
-                        response = await client.post(self.url, content=body, headers=self.headers)
-                    except httpx.TransportError as exc:
-                        error = exc
-                    wait = self._wait(httpx, attempts, response, error)
-                    if wait is None:
-                        break
-                    await asyncio.sleep(wait)
-                rows.append(self._vectors(response, lo, n, error, attempts, kind))
+        client = await self._connections.for_loop(httpx)
+        for lo, n, body in self._batches(texts, kind):
+            attempts = self.retry.start()
+            while True:
+                response, error = None, None
+                try:
+                    response = await client.post(self.url, content=body, headers=self.headers)
+                except httpx.TransportError as exc:
+                    error = exc
+                wait = self._wait(httpx, attempts, response, error)
+                if wait is None:
+                    break
+                await asyncio.sleep(wait)
+            rows.append(self._vectors(response, lo, n, error, attempts, kind))
         return _stack(rows)
 
     @staticmethod

@@ -131,7 +131,7 @@ def test_every_client_of_the_process_shares_one_ssl_context(monkeypatch):
 
     import httpx
 
-    from dice_fast.integrations._common import ssl_context
+    from dice_fast.integrations._http import ssl_context
 
     seen = []
 
@@ -144,9 +144,54 @@ def test_every_client_of_the_process_shares_one_ssl_context(monkeypatch):
 
     monkeypatch.setattr(httpx, "Client", client)
     monkeypatch.setattr(httpx, "AsyncClient", client)
-    remote = ServerEmbedder("http://127.0.0.1:9", max_retries=0)
-    for call in (lambda: remote.queries(["q"]), lambda: asyncio.run(remote.aqueries(["q"])),
-                 lambda: asyncio.run(remote.adocuments(["d"]))):
+    for call in (lambda remote: remote.queries(["q"]), lambda remote: asyncio.run(remote.aqueries(["q"])),
+                 lambda remote: asyncio.run(remote.adocuments(["d"]))):
+        remote = ServerEmbedder("http://127.0.0.1:9", max_retries=0)
         with pytest.raises(Built):
-            call()
+            call(remote)
     assert len(seen) == 3 and all(v is ssl_context() for v in seen)
+
+
+def test_calls_reuse_their_connection_sync_async_threads_copies(monkeypatch):
+    """One connection for many calls (a client per call opened one each, and over https a TLS handshake):
+    threads share the sync client; an event loop keeps its async one; another loop, a deep copy or a
+    pickle gets its own."""
+    import asyncio
+    import copy
+    import pickle
+    from concurrent.futures import ThreadPoolExecutor
+
+    peers = []
+
+    def answer(inputs, n):
+        return 200, {}, vectors(inputs)
+
+    with Scripted(answer) as server:
+        handler = server.server.RequestHandlerClass
+        setup = handler.setup
+
+        def counted(self):
+            peers.append(self.client_address)
+            setup(self)
+
+        monkeypatch.setattr(handler, "setup", counted)
+        handler.protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn
+        remote = ServerEmbedder(server.url, batch_size=1, max_retries=0)
+        for _ in range(5):
+            assert remote.queries(["q", "qq"])[:, 0].tolist() == [1, 2]
+        assert len(set(peers)) == 1, peers
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda _: remote.documents(["d"]), range(40)))
+        assert len(set(peers)) <= 5  # at most one more per thread running at once
+
+        async def several():
+            return [await remote.aqueries(["abc"]) for _ in range(5)]
+
+        before = len(set(peers))
+        assert [float(v[0, 0]) for v in asyncio.run(several())] == [3.0] * 5
+        assert len(set(peers)) == before + 1  # one connection for the loop's five calls
+        asyncio.run(several())  # another loop: its own client (the last loop's is dropped with it)
+        assert len(set(peers)) == before + 2
+        assert copy.copy(remote)._connections is remote._connections  # a shallow copy shares them, as it may
+        for twin in (copy.deepcopy(remote), pickle.loads(pickle.dumps(remote))):
+            assert twin._connections is not remote._connections and twin.queries(["q"]).shape == (1, DIM)
