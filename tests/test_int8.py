@@ -105,9 +105,11 @@ def test_calibration_file_is_read_bounded_whole_characters_and_named_when_bad(tm
         cal.calibration_text(str(bad))
     blank = tmp_path / "blank.txt"
     blank.write_text(" \n\t\n", encoding="utf-8")
-    for path, what in ((blank, "holds no text"), (tmp_path, "is not a file"), (tmp_path / "missing.txt", "is not a file")):
+    for path, what in ((blank, "holds no text"), (tmp_path, "is not a file"), (tmp_path / "missing.txt", "does not exist")):
         with pytest.raises(InputError, match=what):
             cal.calibration_text(str(path))
+    with pytest.raises(FileNotFoundError, match="missing.txt"):  # a MissingFile, as every missing input is
+        cal.calibration_text(str(tmp_path / "missing.txt"))
 
 
 def test_cache_key_names_model_calibration_and_versions():

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,16 @@ class _DefaultInt(int):
     """An int default of argparse, told apart from the same value given on the command line."""
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's, silent where the help states its own default or there is none to state (it printed
+    "(default: the bundled all-MiniLM-L6-v2) (default: None)")."""
+
+    def _get_help_string(self, action):
+        if "(default" in (action.help or "") or action.default in (None, False, ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _DefaultList(list):
     """A list default of argparse, told apart from the same values given on the command line."""
 
@@ -37,8 +48,6 @@ _TASK_OPTIONS = (("--lengths", "lengths", ("passkey", "needle")),
 
 
 def _int_list(text: str) -> list[int]:
-    import argparse
-
     try:
         vals = [int(v) for v in text.replace(",", " ").split()]
     except ValueError:
@@ -53,8 +62,6 @@ def _str_list(text: str) -> list[str]:
 
 
 def _float_list(text: str) -> list[float]:
-    import argparse
-
     try:
         vals = [float(v) for v in text.replace(",", " ").split()]
     except ValueError:
@@ -66,8 +73,6 @@ def _float_list(text: str) -> list[float]:
 
 def register_cli(subparsers) -> None:
     """Add the ``eval`` sub-command to ``subparsers`` (from ``parser.add_subparsers()``)."""
-    import argparse
-
     from .run import DEFAULT_AGGREGATIONS
     from .tasks import CONTEXT_LENGTHS
 
@@ -91,7 +96,7 @@ def register_cli(subparsers) -> None:
             "apply to every method. Example: dice-fast eval --task passkey needle --lengths 256,1024,8192 "
             "--docs-per-length 20 --queries-per-length 10 --chunk-sizes 64,254 --out-dir benchmarks/eval"
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     p.add_argument("--task", nargs="+", default=["passkey"], metavar="TASK",
                    help="one or more of: passkey, needle, boundary (generated; boundary: answers across a chunk "

@@ -142,3 +142,24 @@ def hit_metadata(hit, scoring: str) -> dict:
                          "DiceIndex.from_texts(encoder, texts, ids) or a store's add(texts, ids) (store_text=True)")
     return {"text": hit.text, "id": hit.id, "score": float(hit.score), "scoring": scoring, "chunk": int(hit.chunk),
             "start_char": int(hit.start_char), "end_char": int(hit.end_char), "chunk_score": float(hit.chunk_score)}
+
+
+class QueryTooLong(ValueError):
+    """A query longer than the model window, refused in-process and through a server alike; ``index``:
+    its position among the texts of the call."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+def jsonable(value):
+    """``value`` with paths as strings and anything JSON has no type for (a ``torch.device``) as its
+    ``str``: a description goes through ``json.dumps`` (LlamaIndex's ``to_json``, its cache keys)."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)

@@ -14,35 +14,23 @@ naming its position in the call (through a server, as `ServerQueryTooLong`, whic
 ``--auto-truncate`` cuts such a query to the window instead, as the engine's own ``encode_queries``
 does; the client then warns naming the queries cut, as the engine does.
 
-The server client retries what waiting can fix (429 queue full, 503, connection failures; `RetryPolicy`:
-bounded tries and time, ``Retry-After`` honoured, jitter) and raises `DiceServerError` for everything
-else, transport errors included (``status`` None: no response).
-
+The server client is `dice_fast.integrations._server_client` (retries, errors, kept connections).
 Imports nothing optional at module level; the HTTP client (httpx, a dependency of both langchain-core
 and llama-index-core) is imported when a server is first called.
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import json
 import os
-import re
 import threading
-import time
-import warnings
 from pathlib import Path
 
 import numpy as np
 
 from ..chunking import check_texts
-from ..errors import ArgumentTypeError, require
-from ._common import as_encoder, in_thread_until_cancelled, vector_settings
-from ._http import Connections
-from ._retry import RetryPolicy
-
-_KINDS = {"documents": "document", "queries": "query"}
+from ..errors import ArgumentTypeError
+from ._common import QueryTooLong, as_encoder, in_thread_until_cancelled, jsonable, vector_settings
+from ._server_client import CLIENT_OPTIONS, ServerEmbedder
 
 
 def embedder(encoder, options: dict, *, base_url: str | None = None, api_key: str | None = None,
@@ -60,19 +48,9 @@ def embedder(encoder, options: dict, *, base_url: str | None = None, api_key: st
     if encoder is not None or options:
         raise TypeError("with base_url the server's model and options are used: pass no encoder or DICE options "
                         f"(got {'an encoder' if encoder is not None else sorted(options)})")
+    if unknown := sorted(set(client_options) - set(CLIENT_OPTIONS)):
+        raise TypeError(f"unknown client_options {unknown}; allowed: {', '.join(CLIENT_OPTIONS)}")
     return ServerEmbedder(base_url, api_key, extra=extra, **client_options)
-
-
-def _jsonable(value):
-    """``value`` with paths as strings and anything JSON has no type for (a ``torch.device``) as its
-    ``str``: a description goes through ``json.dumps`` (LlamaIndex's ``to_json``, its cache keys)."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
 
 
 def rebuild_arguments(described: dict) -> dict:
@@ -155,9 +133,9 @@ class LocalEmbedder:
         try:
             folder, options = self.source()
         except ArgumentTypeError:
-            return {"source": "in-memory", "vectors": _jsonable(vectors)}
+            return {"source": "in-memory", "vectors": jsonable(vectors)}
         return {"source": "local", "model": None if folder is None else os.fspath(folder),
-                "options": _jsonable(dict(options)), "vectors": _jsonable(vectors)}
+                "options": jsonable(dict(options)), "vectors": jsonable(vectors)}
 
     def __getstate__(self) -> dict:
         return {"source": self.source()}
@@ -200,199 +178,6 @@ class LocalEmbedder:
         return await in_thread_until_cancelled(lambda progress: self.queries(texts, progress))
 
 
-class QueryTooLong(ValueError):
-    """A query longer than the model window, refused in-process and through a server alike; ``index``:
-    its position among the texts of the call."""
-
-    def __init__(self, message: str, index: int):
-        super().__init__(message)
-        self.index = index
-
-
-class DiceServerError(RuntimeError):
-    """A running ``dice-fast serve`` refused or failed a request, or could not be reached; ``status`` is
-    its HTTP status (None: no response came, e.g. a refused connection or a timeout); ``param``: the
-    field the server blamed (``"input[7]"``, ``"dimensions"`` ...; None when it named none). An input is
-    named by its position in the whole call, in ``param`` and in the message alike."""
-
-    def __init__(self, message: str, status: int | None, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
-
-
-class ServerQueryTooLong(DiceServerError, QueryTooLong):
-    """The server refused a query longer than its model window (413): both a `DiceServerError` and a
-    `QueryTooLong`, as the same query is in-process."""
-
-    def __init__(self, message: str, status: int, index: int, param: str | None = None):
-        DiceServerError.__init__(self, message, status, param)
-        self.index = index
-
-
-class ServerEmbedder:
-    """A running ``dice-fast serve`` (or any server of its OpenAI-shaped API with ``input_type``).
-
-    base_url: ``http://host:port`` (a trailing ``/v1`` is accepted); api_key: sent as
-    ``Authorization: Bearer <key>`` when given; batch_size: inputs per request (the server packs
-    requests together, so this bounds request size, not speed); timeout: seconds per request;
-    max_retries / max_retry_seconds: a request answered 429 or 503, or that met a connection error, is
-    tried again up to ``max_retries`` times, none starting after ``max_retry_seconds`` from its first
-    try, waiting the server's ``Retry-After`` (else 0.5 s doubling), with jitter (`RetryPolicy`).
-    strategy: sent with documents as the request's ``strategy`` (None: the server's; "late": late chunking).
-    Responses are requested in base64 (exact float32). Errors raise `DiceServerError` with the server's
-    message (or the transport error) and the call's positions of the inputs of the failed request.
-    """
-
-    def __init__(self, base_url: str, api_key: str | None = None, *, batch_size: int = 64, timeout: float = 300.0,
-                 max_retries: int = 3, max_retry_seconds: float = 60.0, extra: str = "serve",
-                 strategy: str | None = None):
-        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must be an http:// or https:// URL, got {base_url!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        root = base_url.rstrip("/")
-        self.url = (root[:-3] if root.endswith("/v1") else root) + "/v1/embeddings"
-        self.headers = {"Content-Type": "application/json"}
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
-        from ..settings import check_strategy
-
-        self.strategy = None if strategy is None else check_strategy(strategy)
-        self.batch_size, self.timeout, self._extra = batch_size, timeout, extra
-        self.retry = RetryPolicy(max_retries, max_retry_seconds)
-        self._connections = Connections(timeout)  # kept between calls: one connection, not one per call
-        self.base_url = base_url
-        self.client_options = {"batch_size": batch_size, "timeout": timeout, "max_retries": max_retries,
-                               "max_retry_seconds": max_retry_seconds, "strategy": self.strategy}
-
-    def describe(self) -> dict:
-        """JSON-able ``{"source": "server", "base_url": ..., "client_options": {...}}`` (no api_key: a
-        description may be logged or saved); ``rebuild_arguments`` builds it again from this."""
-        return {"source": "server", "base_url": self.base_url, "client_options": _jsonable(dict(self.client_options))}
-
-    @property
-    def name(self) -> str:
-        return self.url
-
-    def documents(self, texts: list[str]) -> np.ndarray:
-        return self._run(texts, "documents")
-
-    def queries(self, texts: list[str]) -> np.ndarray:
-        return self._run(texts, "queries")
-
-    async def adocuments(self, texts: list[str]) -> np.ndarray:
-        return await self._arun(texts, "documents")
-
-    async def aqueries(self, texts: list[str]) -> np.ndarray:
-        return await self._arun(texts, "queries")
-
-    # ----------------------------------------------------------------------------------------------
-    def _batches(self, texts, kind: str):
-        texts = list(texts)
-        for lo in range(0, len(texts), self.batch_size):
-            batch = texts[lo:lo + self.batch_size]
-            fields = {"input": batch, "input_type": _KINDS[kind], "encoding_format": "base64"}
-            if self.strategy is not None and kind == "documents":
-                fields["strategy"] = self.strategy
-            body = json.dumps(fields)
-            yield lo, len(batch), body.encode("utf-8")
-
-    def _run(self, texts, kind: str) -> np.ndarray:
-        httpx = require("httpx", extra=self._extra, needed_by="a remote dice_fast server")
-        rows = []
-        client = self._connections.sync(httpx)
-        for lo, n, body in self._batches(texts, kind):
-            attempts = self.retry.start()
-            while True:
-                response, error = None, None
-                try:
-                    response = client.post(self.url, content=body, headers=self.headers)
-                except httpx.TransportError as exc:
-                    error = exc
-                wait = self._wait(httpx, attempts, response, error)
-                if wait is None:
-                    break
-                time.sleep(wait)
-            rows.append(self._vectors(response, lo, n, error, attempts, kind))
-        return _stack(rows)
-
-    async def _arun(self, texts, kind: str) -> np.ndarray:
-        httpx = require("httpx", extra=self._extra, needed_by="a remote dice_fast server")
-        rows = []
-        client = await self._connections.for_loop(httpx)
-        for lo, n, body in self._batches(texts, kind):
-            attempts = self.retry.start()
-            while True:
-                response, error = None, None
-                try:
-                    response = await client.post(self.url, content=body, headers=self.headers)
-                except httpx.TransportError as exc:
-                    error = exc
-                wait = self._wait(httpx, attempts, response, error)
-                if wait is None:
-                    break
-                await asyncio.sleep(wait)
-            rows.append(self._vectors(response, lo, n, error, attempts, kind))
-        return _stack(rows)
-
-    @staticmethod
-    def _wait(httpx, attempts, response, error) -> float | None:
-        """Seconds before the next try, or None: this response (or error) is the answer."""
-        if error is not None:  # a timeout while reading the answer is not retried: the work may still be running
-            retryable = isinstance(error, (httpx.NetworkError, httpx.ConnectTimeout, httpx.PoolTimeout,
-                                           httpx.RemoteProtocolError))
-            return attempts.wait_after(None) if retryable else None
-        return attempts.wait_after(response.status_code, response.headers.get("Retry-After"))
-
-    def _vectors(self, response, lo: int, n: int, failure=None, attempts=None, kind: str = "documents") -> np.ndarray:
-        """(n, dim) float32 from a response to the inputs ``lo .. lo + n - 1`` of the call (``failure``:
-        the transport error instead, after ``attempts``)."""
-        where = f"inputs {lo}..{lo + n - 1} of this call" if n > 1 else f"input {lo} of this call"
-        tries = "" if attempts is None else f" (after {attempts.made} tries in {attempts.elapsed:.1f} s)"
-        if failure is not None:
-            raise DiceServerError(f"no response from {self.url} for {where}{tries}: "
-                                  f"{type(failure).__name__}: {str(failure)[:200]}", None) from failure
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        if response.status_code != 200:
-            error = body.get("error") if isinstance(body, dict) else None
-            message = error.get("message") if isinstance(error, dict) else response.text[:300]
-            message = _in_call(str(message), lo)  # the server names inputs of its request: name them in the call
-            retried = tries if response.status_code in (429, 503) else ""
-            text = f"{self.url} answered {response.status_code} for {where}{retried}: {message}"
-            param = error.get("param") if isinstance(error, dict) else None
-            param = _in_call(param, lo) if isinstance(param, str) else None
-            at = re.fullmatch(r"input\[(\d+)\]", param) if param is not None else None
-            if response.status_code == 413 and kind == "queries" and at and "model window" in message:
-                raise ServerQueryTooLong(text, 413, int(at.group(1)), param)
-            raise DiceServerError(text, response.status_code, param)
-        cut = body.get("usage", {}).get("truncated_inputs") if isinstance(body, dict) else None
-        if cut:
-            warnings.warn(f"{len(cut)} queries longer than the model window were cut to it by the server "
-                          f"(--auto-truncate): {', '.join(f'query {lo + int(i)}' for i in cut[:3])} of this call",
-                          UserWarning, stacklevel=4)
-        try:
-            data = sorted(body["data"], key=lambda d: d["index"])
-            rows = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in data])
-        except (TypeError, KeyError, ValueError) as exc:
-            raise DiceServerError(f"{self.url} sent a malformed response for {where}: {exc!r}", 200) from None
-        if len(rows) != n:
-            raise DiceServerError(f"{self.url} returned {len(rows)} vectors for {n} inputs ({where})", 200)
-        return rows.astype(np.float32)
-
 
 def _gb(max_bytes: int | None) -> float | None:
     return None if max_bytes is None else max_bytes / 1e9
-
-
-def _in_call(text: str, lo: int) -> str:
-    """``text`` with every ``input[i]`` (a position in one request, whose first input is the call's
-    ``lo``) renamed ``input[lo + i]``, the position in the whole call."""
-    return re.sub(r"\binput\[(\d+)\]", lambda m: f"input[{lo + int(m.group(1))}]", text)
-
-
-def _stack(rows: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(rows) if rows else np.zeros((0, 0), np.float32)

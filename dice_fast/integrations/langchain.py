@@ -30,8 +30,9 @@ from typing import Any
 
 from ..errors import require
 from ..scoring import DEFAULT_SCORING, check_scoring
-from ._common import hit_metadata
-from ._embedder import DiceServerError, QueryTooLong, embedder
+from ._common import QueryTooLong, hit_metadata
+from ._embedder import embedder
+from ._server_client import DiceServerError
 
 require("langchain_core", extra="langchain", needed_by="dice_fast.integrations.langchain")
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun  # noqa: E402
@@ -50,7 +51,7 @@ class DiceEmbeddings(Embeddings):
         None is loaded with ``options`` (`DiceConfig` fields: chunk_size, aggregation, device, dtype ...).
     base_url: instead, a running ``dice-fast serve`` (``http://host:port``); api_key is sent as
         ``Authorization: Bearer``; ``client_options``: batch_size, timeout, max_retries, max_retry_seconds (see
-        `dice_fast.integrations._embedder.ServerEmbedder`). Server errors raise `DiceServerError`.
+        `dice_fast.integrations._server_client.ServerEmbedder`). Server errors raise `DiceServerError`.
     The async methods run in a worker thread (in-process) or over an async HTTP client.
     """
 

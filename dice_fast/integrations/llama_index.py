@@ -39,8 +39,9 @@ from typing import Any
 
 from ..errors import ArgumentTypeError, require
 from ..scoring import DEFAULT_SCORING, check_scoring
-from ._common import hit_metadata
-from ._embedder import DiceServerError, LocalEmbedder, QueryTooLong, embedder, rebuild_arguments
+from ._common import QueryTooLong, hit_metadata
+from ._embedder import LocalEmbedder, embedder, rebuild_arguments
+from ._server_client import DiceServerError
 
 require("llama_index.core", extra="llama-index", needed_by="dice_fast.integrations.llama_index")
 from llama_index.core.base.embeddings.base import BaseEmbedding  # noqa: E402

@@ -13,8 +13,9 @@ Importing this module compiles nothing and loads nothing; `is_loaded` never trig
 folder named after the Python, torch, CUDA and CPU-vector-ISA versions, so a cache shared between
 machines never hands one machine another's binary; rebuilding after a source change is automatic.
 
-Where ``csrc/`` comes from: ``$DICE_FAST_CSRC`` if set, else the repository checkout next to this
-package (editable install), else ``dice_fast/_csrc`` (a wheel that ships the sources as package data).
+Where ``csrc/`` comes from: ``$DICE_FAST_CSRC`` if set (an `OptionError` when that folder lacks the
+sources: never the stock ones instead), else the repository checkout next to this package (editable
+install), else ``dice_fast/_csrc`` (a wheel that ships the sources as package data).
 
 Environment knobs: ``DICE_FAST_CPU_CAPABILITY`` = ``DEFAULT`` | ``AVX2`` | ``AVX512`` overrides the
 vector ISA the CPU kernels are compiled for (default: what ATen detects on this CPU);
@@ -87,9 +88,12 @@ def has_cuda_kernels() -> bool:
 
 def csrc_dir() -> Path:
     """The folder holding the C++/CUDA sources (see the module docstring for the search order)."""
+    if given := os.environ.get("DICE_FAST_CSRC"):  # a folder named is the one meant: never another instead
+        if missing := [f for f in CPU_SOURCES + HEADERS if not (Path(given) / f).is_file()]:
+            raise OptionError(f"$DICE_FAST_CSRC={given!r} is not a dice_fast csrc/ folder: it lacks "
+                              f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        return Path(given)
     candidates = []
-    if os.environ.get("DICE_FAST_CSRC"):
-        candidates.append(Path(os.environ["DICE_FAST_CSRC"]))
     here = Path(__file__).resolve()
     candidates += [here.parents[2] / "csrc", here.parents[1] / "_csrc"]
     for c in candidates:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, MissingFile
 
 CALIBRATION_CHUNKS = 300  # as many as the OpenVINO static int8 peer calibrated on
 MAX_BYTES = 1 << 20  # of a calibration file read: ~240k MiniLM tokens of prose (0.8 s to tokenize), 3x what 300 chunks take
@@ -35,6 +35,8 @@ def calibration_text(path: str | os.PathLike | None) -> str:
         return "\n\n".join(prose_halves()[0])
     path = os.fspath(path)
     p = Path(path)
+    if not p.exists():
+        raise MissingFile(f"calibration: {path!r} does not exist (a UTF-8 text sample of your corpus)")
     if not p.is_file():
         raise InputError(f"calibration: {path!r} is not a file (a UTF-8 text sample of your corpus)")
     try:

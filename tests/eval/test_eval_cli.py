@@ -125,3 +125,17 @@ def test_cli_epilog_says_what_aggregation_does(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--aggregation and --strategy are ignored" not in out
     assert "the document vector the hybrid scoring blends with MaxSim" in out
+
+
+def test_every_option_states_its_default_once():
+    """The eval help printed "(default: the bundled all-MiniLM-L6-v2) (default: None)" on 21 options."""
+    import argparse
+
+    from dice_fast.eval.cli import register_cli
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    register_cli(sub)
+    text = sub.choices["eval"].format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text
+    for option in text.split("\n  -")[1:]:
+        assert " ".join(option.split()).count("(default") <= 1, option

@@ -15,7 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from dice_fast.integrations._embedder import DiceServerError, QueryTooLong, ServerEmbedder
+from dice_fast.integrations._common import QueryTooLong
+from dice_fast.integrations._server_client import DiceServerError, ServerEmbedder
 from dice_fast.integrations._retry import RetryPolicy, retry_after_seconds
 
 DIM = 4
@@ -131,7 +132,7 @@ def test_every_client_of_the_process_shares_one_ssl_context(monkeypatch):
 
     import httpx
 
-    from dice_fast.integrations._http import ssl_context
+    from dice_fast.integrations._server_client import ssl_context
 
     seen = []
 
@@ -195,3 +196,14 @@ def test_calls_reuse_their_connection_sync_async_threads_copies(monkeypatch):
         assert copy.copy(remote)._connections is remote._connections  # a shallow copy shares them, as it may
         for twin in (copy.deepcopy(remote), pickle.loads(pickle.dumps(remote))):
             assert twin._connections is not remote._connections and twin.queries(["q"]).shape == (1, DIM)
+
+
+def test_client_options_are_the_server_clients_arguments():
+    import inspect
+
+    from dice_fast.integrations._embedder import embedder
+    from dice_fast.integrations._server_client import CLIENT_OPTIONS
+
+    assert set(CLIENT_OPTIONS) == set(inspect.signature(ServerEmbedder).parameters) - {"base_url", "api_key", "extra"}
+    with pytest.raises(TypeError, match=r"unknown client_options \['bogus'\]; allowed: batch_size"):
+        embedder(None, {}, base_url="http://127.0.0.1:9", extra="langchain", bogus=1)

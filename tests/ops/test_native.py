@@ -598,3 +598,18 @@ def test_the_command_line_can_ask_for_the_native_pooling(native, tmp_path):
         assert done.returncode == 0, done.stderr
     (_, a), (_, b) = load_embeddings(tmp_path / "native.npy"), load_embeddings(tmp_path / "torch.npy")
     assert_close(a, b, atol=1e-6, what="native vs torch pooling")
+
+
+def test_a_csrc_folder_named_in_the_environment_is_the_one_built(tmp_path, monkeypatch):
+    """``$DICE_FAST_CSRC`` naming a folder without the sources is refused, naming it (a mistyped path
+    compiled the stock sources instead, silently); one with them is used."""
+    from dice_fast.errors import OptionError
+    from dice_fast.ops import native
+
+    stock = native.csrc_dir()
+    monkeypatch.setenv("DICE_FAST_CSRC", str(tmp_path / "no-such-csrc"))
+    with pytest.raises(OptionError, match=r"DICE_FAST_CSRC=.*no-such-csrc.*lacks"):
+        native.csrc_dir()
+    copy = shutil.copytree(stock, tmp_path / "my-csrc")
+    monkeypatch.setenv("DICE_FAST_CSRC", str(copy))
+    assert native.csrc_dir() == copy

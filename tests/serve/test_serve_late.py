@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dice_fast import DiceEncoder, scoring
-from dice_fast.integrations._embedder import ServerEmbedder
+from dice_fast.integrations._server_client import ServerEmbedder
 from dice_fast.serve import create_app
 from helpers import assert_close
 from serve_testing import ServerThread, word_texts

@@ -14,8 +14,9 @@ import warnings
 import numpy as np
 import pytest
 
-from dice_fast.integrations._embedder import (DiceServerError, LocalEmbedder, QueryTooLong, ServerEmbedder,
-                                              ServerQueryTooLong)
+from dice_fast.integrations._common import QueryTooLong
+from dice_fast.integrations._embedder import LocalEmbedder
+from dice_fast.integrations._server_client import DiceServerError, ServerEmbedder, ServerQueryTooLong
 from dice_fast.integrations._retry import RetryPolicy, retry_after_seconds
 from dice_fast.serve import create_app
 from serve_testing import ServerThread
