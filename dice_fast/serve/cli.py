@@ -193,7 +193,8 @@ def cmd_serve(args) -> int:
     _need_serve_extra()
     from .app import create_app
     from .guards import allowed_hosts
-    from .server import SERVER_DEFAULTS, check_server_limits, draining_server, log_config, server_config
+    from .server import (SERVER_DEFAULTS, check_server_limits, draining_server, ensure_open_files, log_config,
+                         server_config)
 
     # a query over the window is cut to it, as offline; one warning per such request would flood the log
     warnings.filterwarnings("ignore", message=r".*longer than the model window", category=UserWarning)
@@ -208,6 +209,7 @@ def cmd_serve(args) -> int:
     check_limits(**{name: getattr(args, name) for name in DEFAULT_LIMITS}, cache_memory_mb=args.cache_memory_mb,
                  max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout)
     check_server_limits(**{name: getattr(args, name) for name in SERVER_DEFAULTS})
+    ensure_open_files(args.max_connections)  # before the model loads
     key = api_key(args)
     _check_listenable(args.host, args.port)
     encoder = make_encoder(args)

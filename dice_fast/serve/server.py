@@ -30,6 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+
+from ..errors import OptionError
 
 log = logging.getLogger("dice_fast.serve")
 
@@ -167,6 +170,33 @@ def check_server_limits(**values) -> None:
             raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
 
+FILES_BESIDE_CONNECTIONS = 128  # open files the process needs beside its connections, over those open now
+
+
+def ensure_open_files(max_connections: int) -> None:
+    """Raise this process's soft limit on open files (``ulimit -n``) to what ``max_connections`` needs,
+    up to its hard limit; `OptionError` naming ``--max-connections`` when the hard limit is lower. (With
+    the usual soft limit of 1,024 and the default 1,024 connections the server ran out of descriptors
+    first: it never sent its 503, and asyncio's accept loop spun at full CPU, logging each failure.)"""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: nothing to raise
+        return
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_now = 64
+    need = int(max_connections) + open_now + FILES_BESIDE_CONNECTIONS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise OptionError(f"--max-connections {max_connections} needs {need} open files, more than this process "
+                          f"may open ({hard}: ulimit -Hn); lower it to at most {max(hard - need + int(max_connections), 1)}, "
+                          "or raise the limit")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
 def server_config(app, *, host: str, port: int, max_connections: int, keep_alive_timeout: float,
                   read_timeout: float, write_timeout: float, protocol=None, **uvicorn_options):
     """A ``uvicorn.Config`` serving ``app`` on ``host``:``port`` under the bounds of `SERVER_LIMITS`
@@ -175,6 +205,7 @@ def server_config(app, *, host: str, port: int, max_connections: int, keep_alive
 
     check_server_limits(max_connections=max_connections, keep_alive_timeout=keep_alive_timeout,
                         read_timeout=read_timeout, write_timeout=write_timeout)
+    ensure_open_files(max_connections)
     protocol = protocol or bounded_protocol(read_timeout, write_timeout)
     return uvicorn.Config(app, host=host, port=port, http=protocol, limit_concurrency=int(max_connections),
                           timeout_keep_alive=keep_alive_timeout, **uvicorn_options)

@@ -232,3 +232,26 @@ def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
         assert main(command) == 2
         assert capsys.readouterr().err.strip() == ("dice-fast: error: the server needs fastapi: pip install "
                                                    "'dice-fast[serve]'")
+
+
+def test_the_open_file_limit_is_raised_for_max_connections_or_the_flag_refused():
+    """With the usual soft limit (1,024) and the default 1,024 connections the server ran out of file
+    descriptors first: no 503 ever, and asyncio's accept loop spun at full CPU logging each failure."""
+    import resource
+    import subprocess
+    import sys
+
+    code = ("import resource; from dice_fast.serve.server import ensure_open_files; ensure_open_files(1024); "
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+
+    def run(soft, hard, command):
+        def limit():
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, preexec_fn=limit)
+
+    raised = run(1024, 4096, [sys.executable, "-c", code])
+    assert raised.returncode == 0 and 1024 + 128 < int(raised.stdout) <= 4096, raised.stderr
+    refused = run(512, 512, [sys.executable, "-m", "dice_fast.cli", "serve", "--max-connections", "1024"])
+    assert refused.returncode == 2, refused.stderr
+    assert "--max-connections 1024 needs" in refused.stderr and "ulimit -Hn" in refused.stderr
+    assert "lower it to at most" in refused.stderr and "Traceback" not in refused.stderr
