@@ -1,9 +1,10 @@
 """A progress bar that counts tokens (its ETA is in tokens) and shows documents beside them; shared
-by the engine and every command."""
+by the engine and every command. And `print_done`, a finished job's last line."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 
 
@@ -47,3 +48,21 @@ def progress_reporter(show: bool, callback, total_tokens):
         yield bar
     finally:
         bar.close()
+
+
+def print_done(line: str) -> None:
+    """Print a finished job's summary ``line`` on stdout. Its output is committed by then, so a stdout that
+    cannot take the line (a full disk, characters its encoding lacks, as a path's undecodable bytes)
+    costs a warning on stderr, never the job's status (it exited 2, "error", and a retry was refused:
+    the output existed). A closed pipe still ends the command as a pipe does (status 141)."""
+    try:
+        try:
+            print(line, flush=True)
+        except UnicodeEncodeError:
+            encoding = sys.stdout.encoding or "utf-8"
+            print(line.encode(encoding, "backslashreplace").decode(encoding), flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        print(f"dice-fast: warning: done, but stdout could not take the summary ({exc.strerror or exc})",
+              file=sys.stderr)

@@ -174,3 +174,34 @@ def test_out_of_range_numbers_are_refused_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_a_finished_jobs_summary_never_fails_the_job(monkeypatch, capsys):
+    """`encode` committed its output, then exited 2 when stdout (a full disk, an encoding without a
+    path's characters) could not take its summary line; a retry was then refused (the output existed)."""
+    import errno
+    import io
+    import sys
+
+    from dice_fast.progress import print_done
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    print_done("encoded 3 documents -> out.npy")
+    assert "done, but stdout could not take the summary (No space left on device)" in capsys.readouterr().err
+    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    print_done("-> caf\udcff.npy")
+    ascii_out.flush()
+    assert ascii_out.buffer.getvalue() == b"-> caf\\udcff.npy\n"
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    with pytest.raises(BrokenPipeError):  # the command line ends quietly with 141, as for `| head`
+        print_done("x")

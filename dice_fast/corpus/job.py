@@ -25,6 +25,7 @@ from pathlib import Path
 from .chunk_rows import ChunkRows
 from ..errors import InputError, writing
 from ..manifests import MANIFEST_FORMAT, checked_shards, read_manifest
+from ..progress import print_done
 from .outputs import (NpyWriter, ParquetFileWriter, ShardWriter, file_temps, ids_path_for, manifest_name,
                       our_files, parse_tag, split_tag)
 from .ids import DuplicateIds
@@ -327,7 +328,7 @@ class EncodeJob:
         if enc.cache is not None or summary["chunks_deduplicated"]:
             extra += (f"; chunks: {summary['chunks_computed']:,} computed, {summary['chunks_from_cache']:,} from "
                       f"cache, {summary['chunks_deduplicated']:,} duplicates")
-        print(
+        print_done(
             f"encoded {rows:,} {self.kind if rows != 1 else {'documents': 'document', 'queries': 'query'}[self.kind]} ({tokens:,} tokens incl. special tokens) in {seconds:.2f} s: "
             f"{rows / seconds:,.1f} docs/s, {tokens / seconds:,.0f} tokens/s -> {where} "
             f"({skipped + rows} x {enc.dim} float32){extra} [{model_label(enc.spec.name)}, {enc.device}, "

@@ -88,6 +88,7 @@ def _build(args) -> int:
 
     from ..cliargs import make_encoder
     from . import DiceIndex
+    from .folder import check_destination
 
     if args.input[0] == "push":
         return _push(args)
@@ -97,6 +98,7 @@ def _build(args) -> int:
         raise ValueError("-o/--output (the index folder to write) is required")
     if (Path(args.output) / "index.json").exists() and not args.overwrite:  # before any model loads
         raise ValueError(f"{args.output} already holds an index; pass --overwrite to replace it")
+    check_destination(args.output)  # a file, a foreign or unwritable folder: before the corpus is encoded
     args.input = args.input[0]
     if Path(args.input).is_dir() or Path(args.input).suffix.lower() == ".parquet":
         index = DiceIndex.from_corpus(args.input, chunk_dtype=args.chunk_dtype)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError, MissingFile, writing
+from ..errors import InputError, MissingFile, WriteError, writing
 from ..folder_guard import folder_guard
 from ..scoring import unit_rows
 from .common import short_repr
@@ -53,11 +53,22 @@ class _Gone(InputError):
     """A file index.json names is missing (a save may have switched generations since it was read)."""
 
 
-def save(index, path) -> None:
+def check_destination(path) -> None:
+    """Refuse, naming it, a ``path`` an index cannot be saved to: a file, a folder holding something else,
+    one whose nearest existing folder is not writable. Checked by `save` and, before any encoding, by
+    ``dice-fast index`` (it encoded the whole corpus first)."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"{folder} exists and is not a folder")
     _previous_format(folder)  # refuse a foreign folder before creating anything
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise WriteError(f"cannot write {folder}: {existing} is not writable")
+
+
+def save(index, path) -> None:
+    folder = Path(path)
+    check_destination(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with folder_guard(folder):  # saves into one folder, by threads or processes, run one after the other
         _save_generation(index, folder, _previous_format(folder))
