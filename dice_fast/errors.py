@@ -83,9 +83,28 @@ def writing(path):
     except WriteError:
         raise
     except OSError as exc:
-        err = WriteError(f"cannot write {path}: {exc.strerror or one_line(exc)}")
+        err = WriteError(f"cannot write {path}: {exc.strerror or _short_write(path, exc)}")
         err.errno = exc.errno
         raise err from exc
+
+
+def _short_write(path, exc: OSError) -> str:
+    """``exc`` (a short write that says no why: numpy's "N requested and M written") with its likely cause:
+    a full disk, or a file size limit (``ulimit -f``) set for this process."""
+    import shutil
+    from pathlib import Path
+
+    said, where = one_line(exc), Path(path).absolute()
+    with contextlib.suppress(OSError, StopIteration):
+        if shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free < 1 << 20:
+            return f"No space left on device ({said})"
+    with contextlib.suppress(ImportError, OSError, ValueError):
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            return f"{said}; this process may write files of at most {limit:,} bytes (ulimit -f)"
+    return said
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ def test_the_folder_and_every_file_are_private_whatever_the_umask(tmp_path, umas
         _write_some(cache)  # the connection stays open: -wal and -shm exist now
         files = sorted(p.name for p in folder.iterdir())
         assert files == [CACHE_FILE, f"{CACHE_FILE}-shm", f"{CACHE_FILE}-wal"], files
-        assert _mode(folder) == 0o700
+        assert _mode(folder) == 0o700 and _mode(folder.parent) == 0o700  # parents made here too (0777 before)
         assert {name: _mode(folder / name) for name in files} == dict.fromkeys(files, 0o600)
         cache.close()
     finally:

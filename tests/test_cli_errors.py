@@ -205,3 +205,39 @@ def test_a_finished_jobs_summary_never_fails_the_job(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdout", Closed())
     with pytest.raises(BrokenPipeError):  # the command line ends quietly with 141, as for `| head`
         print_done("x")
+
+
+def test_writes_the_os_cuts_short_name_the_file_and_the_cause(tmp_path):
+    """Under a file size limit (a full disk's stand-in): numpy's short write said "N requested and M
+    written", without a why; the output lock's write raised a bare "[Errno 27] File too large" naming no
+    file and left the lock file behind."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import resource
+        from pathlib import Path
+        import numpy as np
+        from dice_fast.corpus.lock import OutputLock
+        from dice_fast.errors import WriteError, writing
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY))
+        try:
+            with writing("{tmp_path}/x.npy"), open("{tmp_path}/x.npy", "wb") as f:
+                np.save(f, np.zeros(100000))
+        except WriteError as exc:
+            print(exc)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
+        try:
+            OutputLock.for_file(Path("{tmp_path}/out.npy")).acquire()
+        except WriteError as exc:
+            print(exc)
+        print(sorted(p.name for p in Path("{tmp_path}").iterdir()))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 3, out.stdout + out.stderr
+    assert lines[0].startswith(f"cannot write {tmp_path}/x.npy: 100000 requested and") and "(ulimit -f)" in lines[0]
+    assert lines[1] == f"cannot write {tmp_path}/.out.npy.dice-fast.lock: File too large", lines[1]
+    assert lines[2] == "['x.npy']"  # no lock file left

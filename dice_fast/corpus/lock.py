@@ -36,6 +36,7 @@ import stat
 import sys
 from pathlib import Path
 
+from ..errors import WriteError, writing
 from ..folder_guard import folder_guard
 
 _SPLIT_LOCK = re.compile(r"^\.dice-fast(?:-(\d+)of(\d+))?\.lock$")
@@ -107,8 +108,14 @@ class OutputLock:
                                      "with flock)") from None
                 raise OutputLocked(self._refusal(self.path, holder)) from None
             if os.fstat(fd).st_uid == os.getuid():  # another user's file (left by a dead job) is locked, not rewritten
-                os.ftruncate(fd, 0)
-                os.write(fd, (json.dumps(_me()) + "\n").encode("utf-8"))
+                try:
+                    with writing(self.path):  # a full disk: named, and no lock file left behind
+                        os.ftruncate(fd, 0)
+                        os.write(fd, (json.dumps(_me()) + "\n").encode("utf-8"))
+                except WriteError:
+                    os.close(fd)
+                    self.path.unlink(missing_ok=True)
+                    raise
             self.fd = fd
         return self
 

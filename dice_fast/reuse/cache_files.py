@@ -39,11 +39,15 @@ SIDE_FILES = ("-wal", "-shm")
 
 
 def private_folder(folder: Path, cache_file: str) -> None:
-    """Create ``folder`` (and missing parents) with the folder itself 0700, or tighten it (see module)."""
+    """Create ``folder`` and its missing parents 0700 (the parents were made 0777 less the umask: under
+    umask 000 anyone could swap the cache folder for their own), or tighten it (see module)."""
     if folder.exists() and not folder.is_dir():
         raise CacheError(f"--cache {folder} is a file; give a folder (the cache is {cache_file} inside it)")
     if not folder.exists():
-        folder.parent.mkdir(parents=True, exist_ok=True)
+        for parent in reversed([p for p in folder.absolute().parents if not p.exists()]):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(parent, 0o700)
+                os.chmod(parent, 0o700)
         with contextlib.suppress(FileExistsError):  # another process made it first: tightened below
             os.mkdir(folder, 0o700)
             os.chmod(folder, 0o700)  # mkdir's mode is masked by the umask; this is not
