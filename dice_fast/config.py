@@ -92,7 +92,8 @@ class DiceConfig:
     normalize: bool = option(True, "L2-normalise the returned document and query vectors")
     truncate_dim: int | None = option(
         None, "keep the first N components of document, query and chunk vectors (Matryoshka), "
-        "re-normalised when those vectors are normalised", default_help="the model's width", metavar="N",
+        "re-normalised when normalize is on (document and query vectors) or normalize_chunks (chunk vectors)",
+        default_help="the model's width", metavar="N",
         detail="Aggregation runs on the full chunk vectors; must be at most the model's width.")
     strategy: str = option(
         "dice", "dice: every chunk encoded alone; single: the single-vector baseline (one window of each "
@@ -107,7 +108,7 @@ class DiceConfig:
         detail="At most the model's position table; must hold one chunk plus `window_overlap`.")
     window_overlap: int | None = option(
         None, "strategy late: tokens consecutive windows share (each chunk keeps half of them as context on "
-        "either side)", default_help="min(128, a quarter of the window, what it holds beside one chunk)")
+        "either side)", default_help="min(128, a quarter of the window's text tokens, what it holds beside one chunk)")
     attention: str = option(
         "model default", "causal or bidirectional attention", choices=ATTENTION_MODES,
         default_help="the model's own",
@@ -119,14 +120,15 @@ class DiceConfig:
         '(dense padded batches with the model\'s own attention), chosen by `"auto"` for models that cannot '
         'run packed.', role="speed")
     document_prefix: str = option("", 'text put after the special prefix of every chunk, e.g. "passage: "',
-                                  default_help="none",
+                                  default_help="no prefix",
                                   detail="Prefix and text get the ids they have tokenized together, as "
-                                  "sentence-transformers' prompts do (a trailing space is no token of its own; with "
-                                  'byte-level BPE the text\'s first word takes it: "Ġthe", not "the"), and spans '
+                                  "sentence-transformers' prompts do (a trailing space is no token of its own where "
+                                  'the vocabulary merges it: with byte-level BPE the text\'s first word takes it, '
+                                  '"Ġthe", not "the"; where it does not, it is a token of the first chunk), and spans '
                                   "stay in the text; where one token would span both (\"query:\" then \",\" as "
                                   "\":,\"), the text gets its own ids. Likewise `query_prefix`.")
     query_prefix: str = option("", 'text put after the special prefix of every query, e.g. "query: "',
-                               default_help="none")
+                               default_help="no prefix")
     max_chunks_per_document: int | None = option(None, "keep only each document's first N chunks",
                                                  default_help="all", metavar="N")
     max_length: int | None = option(

@@ -188,9 +188,10 @@ def describe(exc: BaseException) -> str | None:
     return None
 
 
-# what torch's CPU allocator says: it raises a plain RuntimeError, so only its message tells
+# what torch's CPU allocator says: it raises a plain RuntimeError, so only its message tells; and oneDNN's
+# GEMM under a memory cap (ulimit -v): its scratch allocation fails as "could not create a primitive"
 _ALLOCATOR_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory", "defaultcpuallocator",
-                       "failed to allocate")
+                       "failed to allocate", "could not create a primitive")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -124,6 +124,7 @@ def test_other_errors_propagate_and_allocator_errors_count(encoder):
     cpu = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 9663676416 bytes."
     assert is_out_of_memory(RuntimeError(cpu)) and is_out_of_memory(MemoryError())
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert is_out_of_memory(RuntimeError("could not create a primitive"))  # oneDNN under ulimit -v
     assert not is_out_of_memory(RuntimeError("shape mismatch")) and not is_out_of_memory(ValueError("out of memory"))
     texts = texts_of(3, 10, 40, seed=5)
     ref = encoder.encode_documents(texts)
