@@ -140,13 +140,23 @@ def _append_csv(rows: list[dict], path, fieldnames) -> None:
     if header:
         with open(path, newline="", encoding="utf-8") as fh:
             old_rows = list(csv.DictReader(fh))
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=header + missing, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(old_rows)
+    w.writerows(rows)
+    replace_file(path, text.getvalue().encode("utf-8"))
+
+
+def replace_file(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all: a temporary file beside it, renamed over it (a
+    report written in place was left cut short by a full disk, the previous one lost)."""
+    from pathlib import Path
+
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", newline="", encoding="utf-8") as fh:
-            w = csv.DictWriter(fh, fieldnames=header + missing, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(old_rows)
-            w.writerows(rows)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

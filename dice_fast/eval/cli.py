@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..cliargs import add_encoder_arguments, bounded, make_encoder
 from ..errors import OptionError, writing
+from ..runinfo import replace_file
 
 if TYPE_CHECKING:
     from .run import EvalResult
@@ -252,15 +253,15 @@ def write_outputs(res: EvalResult, out_dir, stem: str, csv_path, plots: bool = T
     out_dir = Path(out_dir)
     with writing(out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
-    with writing(out_dir / f"{stem}.md"):  # a full disk: named with the file
-        (out_dir / f"{stem}.md").write_text(format_report(res), encoding="utf-8")
-    n = write_csv(res, csv_path)
+    n = write_csv(res, csv_path)  # the rows first: a report that cannot be written loses none of them
+    with writing(out_dir / f"{stem}.md"):  # a full disk: named with the file, the previous report kept
+        replace_file(out_dir / f"{stem}.md", format_report(res).encode("utf-8"))
     written = [f"{csv_path} (+{n} rows)", str(out_dir / f"{stem}.md")]
     if save_result:
         import pickle
 
-        with writing(out_dir / f"{stem}.pkl"), open(out_dir / f"{stem}.pkl", "wb") as fh:
-            pickle.dump(res, fh)
+        with writing(out_dir / f"{stem}.pkl"):
+            replace_file(out_dir / f"{stem}.pkl", pickle.dumps(res))
         written.append(str(out_dir / f"{stem}.pkl"))
     if plots:
         from .plots import plot_edi, plot_hit_vs_length
