@@ -158,6 +158,28 @@ def test_a_push_killed_midway_resumes_to_every_document_once(tmp_path, corpus_ou
     _assert_same_ranking(open_store(url).search(queries, 5, "maxsim"), index.search(queries, 5, "maxsim"))
 
 
+@pytest.mark.parametrize("which", [0, 1], ids=["qdrant", "lancedb"])
+def test_a_database_that_cannot_take_a_write_is_one_line(tmp_path, corpus_output, capsys, monkeypatch, which):
+    """A full disk under `index push` ended in a traceback and exit 1 ("a bug"): lance's RuntimeError,
+    the local Qdrant's sqlite3 error. Now one line naming the store and the cause, exit 2."""
+    import sqlite3
+
+    from dice_fast.index.lance_store import LanceStore
+    from dice_fast.index.qdrant_store import QdrantStore
+
+    url = _urls(tmp_path)[which]
+    store, failure = [(QdrantStore, sqlite3.OperationalError("database or disk is full")),
+                      (LanceStore, RuntimeError("lance error: LanceError(IO): No space left on device (os error 28)"))][which]
+
+    def full(self, batch):
+        raise failure
+
+    monkeypatch.setattr(store, "_write", full)
+    assert main(["index", "push", str(corpus_output), "--to", url, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("dice-fast: error: cannot write to ") and str(failure) in err, err
+
+
 def test_push_usage_and_a_store_of_another_model_are_refused(tmp_path, corpus_output, capsys):
     url = _urls(tmp_path)[1]
     assert main(["index", "push", str(corpus_output)]) == 2

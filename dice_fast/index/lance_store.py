@@ -69,6 +69,9 @@ class LanceStore(RemoteStore):
                           pa.field("text", pa.string())],
                          metadata={b"dice_fast": json.dumps(self.record()).encode()})
 
+    def _write_failures(self) -> tuple[type[BaseException], ...]:
+        return (OSError, RuntimeError)  # lance: "RuntimeError: lance error: LanceError(IO): No space left ..."
+
     def _write(self, b) -> None:
         pa = self._pa
         vector = pa.list_(pa.float32(), self.dim)

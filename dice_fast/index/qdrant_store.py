@@ -100,6 +100,13 @@ class QdrantStore(RemoteStore):
     def _save_record(self) -> None:
         self.client.update_collection(self.collection, metadata={"dice_fast": self.record()})
 
+    def _write_failures(self) -> tuple[type[BaseException], ...]:
+        import sqlite3  # the in-process client's storage ("database or disk is full")
+
+        from qdrant_client.http.exceptions import ApiException  # a server's refusal
+
+        return (OSError, sqlite3.Error, ApiException)
+
     def _write(self, b) -> None:
         points = []
         for d, doc_id in enumerate(b.ids):

@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from .. import scoring as sc
-from ..errors import InputError
+from ..errors import InputError, WriteError, one_line
 from ..streaming import as_iterator
 from .common import (DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, check_ids, check_k, evidence_hit,
                      scored_hits, short_repr)
@@ -148,7 +148,14 @@ class RemoteStore(EncoderSlot):
         b = check_batch(self.dim, ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char,
                         chunk_tokens, texts, self.store_text)
         for d0, d1 in self._write_ranges(b):
-            self._write(_slice(b, d0, d1))
+            try:
+                self._write(_slice(b, d0, d1))
+            except self._write_failures() as exc:  # a full disk, a server refusing: one line, not a traceback
+                raise WriteError(f"cannot write to {self.where}: {one_line(exc)[:300]}") from exc
+
+    def _write_failures(self) -> tuple[type[BaseException], ...]:
+        """What the store's client raises when its database cannot take a write (each store adds its own)."""
+        return (OSError,)
 
     def _write_ranges(self, b: Batch) -> list[tuple[int, int]]:
         """Document ranges [d0, d1) of ``b``, one a request: at most ``batch_size`` documents, and about
