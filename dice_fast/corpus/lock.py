@@ -38,6 +38,7 @@ from pathlib import Path
 
 from ..errors import WriteError, writing
 from ..folder_guard import folder_guard
+from .outputs import side_stem
 
 _SPLIT_LOCK = re.compile(r"^\.dice-fast(?:-(\d+)of(\d+))?\.lock$")
 
@@ -53,7 +54,7 @@ def folder_lock_name(index: int, count: int) -> str:
 
 def file_lock_name(output: Path) -> str:
     """The lock file beside a single-file output ``OUT.npy`` / ``OUT.parquet``."""
-    return f".{output.name}.dice-fast.lock"
+    return f".{side_stem(output.name, len('..dice-fast.lock'))}.dice-fast.lock"
 
 
 def _splits_conflict(a: tuple[int, int], b: tuple[int, int]) -> bool:

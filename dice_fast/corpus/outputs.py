@@ -74,11 +74,23 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+NAME_MAX = 255  # bytes of one file name (Linux, macOS)
+
+
+def side_stem(name: str, extra: int) -> str:
+    """``name`` as the stem of a hidden file beside it, ``extra`` bytes longer (a temporary, a lock):
+    itself when that fits a file name, else a digest of it (an output named with 239-255 bytes was
+    refused, "File name too long", naming a lock file the user never gave)."""
+    raw = name.encode("utf-8", "surrogateescape")
+    return name if len(raw) + extra <= NAME_MAX else "~" + hashlib.sha256(raw).hexdigest()[:32]
+
+
 def _mktemp(folder: Path, name: str) -> Path:
     """A new hidden temporary file ``.NAME.XXXXXXXX.tmp`` in ``folder`` (mode 0666 less the umask, as
-    the final file should have)."""
+    the final file should have; NAME: `side_stem`)."""
+    stem = side_stem(name, len("..00000000.tmp"))
     for _ in range(100):
-        path = folder / f".{name}.{secrets.token_hex(4)}.tmp"
+        path = folder / f".{stem}.{secrets.token_hex(4)}.tmp"
         try:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return path
@@ -375,7 +387,8 @@ def parse_tag(name: str) -> tuple[int, int] | None:
 def file_temps(path: Path) -> list[Path]:
     """The temporary files `_mktemp` made for ``path`` beside it (``.NAME.XXXXXXXX.tmp``): a killed
     run's, to remove once the output's lock is held."""
-    pattern = re.compile(rf"^\.{re.escape(path.name)}\.[0-9a-f]{{8}}\.tmp$")
+    stem = side_stem(path.name, len("..00000000.tmp"))
+    pattern = re.compile(rf"^\.{re.escape(stem)}\.[0-9a-f]{{8}}\.tmp$")
     return sorted(p for p in path.parent.iterdir() if pattern.match(p.name)) if path.parent.is_dir() else []
 
 

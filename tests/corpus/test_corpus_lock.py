@@ -143,3 +143,22 @@ def test_another_users_lock_file_is_locked_but_not_rewritten(tmp_path, monkeypat
     assert lock.fd is None
     with OutputLock.for_folder(tmp_path):  # this user's own: rewritten with this job's name
         assert f'"pid": {os.getpid()}' in left.read_text()
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".parquet"])
+def test_an_output_name_near_the_file_name_limit_is_written(tmp_path, cached_encoders, suffix):
+    """A 244-byte name (the most a file name holds is 255) was refused, "File name too long", naming
+    its lock file (16 bytes more) or temporary (14 more), never the output itself: both are named from
+    a digest of it there, and a killed job's temporaries are still found by that name."""
+    from dice_fast.corpus.outputs import file_temps
+
+    src = tmp_path / "d.txt"
+    src.write_text("one\ntwo\n", encoding="utf-8")
+    out = tmp_path / ("a" * (244 - len(suffix)) + suffix)
+    assert len(out.name.encode()) == 244 and len(file_lock_name(out).encode()) < 255
+    leftover = tmp_path / f".{file_lock_name(out)[1:-len('.dice-fast.lock')]}.0123abcd.tmp"
+    leftover.write_bytes(b"a killed job's")
+    assert file_temps(out) == [leftover]
+    assert main(["encode", str(src), "-o", str(out), "-q"]) == 0
+    assert load_embeddings(out)[1].shape == (2, 384)
+    assert not leftover.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
