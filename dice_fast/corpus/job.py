@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .chunk_rows import ChunkRows
-from ..errors import InputError, writing
+from ..errors import InputError, WriteError, writing
 from ..manifests import MANIFEST_FORMAT, checked_shards, read_manifest
 from ..progress import print_done
 from .outputs import (NpyWriter, ParquetFileWriter, ShardWriter, file_temps, ids_path_for, manifest_name,
@@ -107,6 +107,12 @@ class EncodeJob:
                 name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
                 print(f"dice-fast: interrupted by {name}; {self._kept()}", file=sys.stderr)
                 return 2
+            except WriteError as exc:  # a full disk: what is kept, and how to go on, as for an interrupt
+                kept = self._kept()
+                self._clean_up()
+                failed = WriteError(f"{exc}; {kept}")
+                failed.errno = exc.errno
+                raise failed from exc
             except BaseException:
                 self._clean_up()
                 raise
@@ -126,7 +132,7 @@ class EncodeJob:
             self.lock = None
 
     def _kept(self) -> str:
-        if self.args.overwrite and self.to_remove:
+        if self.args.overwrite and (self.to_remove or (self.out_type != "folder" and self.out.exists())):
             return f"no output written; {self.out} still holds the previous output"
         if isinstance(self.writer, ShardWriter):
             shards = self.writer.manifest["shards"]

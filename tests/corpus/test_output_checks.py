@@ -107,8 +107,37 @@ def test_a_full_disk_is_named_with_the_output_and_leaves_nothing(tmp_path, capsy
     capsys.readouterr()
     assert main(["encode", str(src), "-o", str(tmp_path / out), *OPTS]) == 2
     err = capsys.readouterr().err
-    assert err == f"dice-fast: error: cannot write {tmp_path / out}: No space left on device\n", err
+    assert err == f"dice-fast: error: cannot write {tmp_path / out}: No space left on device; no output written\n", err
     assert set(tmp_path.iterdir()) == before  # no temporary file, no folder left behind
+
+
+def test_a_full_disk_midway_says_what_is_committed_and_how_to_go_on(tmp_path, capsys, monkeypatch, cached_encoders):
+    """A folder job stopped by a full disk named only the folder; now, as after an interrupt, what its
+    committed shards hold and --resume, and an --overwrite that fails says the previous output stays."""
+    import dice_fast.corpus.outputs as outputs
+
+    src = write_jsonl(tmp_path / "c.jsonl", corpus_docs(10, seed=5))
+    real, calls = outputs._ParquetStream.write, []
+
+    def full_at_the_third(self, *args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(outputs._ParquetStream, "write", full_at_the_third)
+    capsys.readouterr()
+    assert main(["encode", str(src), "-o", str(tmp_path / "s"), "--shard-rows", "4", *OPTS]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dice-fast: error: cannot write {tmp_path / 's'}: No space left on device; ") and \
+        "8 rows in 2 shards are committed" in err and "continue with --resume" in err, err
+    monkeypatch.setattr(outputs._ParquetStream, "write", real)
+    assert main(["encode", str(src), "-o", str(tmp_path / "v.parquet"), *OPTS]) == 0
+    calls[:] = [1, 1]  # the next write fails
+    monkeypatch.setattr(outputs._ParquetStream, "write", full_at_the_third)
+    capsys.readouterr()
+    assert main(["encode", str(src), "-o", str(tmp_path / "v.parquet"), "--overwrite", *OPTS]) == 2
+    assert "still holds the previous output" in capsys.readouterr().err
 
 
 def test_a_flipped_byte_in_a_vector_is_refused_naming_the_file(tmp_path, cached_encoders):
