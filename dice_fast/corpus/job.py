@@ -253,8 +253,9 @@ class EncodeJob:
             for stale in (p for t in targets for p in file_temps(t)):  # a killed run's (the lock is ours)
                 stale.unlink(missing_ok=True)
             for t in targets:
-                if t.exists() and not args.overwrite:
-                    raise ValueError(f"{t} exists; pass --overwrite to replace it")
+                if os.path.lexists(t) and not args.overwrite:  # a dangling link too: replaced only when asked
+                    raise ValueError(f"{t} exists{' (a link to nothing)' if not t.exists() else ''}; pass "
+                                     "--overwrite to replace it")
             return
         self._make_dirs(out)
         _check_writable(out)

@@ -233,3 +233,16 @@ def test_every_parquet_reader_says_the_same_for_a_file_that_is_not_parquet(tmp_p
         with pytest.raises(caught) as info, reading_parquet(junk):
             raise raised
         assert isinstance(info.value, InputError) == (caught in (InputError, MissingFile)), raised
+
+
+def test_a_dangling_link_in_the_outputs_place_is_replaced_only_with_overwrite(tmp_path, capsys, cached_encoders):
+    """`-o gone.npy`, a link to nothing, was replaced without --overwrite (exists() is False for it)."""
+    src = write_jsonl(tmp_path / "c.jsonl", corpus_docs(2, seed=5))
+    link = tmp_path / "gone.npy"
+    link.symlink_to(tmp_path / "nowhere.npy")
+    capsys.readouterr()
+    assert main(["encode", str(src), "-o", str(link), *OPTS]) == 2
+    assert f"{link} exists (a link to nothing); pass --overwrite" in capsys.readouterr().err
+    assert link.is_symlink()
+    assert main(["encode", str(src), "-o", str(link), "--overwrite", *OPTS]) == 0
+    assert not link.is_symlink() and load_embeddings(link)[1].shape[0] == 2
