@@ -122,6 +122,13 @@ class DiceSentenceEncoder:
         """The model window in tokens (special tokens included): the most a query holds."""
         return self.encoder.window
 
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        # as in sentence-transformers (``model.max_seq_length = 256`` raised AttributeError): the engine's
+        # max_length, on a variant sharing the model; documents are still chunked within the window
+        self.encoder = self._variants.get(max_length=value)
+        self._variants = Variants(self.encoder)
+
     def get_sentence_embedding_dimension(self) -> int:
         return self.truncate_dim or self.encoder.dim
 

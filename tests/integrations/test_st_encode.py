@@ -297,3 +297,27 @@ def test_vectors_are_normalised_as_the_folders_pipeline_does(tiny_folder, tmp_pa
     (folder / "modules.json").write_text(json.dumps(modules))
     unit = DiceSentenceEncoder(str(folder), device="cpu", normalize=True).encode(texts)
     assert np.allclose(np.linalg.norm(unit, axis=1), 1.0)
+
+
+def test_max_seq_length_can_be_set_as_in_sentence_transformers(enc, st_model):
+    """``model.max_seq_length = 16`` (common in sentence-transformers code) raised AttributeError: it sets
+    the window (the engine's max_length) on a variant sharing the model; a query is cut to it as
+    SentenceTransformer cuts it."""
+    import warnings
+
+    model = DiceSentenceEncoder(enc)
+    query = "where does the cat that sat on the big red mat under the tree go when it rains all day"
+    model.max_seq_length = 16
+    assert model.max_seq_length == 16 and model.encoder.model is enc.model and enc.window == 256
+    old = st_model.max_seq_length
+    st_model.max_seq_length = 16
+    try:
+        want = st_model.encode([query])
+    finally:
+        st_model.max_seq_length = old
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the query is cut to the window, with a warning
+        got = model.encode_query([query])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError):
+        model.max_seq_length = 0
