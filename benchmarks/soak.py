@@ -46,7 +46,7 @@ from dice_fast.serve.bench import decode_embeddings, free_port, make_corpus, wai
 MIX = {"document": 0.70, "query": 0.10, "malformed": 0.06, "unauthorized": 0.03, "over_body": 0.02,
        "long_query": 0.02, "over_tokens": 0.003, "disconnect": 0.067}
 REACHES_MODEL = {"document", "query", "disconnect"}
-EXPECTED = {"document": {200, 429}, "query": {200, 429}, "malformed": {415, 422}, "unauthorized": {401},
+EXPECTED = {"document": {200, 429}, "query": {200, 429}, "malformed": {400, 415}, "unauthorized": {401},
             "over_body": {413}, "long_query": {413}, "over_tokens": {413}}
 MALFORMED = [  # (body, content type)
     (b'{"input": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "application/json"),

@@ -158,8 +158,10 @@ def require(*modules: str, extra: str, needed_by: str, hint: str = "", load: boo
     def installed(name: str) -> bool:
         try:
             return importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # a parent package missing, or a module without a spec
-            return False
+        except ValueError:  # in sys.modules without a spec: it is there
+            return True
+        except ImportError:  # its package failed to import: installed if the package is (the import says why)
+            return name.partition(".")[0] != name and installed(name.partition(".")[0])
 
     if missing := [m for m in modules if not installed(m)]:
         raise MissingDependency(f"{needed_by} needs {', '.join(missing)}: pip install 'dice-fast[{extra}]'{hint}")

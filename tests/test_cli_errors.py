@@ -79,6 +79,11 @@ def test_a_missing_optional_package_is_named_with_its_extra(tmp_path, monkeypatc
     with pytest.raises(MissingDependency, match="broken_dependency, which is installed but failed to import .*no_such_module_inside"):
         require("broken_dependency", extra="x", needed_by="the X")
     assert require("not_imported", extra="x", needed_by="the X", load=False) is None
+    (tmp_path / "broken_package").mkdir()
+    (tmp_path / "broken_package" / "__init__.py").write_text("import no_such_module_inside\n")
+    (tmp_path / "broken_package" / "sub.py").write_text("")
+    with pytest.raises(MissingDependency, match="broken_package.sub, which is installed but failed to import"):
+        require("broken_package.sub", extra="x", needed_by="the X")  # it said "pip install": the cause was lost
     assert require("json", "math", extra="x", needed_by="the X") is json
     assert isinstance(MissingDependency("x"), ImportError) and describe(MissingDependency("m")) == "m"
 

@@ -140,7 +140,9 @@ def test_an_unusable_output_is_refused_before_the_model_loads(tmp_path, capsys, 
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
     (tmp_path / "ro").mkdir(mode=0o500)
-    cases = [("afile", "exists and is not a folder"), ("foreign", "holds no dice_fast index")]
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    cases = [("afile", "exists and is not a folder"), ("foreign", "holds no dice_fast index"),
+             ("gone", "exists and is not a folder (a link to nothing)"), ("afile/idx", "afile is not a folder")]
     if os.geteuid() != 0:  # root may write anywhere
         cases.append(("ro/idx", "is not writable"))
     for out, said in cases:

@@ -23,10 +23,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .chunk_rows import ChunkRows
-from ..errors import InputError, WriteError, writing
+from ..errors import InputError, OptionError, WriteError, writing
 from ..manifests import MANIFEST_FORMAT, checked_shards, read_manifest
 from ..progress import print_done
-from .outputs import (NpyWriter, ParquetFileWriter, ShardWriter, file_temps, ids_path_for, manifest_name,
+from .outputs import (NAME_MAX, NpyWriter, ParquetFileWriter, ShardWriter, file_temps, ids_path_for, manifest_name,
                       our_files, parse_tag, split_tag)
 from .ids import DuplicateIds
 from .lock import OutputLock
@@ -245,6 +245,10 @@ class EncodeJob:
         if self.out_type != "folder":
             targets = [out] + ([ids_path_for(out)] if self.out_type == "npy" else [])
             for t in targets:
+                if len(os.fsencode(t.name)) > NAME_MAX:  # the ids beside an .npy: 4 bytes more than its name
+                    raise OptionError(f"--output {out.name!r} is too long a name: its ids go to {t.name!r} beside it, "
+                                      f"more than the {NAME_MAX} bytes of a file name; an .npy name holds at most "
+                                      f"{NAME_MAX - 4} bytes")
                 if t.is_dir():
                     raise ValueError(f"--output {t} is a folder; give a file name or DIR/ for shards")
             self._make_dirs(out.parent)

@@ -33,7 +33,8 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     "(default: the bundled all-MiniLM-L6-v2) (default: None)")."""
 
     def _get_help_string(self, action):
-        if "(default" in (action.help or "") or action.default in (None, False, ""):
+        if "(default" in (action.help or "") or action.default is None or action.default is False \
+                or action.default == "":
             return action.help
         return super()._get_help_string(action)
 

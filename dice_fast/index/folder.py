@@ -58,10 +58,12 @@ def check_destination(path) -> None:
     one whose nearest existing folder is not writable. Checked by `save` and, before any encoding, by
     ``dice-fast index`` (it encoded the whole corpus first)."""
     folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise InputError(f"{folder} exists and is not a folder")
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise InputError(f"{folder} exists and is not a folder{' (a link to nothing)' if not folder.exists() else ''}")
     _previous_format(folder)  # refuse a foreign folder before creating anything
-    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    existing = next(p for p in (folder, *folder.absolute().parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        raise InputError(f"cannot write {folder}: {existing} is not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise WriteError(f"cannot write {folder}: {existing} is not writable")
 

@@ -4,12 +4,12 @@ clients it keeps between calls.
 A client per call opened a connection, and over https a TLS handshake, for every call: one
 ``embed_query`` per question paid it each time. `Connections` keeps one ``httpx.Client`` for the
 process's threads (httpx's sync client "can be shared between threads"; a forked child makes its own:
-the parent's sockets are not its to use) and one ``httpx.AsyncClient`` for the event loop that called
-last (an async client's connections belong to one loop: a call on another loop makes a new one). An
-async client is closed on its own loop when that loop shuts down (``asyncio.run`` closes the loop's
-async generators, and one holds the client) or when a call on another loop replaces it. Every client of
-the process shares one SSL context (`ssl_context`). httpx is imported on first use (a dependency of
-langchain-core and llama-index-core).
+the parent's sockets are not its to use) and one ``httpx.AsyncClient`` per running asyncio event loop
+(an async client's connections belong to one loop), closed on its own loop when that loop shuts down
+(``asyncio.run`` closes the loop's async generators, and one holds the client; a loop closed without
+that leaves it to the garbage collector); under trio, a client per call. Every client of the process
+shares one SSL context (`ssl_context`). httpx is imported on first use (a dependency of langchain-core
+and llama-index-core).
 
 The client retries what waiting can fix (429 queue full, 503, connection failures; `RetryPolicy`:
 bounded tries and time, ``Retry-After`` honoured, jitter) and raises `DiceServerError` for everything
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
@@ -43,53 +44,87 @@ _SSL_LOCK, _SSL = threading.Lock(), []
 
 def ssl_context():
     """One SSL context for every HTTP client of the process: httpx builds one per client, loading the CA
-    bundle (35-87 ms), on the event loop thread for an async client, for every call."""
+    bundle (35-87 ms), on the event loop thread for an async client, for every call. Built outside the
+    lock (a fork meanwhile must not leave the child a lock held for good)."""
+    with _SSL_LOCK:
+        if _SSL:
+            return _SSL[0]
+    import httpx
+
+    context = httpx.create_ssl_context()
     with _SSL_LOCK:
         if not _SSL:
-            import httpx
-
-            _SSL.append(httpx.create_ssl_context())
+            _SSL.append(context)
         return _SSL[0]
 
 
 class Connections:
     """The HTTP clients of one server client (see the module docstring); ``timeout``: seconds per
-    request. A copy or an unpickled one has the same timeout and clients of its own."""
+    request. A copy or an unpickled one has the same timeout and clients of its own. Clients are built
+    outside the lock (a fork meanwhile must not leave the child a lock held for good)."""
 
     def __init__(self, timeout: float):
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._sync = None  # (pid, httpx.Client)
-        self._async = None  # (weakref to its loop, httpx.AsyncClient, the generator closing it, pid)
+        self._pid = os.getpid()
+        self._sync = None  # httpx.Client
+        self._loops: dict = {}  # id(loop) -> (weakref to the loop, its httpx.AsyncClient, the generator closing it)
 
     def __reduce__(self):  # pickle, copy and deepcopy: the timeout, never the clients or the lock
         return Connections, (self.timeout,)
 
+    def _forget_the_parents(self) -> None:  # under the lock: a forked child makes its own clients
+        if self._pid != os.getpid():
+            self._pid, self._sync, self._loops = os.getpid(), None, {}
+
     def sync(self, httpx):
         """The process's ``httpx.Client`` (made on first use, and again in a forked child)."""
         with self._lock:
-            if self._sync is None or self._sync[0] != os.getpid():
-                client = httpx.Client(timeout=self.timeout, verify=ssl_context())
-                self._sync = (os.getpid(), client)
-                weakref.finalize(self, client.close)  # its sockets close with the last server client using them
-            return self._sync[1]
-
-    async def for_loop(self, httpx):
-        """The ``httpx.AsyncClient`` of the running event loop (made when the loop is not the last one's)."""
-        loop = asyncio.get_running_loop()
+            self._forget_the_parents()
+            if self._sync is not None:
+                return self._sync
+        client = httpx.Client(timeout=self.timeout, verify=ssl_context())
         with self._lock:
-            if self._async is not None and self._async[0]() is loop and self._async[3] == os.getpid():
-                return self._async[1]
-            client = httpx.AsyncClient(timeout=self.timeout, verify=ssl_context())
-            holder = _closed_with_its_loop(client)
-            self._async = (weakref.ref(loop), client, holder, os.getpid())  # the last loop's: dropped, closed
+            if self._sync is None:
+                self._sync = client
+                weakref.finalize(self, client.close)  # its sockets close with the last server client using them
+                return client
+            kept = self._sync
+        client.close()  # another thread's came first
+        return kept
+
+    @contextlib.asynccontextmanager
+    async def async_client(self, httpx):
+        """The running asyncio loop's ``httpx.AsyncClient``, kept while the loop runs; under another
+        async library (trio) a client for this call only."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no asyncio loop (trio, anyio on trio): nothing to keep a client for
+            async with httpx.AsyncClient(timeout=self.timeout, verify=ssl_context()) as client:
+                yield client
+            return
+        yield await self._of_loop(httpx, loop)
+
+    async def _of_loop(self, httpx, loop):
+        with self._lock:
+            self._forget_the_parents()
+            for key, (ref, *_) in list(self._loops.items()):  # loops gone or closed: theirs closed at shutdown
+                if ref() is None or ref().is_closed():
+                    del self._loops[key]
+            kept = self._loops.get(id(loop))
+            if kept is not None and kept[0]() is loop:
+                return kept[1]
+        client = httpx.AsyncClient(timeout=self.timeout, verify=ssl_context())
+        holder = _closed_with_its_loop(client)  # kept here: the loop holds its async generators weakly
+        with self._lock:  # no await since the look-up: no other call of this loop came between
+            self._loops[id(loop)] = (weakref.ref(loop), client, holder)
         await holder.__anext__()  # runs to its yield at once: now the loop closes it when it shuts down
         return client
 
 
 async def _closed_with_its_loop(client):
     """Yields ``client`` once and closes it when closed: the loop that first iterated it does so when it
-    shuts down (its async generators), or when it is dropped (the loop's finalizer hook)."""
+    shuts down (``asyncio.run`` closes the loop's async generators)."""
     try:
         yield client
     finally:
@@ -153,6 +188,11 @@ class ServerEmbedder:
         self.client_options = {"batch_size": batch_size, "timeout": timeout, "max_retries": max_retries,
                                "max_retry_seconds": max_retry_seconds, "strategy": self.strategy}
 
+    def __setstate__(self, state: dict) -> None:  # one pickled by an earlier version has no _connections
+        self.__dict__.update(state)
+        if "_connections" not in state:
+            self._connections = Connections(self.timeout)
+
     def describe(self) -> dict:
         """JSON-able ``{"source": "server", "base_url": ..., "client_options": {...}}`` (no api_key: a
         description may be logged or saved); ``rebuild_arguments`` builds it again from this."""
@@ -207,20 +247,22 @@ class ServerEmbedder:
     async def _arun(self, texts, kind: str) -> np.ndarray:
         httpx = require("httpx", extra=self._extra, needed_by="a remote dice_fast server")
         rows = []
-        client = await self._connections.for_loop(httpx)
-        for lo, n, body in self._batches(texts, kind):
-            attempts = self.retry.start()
-            while True:
-                response, error = None, None
-                try:
-                    response = await client.post(self.url, content=body, headers=self.headers)
-                except httpx.TransportError as exc:
-                    error = exc
-                wait = self._wait(httpx, attempts, response, error)
-                if wait is None:
-                    break
-                await asyncio.sleep(wait)
-            rows.append(self._vectors(response, lo, n, error, attempts, kind))
+        import anyio  # httpx's own dependency: sleeps under asyncio and trio alike
+
+        async with self._connections.async_client(httpx) as client:
+            for lo, n, body in self._batches(texts, kind):
+                attempts = self.retry.start()
+                while True:
+                    response, error = None, None
+                    try:
+                        response = await client.post(self.url, content=body, headers=self.headers)
+                    except httpx.TransportError as exc:
+                        error = exc
+                    wait = self._wait(httpx, attempts, response, error)
+                    if wait is None:
+                        break
+                    await anyio.sleep(wait)
+                rows.append(self._vectors(response, lo, n, error, attempts, kind))
         return _stack(rows)
 
     @staticmethod

@@ -117,6 +117,7 @@ class DiceRetriever(BaseRetriever):
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
                                 **overrides: Any) -> list[Document]:
         overrides.pop("verbose", None)  # langchain-core's own argument of invoke, passed on with the rest
+        overrides = {**overrides.pop("search_kwargs", {}), **overrides}  # invoke(q, search_kwargs={...}) too
         k, scoring = overrides.pop("k", self.k), check_scoring(overrides.pop("scoring", self.scoring))
         hits = self.index.search([_text(query)], k=k, scoring=scoring, **{**self.search_kwargs, **overrides})[0]
         return [_document(hit, scoring) for hit in hits]

@@ -76,9 +76,9 @@ class DiceSentenceEncoder:
 
     def __init__(self, encoder=None, prompts: dict[str, str] | None = None, default_prompt_name: str | None = None,
                  truncate_dim: int | None = None, similarity_fn_name: str | None = None, **options):
-        if isinstance(encoder, (str, os.PathLike)) and "normalize" not in options:
+        if isinstance(encoder, (str, os.PathLike)) and os.path.isdir(encoder) and "normalize" not in options:
             # as SentenceTransformer: normalised only by a Normalize module (a dot-product model's
-            # vectors were made unit length, its scores and ranking changed)
+            # vectors were made unit length, its scores and ranking changed); a hub name keeps the default
             options = {**options, "normalize": pipeline_normalizes(encoder)}
         self.encoder = as_encoder(encoder, options)
         self._variants = Variants(self.encoder)
@@ -125,7 +125,7 @@ class DiceSentenceEncoder:
     @max_seq_length.setter
     def max_seq_length(self, value: int) -> None:
         # as in sentence-transformers (``model.max_seq_length = 256`` raised AttributeError): the engine's
-        # max_length, on a variant sharing the model; documents are still chunked within the window
+        # max_length (queries are cut to it), on a variant sharing the model; documents keep chunk_size
         self.encoder = self._variants.get(max_length=value)
         self._variants = Variants(self.encoder)
 

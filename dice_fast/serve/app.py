@@ -280,6 +280,12 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    generated = app.openapi
+
+    def openapi() -> dict:
+        return oa.without_unsent_422(generated())
+
+    app.openapi = openapi
     return app
 
 

@@ -134,3 +134,14 @@ def responses(ok: dict | None, errors=(), *, keyed: bool, host_checked: bool, ok
     for code in codes:
         out[code] = {"description": MEANINGS[code], "content": {"application/json": {"schema": ERROR_SCHEMA}}}
     return out
+
+
+def without_unsent_422(schema: dict) -> dict:
+    """``schema`` (FastAPI's document) without the 422 "Validation Error" FastAPI adds to a route with a
+    path parameter: no route of this server sends it (its errors are OpenAI-shaped, 400)."""
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    return schema

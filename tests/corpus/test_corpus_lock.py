@@ -146,7 +146,7 @@ def test_another_users_lock_file_is_locked_but_not_rewritten(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("suffix", [".npy", ".parquet"])
-def test_an_output_name_near_the_file_name_limit_is_written(tmp_path, cached_encoders, suffix):
+def test_an_output_name_near_the_file_name_limit_is_written(tmp_path, capsys, cached_encoders, suffix):
     """A 244-byte name (the most a file name holds is 255) was refused, "File name too long", naming
     its lock file (16 bytes more) or temporary (14 more), never the output itself: both are named from
     a digest of it there, and a killed job's temporaries are still found by that name."""
@@ -162,3 +162,8 @@ def test_an_output_name_near_the_file_name_limit_is_written(tmp_path, cached_enc
     assert main(["encode", str(src), "-o", str(out), "-q"]) == 0
     assert load_embeddings(out)[1].shape == (2, 384)
     assert not leftover.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    too_long = tmp_path / ("b" * 248 + ".npy")  # its ids file would be b...b.ids.txt, 256 bytes
+    capsys.readouterr()
+    assert main(["encode", str(src), "-o", str(too_long), "-q"]) == 2
+    assert "an .npy name holds at most 251 bytes" in capsys.readouterr().err
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(("b", ".b", ".~"))]

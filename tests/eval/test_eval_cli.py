@@ -137,5 +137,6 @@ def test_every_option_states_its_default_once():
     register_cli(sub)
     text = sub.choices["eval"].format_help()
     assert "(default: None)" not in text and "(default: False)" not in text
+    assert "--seed SEED           seed of the synthetic tasks (default: 0)" in text  # 0 is a default to state
     for option in text.split("\n  -")[1:]:
         assert " ".join(option.split()).count("(default") <= 1, option

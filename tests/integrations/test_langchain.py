@@ -92,6 +92,8 @@ def test_invoke_overrides_k_scoring_and_search_arguments_for_one_call(index, hay
     assert len(docs) == 2 and {d.metadata["scoring"] for d in docs} == {"dice"} and retriever.scoring == "maxsim"
     hybrid = retriever.invoke(haystack.query, scoring="hybrid", alpha=1.0, k=2)  # alpha 1: the document vector's rank
     assert [d.id for d in hybrid] == [h.id for h in index.search([haystack.query], k=2, scoring="hybrid", alpha=1.0)[0]]
+    nested = retriever.invoke(haystack.query, scoring="hybrid", search_kwargs={"alpha": 1.0}, k=2)
+    assert [d.id for d in nested] == [d.id for d in hybrid]
     with pytest.raises(ValueError, match="scoring"):
         retriever.invoke(haystack.query, scoring="bm25")
     with pytest.raises(TypeError, match="no_such_argument"):

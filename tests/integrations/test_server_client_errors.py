@@ -207,3 +207,33 @@ def test_client_options_are_the_server_clients_arguments():
     assert set(CLIENT_OPTIONS) == set(inspect.signature(ServerEmbedder).parameters) - {"base_url", "api_key", "extra"}
     with pytest.raises(TypeError, match=r"unknown client_options \['bogus'\]; allowed: batch_size"):
         embedder(None, {}, base_url="http://127.0.0.1:9", extra="langchain", bogus=1)
+
+
+def test_calls_on_two_event_loops_at_once_keep_their_own_clients():
+    """One async client slot for the whole embedder: a call on a second loop (another thread's
+    ``asyncio.run``, as LlamaIndex's ``asyncio_run`` makes) replaced the first loop's client and had it
+    closed under the call still using it ("the client has been closed")."""
+    import asyncio
+    import time
+
+    def answer(inputs, n):
+        time.sleep(0.02)
+        return 200, {}, vectors(inputs)
+
+    with Scripted(answer) as server:
+        remote = ServerEmbedder(server.url, batch_size=1, max_retries=0)
+        outcome = []
+
+        def long_call():
+            try:
+                outcome.append(asyncio.run(remote.aqueries([f"q{i}" for i in range(30)])).shape)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                outcome.append(exc)
+
+        first = threading.Thread(target=long_call)
+        first.start()
+        time.sleep(0.15)
+        for _ in range(3):
+            assert asyncio.run(remote.aqueries(["b"])).shape == (1, DIM)  # other loops, meanwhile
+        first.join(60)
+    assert outcome == [(30, DIM)], outcome

@@ -321,3 +321,23 @@ def test_max_seq_length_can_be_set_as_in_sentence_transformers(enc, st_model):
     np.testing.assert_allclose(got, want, atol=1e-5)
     with pytest.raises(ValueError):
         model.max_seq_length = 0
+
+
+def test_a_hub_name_keeps_the_engines_normalize(monkeypatch):
+    """Only a folder's pipeline is read: a hub name (no folder here) was given normalize=False, so a
+    model whose pipeline ends in Normalize returned vectors of norm 5-8."""
+    import dice_fast.integrations.sentence_transformers as st
+
+    seen = []
+
+    class Loaded(Exception):
+        pass
+
+    def as_encoder(encoder, options):
+        seen.append(options)
+        raise Loaded
+
+    monkeypatch.setattr(st, "as_encoder", as_encoder)
+    with pytest.raises(Loaded):
+        DiceSentenceEncoder("sentence-transformers/all-MiniLM-L6-v2", chunk_size=64)
+    assert seen == [{"chunk_size": 64}]

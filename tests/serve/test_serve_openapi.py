@@ -5,6 +5,7 @@ the real schemathesis, with every one of its checks on, finds nothing against a 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -52,6 +53,8 @@ def test_the_openapi_document_lists_bodies_statuses_and_types(server):
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert set(paths["/health"]["get"]["responses"]) == {"200", "400", "503"}  # never behind the key
     assert "401" in paths["/v1/models"]["get"]["responses"]
+    assert set(paths["/v1/models/{model}"]["get"]["responses"]) == {"200", "400", "401", "404"}
+    assert "422" not in json.dumps(doc) and "HTTPValidationError" not in json.dumps(doc)  # never sent
 
 
 def test_the_text_pattern_keeps_exactly_what_str_strip_keeps():
