@@ -156,7 +156,10 @@ def replace_file(path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())  # a power loss must not leave an empty file in its place
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
