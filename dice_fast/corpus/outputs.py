@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from .chunk_rows import CHUNK_COLUMNS, ChunkRows
+from .names import side_stem
 from ..manifests import file_sha256
 
 _ROW_GROUP = 4096
@@ -72,17 +73,6 @@ def fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-NAME_MAX = 255  # bytes of one file name (Linux, macOS)
-
-
-def side_stem(name: str, extra: int) -> str:
-    """``name`` as the stem of a hidden file beside it, ``extra`` bytes longer (a temporary, a lock):
-    itself when that fits a file name, else a digest of it (an output named with 239-255 bytes was
-    refused, "File name too long", naming a lock file the user never gave)."""
-    raw = name.encode("utf-8", "surrogateescape")
-    return name if len(raw) + extra <= NAME_MAX else "~" + hashlib.sha256(raw).hexdigest()[:32]
 
 
 def _mktemp(folder: Path, name: str) -> Path:
