@@ -41,6 +41,7 @@ import weakref
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -121,6 +122,7 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     pages = {"docs_url": None, "redoc_url": None} if api_key is not None else {}
     app = FastAPI(title="dice-fast embeddings", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible DICE long-document embeddings.", **pages)
+    app.router.redirect_slashes = False  # "/v1/embeddings/": a 404 that closes, not a 307 reading the body
     app.state.core, app.state.metrics, app.state.model_name = held, held_metrics, name
     app.state.max_body_bytes = body_limit
     if api_key is not None:
@@ -140,12 +142,16 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
         metrics.observe_unrouted(exc.status_code)
         body = {"error": {"message": f"{exc.detail}: {quote(request.method)} {quote(request.url.path)}",
                           "type": "invalid_request_error", "param": None, "code": str(exc.status_code)}}
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if request.method not in ("GET", "HEAD") and not request.scope.get(_BODY_READ):
+            headers["Connection"] = "close"  # its body is never read (it was, whole, and thrown away)
+        return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
     async def read_request(request: Request, parse, *args):
-        """``parse(body, *args)`` of the request's body, once its content type is checked and its bytes,
-        counted as they stream in, are within the body limit (parsed off the event loop when large)."""
-        check_content_type(request.headers.get("content-type"))
+        """``parse(body, *args)`` of the request's body, once its content type (and encoding) is checked
+        and its bytes, counted as they stream in, are within the body limit (parsed off the event loop
+        when large)."""
+        check_content_type(request.headers.get("content-type"), request.headers.get("content-encoding"))
         body = await read_body(request, body_limit, read_timeout)
         request.scope[_BODY_READ] = True
         if len(body) > _OFF_LOOP_BYTES:
@@ -280,6 +286,10 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    for route in list(app.routes):  # HEAD wherever GET (RFC 9110 9.1: it was 405); not in the OpenAPI document
+        if isinstance(route, APIRoute) and route.methods == {"GET"}:
+            app.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False,
+                              response_class=route.response_class)
     generated = app.openapi
 
     def openapi() -> dict:

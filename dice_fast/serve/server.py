@@ -29,6 +29,7 @@ request line and headers, 16 KiB), ``backlog``.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 
@@ -40,7 +41,8 @@ log = logging.getLogger("dice_fast.serve")
 SERVER_LIMITS = {
     "max_connections": (1024, "connections and requests open at once (uvicorn's limit_concurrency); more: 503 and "
                               "the connection closed"),
-    "keep_alive_timeout": (5.0, "seconds an idle keep-alive connection stays open between requests"),
+    "keep_alive_timeout": (5.0, "seconds an idle keep-alive connection stays open between requests (at most "
+                                "read_timeout, which closes an idle connection too)"),
     "read_timeout": (30.0, "seconds for a request's headers to arrive (from the connection's start or its last "
                            "response) and, once they have, for its body; past it the connection is closed "
                            "(a late body: 408)"),
@@ -97,14 +99,42 @@ def bounded_protocol(read_timeout: float, write_timeout: float, base=None):
                 return
             type(self).bytes_received += len(data)
             super().data_received(data)
-            if self.cycle is not None and self.cycle is not self._cycle_seen:  # a request's headers are in
-                self._cycle_seen = self.cycle
-                self._disarm("_head_timer")
+            self._new_request()
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
+            super().on_response_complete()  # may start a pipelined request already read
+            if not self._new_request() and not self.transport.is_closing():
                 self._arm_head()
+
+        def _new_request(self) -> bool:
+            """Whether a request's head has come in since the last call: then its read timer stops (a
+            pipelined request waiting in the queue was cut off by it), and a head framed by both
+            Content-Length and Transfer-Encoding gets its connection closed after the response (RFC
+            9112 6.1: a proxy framing by the length would read a second, smuggled request)."""
+            if self.cycle is None or self.cycle is self._cycle_seen:
+                return False
+            self._cycle_seen = self.cycle
+            self._disarm("_head_timer")
+            names = {name for name, _ in self.cycle.scope["headers"]}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                self.cycle.scope["headers"].append((b"connection", b"close"))  # uvicorn: close after answering
+            return True
+
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot parse: 400 in OpenAI's error shape with its length and date, then
+            close (uvicorn's was plain text, delimited by the close, without a Date)."""
+            if not hasattr(self, "conn"):  # not uvicorn's h11 protocol (httptools): its own answer
+                return super().send_400_response(msg)
+            import h11
+
+            body = json.dumps({"error": {"message": f"malformed HTTP request: {msg}", "type": "invalid_request_error",
+                                         "param": None, "code": "bad_http_request"}}).encode()
+            headers = [*self.server_state.default_headers, (b"content-type", b"application/json"),
+                       (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -144,7 +174,11 @@ def bounded_protocol(read_timeout: float, write_timeout: float, base=None):
                 return
             self.lingering = True
             self._disarm("_head_timer")
-            real.write_eof()
+            try:
+                real.write_eof()
+            except OSError:  # the client has gone already (ENOTCONN): nothing to linger for
+                real.close()
+                return
             real.resume_reading()  # uvicorn may have paused it while the app did not read the body
             self._linger_timer = self.loop.call_later(LINGER_SECONDS, real.close)
 

@@ -29,9 +29,12 @@ class RequestTimeout(InvalidRequest):
     code = "request_timeout"
 
 
-def check_content_type(value: str | None) -> None:
-    """Accept JSON (``application/json`` or ``*/*+json``, UTF-8); anything else, or none, is
-    `UnsupportedMediaType` (a page in a browser can send ``text/plain`` anywhere without asking)."""
+def check_content_type(value: str | None, encoding: str | None = None) -> None:
+    """Accept JSON (``application/json`` or ``*/*+json``, UTF-8), uncompressed; anything else, or none, is
+    `UnsupportedMediaType` (a page in a browser can send ``text/plain`` anywhere without asking; a gzip
+    body was read as JSON and refused as "not valid UTF-8", a plain one labelled gzip embedded)."""
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise UnsupportedMediaType(f"Content-Encoding {quote(encoding)!r} is not accepted: send the body uncompressed")
     if value is None:
         raise UnsupportedMediaType("the body must be declared JSON: send the header 'Content-Type: application/json'")
     media, *params = (part.strip().lower() for part in value.split(";"))
