@@ -75,10 +75,15 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def _temp_stem(name: str) -> str:
+    """The NAME of ``.NAME.XXXXXXXX.tmp`` for an output named ``name`` (made and found by it alone)."""
+    return side_stem(name, len("..00000000.tmp"))
+
+
 def _mktemp(folder: Path, name: str) -> Path:
     """A new hidden temporary file ``.NAME.XXXXXXXX.tmp`` in ``folder`` (mode 0666 less the umask, as
-    the final file should have; NAME: `side_stem`)."""
-    stem = side_stem(name, len("..00000000.tmp"))
+    the final file should have; NAME: `_temp_stem`)."""
+    stem = _temp_stem(name)
     for _ in range(100):
         path = folder / f".{stem}.{secrets.token_hex(4)}.tmp"
         try:
@@ -377,8 +382,7 @@ def parse_tag(name: str) -> tuple[int, int] | None:
 def file_temps(path: Path) -> list[Path]:
     """The temporary files `_mktemp` made for ``path`` beside it (``.NAME.XXXXXXXX.tmp``): a killed
     run's, to remove once the output's lock is held."""
-    stem = side_stem(path.name, len("..00000000.tmp"))
-    pattern = re.compile(rf"^\.{re.escape(stem)}\.[0-9a-f]{{8}}\.tmp$")
+    pattern = re.compile(rf"^\.{re.escape(_temp_stem(path.name))}\.[0-9a-f]{{8}}\.tmp$")
     return sorted(p for p in path.parent.iterdir() if pattern.match(p.name)) if path.parent.is_dir() else []
 
 

@@ -44,8 +44,10 @@ class LanceStore(RemoteStore):
     def __init__(self, uri, table: str, *, dim: int | None = None, encoder=None, model: str | None = None,
                  encoder_options: dict | None = None, store_text: bool | None = None,
                  batch_size: int = DEFAULT_BATCH, search_options: dict | None = None, create: bool = True):
-        lancedb = require("lancedb", "pyarrow", extra="lancedb", needed_by="the LanceDB store")
-        self._pa = require("pyarrow", extra="lancedb", needed_by="the LanceDB store")
+        lancedb = require("lancedb", "pyarrow", extra="lancedb", needed_by="the LanceDB store")  # both imported
+        import pyarrow
+
+        self._pa = pyarrow
         self.db = lancedb.connect(str(uri)) if isinstance(uri, (str, bytes)) or hasattr(uri, "__fspath__") else uri
         self.name = str(table)
         where = f"LanceDB table {self.name!r}"
@@ -140,8 +142,7 @@ class LanceStore(RemoteStore):
     def delete(self, ids: Sequence) -> int:
         """Remove the documents ``ids`` (ids not stored are ignored); returns how many it found and removed
         (looked up, then removed: an id another writer adds in between stays)."""
-        ids = list(dict.fromkeys(lookup_ids(ids)))
-        held = [i for i, h in zip(ids, self.contains(ids)) if h]
+        held = self._stored(ids)
         for i in range(0, len(held), 512):
             self.table.delete(_in_list(held[i : i + 512]))
         return len(held)

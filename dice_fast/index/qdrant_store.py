@@ -140,8 +140,7 @@ class QdrantStore(RemoteStore):
     def delete(self, ids: Sequence) -> int:
         """Remove the documents ``ids`` (ids not stored are ignored); returns how many it found and removed
         (looked up, then removed: an id another writer adds in between stays)."""
-        ids = list(dict.fromkeys(lookup_ids(ids)))
-        held = [i for i, h in zip(ids, self.contains(ids)) if h]
+        held = self._stored(ids)
         for i in range(0, len(held), 1024):  # as `contains`: a request of bounded size
             points = [point_id(x) for x in held[i : i + 1024]]
             self.client.delete(self.collection, points_selector=self._models.PointIdsList(points=points), wait=True)

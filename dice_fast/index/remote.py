@@ -30,7 +30,7 @@ from .. import scoring as sc
 from ..errors import InputError, WriteError, one_line
 from ..streaming import as_iterator
 from .common import (DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, check_ids, check_k, evidence_hit,
-                     scored_hits, short_repr)
+                     lookup_ids, scored_hits, short_repr)
 from .encoder_match import model_id, recorded_model, vector_options
 
 DEFAULT_BATCH = 256  # documents per write, at most
@@ -152,6 +152,11 @@ class RemoteStore(EncoderSlot):
                 self._write(_slice(b, d0, d1))
             except self._write_failures() as exc:  # a full disk, a server refusing: one line, not a traceback
                 raise WriteError(f"cannot write to {self.where}: {one_line(exc)[:300]}") from exc
+
+    def _stored(self, ids: Sequence) -> list[str]:
+        """The distinct ids of ``ids`` the store holds, in their order (what a `delete` removes and counts)."""
+        ids = list(dict.fromkeys(lookup_ids(ids)))
+        return [i for i, held in zip(ids, self.contains(ids)) if held]
 
     def _write_failures(self) -> tuple[type[BaseException], ...]:
         """What the store's client raises when its database cannot take a write (each store adds its own)."""

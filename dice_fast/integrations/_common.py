@@ -1,7 +1,8 @@
-"""What the integrations share: importing an optional extra with an install hint, building the engine
-from a path or taking a built one, variants of one loaded encoder, the model's own sentence-transformers
-config (prompts, similarity), the settings that shape an encoder's vectors, an encoding in a worker
-thread that a cancelled caller stops, and one SSL context for the clients of a served instance.
+"""What the integrations share: building the engine from a path or taking a built one, variants of one
+loaded encoder, the model's own sentence-transformers config (prompts, similarity), the settings that
+shape an encoder's vectors, an encoding in a worker thread that a cancelled caller stops, the refusal of
+an over-long query, and descriptions as JSON (optional extras: `dice_fast.errors.require`; the server
+client: `_server_client`).
 
 Imports nothing optional at module level (``import dice_fast.integrations`` must stay light).
 """

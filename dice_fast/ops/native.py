@@ -93,9 +93,8 @@ def csrc_dir() -> Path:
             raise OptionError(f"$DICE_FAST_CSRC={given!r} is not a dice_fast csrc/ folder: it lacks "
                               f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
         return Path(given)
-    candidates = []
     here = Path(__file__).resolve()
-    candidates += [here.parents[2] / "csrc", here.parents[1] / "_csrc"]
+    candidates = [here.parents[2] / "csrc", here.parents[1] / "_csrc"]
     for c in candidates:
         if all((c / f).is_file() for f in CPU_SOURCES + HEADERS):
             return c

@@ -52,9 +52,9 @@ from ..matryoshka import truncate
 from ..runinfo import model_label
 from . import openapi as oa
 from .batcher import AsyncDiceEncoder
-from .errors import (DeadlineExceeded, InvalidRequest, OutOfMemory, Overloaded, RequestTooLarge, ServeError,
-                     ShuttingDown, Unauthorized, Unhealthy, UnsupportedMediaType, internal_error_body, quote,
-                     was_logged)
+from .errors import (DeadlineExceeded, InvalidRequest, ModelNotFound, OutOfMemory, Overloaded, RequestTooLarge,
+                     ServeError, ShuttingDown, Unauthorized, Unhealthy, UnsupportedMediaType, internal_error_body,
+                     quote, was_logged)
 from .evidence import add_evidence_route
 from .guards import BearerAuth, HostGuard, check_api_key
 from .limits import check_limits, default_max_body_bytes
@@ -65,7 +65,8 @@ from .transport import LeasedResponse, RequestTimeout, check_content_type, read_
 log = logging.getLogger("dice_fast.serve")
 
 STATUS = {InvalidRequest: 400, UnsupportedMediaType: 415, RequestTooLarge: 413, Overloaded: 429, ShuttingDown: 503,
-          Unauthorized: 401, OutOfMemory: 503, Unhealthy: 503, DeadlineExceeded: 504, RequestTimeout: 408}
+          Unauthorized: 401, OutOfMemory: 503, Unhealthy: 503, DeadlineExceeded: 504, RequestTimeout: 408,
+          ModelNotFound: 404}
 CLIENT_GONE = 499  # nginx's "client closed request": counted in metrics, never sent
 _OFF_LOOP_FLOATS = 1 << 16  # responses with more floats than this are serialised in a worker thread
 _OFF_LOOP_BYTES = 1 << 16  # request bodies longer than this are parsed in a worker thread
@@ -130,22 +131,25 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     if allowed_hosts is not None:  # outermost: a page re-bound to this address learns nothing, key or not
         app.add_middleware(HostGuard, allowed=list(allowed_hosts), on_refused=metrics.observe_wrong_host)
 
+    def closing(request: Request, headers: dict) -> dict:
+        """``headers``, with ``Connection: close`` for a request whose body was not read whole: the rest
+        of it is never read (a POST no route takes was read whole, and thrown away)."""
+        if request.method not in ("GET", "HEAD") and not request.scope.get(_BODY_READ):
+            headers["Connection"] = "close"
+        return headers
+
     def error(exc: ServeError, request: Request) -> JSONResponse:
         status = STATUS.get(type(exc), 400)
         headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else {}
-        if request.method == "POST" and not request.scope.get(_BODY_READ):
-            headers["Connection"] = "close"  # the rest of the body is never read
-        return JSONResponse(exc.body(), status_code=status, headers=headers)
+        return JSONResponse(exc.body(), status_code=status, headers=closing(request, headers))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):  # 404, 405 in OpenAI's shape
         metrics.observe_unrouted(exc.status_code)
         body = {"error": {"message": f"{exc.detail}: {quote(request.method)} {quote(request.url.path)}",
                           "type": "invalid_request_error", "param": None, "code": str(exc.status_code)}}
-        headers = dict(getattr(exc, "headers", None) or {})
-        if request.method not in ("GET", "HEAD") and not request.scope.get(_BODY_READ):
-            headers["Connection"] = "close"  # its body is never read (it was, whole, and thrown away)
-        return JSONResponse(body, status_code=exc.status_code, headers=headers)
+        return JSONResponse(body, status_code=exc.status_code,
+                            headers=closing(request, dict(getattr(exc, "headers", None) or {})))
 
     async def read_request(request: Request, parse, *args):
         """``parse(body, *args)`` of the request's body, once its content type (and encoding) is checked
@@ -269,12 +273,10 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
 
     @app.get("/v1/models/{model:path}", summary="The served model, by its name (OpenAI's models.retrieve)",
              responses=oa.responses(oa.MODEL_RESPONSE, (404,), **documented))
-    async def model(model: str):
+    async def model(model: str, request: Request):
         if model != name:
-            body = {"error": {"message": f"the model {quote(model)!r} is not served here; this server serves "
-                              f"{quote(name)!r}", "type": "invalid_request_error", "param": "model",
-                              "code": "model_not_found"}}
-            return JSONResponse(body, status_code=404)
+            return error(ModelNotFound(f"the model {quote(model)!r} is not served here; this server serves "
+                                       f"{quote(name)!r}", "model"), request)
         return served()
 
     def served() -> dict:

@@ -42,6 +42,12 @@ class UnsupportedMediaType(InvalidRequest):
     code = "unsupported_media_type"
 
 
+class ModelNotFound(ServeError):
+    """``GET /v1/models/{name}`` names a model this server does not serve (HTTP 404, ``param`` "model")."""
+
+    code = "model_not_found"
+
+
 class Unauthorized(ServeError):
     """No API key, or the wrong one (HTTP 401 with ``WWW-Authenticate: Bearer``)."""
 
