@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .runinfo import cpu_model
+from .side_files import replace_file
 
 CACHE_FILE = "cpu_tuning.json"
 BUDGET_S = 0.6  # wall-clock cap of one micro-benchmark (the first bf16 forward pays it once per machine)
@@ -260,17 +261,10 @@ def write_cache(data: dict) -> None:
     """Atomic write. A folder that cannot be written costs re-measuring in the next process, and a
     warning (once per file and process) that names it and ``DICE_FAST_CACHE_DIR``."""
     path = cache_path()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(data, indent=1, sort_keys=True))
-            fh.flush()
-            os.fsync(fh.fileno())  # a power loss must not leave an empty file: every machine's entries
-        os.replace(tmp, path)
+        replace_file(path, json.dumps(data, indent=1, sort_keys=True))  # a power loss keeps every machine's entries
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         if str(path) not in _WARNED:
             _WARNED.add(str(path))
             warnings.warn(f"cannot write the CPU tuning cache {path} ({exc.strerror or exc}): every process will "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 from .errors import InputError, writing
+from .side_files import replace_file
 
 
 def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -146,20 +147,3 @@ def _append_csv(rows: list[dict], path, fieldnames) -> None:
     w.writerows(old_rows)
     w.writerows(rows)
     replace_file(path, text.getvalue().encode("utf-8"))
-
-
-def replace_file(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` whole or not at all: a temporary file beside it, renamed over it (a
-    report written in place was left cut short by a full disk, the previous one lost)."""
-    from pathlib import Path
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())  # a power loss must not leave an empty file in its place
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

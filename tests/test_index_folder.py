@@ -207,7 +207,7 @@ def test_saves_into_one_folder_take_turns(tmp_path, monkeypatch):
     naming files that are gone."""
     old, new = _two_indexes()
     target = tmp_path / "ix"
-    real = folder._fsync_folder
+    real = folder.fsync_dir
     other = []
 
     def after_switch(path):  # another thread saves while this save holds the folder
@@ -218,7 +218,7 @@ def test_saves_into_one_folder_take_turns(tmp_path, monkeypatch):
             other[0].join(0.5)
             assert other[0].is_alive()  # waiting for this save to finish
 
-    monkeypatch.setattr(folder, "_fsync_folder", after_switch)
+    monkeypatch.setattr(folder, "fsync_dir", after_switch)
     old.save(target)
     other[0].join(60)
     assert not other[0].is_alive()

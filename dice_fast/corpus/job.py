@@ -26,7 +26,7 @@ from .chunk_rows import ChunkRows
 from ..errors import InputError, OptionError, WriteError, writing
 from ..manifests import MANIFEST_FORMAT, checked_shards, read_manifest
 from ..progress import print_done
-from .names import NAME_MAX
+from ..side_files import NAME_MAX
 from .outputs import (NpyWriter, ParquetFileWriter, ShardWriter, file_temps, ids_path_for, manifest_name,
                       our_files, parse_tag, split_tag)
 from .ids import DuplicateIds

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..errors import WriteError, writing
 from ..folder_guard import folder_guard
-from .names import side_stem
+from ..side_files import side_stem
 
 _SPLIT_LOCK = re.compile(r"^\.dice-fast(?:-(\d+)of(\d+))?\.lock$")
 

@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from .chunk_rows import CHUNK_COLUMNS, ChunkRows
-from .names import side_stem
 from ..manifests import file_sha256
+from ..side_files import fsync_dir, new_temp, replace_file, temp_stem
 
 _ROW_GROUP = 4096
 _NPY_HEADER = 128  # bytes: magic, version, length, and the header dict padded with spaces
@@ -66,53 +66,9 @@ def shard_name(tag: str, k: int, run: str = "") -> str:
     return f"part{tag}-{k:05d}{run}.parquet"
 
 
-def fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every file system lets a folder be fsynced
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _temp_stem(name: str) -> str:
-    """The NAME of ``.NAME.XXXXXXXX.tmp`` for an output named ``name`` (made and found by it alone)."""
-    return side_stem(name, len("..00000000.tmp"))
-
-
-def _mktemp(folder: Path, name: str) -> Path:
-    """A new hidden temporary file ``.NAME.XXXXXXXX.tmp`` in ``folder`` (mode 0666 less the umask, as
-    the final file should have; NAME: `_temp_stem`)."""
-    stem = _temp_stem(name)
-    for _ in range(100):
-        path = folder / f".{stem}.{secrets.token_hex(4)}.tmp"
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return path
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"cannot create a temporary file for {name} in {folder}")
-
-
 def _fsync_and_hash(path: Path) -> tuple[int, str]:
     digest = file_sha256(path, fsync=True)
     return path.stat().st_size, digest
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, fsync, rename, fsync the folder."""
-    tmp = _mktemp(path.parent, path.name)
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
 
 
 def _schema(dim: int, metadata: dict, chunks: bool = False):
@@ -175,8 +131,8 @@ class NpyWriter:
     def __init__(self, path: Path):
         self.path, self.ids_path = path, ids_path_for(path)
         self.tmp = self.ids_tmp = None
-        self.tmp = _mktemp(path.parent, path.name)
-        self.ids_tmp = _mktemp(path.parent, self.ids_path.name)
+        self.tmp = new_temp(path.parent, path.name)
+        self.ids_tmp = new_temp(path.parent, self.ids_path.name)
         self.fh = open(self.tmp, "r+b")
         self.fh.write(b"\0" * _NPY_HEADER)
         self.ids_fh = open(self.ids_tmp, "r+b")
@@ -238,7 +194,7 @@ class ParquetFileWriter:
 
     def __init__(self, path: Path, metadata: dict, chunks: bool = False):
         self.path, self.metadata, self.chunks = path, metadata, chunks
-        self.tmp = _mktemp(path.parent, path.name)
+        self.tmp = new_temp(path.parent, path.name)
         self.stream = None
         self.rows = 0
 
@@ -294,7 +250,7 @@ class ShardWriter:
         start = 0
         while start < len(block):
             if self.stream is None:
-                self.tmp = _mktemp(self.folder, shard_name(self.tag, len(self.manifest["shards"]), self.run))
+                self.tmp = new_temp(self.folder, shard_name(self.tag, len(self.manifest["shards"]), self.run))
                 meta = {k: v for k, v in self.manifest.items() if k not in ("shards", "rows", "status", "summary")}
                 meta["shard"] = len(self.manifest["shards"])
                 self.stream = _ParquetStream(self.tmp, block.shape[1], meta, self.chunks)
@@ -335,7 +291,7 @@ class ShardWriter:
     def write_manifest(self, status: str = "running") -> None:
         self.manifest["status"] = status
         self.manifest["rows"] = self.committed_rows
-        atomic_write_text(self.folder / manifest_name(self.tag), json.dumps(self.manifest, indent=1) + "\n")
+        replace_file(self.folder / manifest_name(self.tag), json.dumps(self.manifest, indent=1) + "\n")
 
     def finish(self, dim: int, summary: dict | None = None) -> None:
         """Commit the last (short) shard and mark the manifest complete."""
@@ -380,9 +336,9 @@ def parse_tag(name: str) -> tuple[int, int] | None:
 
 
 def file_temps(path: Path) -> list[Path]:
-    """The temporary files `_mktemp` made for ``path`` beside it (``.NAME.XXXXXXXX.tmp``): a killed
+    """The temporary files `new_temp` made for ``path`` beside it (``.NAME.XXXXXXXX.tmp``): a killed
     run's, to remove once the output's lock is held."""
-    pattern = re.compile(rf"^\.{re.escape(_temp_stem(path.name))}\.[0-9a-f]{{8}}\.tmp$")
+    pattern = re.compile(rf"^\.{re.escape(temp_stem(path.name))}\.[0-9a-f]{{8}}\.tmp$")
     return sorted(p for p in path.parent.iterdir() if pattern.match(p.name)) if path.parent.is_dir() else []
 
 

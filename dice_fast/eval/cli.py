@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ..cliargs import add_encoder_arguments, bounded, make_encoder
 from ..errors import OptionError, writing
-from ..runinfo import replace_file
+from ..side_files import replace_file
 
 if TYPE_CHECKING:
     from .run import EvalResult
@@ -256,7 +256,7 @@ def write_outputs(res: EvalResult, out_dir, stem: str, csv_path, plots: bool = T
         out_dir.mkdir(parents=True, exist_ok=True)
     n = write_csv(res, csv_path)  # the rows first: a report that cannot be written loses none of them
     with writing(out_dir / f"{stem}.md"):  # a full disk: named with the file, the previous report kept
-        replace_file(out_dir / f"{stem}.md", format_report(res).encode("utf-8"))
+        replace_file(out_dir / f"{stem}.md", format_report(res))
     written = [f"{csv_path} (+{n} rows)", str(out_dir / f"{stem}.md")]
     if save_result:
         import pickle

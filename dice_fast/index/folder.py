@@ -35,6 +35,7 @@ import numpy as np
 from ..errors import InputError, MissingFile, WriteError, writing
 from ..folder_guard import folder_guard
 from ..scoring import unit_rows
+from ..side_files import fsync_dir
 from .common import short_repr
 from .growth import COLUMNS
 from .texts import TextColumn
@@ -87,7 +88,7 @@ def _save_generation(index, folder: Path, previous: str | None) -> None:
                 if (m and m.group(1) == gen) or p.name == _TMP:
                     p.unlink(missing_ok=True)
         raise
-    _fsync_folder(folder)
+    fsync_dir(folder)
     index.follow_saved_graphs({over: folder / name for over, name in graphs.items()})
     for stale in folder.iterdir():  # the old generation goes last
         m = _GENERATION_FILE.match(stale.name)
@@ -273,17 +274,6 @@ def _write(path: Path, write) -> None:
 
 def _json_writer(value):
     return lambda f: f.write(json.dumps(value, ensure_ascii=False).encode("utf-8"))
-
-
-def _fsync_folder(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_json(path: Path):
