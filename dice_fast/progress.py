@@ -8,32 +8,69 @@ import sys
 import time
 
 
+LINE_SECONDS = 30.0  # where stderr is no terminal: a progress line this often
+
+
 class ProgressBar:
     """A tqdm bar over tokens that also shows documents and tokens/s; call it with increments.
 
     total_tokens: the tokens to run, when known (then the bar has an ETA). ``tokens`` and
     ``documents`` count what was reported so far, also when the bar is hidden (``show=False``).
+    Where stderr is no terminal (a log file, a batch job) a line every ``line_seconds`` replaces the
+    bar: a bar redrawn ten times a second made one ever-growing line of a log.
     """
 
-    def __init__(self, total_tokens: int | None = None, desc: str | None = None, show: bool = True):
+    def __init__(self, total_tokens: int | None = None, desc: str | None = None, show: bool = True,
+                 line_seconds: float = LINE_SECONDS):
         from tqdm.auto import tqdm
 
+        self.lines = show and not _live_display(tqdm)
         self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, dynamic_ncols=True, desc=desc,
-                        disable=not show)
+                        disable=not show or self.lines)
         self.tokens, self.documents, self.t0 = 0, 0, time.perf_counter()
+        self.desc, self.line_seconds, self.lines_printed = desc or "progress", line_seconds, 0
 
     def __call__(self, documents: int, tokens: int) -> None:
         self.tokens += tokens
         self.documents += documents
         self.bar.set_postfix_str(f"{self.documents:,} docs", refresh=False)
         self.bar.update(tokens)
+        if self.lines and self.seconds >= self.line_seconds * (self.lines_printed + 1):
+            self._line()
+
+    def _line(self) -> None:
+        seconds = self.seconds
+        rate = self.tokens / seconds if seconds > 0 else 0.0
+        total = self.bar.total
+        part = f" of ~{total:,} ({100 * self.tokens / total:.0f} %)" if total else ""
+        left = f", ~{_clock((total - self.tokens) / rate)} left" if total and rate and total > self.tokens else ""
+        print(f"{self.desc}: {self.tokens:,} tokens{part}, {self.documents:,} docs, {rate:,.0f} tok/s, "
+              f"{_clock(seconds)}{left}", file=sys.stderr, flush=True)
+        self.lines_printed += 1
 
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.t0
 
     def close(self) -> None:
+        if self.lines and self.lines_printed:  # the log says where it ended
+            self._line()
         self.bar.close()
+
+
+def _live_display(tqdm_class) -> bool:
+    """Whether a redrawn bar shows as one: stderr is a terminal, or tqdm draws a notebook widget."""
+    if any(c.__module__ == "tqdm.notebook" for c in tqdm_class.__mro__):
+        return True
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,30 @@
+"""The progress bar where stderr is a log file: a line now and then, not a bar redrawn into one line."""
+
+import re
+
+from dice_fast.progress import ProgressBar
+
+
+def test_a_log_gets_lines_not_a_redrawn_bar(capsys):
+    """Under pytest stderr is no terminal, as in a batch job's log: tqdm redrew its bar ten times a
+    second with carriage returns, one line growing by megabytes an hour. Now a whole line every
+    ``line_seconds``, the last one at close, with the ETA where the total is known."""
+    bar = ProgressBar(1000, desc="encode documents", line_seconds=0.0)
+    bar(3, 250)
+    bar(2, 250)
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert "\r" not in "".join(lines) and len(lines) == 3, lines
+    assert re.fullmatch(r"encode documents: 250 tokens of ~1,000 \(25 %\), 3 docs, [\d,]+ tok/s, 0:00:00, ~0:00:\d\d left",
+                        lines[0]), lines[0]
+    assert lines[1].startswith("encode documents: 500 tokens of ~1,000 (50 %), 5 docs") and lines[2].startswith(lines[1][:40])
+
+
+def test_a_short_job_in_a_log_prints_nothing_and_a_hidden_bar_nothing_at_all(capsys):
+    bar = ProgressBar(None, desc="encode")  # 30 s between lines: a short job has none, not even at close
+    bar(1, 10)
+    bar.close()
+    hidden = ProgressBar(None, show=False, line_seconds=0.0)
+    hidden(1, 10)
+    hidden.close()
+    assert capsys.readouterr().err == "" and (bar.tokens, hidden.documents) == (10, 1)
