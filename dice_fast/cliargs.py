@@ -61,6 +61,14 @@ def encoder_options(args, config_cls: type = DiceConfig) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
 
 
+def encoder_flags_given(args, config_cls: type = DiceConfig) -> list[str]:
+    """The flags of `add_encoder_arguments` that ``args`` holds a value other than the default for
+    (``--model``: any folder), for a command path that encodes nothing and must not ignore them."""
+    given = ["--model"] if getattr(args, "model", None) is not None else []
+    return given + [encoder_flag(f, config_cls)[0] for f in dataclasses.fields(config_cls)
+                    if getattr(args, f.name) != f.default]
+
+
 def add_encoder_arguments(p: argparse.ArgumentParser, config_cls: type = DiceConfig) -> None:
     """``--model`` and one flag per `DiceConfig` field (`encoder_flag`), shared by every sub-command
     that builds an encoder."""

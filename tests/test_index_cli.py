@@ -212,3 +212,17 @@ def test_index_of_a_parquet_that_is_not_an_encode_output(tmp_path, capsys, no_mo
     assert main(["index", str(tmp_path / "junk.parquet"), "-o", str(tmp_path / "ix")]) == 2
     assert f"{tmp_path / 'junk.parquet'}: not a readable Parquet file" in capsys.readouterr().err
     assert not (tmp_path / "ix").exists()
+
+
+def test_model_and_option_flags_beside_an_encode_output_are_refused(tmp_path, capsys, no_model):
+    """An encode --chunks output is indexed as it was encoded: `--chunk-size 64 --model /no/such/folder`
+    beside it built an index recording chunk size 8 and exited 0. Now every such flag is named."""
+    src = _plain_parquet(tmp_path / "out.parquet")
+    flags = ["--model", "/no/such/folder", "--chunk-size", "64", "--no-normalize", "--field", "body", "--no-store-text"]
+    assert main(["index", str(src), "-o", str(tmp_path / "ix"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{src} is an encode --chunks output" in err, err
+    assert "--model, --chunk-size, --no-normalize, --field, --[no-]store-text would change nothing" in err, err
+    assert main(["index", str(src), "-o", str(tmp_path / "ix"), "--chunk-dtype", "float16"]) == 2  # a storage choice
+    assert "not an output of `dice-fast encode --chunks`" in capsys.readouterr().err
+    assert not (tmp_path / "ix").exists()

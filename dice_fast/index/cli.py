@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Iterator
 
-from ..cliargs import add_encoder_arguments
+from ..cliargs import add_encoder_arguments, encoder_flags_given
 from ..errors import OptionError
 from ..scoring import SCORINGS
 from .common import DEFAULT_SCORING
@@ -20,7 +20,8 @@ input (one document per line or record):
   .txt      one document per line (blank lines skipped); id = line number (1-based)
   .jsonl    one JSON object per line; text in --field, id in --id-field (default: the line number)
   .parquet / DIR   the output of `dice-fast encode ... --chunks` (vectors already made, no model run;
-            it holds no texts, so search prints character spans; the model options come from it)
+            it holds no texts, so search prints character spans; the model options come from it,
+            and a model or option flag beside it is refused: it would change nothing)
 
 push (write a corpus job's output into a vector database, shard by shard):
   dice-fast index push OUT --to qdrant://HOST:PORT/COLLECTION | qdrant+path://DIR/COLLECTION
@@ -52,7 +53,7 @@ def register_cli(subparsers) -> None:
     build.add_argument("--overwrite", action="store_true", help="replace an existing index (refused without it)")
     build.add_argument("--field", default="text", help='JSON field holding the text (default "text")')
     build.add_argument("--id-field", default=None, help="JSON field holding the id (default: the line number)")
-    build.add_argument("--store-text", action=argparse.BooleanOptionalAction, default=True,
+    build.add_argument("--store-text", action=argparse.BooleanOptionalAction, default=None,
                        help="keep the texts in the index so search prints the passage (default: yes)")
     build.add_argument("--chunk-dtype", choices=("float32", "float16"), default="float32",
                        help="storage of chunk vectors (float16 halves them; scores within about 1e-3)")
@@ -101,18 +102,32 @@ def _build(args) -> int:
     check_destination(args.output)  # a file, a foreign or unwritable folder: before the corpus is encoded
     args.input = args.input[0]
     if Path(args.input).is_dir() or Path(args.input).suffix.lower() == ".parquet":
+        _refuse_encoding_flags(args)
         index = DiceIndex.from_corpus(args.input, chunk_dtype=args.chunk_dtype)
     else:
         ids = _checked_ids(args.input, args.field, args.id_field)  # every record, before any model loads
         if not ids:
             raise ValueError(f"{args.input}: no documents")
         texts = (text for _, _, text in _records(args.input, args.field, args.id_field))  # read again, streamed
-        index = DiceIndex.from_texts(make_encoder(args), texts, ids, store_text=args.store_text,
+        index = DiceIndex.from_texts(make_encoder(args), texts, ids, store_text=args.store_text is not False,
                                      chunk_dtype=args.chunk_dtype)
     index.save(args.output)
     print(f"{args.output}: {len(index)} documents, {index.n_chunks} chunks, {index.nbytes / 2**20:.1f} MiB of vectors",
           file=sys.stderr)
     return 0
+
+
+def _refuse_encoding_flags(args) -> None:
+    """An encode --chunks output is indexed as it was encoded: a model or option flag beside it changed
+    nothing, silently (``--chunk-size 64 --model /no/such/folder`` built an index of chunk size 8)."""
+    texts = (("--field", args.field, "text"), ("--id-field", args.id_field, None),
+             ("--[no-]store-text", args.store_text, None))
+    given = encoder_flags_given(args) + [flag for flag, value, default in texts if value != default]
+    if given:
+        raise OptionError(f"{args.input} is an encode --chunks output, indexed with the model and options it was "
+                          f"encoded with (and without texts): {', '.join(given)} would change nothing; drop "
+                          f"{'it' if len(given) == 1 else 'them'}, or encode the texts again with "
+                          f"{'it' if len(given) == 1 else 'them'}")
 
 
 def _push(args) -> int:
