@@ -100,11 +100,14 @@ def api_key(args, environ=os.environ) -> str | None:
     order; None when none is given. A source that is given but empty is an error, never an open server."""
     from .guards import check_api_key
 
-    if args.api_key is not None and args.api_key_file is not None:
-        raise ValueError("give --api-key or --api-key-file, not both")
-    if args.api_key_file is not None:
-        with open(args.api_key_file, encoding="utf-8") as f:
-            key, source = f.readline().strip(), f"--api-key-file {args.api_key_file}"
+    key_file = args.api_key_file
+    if args.api_key is not None and key_file is not None:
+        if key_file != environ.get(f"{API_KEY_ENV}_FILE"):
+            raise ValueError("give --api-key or --api-key-file, not both")
+        key_file = None  # the flag wins over the variable, as for every flag
+    if key_file is not None:
+        with open(key_file, encoding="utf-8") as f:
+            key, source = f.readline().strip(), f"--api-key-file {key_file}"
     elif args.api_key is not None:
         key, source = args.api_key, "--api-key"
     elif API_KEY_ENV in environ:

@@ -118,6 +118,10 @@ def test_api_key_sources(tmp_path):
                                 (args(api_key="a", api_key_file=str(tmp_path / "key")), {}, "not both")):
         with pytest.raises(ValueError, match=match):  # given but unusable: never an open server
             api_key(bad, environ=environ)
+    # the flag wins over the variable: --api-key beside $DICE_FAST_API_KEY_FILE (the file flag's default
+    # then) was refused as "not both"
+    from_file = {"DICE_FAST_API_KEY_FILE": str(tmp_path / "key")}
+    assert api_key(args(api_key="from-flag", api_key_file=str(tmp_path / "key")), environ=from_file) == "from-flag"
 
 
 def test_body_limit_is_enforced_while_the_body_streams_in(tiny_encoder):
