@@ -16,7 +16,7 @@ CACHE=${CACHE:-/tmp/dice-eval-cache}
 OUT=${OUT:-benchmarks/eval/ablation}
 ALL=256,512,1024,2048,4096,8192,16384,32768
 common=(--docs-per-length 50 --queries-per-length 50 --chunk-sizes 64,128,254 --dtype float32
-        --normalize-chunks-ablation --hybrid-alphas 0,0.25,0.5,0.75,1 --cache-dir "$CACHE" --save-result --quiet)
+        --normalize-chunks-ablation --hybrid-alphas 0,0.25,0.5,0.75,1 --cache "$CACHE" --save-result --quiet)
 test=("${common[@]}" --check-docs 1 --out-dir "$OUT" --csv "${CSV:-benchmarks/eval/ablation.csv}")
 dev=("${common[@]}" --aggregations mean --check-docs 0 --no-plots --out-dir "$OUT/dev" --csv "$OUT/dev/dev.csv")
 # reported (test) runs: every aggregation x both normalize_chunks settings, MaxSim, hybrid (alpha grid)

@@ -141,8 +141,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--save-result", action="store_true",
                    help="also pickle the EvalResult (per-sample EC/EDI included) to OUT_DIR/<task>-<dtype>.pkl, "
                         "to redraw tables and plots later without re-encoding")
-    p.add_argument("--cache-dir", default=None,
-                   help="the persistent chunk cache (DIR/chunks.sqlite, as --cache of encode): chunk vectors are "
+    p.add_argument("--cache", "--cache-dir", dest="cache_dir", metavar="DIR", default=None,
+                   help="the persistent chunk cache (DIR/chunks.sqlite, as --cache of encode and serve): chunk vectors are "
                         "kept there and reused on later runs with the same model (a run over other lengths, "
                         "aggregations or normalize_chunks re-encodes no chunk it has seen)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
