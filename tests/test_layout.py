@@ -259,14 +259,31 @@ def test_every_core_error_derives_from_dice_error():
         cls = getattr(errors, name)
         assert issubclass(cls, errors.DiceError) and getattr(dice_fast, name) is cls, name
     assert issubclass(errors.OptionError, ValueError) and issubclass(errors.InputOutOfMemory, RuntimeError)
+    classes, raised = _errors_of(core_modules(), mine)
+    assert all(c.startswith("dice_fast/errors.py") for c in classes), f"error classes outside errors.py: {classes}"
+    assert not raised, "the core raises errors that are not DiceErrors:\n" + "\n".join(raised)
+
+
+def test_the_index_raises_dice_errors():
+    """`dice_fast.DiceIndex` is public beside the encoder: its bad options and inputs raised plain
+    ValueErrors where the encoder's raise OptionError / InputError (a sequence's IndexError stays)."""
+    from dice_fast import errors
+
+    mine = {n for n in errors.__all__ if isinstance(getattr(errors, n), type)}
+    _, raised = _errors_of(sorted((PACKAGE / "index").rglob("*.py")), mine | {"IndexError"})
+    assert not raised, "the index raises errors that are not DiceErrors:\n" + "\n".join(raised)
+
+
+def _errors_of(paths, allowed) -> tuple[list[str], list[str]]:
+    """The exception classes defined in ``paths`` and their ``raise X(...)`` of a class X not in
+    ``allowed`` (nor `NOT_USER_ERRORS`; a lower-case name is a function that makes the error)."""
     classes, raised = [], []
-    for p in core_modules():
+    for p in paths:
         for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ClassDef) and any(isinstance(b, ast.Name) and (
                     b.id.endswith("Error") or b.id in ("Exception", "BaseException")) for b in node.bases):
                 classes.append(f"{p.relative_to(ROOT)}: {node.name}")
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
-                if node.exc.func.id not in mine | NOT_USER_ERRORS:
+                if node.exc.func.id[0].isupper() and node.exc.func.id not in allowed | NOT_USER_ERRORS:
                     raised.append(f"{p.relative_to(ROOT)}:{node.lineno}: raise {node.exc.func.id}")
-    assert all(c.startswith("dice_fast/errors.py") for c in classes), f"error classes outside errors.py: {classes}"
-    assert not raised, "the core raises errors that are not DiceErrors:\n" + "\n".join(raised)
+    return classes, raised

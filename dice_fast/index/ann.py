@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import require
+from ..errors import InputError, require
 
 HNSW_M = 32  # neighbours per node
 EF_SEARCH = 128  # candidates kept while searching (recall vs time)
@@ -47,9 +47,9 @@ def read(path: Path, expected: int):
         try:
             graph = f.read_index(str(path))
         except RuntimeError as exc:
-            raise ValueError(f"{path}: unreadable faiss graph ({str(exc).splitlines()[0][:200]})") from None
+            raise InputError(f"{path}: unreadable faiss graph ({str(exc).splitlines()[0][:200]})") from None
     if graph.ntotal != expected:
-        raise ValueError(f"{path}: the graph holds {graph.ntotal} vectors, the index {expected}")
+        raise InputError(f"{path}: the graph holds {graph.ntotal} vectors, the index {expected}")
     graph.hnsw.efSearch = EF_SEARCH
     return graph
 

@@ -11,7 +11,7 @@ import sys
 from typing import Iterator
 
 from ..cliargs import add_encoder_arguments, encoder_flags_given
-from ..errors import OptionError
+from ..errors import InputError, OptionError
 from ..scoring import SCORINGS
 from .common import DEFAULT_SCORING
 
@@ -94,11 +94,11 @@ def _build(args) -> int:
     if args.input[0] == "push":
         return _push(args)
     if len(args.input) != 1 or args.to is not None or args.resume:
-        raise ValueError("give one INPUT with -o, or: dice-fast index push OUT --to URL [--resume]")
+        raise OptionError("give one INPUT with -o, or: dice-fast index push OUT --to URL [--resume]")
     if args.output is None:
-        raise ValueError("-o/--output (the index folder to write) is required")
+        raise OptionError("-o/--output (the index folder to write) is required")
     if (Path(args.output) / "index.json").exists() and not args.overwrite:  # before any model loads
-        raise ValueError(f"{args.output} already holds an index; pass --overwrite to replace it")
+        raise OptionError(f"{args.output} already holds an index; pass --overwrite to replace it")
     check_destination(args.output)  # a file, a foreign or unwritable folder: before the corpus is encoded
     args.input = args.input[0]
     if Path(args.input).is_dir() or Path(args.input).suffix.lower() == ".parquet":
@@ -107,7 +107,7 @@ def _build(args) -> int:
     else:
         ids = _checked_ids(args.input, args.field, args.id_field)  # every record, before any model loads
         if not ids:
-            raise ValueError(f"{args.input}: no documents")
+            raise InputError(f"{args.input}: no documents")
         texts = (text for _, _, text in _records(args.input, args.field, args.id_field))  # read again, streamed
         index = DiceIndex.from_texts(make_encoder(args), texts, ids, store_text=args.store_text is not False,
                                      chunk_dtype=args.chunk_dtype)
@@ -135,7 +135,7 @@ def _push(args) -> int:
     from .push import push, store_for_output
 
     if len(args.input) != 2 or args.to is None or args.output is not None or args.overwrite:
-        raise ValueError("usage: dice-fast index push OUT --to URL [--resume] (OUT: an encode --chunks output)")
+        raise OptionError("usage: dice-fast index push OUT --to URL [--resume] (OUT: an encode --chunks output)")
     out = args.input[1]
     files = corpus_files(out)  # every shard checked before the store is opened (or created)
     with store_for_output(args.to, out, args.batch_size) as store:
@@ -152,7 +152,7 @@ def _search(args) -> int:
     from . import DiceIndex
 
     if args.k < 1:
-        raise ValueError(f"-k must be at least 1, got {args.k}")
+        raise OptionError(f"-k must be at least 1, got {args.k}")
     if args.alpha is not None and args.scoring != "hybrid":  # it weighs nothing else
         raise OptionError(f"--alpha weighs the hybrid scoring; pass --scoring hybrid (got --scoring {args.scoring})")
     from .stores import SCHEMES, open_store

@@ -71,13 +71,13 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
     ids = check_ids(ids, len(documents))
     chunk_document = np.asarray(chunk_document, np.int64)
     if documents.ndim != 2 or documents.shape[1] != dim or chunks.ndim != 2 or chunks.shape[1] != dim:
-        raise ValueError(f"expected (n, {dim}) vectors, got documents {documents.shape}, chunks {chunks.shape}")
+        raise InputError(f"expected (n, {dim}) vectors, got documents {documents.shape}, chunks {chunks.shape}")
     if len(chunk_document) and (np.any(np.diff(chunk_document) < 0) or chunk_document[0] < 0
                                 or chunk_document[-1] >= len(documents)):
-        raise ValueError("chunk_document must be sorted document indices in 0..n-1")
+        raise InputError("chunk_document must be sorted document indices in 0..n-1")
     spans = [np.asarray(a, np.int64) for a in (chunk_start_char, chunk_end_char, chunk_tokens)]
     if any(len(a) != len(chunks) for a in [chunk_document, *spans]):
-        raise ValueError("chunk_document, spans and token counts need one entry per chunk")
+        raise InputError("chunk_document, spans and token counts need one entry per chunk")
     for kind, vectors, owner in (("document", documents, None), ("chunk", chunks, chunk_document)):
         bad = _first_non_finite(vectors)
         if bad is not None:
@@ -85,11 +85,11 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
             raise InputError(f"id {ids[d]!r} (ids[{d}]): its {kind} vector holds NaN or infinite values")
     if store_text:
         if texts is None or len(texts) != len(documents):
-            raise ValueError("this store keeps texts: pass one text per document")
+            raise InputError("this store keeps texts: pass one text per document")
         texts = list(texts)
         bad = next((j for j, t in enumerate(texts) if not isinstance(t, str)), None)
         if bad is not None:
-            raise TypeError(f"texts[{bad}] is a {type(texts[bad]).__name__}, not a string")
+            raise ArgumentTypeError(f"texts[{bad}] is a {type(texts[bad]).__name__}, not a string")
         for j, text in enumerate(texts):
             _check_unicode(text, f"texts[{j}]")
     else:
@@ -173,7 +173,7 @@ def _first_non_finite(vectors: np.ndarray) -> int | None:
 
 def check_k(k) -> int:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"k must be a positive integer, got {k!r}")
+        raise OptionError(f"k must be a positive integer, got {k!r}")
     return int(k)
 
 
@@ -216,7 +216,7 @@ class EncoderSlot:
         difference). None: rebuild the recorded encoder when first needed (on ``device``)."""
         if encoder is not None:
             if encoder.dim != self.dim:
-                raise ValueError(f"the encoder gives {encoder.dim}-wide vectors, {where} holds {self.dim}")
+                raise InputError(f"the encoder gives {encoder.dim}-wide vectors, {where} holds {self.dim}")
             if self.model is not None or self.encoder_options:
                 check_encoder(encoder, self.model, self.encoder_options, where)
         self.encoder, self._restore_device, self.where = encoder, device, where
@@ -228,7 +228,7 @@ class EncoderSlot:
         with _RESTORE_LOCK:  # built once, whatever the number of threads asking first
             if self.encoder is None:
                 if self.model is None:
-                    raise ValueError(f"{self.where} has no encoder to {purpose}; pass one (DiceIndex.load(path, "
+                    raise InputError(f"{self.where} has no encoder to {purpose}; pass one (DiceIndex.load(path, "
                                      "encoder), encoder=...) or search with query vectors")
                 self.encoder = restore_encoder(self.model, self.encoder_options, self.where, self._restore_device)
             return self.encoder
@@ -249,12 +249,12 @@ class EncoderSlot:
         error depending on the store), or strings encoded by the encoder."""
         if isinstance(queries, np.ndarray):
             if queries.ndim != 2 or queries.shape[1] != self.dim:
-                raise ValueError(f"query vectors must be (n, {self.dim}), got {queries.shape}")
+                raise InputError(f"query vectors must be (n, {self.dim}), got {queries.shape}")
             if (bad := _first_non_finite(queries)) is not None:
                 raise InputError(f"query vector {bad} holds NaN or an infinity")
             return queries.astype(np.float32, copy=False)
         if isinstance(queries, str):
-            raise TypeError("queries must be a list of strings (or an (n, dim) array), not a single string")
+            raise ArgumentTypeError("queries must be a list of strings (or an (n, dim) array), not a single string")
         queries = list(queries)
         if not queries:
             return np.zeros((0, self.dim), np.float32)

@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .. import scoring as sc
-from ..errors import OptionError
+from ..errors import InputError, OptionError
 from ..streaming import as_iterator
 from .ann import Graphs
 from .growth import COLUMNS, Column, Grown, grown
@@ -63,7 +63,7 @@ class DiceIndex(EncoderSlot):
     def __init__(self, dim: int, encoder=None, *, store_text: bool = True, chunk_dtype: str = "float32",
                  model: str | None = None, encoder_options: dict | None = None):
         if chunk_dtype not in CHUNK_DTYPES:
-            raise ValueError(f"chunk_dtype must be one of {', '.join(CHUNK_DTYPES)}, got {chunk_dtype!r}")
+            raise OptionError(f"chunk_dtype must be one of {', '.join(CHUNK_DTYPES)}, got {chunk_dtype!r}")
         self.dim, self.store_text, self.chunk_dtype = int(dim), bool(store_text), chunk_dtype
         self.ids: list[str] = []
         self.texts: TextColumn | None = TextColumn.from_texts([]) if store_text else None
@@ -97,7 +97,7 @@ class DiceIndex(EncoderSlot):
         model, options, dim = corpus_encoder(path)
         files = corpus_files(path)
         if not files:
-            raise ValueError(f"{path}: the output holds no shards")
+            raise InputError(f"{path}: the output holds no shards")
         check_output_ids(files, read_ids)  # before anything is read whole
         index = cls(dim, encoder, store_text=False, chunk_dtype=chunk_dtype, model=model,
                     encoder_options=options)
@@ -299,7 +299,7 @@ class DiceIndex(EncoderSlot):
 
     def _approximate_top(self, q, k: int, scoring: str, alpha: float, candidates: int):
         if candidates < 1:
-            raise ValueError(f"candidates must be a positive integer, got {candidates}")
+            raise OptionError(f"candidates must be a positive integer, got {candidates}")
         proposed = self._proposed(q, k, "documents" if scoring == "dice" else "chunks", candidates)
         short = [i for i, docs in enumerate(proposed) if docs is None]
         exact = {}

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..config import DiceConfig
+from ..errors import InputError
 
 BUNDLED = "(bundled all-MiniLM-L6-v2)"  # the name `dice-fast encode` records for the bundled model too
 # options an index does not pin: where, at what precision and how fast the model runs, never what a vector is
@@ -71,7 +72,7 @@ def check_encoder(encoder, model: str | None, options: dict, where: str) -> None
     try:
         expected = vector_options(_Config(DiceConfig(**recorded_options(options))))
     except TypeError as exc:
-        raise ValueError(f"{where}: unreadable recorded options ({exc})") from None
+        raise InputError(f"{where}: unreadable recorded options ({exc})") from None
     if expected.get("chunk_size") is None:
         expected["chunk_size"] = min(DEFAULT_CHUNK_SIZE, encoder.window - encoder.chunk_overhead)
     have = vector_options(encoder)
@@ -79,7 +80,7 @@ def check_encoder(encoder, model: str | None, options: dict, where: str) -> None
         if expected.get(name) != have.get(name):
             problems.append(f"{name}: the index has {_short(expected.get(name))}, the encoder {_short(have.get(name))}")
     if problems:
-        raise ValueError(f"{where}: the encoder does not match the one that made the vectors ("
+        raise InputError(f"{where}: the encoder does not match the one that made the vectors ("
                          + "; ".join(problems) + "); load the index without an encoder to rebuild the recorded one")
 
 
@@ -88,7 +89,7 @@ def restore_encoder(model: str | None, options: dict, where: str, device: str | 
     from ..engine import DiceEncoder
 
     if model is None:
-        raise ValueError(f"{where} records no model (built from bare vectors): pass an encoder, or search with "
+        raise InputError(f"{where} records no model (built from bare vectors): pass an encoder, or search with "
                          "query vectors")
     # a recorded model folder that is gone raises the same `ModelError` as every command's bad --model
     opts = recorded_options(options)

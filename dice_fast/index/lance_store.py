@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from .common import lookup_ids, storable
-from ..errors import require
+from ..errors import OptionError, require
 from .remote import DEFAULT_BATCH, Candidate, RemoteStore
 
 
@@ -133,7 +133,7 @@ class LanceStore(RemoteStore):
         multivectors by; "doc": dot product); searches of that column become approximate
         (``search_options`` tune them)."""
         if column not in ("chunks", "doc"):
-            raise ValueError(f"column must be 'chunks' or 'doc', got {column!r}")
+            raise OptionError(f"column must be 'chunks' or 'doc', got {column!r}")
         options = {k: v for k, v in (("num_partitions", num_partitions), ("num_sub_vectors", num_sub_vectors))
                    if v is not None}
         self.table.create_index(metric="cosine" if column == "chunks" else "dot", vector_column_name=column,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import InputError
+
 
 def push(output, store, *, resume: bool = False, progress: bool = True, files: list | None = None) -> dict:
     """Write the encode output ``output`` (a .parquet file or a shard folder) into ``store``; ``files``:
@@ -32,7 +34,7 @@ def push(output, store, *, resume: bool = False, progress: bool = True, files: l
 
     files = corpus_files(output) if files is None else files
     if len(store) and not resume:
-        raise ValueError(f"{store.where} already holds {len(store)} documents: pass --resume (resume=True) to "
+        raise InputError(f"{store.where} already holds {len(store)} documents: pass --resume (resume=True) to "
                          "continue a push into it, or choose another collection")
     total = check_output_ids(files, read_ids)  # a repeated id would be written twice, the second replacing the first
     bar = tqdm(total=total, unit="doc", desc=f"push to {store.where}", disable=not progress, dynamic_ncols=True)

@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from .. import scoring as sc
-from ..errors import InputError, WriteError, one_line
+from ..errors import InputError, OptionError, WriteError, one_line
 from ..streaming import as_iterator
 from .common import (DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, check_ids, check_k, evidence_hit,
                      lookup_ids, scored_hits, short_repr)
@@ -79,7 +79,7 @@ class RemoteStore(EncoderSlot):
         if dim is None:
             dim = encoder.dim if encoder is not None else (record or {}).get("dim")
         if dim is None:
-            raise ValueError(f"{where} does not exist: give dim= or encoder= to create it")
+            raise InputError(f"{where} does not exist: give dim= or encoder= to create it")
         return dim
 
     def _setup(self, dim: int, encoder, model, encoder_options, store_text: bool | None, record: dict | None,
@@ -87,7 +87,7 @@ class RemoteStore(EncoderSlot):
         """Common construction: ``record`` is what an existing collection / table holds (None: new);
         ``store_text`` None means as recorded, else True."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+            raise OptionError(f"batch_size must be a positive integer, got {batch_size!r}")
         if store_text is None:
             store_text = bool(record.get("store_text", True)) if isinstance(record, dict) else True
         self.dim, self.store_text, self.batch_size = int(dim), bool(store_text), batch_size
@@ -113,13 +113,13 @@ class RemoteStore(EncoderSlot):
         keys = ("dim", "store_text", "model") if explicit else ("dim", "store_text")
         for key in keys:
             if found.get(key) != mine[key]:
-                raise ValueError(f"{where} holds vectors with {key} {short_repr(found.get(key))}, not "
+                raise InputError(f"{where} holds vectors with {key} {short_repr(found.get(key))}, not "
                                  f"{short_repr(mine[key])}; choose another name or delete it")
         theirs = dict(found.get("encoder_options") or {})
         if explicit and theirs != mine["encoder_options"]:
             names = sorted(k for k in set(theirs) | set(mine["encoder_options"])
                            if theirs.get(k) != mine["encoder_options"].get(k))
-            raise ValueError(f"{where} holds vectors made with other options ({', '.join(names)}: "
+            raise InputError(f"{where} holds vectors made with other options ({', '.join(names)}: "
                              f"{short_repr({k: theirs.get(k) for k in names})}); choose another name or delete it")
         self.model, self.encoder_options = recorded_model(found.get("model")), theirs
 

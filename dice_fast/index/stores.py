@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import OptionError
+
 SCHEMES = ("qdrant://", "qdrant+https://", "qdrant+path://", "qdrant+memory://", "lancedb://")
 
 
@@ -25,7 +27,7 @@ def split_url(url: str) -> tuple[str, str, str]:
     rest = url[len(scheme):] if scheme else ""
     location, _, name = rest.rpartition("/")
     if scheme is None or not name or (not location and scheme != "qdrant+memory://"):
-        raise ValueError(f"store URL {url[:80]!r} is not one of qdrant://HOST:PORT/COLLECTION, "
+        raise OptionError(f"store URL {url[:80]!r} is not one of qdrant://HOST:PORT/COLLECTION, "
                          "qdrant+path://DIR/COLLECTION, qdrant+memory:///COLLECTION, lancedb://DIR/TABLE")
     return scheme, location, name
 

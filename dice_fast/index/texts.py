@@ -12,6 +12,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..errors import ArgumentTypeError, InputError
+
 
 class TextColumn(Sequence):
     """Texts 0..n-1 stored as ``blob[offsets[i]:offsets[i+1]]`` (UTF-8) plus texts appended since."""
@@ -20,7 +22,7 @@ class TextColumn(Sequence):
         offsets = np.asarray(offsets, np.int64)
         if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(blob) \
                 or np.any(np.diff(offsets) < 0):
-            raise ValueError(f"text offsets must rise from 0 to the blob's {len(blob)} bytes")
+            raise InputError(f"text offsets must rise from 0 to the blob's {len(blob)} bytes")
         self._blob, self._offsets = blob, offsets
         self._added: list[str] = []
 
@@ -49,7 +51,7 @@ class TextColumn(Sequence):
         texts = list(texts)
         bad = next((j for j, t in enumerate(texts) if not isinstance(t, str)), None)
         if bad is not None:
-            raise TypeError(f"texts[{bad}] is a {type(texts[bad]).__name__}, not a string")
+            raise ArgumentTypeError(f"texts[{bad}] is a {type(texts[bad]).__name__}, not a string")
         self._added.extend(texts)
 
     def take(self, keep: np.ndarray) -> TextColumn:
