@@ -211,7 +211,7 @@ class DiceConfig:
             check_pooling(self.pooling)
         for name in ("top_k", "chunk_size", "truncate_dim", "max_chunks_per_document", "max_length", "window_tokens",
                      "max_batch_tokens", "window_overlap", "overlap"):
-            self._set(name, _integer(name, getattr(self, name), minimum=0 if "overlap" in name else 1,
+            self._set(name, checked_integer(name, getattr(self, name), minimum=0 if "overlap" in name else 1,
                                      optional=name not in ("top_k", "overlap")))
         # a finite number whatever the aggregation (the index and a resumed job compare it as recorded: NaN
         # never equals itself); softmax_norm's own bound below
@@ -305,9 +305,10 @@ def _choice(name: str, value, allowed) -> None:
 _INT64_MAX = 2**63 - 1  # counts go to torch and numpy as int64
 
 
-def _integer(name: str, value, minimum: int, optional: bool = False) -> int | None:
+def checked_integer(name: str, value, minimum: int = 1, optional: bool = False) -> int | None:
     """``value`` as a plain int (a numpy integer is the int it holds); `OptionError` naming ``name`` for
-    None (unless ``optional``), a bool, a float, a string, or a value outside ``minimum``..2**63-1."""
+    None (unless ``optional``), a bool, a float, a string, or a value outside ``minimum``..2**63-1. Every
+    count an API takes (options, k, batch sizes, limits) is checked here."""
     if value is None and optional:
         return None
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not minimum <= value <= _INT64_MAX:
@@ -325,5 +326,5 @@ def _real(name: str, value, low: float, high: float, above: bool = False, what: 
     return x
 
 
-__all__ = ["DiceConfig", "option", "DTYPES", "COMPILE_MODES", "RUNTIMES", "PIPELINE_MODES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES",
+__all__ = ["DiceConfig", "option", "checked_integer", "DTYPES", "COMPILE_MODES", "RUNTIMES", "PIPELINE_MODES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES",
            "ATTENTION_BACKENDS", "POOLINGS", "AGGREGATIONS"]

@@ -147,7 +147,7 @@ def test_bad_queries_and_ids_are_named():
     assert index.search(queries[:0], k=3) == []
     assert DiceIndex(DIM).search(queries, k=3) == [[]] * len(queries)
     for k in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="k must be a positive integer"):
+        with pytest.raises(ValueError, match="k must be an integer >= 1"):
             index.search(queries, k=k)
     with pytest.raises(ValueError, match="unknown scoring 'bm25'"):
         index.search(queries, scoring="bm25")

@@ -179,7 +179,7 @@ def test_store_urls_and_bad_batches_are_named():
         store.upsert_arrays(index.ids, *_arrays(index))
     with pytest.raises(ValueError, match=r"expected \(n, 16\) vectors"):
         store.upsert_arrays(index.ids, docs[:, :4], chunks, doc_of, start, end, tokens, texts=["a"] * 4)
-    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
         open_store("qdrant+memory:///y", dim=DIM, batch_size=0)
     assert len(store) == 0
 

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from .. import scoring as sc
+from ..config import checked_integer
 from ..errors import ArgumentTypeError, InputError, OptionError
 from ..id_set import IdSet
 from ..scoring import DEFAULT_SCORING
@@ -172,9 +173,7 @@ def _first_non_finite(vectors: np.ndarray) -> int | None:
 
 
 def check_k(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise OptionError(f"k must be a positive integer, got {k!r}")
-    return int(k)
+    return checked_integer("k", k)
 
 
 def evidence_hit(doc_id: str, score: float, query: np.ndarray, chunks: np.ndarray, start, end,

@@ -27,7 +27,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from .. import scoring as sc
-from ..errors import InputError, OptionError, WriteError, one_line
+from ..config import checked_integer
+from ..errors import InputError, WriteError, one_line
 from ..streaming import as_iterator
 from .common import (DEFAULT_SCORING, Batch, EncoderSlot, Hit, check_batch, check_ids, check_k, evidence_hit,
                      lookup_ids, scored_hits, short_repr)
@@ -86,8 +87,7 @@ class RemoteStore(EncoderSlot):
                batch_size: int, where: str) -> None:
         """Common construction: ``record`` is what an existing collection / table holds (None: new);
         ``store_text`` None means as recorded, else True."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise OptionError(f"batch_size must be a positive integer, got {batch_size!r}")
+        batch_size = checked_integer("batch_size", batch_size)
         if store_text is None:
             store_text = bool(record.get("store_text", True)) if isinstance(record, dict) else True
         self.dim, self.store_text, self.batch_size = int(dim), bool(store_text), batch_size

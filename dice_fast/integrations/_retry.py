@@ -18,6 +18,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from ..config import checked_integer
+
 RETRY_STATUSES = (429, 503)
 MAX_WAIT_S = 30.0  # one wait, whatever Retry-After says
 
@@ -52,8 +54,7 @@ class RetryPolicy:
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     def __post_init__(self):
-        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
-            raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
+        object.__setattr__(self, "max_retries", checked_integer("max_retries", self.max_retries, minimum=0))
         for name in ("max_retry_seconds", "backoff_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:

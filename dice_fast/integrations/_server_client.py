@@ -31,6 +31,7 @@ import weakref
 
 import numpy as np
 
+from ..config import checked_integer
 from ..errors import require
 from ._common import QueryTooLong, jsonable
 from ._retry import RetryPolicy
@@ -171,8 +172,7 @@ class ServerEmbedder:
                  strategy: str | None = None):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http:// or https:// URL, got {base_url!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        batch_size = checked_integer("batch_size", batch_size)
         root = base_url.rstrip("/")
         self.url = (root[:-3] if root.endswith("/v1") else root) + "/v1/embeddings"
         self.headers = {"Content-Type": "application/json"}

@@ -178,15 +178,12 @@ def encode_dataset(ds, model: str | os.PathLike | None = None, *, text_column: s
     Returns the lazy `ray.data.Dataset`; rows keep their other columns.
     """
     ray_data = require("ray.data", extra="ray", needed_by="encoding with Ray Data")
-    from dice_fast import DiceConfig
+    from dice_fast.config import DiceConfig, checked_integer
 
-    unknown = set(options) - set(DiceConfig.field_names())
-    if unknown:
-        raise TypeError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(DiceConfig.field_names())}")
+    DiceConfig.check_names(options)
     DiceConfig(**options)
     _check_on_invalid(on_invalid)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    batch_size = checked_integer("batch_size", batch_size)
     kwargs = dict(model=None if model is None else os.fspath(model), text_column=text_column,
                   output_column=output_column, return_chunks=return_chunks, trust_remote_code=trust_remote_code,
                   id_column=id_column, on_invalid=on_invalid, error_column=error_column, **options)

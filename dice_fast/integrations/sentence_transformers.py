@@ -45,6 +45,7 @@ from typing import Iterable
 
 import numpy as np
 
+from ..config import checked_integer
 from ..errors import OptionError
 from ..matryoshka import check_dim
 from ..models import pipeline_normalizes
@@ -212,8 +213,7 @@ class DiceSentenceEncoder:
         if prompt is not None:
             changes["query_prefix" if task == "query" else "document_prefix"] = prompt
         if batch_size is not None:
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-                raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+            batch_size = checked_integer("batch_size", batch_size)
             changes["max_batch_tokens"] = min(self.encoder.max_batch_tokens, batch_size * self.encoder.window)
         return self._variants.get(**changes)
 

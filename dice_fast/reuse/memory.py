@@ -9,7 +9,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from ..errors import OptionError
+
+from ..config import checked_integer
 
 
 @dataclass
@@ -59,9 +60,7 @@ class MemoryCache:
     256 rows held 450 MB under a 64 MB bound). Thread-safe."""
 
     def __init__(self, max_bytes: int):
-        if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise OptionError(f"max_bytes must be an integer >= 0, got {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self.max_bytes = checked_integer("max_bytes", max_bytes, minimum=0)
         self.bytes = 0
         self._items: OrderedDict = OrderedDict()
         self._lock = threading.Lock()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from ..config import checked_integer
+
 # name -> (default, meaning); the flag is --name-with-dashes. The batching core's limits:
 LIMITS = {
     "max_inputs_per_request": (2048, "inputs in one request (OpenAI's own limit); more: 413"),
@@ -69,5 +71,5 @@ def check_limits(**values) -> None:
                 raise ValueError(f"read_timeout must be a number of seconds > 0 (or None), got {value!r}")
         elif name not in _LOWEST:
             raise TypeError(f"unknown server limit {name!r}")
-        elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < _LOWEST[name]):
-            raise ValueError(f"{name} must be an integer >= {_LOWEST[name]}, got {value!r}")
+        else:
+            checked_integer(name, value, _LOWEST[name], optional=True)
