@@ -272,7 +272,8 @@ class DiceIndex(EncoderSlot):
         ``hybrid`` with ``alpha < 1`` never return it.
 
         scoring: "maxsim" (best chunk; the default, measured best: RESULTS.md §5), "dice" (document
-        vector; evidence = the hit's best chunk) or "hybrid" (``alpha * dice + (1 - alpha) * maxsim``), see `dice_fast.scoring`. Exact unless
+        vector; evidence = the hit's best chunk) or "hybrid" (``alpha * dice + (1 - alpha) * maxsim``; the other
+        scorings ignore ``alpha``), see `dice_fast.scoring`. Exact unless
         ``approximate`` (faiss proposes documents from at least ``candidates`` vectors per query,
         widened until ``k`` documents are proposed, and they are scored exactly: module docstring).
         """
