@@ -179,8 +179,8 @@ class DiceConfig:
         'default without the extension), `"reference"` / `"ref"` (the float64 spec; tests only). '
         'See [ops.md](ops.md).', role="speed")
     dedup: bool = option(
-        True, "reuse chunk vectors (run identical chunks once; serve known ones from the persistent cache)",
-        detail="Off runs every chunk, and no vector comes from the persistent cache (the baseline of "
+        True, "reuse chunk vectors (across documents, calls and the persistent cache)",
+        detail="On: identical chunks run once and known ones come from the persistent cache. Off runs every chunk, and no vector comes from the persistent cache (the baseline of "
         "`benchmarks/bench_cache.py`); the vectors are the same either way up to float rounding (a chunk's "
         "last bits may depend on the batch it ran in: ~1e-7 on the CPU, up to ~2e-6 on the padded "
         "fallback). See [reuse.md](reuse.md).", role="speed")
