@@ -14,6 +14,7 @@ from ..cliargs import add_encoder_arguments, encoder_flags_given
 from ..errors import InputError, OptionError
 from ..scoring import SCORINGS
 from .common import DEFAULT_SCORING
+from .remote import DEFAULT_BATCH
 
 EPILOG = """\
 input (one document per line or record):
@@ -63,7 +64,7 @@ def register_cli(subparsers) -> None:
     pushing.add_argument("--resume", action="store_true",
                          help="continue (or update) a push: skip the row groups (4,096 documents) stored as they "
                          "are, write the others")
-    pushing.add_argument("--batch-size", type=int, default=None, help="documents per write (default 256)")
+    pushing.add_argument("--batch-size", type=int, default=None, help=f"documents per write (default {DEFAULT_BATCH})")
     pushing.add_argument("--quiet", action="store_true", help="no progress bar")
     add_encoder_arguments(build)
     build.set_defaults(func=_build)

@@ -7,7 +7,7 @@ holds the two to each other (tests/serve/test_serve_openapi.py)."""
 from __future__ import annotations
 
 from ..config import STRATEGIES
-from ..scoring import SCORINGS
+from ..scoring import DEFAULT_SCORING, SCORINGS
 from .schemas import ENCODING_FORMATS, INPUT_TYPES
 
 STRATEGY = {"enum": [*STRATEGIES, None], "description": "how documents are encoded (default: the server's); queries "
@@ -49,7 +49,7 @@ def request_schemas(core) -> tuple[dict, dict]:
         "type": "object", "required": ["query", "documents"],
         "properties": {
             "query": text, "documents": texts,
-            "scoring": {"enum": [*SCORINGS, None], "default": "maxsim"},
+            "scoring": {"enum": [*SCORINGS, None], "default": DEFAULT_SCORING},
             "alpha": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
             "strategy": STRATEGY,
         },

@@ -39,7 +39,7 @@ import numpy as np
 import orjson
 
 from ..config import STRATEGIES
-from ..scoring import SCORINGS
+from ..scoring import DEFAULT_SCORING, SCORINGS
 from .errors import QUOTE_CHARS, InvalidRequest, quote
 
 ENCODING_FORMATS = ("float", "base64")
@@ -66,7 +66,7 @@ class EvidenceRequest:
 
     query: str
     documents: list[str]
-    scoring: str = "maxsim"
+    scoring: str = DEFAULT_SCORING
     alpha: float | None = None
     strategy: str | None = None  # None: the server's
 
@@ -130,7 +130,7 @@ def parse_evidence_request(body: bytes) -> EvidenceRequest:
     if "documents" not in obj:
         raise InvalidRequest("'documents' is required: a string or a list of strings", param="documents")
     documents = _parse_input(obj["documents"], "documents")  # the same checks as 'input'
-    scoring = _or_default(obj, "scoring", "maxsim")
+    scoring = _or_default(obj, "scoring", DEFAULT_SCORING)
     if scoring not in SCORINGS:
         raise InvalidRequest(f"'scoring' must be one of {', '.join(map(repr, SCORINGS))}, got {_short(scoring)}",
                              param="scoring")
