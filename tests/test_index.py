@@ -161,6 +161,22 @@ def test_bad_queries_and_ids_are_named():
         index.add_arrays(["x", "x"], queries[:2], queries[:2], [0, 1], [0, 0], [1, 1], [1, 1])
 
 
+def test_empty_and_blank_documents_are_never_maxsim_hits():
+    """An empty or blank text is one chunk of its special tokens alone, whose vector sits near every
+    short query: with the bundled model "", "   " and a zero-width joiner took the first three places
+    of every maxsim search for "the" (0.52 against 0.16). Such a chunk is evidence of nothing: not
+    stored, so the document has no maxsim score (as documented); dice still ranks its vector."""
+    model, tok = tiny("bert")[:2]
+    enc = DiceEncoder(model, tok, chunk_size=4, pooling="mean", pooling_impl="torch")
+    texts = ["", " \n\t", "the cat sat on a mat and the dog ran"]
+    index = DiceIndex.from_texts(enc, texts, ids=["empty", "blank", "cat"])
+    assert index.n_chunks == len(enc.encode_documents(texts[2:], return_chunks=True).chunks)
+    assert list(np.diff(index.cu_doc_chunks)[:2]) == [0, 0]
+    for scoring in ("maxsim", "hybrid"):
+        assert [[h.id for h in row] for row in index.search(["the", "a"], k=3, scoring=scoring)] == [["cat"]] * 2
+    assert sorted(h.id for h in index.search(["the"], k=3, scoring="dice")[0]) == ["blank", "cat", "empty"]
+
+
 def test_from_texts_finds_the_passage_with_its_text():
     model, tok = tiny("bert")[:2]
     enc = DiceEncoder(model, tok, chunk_size=4, pooling="mean", pooling_impl="torch")

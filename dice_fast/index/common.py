@@ -67,7 +67,10 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
                 chunk_tokens, texts: Sequence[str] | None, store_text: bool) -> Batch:
     """Validate and normalise a batch (see the module docstring); errors name the culprit. Chunk
     vectors come back L2-normalised so ``maxsim`` is a cosine whatever the encoder's
-    ``normalize_chunks`` (raw pooled norms carry no relevance: RESULTS.md §5.3); a zero row stays zero."""
+    ``normalize_chunks`` (raw pooled norms carry no relevance: RESULTS.md §5.3); a zero row stays zero.
+    A chunk of no text (0 tokens: the one chunk of an empty or blank document, its special tokens
+    alone) is left out: it is evidence of nothing, and its vector sat near every short query, so
+    empty documents took the first places of a maxsim search. Such a document has no chunks."""
     documents, chunks = np.asarray(documents, np.float32), np.asarray(chunks)
     ids = check_ids(ids, len(documents))
     chunk_document = np.asarray(chunk_document, np.int64)
@@ -95,6 +98,9 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
             _check_unicode(text, f"texts[{j}]")
     else:
         texts = None
+    if not spans[2].all():
+        keep = spans[2] != 0
+        chunks, chunk_document, spans = chunks[keep], chunk_document[keep], [a[keep] for a in spans]
     cu = sc.cu_from_chunk_document(chunk_document, len(documents))
     return Batch(ids, documents, sc.unit_rows(chunks), cu, *spans, texts)
 
