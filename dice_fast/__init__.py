@@ -24,13 +24,13 @@ _LAZY = {
     "ChunkCache": "dice_fast.reuse.persistent",
     "Settings": "dice_fast.settings",
     **{name: "dice_fast.errors" for name in ("DiceError", "OptionError", "ArgumentTypeError", "TextError", "InputError",
-                                              "MissingDependency", "ModelError", "CacheError", "InputOutOfMemory",
+                                              "MissingDependency", "ModelError", "CacheError", "InputOutOfMemory", "NonFiniteOutput",
                                               "Int8Unsupported", "MissingFile", "WriteError")},
 }
 
 __all__ = ["DiceEncoder", "DiceOutput", "DiceConfig", "EncodingPlan", "DiceIndex", "ChunkCache", "Settings",
            "DiceError", "OptionError", "ArgumentTypeError", "TextError", "ModelError", "CacheError",
-           "InputOutOfMemory", "InputError", "Int8Unsupported", "MissingDependency", "MissingFile", "WriteError",
+           "InputOutOfMemory", "NonFiniteOutput", "InputError", "Int8Unsupported", "MissingDependency", "MissingFile", "WriteError",
            "__version__"]
 
 

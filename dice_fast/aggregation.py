@@ -17,6 +17,7 @@ import torch
 from .chunking import EncodingPlan
 from .matryoshka import truncate
 from .ops import aggregate_documents
+from .scoring import first_non_finite
 from .settings import Settings
 
 
@@ -41,4 +42,14 @@ def aggregate(vectors: torch.Tensor, plan: EncodingPlan, aggregation: str, setti
     return docs.cpu().numpy(), chunks
 
 
-__all__ = ["aggregate"]
+def non_finite_document(plan: EncodingPlan, documents: np.ndarray, chunks: np.ndarray | None) -> int | None:
+    """The first document of ``plan`` (its index in the plan) whose vector in ``documents``, or chunk
+    vector in ``chunks`` (when kept), holds NaN or an infinity; None when every one is finite. What
+    `aggregate` returned is checked here before it leaves the engine (`NonFiniteOutput`)."""
+    bad = [first_non_finite(documents)]
+    if chunks is not None and (c := first_non_finite(chunks)) is not None:
+        bad.append(int(plan.chunks.document[c]))
+    return min((b for b in bad if b is not None), default=None)
+
+
+__all__ = ["aggregate", "non_finite_document"]

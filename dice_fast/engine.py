@@ -24,12 +24,13 @@ import numpy as np
 import torch
 
 from . import cpu_attention
+from .aggregation import non_finite_document
 from .chunk_queue import ChunkQueue
 from .chunking import (EncodingPlan, TokenizedDocuments, check_texts, check_vocabulary, plan_chunks, plan_windows,
                        tokenize, warn_truncated)
 from .config import DiceConfig
 from .cpu_heap import keep_freed_pages, release_freed_memory
-from .errors import ArgumentTypeError, TextError
+from .errors import ArgumentTypeError, NonFiniteOutput, TextError
 from .models import inspect_model, load_model
 from .output import DiceOutput, concat_outputs  # noqa: F401 - DiceOutput is part of the engine's API
 from .packing import PackedBatch
@@ -377,6 +378,8 @@ class DiceEncoder:
                         progress(0, 0)
                     elif progress is not None and (known := queue.documents_pooled(job)):
                         progress(known, 0)  # documents whose every chunk was known already
+                    if (bad := non_finite_document(job.plan, job.documents, job.chunks)) is not None:
+                        raise NonFiniteOutput(job.tag + bad, self.precision, f"{what}[{job.tag + bad}]")
                     yield DiceOutput.of_plan(job.plan, job.documents, job.chunks) if return_chunks else job.documents
                     top_up()
             if later:

@@ -13,6 +13,7 @@ Each also keeps the standard exception it has always been (``OptionError`` is a 
       CacheError(ValueError)          a chunk-cache folder or file that cannot be used
       WriteError(OSError)             a file that cannot be written (disk full, read-only): names it
       InputOutOfMemory(RuntimeError)  one chunk ran out of memory even alone in its batch
+      NonFiniteOutput(RuntimeError)   the model gave NaN or an infinity for an input (``index`` names it)
       MissingDependency(ImportError)  an optional package a feature needs is not installed
 
 The command line maps these types to one-line messages (`describe`); the server has its own
@@ -148,6 +149,26 @@ class InputOutOfMemory(DiceError, RuntimeError):
         return InputOutOfMemory(self.index + offset, self.tokens, self.cause, name)
 
 
+class NonFiniteOutput(DiceError, RuntimeError):
+    """The model's output for one input holds NaN or an infinity (it overflows its dtype, float16's
+    65,504 most often, or its weights hold NaN): never returned, cached or stored as a vector.
+
+    index: the input's index within its call (or request); name: how the message names it
+    ("documents[3]"); precision: what the forward ran in. The other inputs' vectors were exact:
+    attention never crosses inputs."""
+
+    def __init__(self, index: int, precision: str, name: str | None = None):
+        self.index, self.precision = int(index), precision
+        self.name = name or f"input[{self.index}]"
+        super().__init__(f"the model's output for {self.name} is not finite (NaN or infinite) in {precision}: the "
+                         "model overflows this precision, or its weights hold NaN; encode it in float32 (or "
+                         "bfloat16, whose range is float32's)")
+
+    def renamed(self, name: str, offset: int = 0) -> NonFiniteOutput:
+        """The same failure with the input named ``name`` and its index shifted by ``offset``."""
+        return NonFiniteOutput(self.index + offset, self.precision, name)
+
+
 def require(*modules: str, extra: str, needed_by: str, hint: str = "", load: bool = True):
     """Import ``modules`` and return the first; with ``load=False`` only check that they are installed
     (nothing imported, returns None). Any missing: `MissingDependency` "<needed_by> needs <the missing>:
@@ -217,4 +238,4 @@ def one_line(exc: BaseException) -> str:
 
 
 __all__ = ["ArgumentTypeError", "CacheError", "DiceError", "InputError", "InputOutOfMemory", "Int8Unsupported", "MissingDependency", "MissingFile",
-           "ModelError", "OptionError", "TextError", "WriteError", "describe", "is_out_of_memory", "one_line", "reading_parquet", "require", "writing"]
+           "ModelError", "NonFiniteOutput", "OptionError", "TextError", "WriteError", "describe", "is_out_of_memory", "one_line", "reading_parquet", "require", "writing"]

@@ -265,6 +265,9 @@ class ModelRunner:
             return "its attention adds a mask or position bias of its own"
         # per-chunk outputs are in the packed batch's (length-sorted) order
         want = torch.cat([alone[int(c)] for c in batch.chunk_ids]).float()
+        if not bool(torch.isfinite(want).all()):  # nothing to compare: a NaN error said "differs" (and chose padded)
+            return (f"its per-chunk forward gives NaN or infinite hidden states in {str(packed.dtype)[6:]} (the model "
+                    "overflows this precision, or its weights hold NaN), so the packed forward could not be checked")
         err = float((packed.float() - want).norm() / want.norm().clamp_min(1e-12))
         tol = _PROBE_TOLERANCE.get(packed.dtype, _PROBE_TOLERANCE_HALF)
         if not err <= tol:

@@ -54,6 +54,18 @@ def unit_rows(vectors: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), NORM_EPS)
 
 
+def finite_rows(rows: np.ndarray) -> np.ndarray:
+    """(n,) bool: which rows of (n, dim) ``rows`` hold neither NaN nor an infinity (a float64 row sum:
+    no overflow, no mask of the array's size)."""
+    return np.isfinite(np.asarray(rows).sum(axis=1, dtype=np.float64))
+
+
+def first_non_finite(rows: np.ndarray) -> int | None:
+    """The first row of (n, dim) ``rows`` holding NaN or an infinity, or None."""
+    finite = finite_rows(rows)
+    return None if finite.all() else int(np.argmin(finite))
+
+
 def chunk_scores(queries: np.ndarray, chunks: np.ndarray) -> np.ndarray:
     """(n_queries, dim) x (n_chunks, dim) -> (n_queries, n_chunks) inner products."""
     q, c = _common(queries, chunks)

@@ -263,6 +263,8 @@ def test_an_explicit_pooling_impl_that_cannot_run_is_refused_when_the_encoder_is
     with pytest.raises(ValueError, match=r"pooling_impl='native' cannot run on cpu: the C\+\+ extension did not "
                                          r"build \(no C\+\+ compiler found\)"):
         DiceEncoder(model, tok, pooling_impl="native")
+    import dice_fast.ops.triton_pool  # noqa: F401 - its kernels made for the interpreter before the variable goes
+    # (made without it, they wanted a GPU driver in every later test of the process: alone, test_engine's)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="pooling_impl='triton' cannot run on cpu: the Triton kernels need"):
         DiceEncoder(model, tok, pooling_impl="triton")

@@ -83,7 +83,7 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
     if any(len(a) != len(chunks) for a in [chunk_document, *spans]):
         raise InputError("chunk_document, spans and token counts need one entry per chunk")
     for kind, vectors, owner in (("document", documents, None), ("chunk", chunks, chunk_document)):
-        bad = _first_non_finite(vectors)
+        bad = sc.first_non_finite(vectors)
         if bad is not None:
             d = bad if owner is None else int(owner[bad])
             raise InputError(f"id {ids[d]!r} (ids[{d}]): its {kind} vector holds NaN or infinite values")
@@ -172,12 +172,6 @@ def _check_unicode(text: str, name: str) -> None:
         raise InputError(f"{name} is not valid Unicode: {exc.reason} at character {exc.start}") from None
 
 
-def _first_non_finite(vectors: np.ndarray) -> int | None:
-    """The first row holding NaN or an infinity, or None (a float64 row sum: no overflow, no full-size mask)."""
-    finite = np.isfinite(vectors.sum(axis=1, dtype=np.float64))
-    return None if finite.all() else int(np.argmin(finite))
-
-
 def check_k(k) -> int:
     return checked_integer("k", k)
 
@@ -255,7 +249,7 @@ class EncoderSlot:
         if isinstance(queries, np.ndarray):
             if queries.ndim != 2 or queries.shape[1] != self.dim:
                 raise InputError(f"query vectors must be (n, {self.dim}), got {queries.shape}")
-            if (bad := _first_non_finite(queries)) is not None:
+            if (bad := sc.first_non_finite(queries)) is not None:
                 raise InputError(f"query vector {bad} holds NaN or an infinity")
             return queries.astype(np.float32, copy=False)
         if isinstance(queries, str):

@@ -28,6 +28,7 @@ import torch
 
 from .keys import ChunkKeys, chunk_keys
 from .memory import ChunkStats, MemoryCache
+from ..scoring import finite_rows
 
 RUN, FOLLOW, DONE = 0, 1, 2  # a chunk runs, waits for an identical chunk's vector, or has its vector
 
@@ -305,7 +306,11 @@ class ChunkReuse:
         todo = self._unsaved if everything else self._unsaved[:-1]
         self._unsaved = [] if everything else self._unsaved[-1:]
         for keys, idents, vectors in todo:
-            written = self.cache.put(keys, idents, vectors.detach().float().cpu().numpy())
+            rows = vectors.detach().float().cpu().numpy()
+            if not (finite := finite_rows(rows)).all():  # a model's NaN: never kept
+                keep = np.flatnonzero(finite)  # (the call raises NonFiniteOutput naming the input)
+                keys, idents, rows = [keys[i] for i in keep], [idents[i] for i in keep], rows[keep]
+            written = self.cache.put(keys, idents, rows)
             self.stats.add(written=written)
         if everything:
             self.cache.flush()

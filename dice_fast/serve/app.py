@@ -23,8 +23,9 @@ limit (body bytes, inputs, characters, tokens, response floats); 415 a body not 
 (with ``Retry-After``) the queue or the concurrency limit is full; 503 ``shutting_down`` while shutting
 down (also for a request still in flight past the server's graceful timeout, with ``Connection:
 close``); 499 is logged (never sent) when the client went away and its unstarted chunks were dropped; 503 ``out_of_memory`` (naming the input) when one of its chunks ran out
-of memory alone, 503 ``unhealthy`` when the worker has stopped; 504 past ``request_timeout``; 500 only
-for another failure of the model itself. Error bodies are OpenAI's ``{"error": {"message", "type",
+of memory alone, 503 ``unhealthy`` when the worker has stopped; 504 past ``request_timeout``; 500
+``non_finite_output`` (naming the input) when the model's output for it holds NaN or an infinity, and
+500 for another failure of the model itself. Error bodies are OpenAI's ``{"error": {"message", "type",
 "param", "code"}}``; an error sent before the body was read whole also closes the connection (the rest
 of the body is never read).
 
@@ -52,9 +53,9 @@ from ..matryoshka import truncate
 from ..runinfo import model_label
 from . import openapi as oa
 from .batcher import AsyncDiceEncoder
-from .errors import (DeadlineExceeded, InvalidRequest, ModelNotFound, OutOfMemory, Overloaded, RequestTooLarge,
-                     ServeError, ShuttingDown, Unauthorized, Unhealthy, UnsupportedMediaType, internal_error_body,
-                     quote, was_logged)
+from .errors import (DeadlineExceeded, InvalidRequest, ModelNotFound, ModelOutputNotFinite, OutOfMemory, Overloaded,
+                     RequestTooLarge, ServeError, ShuttingDown, Unauthorized, Unhealthy, UnsupportedMediaType,
+                     internal_error_body, quote, was_logged)
 from .evidence import add_evidence_route
 from .guards import BearerAuth, HostGuard, check_api_key
 from .limits import check_limits, default_max_body_bytes
@@ -66,7 +67,7 @@ log = logging.getLogger("dice_fast.serve")
 
 STATUS = {InvalidRequest: 400, UnsupportedMediaType: 415, RequestTooLarge: 413, Overloaded: 429, ShuttingDown: 503,
           Unauthorized: 401, OutOfMemory: 503, Unhealthy: 503, DeadlineExceeded: 504, RequestTimeout: 408,
-          ModelNotFound: 404}
+          ModelNotFound: 404, ModelOutputNotFinite: 500}
 CLIENT_GONE = 499  # nginx's "client closed request": counted in metrics, never sent
 _OFF_LOOP_FLOATS = 1 << 16  # responses with more floats than this are serialised in a worker thread
 _OFF_LOOP_BYTES = 1 << 16  # request bodies longer than this are parsed in a worker thread

@@ -90,6 +90,14 @@ class OutOfMemory(ServeError):
     code = "out_of_memory"
 
 
+class ModelOutputNotFinite(ServeError):
+    """The model's output for one of the request's inputs holds NaN or an infinity (HTTP 500): ``param``
+    names the input. A failure of the model (it overflows its precision), never sent as a vector."""
+
+    type = "server_error"
+    code = "non_finite_output"
+
+
 class Unhealthy(ServeError):
     """The worker has stopped and the encoder cannot serve (HTTP 503, at once): restart the server."""
 

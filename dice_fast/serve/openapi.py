@@ -72,7 +72,8 @@ MEANINGS = {
     413: "over a size limit: body bytes, inputs, characters, tokens or response floats (code request_too_large)",
     415: "the body is not declared as JSON in UTF-8 (code unsupported_media_type)",
     429: "the queue or the concurrency limit is full; retry after Retry-After seconds (code overloaded)",
-    500: "the model failed (code internal_error); never the client's fault",
+    500: "the model failed: its output for an input holds NaN or an infinity (code non_finite_output, param "
+         "names it), or another failure (code internal_error); never the client's fault",
     503: "shutting down, out of memory for an input (param names it), or unhealthy",
     504: "past the request timeout (code timeout)",
 }

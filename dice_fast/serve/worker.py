@@ -24,8 +24,10 @@ import time
 from dataclasses import dataclass
 
 from ..cpu_heap import release_freed_memory
+from ..aggregation import non_finite_document
+from ..errors import NonFiniteOutput
 from ..faults import InputOutOfMemory
-from .errors import OutOfMemory, Unhealthy, log_once
+from .errors import ModelOutputNotFinite, OutOfMemory, Unhealthy, log_once
 
 IDLE_TRIM_S = 1.0  # seconds without work after which a CPU worker hands its kept heap pages back
 # ... and under steady load, at most this long apart: glibc keeps freed pages per thread arena (the
@@ -156,7 +158,7 @@ class WorkerLoop:
             if request.cancelled:  # while it was being admitted: `_cancel` found neither job nor pending
                 self._queue.cancel(job)
             elif job.done:  # every chunk was in memory or the cache
-                _settle(request, value=_result(job))
+                _settle_done(job, self.encoder.precision)
 
     def _next_batch(self):
         """`ChunkQueue.next_batch`; when packing raises, fail the requests it touched and try again.
@@ -181,7 +183,7 @@ class WorkerLoop:
             with self._cond:
                 for job in batch.jobs:
                     if job.done:  # finished before the error
-                        _settle(job.tag, value=_result(job))
+                        _settle_done(job, self.encoder.precision)
                     elif not job.cancelled or job.error is not None:
                         self._queue.fail(job, exc)
                         _settle(job.tag, exc=_client_error(job.error, job.tag))
@@ -189,7 +191,7 @@ class WorkerLoop:
         self._ran = True
         seconds = time.perf_counter() - start
         for job in finished:
-            _settle(job.tag, value=_result(job))
+            _settle_done(job, self.encoder.precision)
         for job in failed:
             _settle(job.tag, exc=_client_error(job.error, job.tag))
         tokens = batch.packed.n_tokens
@@ -213,12 +215,19 @@ def _client_error(error: BaseException, request) -> BaseException:
     if isinstance(error, InputOutOfMemory):
         error = error.renamed(request.name(error.index))
         return OutOfMemory(str(error), param=error.name)
+    if isinstance(error, NonFiniteOutput):
+        error = error.renamed(request.name(error.index))
+        return ModelOutputNotFinite(str(error), param=error.name)
     return error
 
 
-def _result(job):
-    """What a finished job's request awaits: its document vectors, with its chunk vectors when kept."""
-    return (job.documents, job.chunks) if job.keep_chunks else job.documents
+def _settle_done(job, precision: str) -> None:
+    """Resolve a finished job's request with its document vectors (with its chunk vectors when kept),
+    or with `ModelOutputNotFinite` naming the input whose vectors are not finite."""
+    if (bad := non_finite_document(job.plan, job.documents, job.chunks)) is not None:
+        _settle(job.tag, exc=_client_error(NonFiniteOutput(bad, precision), job.tag))
+    else:
+        _settle(job.tag, value=(job.documents, job.chunks) if job.keep_chunks else job.documents)
 
 
 def _settle(request, value=None, exc: BaseException | None = None) -> None:

@@ -373,3 +373,19 @@ def test_requests_in_flight_past_the_graceful_timeout_get_503_shutting_down(tiny
     assert core.requests_in_flight == 0 and core.tokens_held == 0
     assert not [r for r in records.records if r.exc_info], [r.getMessage() for r in records.records]
     assert not any("Exception in ASGI application" in r.getMessage() for r in records.records)
+
+
+def test_a_non_finite_output_is_a_500_naming_the_input():
+    """A model's NaN for one input went out as JSON nulls with 200; the others' vectors are served."""
+    from test_non_finite import TEXTS, encoder, poison
+
+    enc = encoder()
+    poison(enc, "river")
+    with ServerThread(create_app(enc)) as server:
+        bad = httpx.post(server.url + "/v1/embeddings", json={"input": TEXTS}, timeout=60)
+        good = httpx.post(server.url + "/v1/embeddings", json={"input": [TEXTS[0]]}, timeout=60)
+        evidence = httpx.post(server.url + "/v1/evidence", json={"query": "cat", "documents": TEXTS}, timeout=60)
+    err = bad.json()["error"]
+    assert bad.status_code == 500 and err["code"] == "non_finite_output" and err["param"] == "input[1]", bad.text
+    assert "input[1] is not finite" in err["message"] and good.status_code == 200
+    assert evidence.status_code == 500 and evidence.json()["error"]["param"] == "documents[1]", evidence.text
