@@ -99,9 +99,10 @@ class DiceConfig:
         "dice", "dice: every chunk encoded alone; single: the single-vector baseline (one window of each "
         "document's first tokens); late: late chunking (chunks pooled inside windows of the document)",
         choices=STRATEGIES,
-        detail='`"late"`: each window of `window_tokens` runs once and every chunk is the mean of its own '
-        'tokens\' states in it, so a chunk carries its context; needs mean pooling, `overlap=0` and local '
-        'positions. See [late-chunking.md](late-chunking.md).')
+        detail='`"single"` encodes `max_length` tokens of each document: `chunk_size`, `overlap` and '
+        '`max_chunks_per_document` do not apply to it. `"late"`: each window of `window_tokens` runs once and '
+        'every chunk is the mean of its own tokens\' states in it, so a chunk carries its context; needs mean '
+        'pooling, `overlap=0` and local positions. See [late-chunking.md](late-chunking.md).')
     window_tokens: int | None = option(
         None, "strategy late: tokens of one window, specials included",
         default_help="the model's position table, at most 8192",
@@ -180,7 +181,8 @@ class DiceConfig:
         'See [ops.md](ops.md).', role="speed")
     dedup: bool = option(
         True, "reuse chunk vectors (across documents, calls and the persistent cache)",
-        detail="On: identical chunks run once and known ones come from the persistent cache. Off runs every chunk, and no vector comes from the persistent cache (the baseline of "
+        detail="On: identical chunks run once and known ones come from the persistent cache. Off runs every chunk, "
+        "and the persistent cache is neither read nor written (the baseline of "
         "`benchmarks/bench_cache.py`); the vectors are the same either way up to float rounding (a chunk's "
         "last bits may depend on the batch it ran in: ~1e-7 on the CPU, up to ~2e-6 on the padded "
         "fallback). See [reuse.md](reuse.md).", role="speed")

@@ -217,7 +217,10 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
     listed = candidates(dtype, compile, bound, strategy, runtime)
     paths = [p for p in listed if p.usable() is None]
     if not paths:
-        why = "; ".join(f"{p.name}: {p.usable()}" for p in listed) or "none is a candidate of these options"
+        near = [] if listed else candidates(dtype, compile, bound, "dice", runtime)  # those left out by the strategy
+        why = "; ".join(f"{p.name}: {p.usable()}" for p in listed) or (
+            "; ".join(f"{p.name} runs strategies {', '.join(p.strategies)} only" for p in near)
+            or "none is a candidate of these options")
         raise OptionError(f"dtype={dtype!r}, compile={compile!r}, runtime={runtime!r}, strategy={strategy!r}, "
                           f"auto_agreement={bound}: no candidate path runs on this CPU ({why})")
     if model_key is None:

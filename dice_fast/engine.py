@@ -51,7 +51,8 @@ _CHARS_PER_TOKEN = 4  # to size windows before tokenizing (a window is cut by ch
 _WINDOW_DOCUMENTS = 8192
 # vectors kept per call so that identical chunks in different windows run once (~40k 384-d chunks)
 _CALL_MEMORY_BYTES = 64 << 20
-_SHOWN = ("strategy", "chunk_size", "overlap", "positions", "pooling", "aggregation", "max_length")  # by __repr__
+_SHOWN = ("strategy", "chunk_size", "overlap", "positions", "pooling", "aggregation", "max_length", "normalize_chunks",
+          "window_tokens", "window_overlap")  # by __repr__, as resolved
 
 
 class DiceEncoder:
@@ -185,7 +186,8 @@ class DiceEncoder:
             f"attention={backend}{'' if self.causal is None else ('/causal' if self.causal else '/bidirectional')}, "
             f"pooling_impl={self.pooling_impl}, strategy={c.strategy}, chunk_size={c.chunk_size}, overlap={c.overlap}, "
             f"positions={c.positions}, pooling={self.pooling}, aggregation={c.aggregation}, window={self.window}, "
-            f"max_batch_tokens={self.max_batch_tokens}{c.changed(DiceConfig.options_of('vector'), shown=_SHOWN)}"
+            f"max_batch_tokens={self.max_batch_tokens}, normalize_chunks={self.settings.normalize_chunks}"
+            f"{self.settings.late_label()}{c.changed((*DiceConfig.options_of('vector'), 'dedup'), shown=_SHOWN)}"
             f"{self._speed_label()})"
         )
 

@@ -141,6 +141,13 @@ class Settings:
             size = self.window - _overhead(wrap)
         return Chunking(wrap, size, overlap, cap, global_positions, late)
 
+    def late_label(self) -> str:
+        """", window_tokens=512, window_overlap=127": the windows late chunking runs (strategy late), else ""."""
+        if self.config.strategy != "late":
+            return ""
+        capacity, overlap = self.late_windows()
+        return f", window_tokens={capacity + self.chunk_overhead}, window_overlap={overlap}"
+
     def late_windows(self) -> tuple[int, int]:
         """(text tokens a late-chunking window holds, tokens consecutive windows share), or `OptionError`
         naming the option that late chunking cannot take."""

@@ -199,6 +199,10 @@ def test_config_object_and_repr(bert):
                         normalize=False, max_chunks_per_document=2, document_prefix="p: ")
     for part in ("top_k=3", "truncate_dim=16", "normalize=False", "max_chunks_per_document=2", "document_prefix='p: '"):
         assert part in repr(other)  # every option that changes the vectors, where it is not the default
+    # as resolved: normalize_chunks (the model's Normalize decides it), late chunking's windows, dedup off
+    late = DiceEncoder(bert.model, bert.tokenizer, chunk_size=8, strategy="late", dedup=False)
+    for part in ("normalize_chunks=False", "window_tokens=128, window_overlap=31", "dedup=False"):
+        assert part in repr(late) and "window_tokens" not in text and "dedup" not in text, repr(late)
 
 
 def test_queries_are_one_window_and_truncation_warns(bert):

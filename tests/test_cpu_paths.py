@@ -365,3 +365,12 @@ def test_half_precision_without_its_units_warns(monkeypatch, dtype, units):
         warnings.simplefilter("error", RuntimeWarning)
         _encoder(dtype=dtype)
         _encoder(dtype="float32")
+
+
+def test_options_no_path_runs_together_are_named():
+    """dtype="auto" with runtime="openvino" and strategy="late" said "no candidate path runs on this CPU
+    (none is a candidate of these options)", as if the hardware lacked something; it names the strategy."""
+    from dice_fast.errors import OptionError
+
+    with pytest.raises(OptionError, match=r"strategy='late'.*fp32\+openvino runs strategies dice, single only"):
+        cpu_paths.choose_path(None, None, "auto", "off", strategy="late", runtime="openvino")
