@@ -222,10 +222,6 @@ class Windows:
     length: np.ndarray
     chunk_window: np.ndarray
 
-    @property
-    def n_windows(self) -> int:
-        return len(self.document)
-
     def as_chunks(self) -> ChunkPlan:
         """The windows as a `ChunkPlan` (one "chunk" per window), which is how they are packed."""
         return ChunkPlan(self.document, self.start, self.length, np.zeros(1, np.int64))

@@ -112,11 +112,6 @@ def label(dtype: torch.dtype) -> str:
 # --------------------------------------------------------------------------------------------
 # what the engine calls
 # --------------------------------------------------------------------------------------------
-def cpu_attention_dtype(dtype: torch.dtype, head_dim: int = 64) -> torch.dtype:
-    """The dtype CPU SDPA computes in for inputs of ``dtype`` (see `cpu_attention`)."""
-    return cpu_attention(dtype, head_dim).dtype
-
-
 def cpu_attention(dtype: torch.dtype, head_dim: int = 64) -> CpuAttention:
     """The CPU attention choice for inputs of ``dtype`` with heads of ``head_dim``: from the
     environment, this process's memo, the machine's cache file, or a micro-benchmark (in that order)."""

@@ -159,13 +159,6 @@ def test_a_truncated_database_is_detected_and_the_vectors_stay_right(tmp_path, w
     assert_close(got.chunks, want.chunks, ATOL, what="truncated cache")
 
 
-def _rows(cache, ns, lo, hi, dim=64):
-    keys = list(range(lo, hi))
-    idents = [k.to_bytes(8, "little") * 16 for k in keys]
-    vectors = np.random.default_rng(lo).standard_normal((hi - lo, dim)).astype(np.float32)
-    return keys, idents, vectors
-
-
 def test_the_size_bound_holds_and_least_recently_used_go_first(tmp_path):
     group = 300 * (48 + 128 + 4 * 64)  # bytes of 300 rows as stored_bytes counts them
     cache = ChunkCache(tmp_path / "c", max_gb=2.5 * group / 1e9)

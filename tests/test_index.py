@@ -10,7 +10,7 @@ import pytest
 
 from dice_fast import DiceEncoder, DiceIndex
 from dice_fast.errors import InputError
-from dice_fast.index import dice_index, top
+from dice_fast.index import top
 from dice_fast.scoring import DEFAULT_ALPHA
 from tiny_models import tiny
 

@@ -27,9 +27,9 @@ def register_cli(subparsers) -> None:
     g.add_argument("--longest", type=bounded(int, 1), default=32768, help="longest document in tokens (default 32768)")
     g.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None,
                    help="dtypes to compare (default: --dtype when given, else float32 and bfloat16)")
-    g.add_argument("--padded-batch", type=int, default=32, help="chunks per padded batch of the naive paths")
+    g.add_argument("--padded-batch", type=int, default=32, help="chunks per padded batch of the naive paths (default 32)")
     g.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (default 3)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the synthetic corpora (default 0)")
     g.add_argument("--no-sentence-transformers", action="store_true", help="skip the sentence-transformers path")
     g.add_argument("--flops", action="store_true",
                    help="also report the engine's model TFLOP/s and MFU against the matmul rate of each dtype, "
@@ -39,7 +39,8 @@ def register_cli(subparsers) -> None:
                    "slowest round so far still fits (at least one runs)")
     g.add_argument("--raw-csv", default=None,
                    help="also append every single timing (path, dtype, round, seconds) to this CSV as it is taken")
-    g.add_argument("--csv", default="benchmarks/results.csv", help="CSV to append rows to")
+    g.add_argument("--csv", default="benchmarks/results.csv",
+                   help="CSV to append rows to (default benchmarks/results.csv, from the working directory)")
     g.add_argument("--require-packed", action="store_true",
                    help="exit 1 when an engine runs chunks on the padded path instead of packed (rows are still written)")
     add_encoder_arguments(p)

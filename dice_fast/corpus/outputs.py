@@ -342,12 +342,10 @@ def file_temps(path: Path) -> list[Path]:
     return sorted(p for p in path.parent.iterdir() if pattern.match(p.name)) if path.parent.is_dir() else []
 
 
-def our_files(folder: Path, temps_only: bool = False) -> list[Path]:
-    """Shard, manifest and temporary files of ours in ``folder`` (``temps_only``: only temporary
-    files, left by a killed run)."""
+def our_files(folder: Path) -> list[Path]:
+    """Shard, manifest and temporary files of ours in ``folder``."""
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir()
-                  if _OUR_TEMPS.match(p.name) or (not temps_only and _OUR_FILES.match(p.name)))
+    return sorted(p for p in folder.iterdir() if _OUR_TEMPS.match(p.name) or _OUR_FILES.match(p.name))
 
 

@@ -57,7 +57,7 @@ def register_cli(subparsers) -> None:
     build.add_argument("--store-text", action=argparse.BooleanOptionalAction, default=None,
                        help="keep the texts in the index so search prints the passage (default: yes)")
     build.add_argument("--chunk-dtype", choices=("float32", "float16"), default="float32",
-                       help="storage of chunk vectors (float16 halves them; scores within about 1e-3)")
+                       help="storage of chunk vectors (default float32; float16 halves them, scores within about 1e-3)")
     pushing = build.add_argument_group("push OUT --to URL")
     pushing.add_argument("--to", metavar="URL", help="the store: qdrant://HOST:PORT/COLLECTION, "
                          "qdrant+path://DIR/COLLECTION or lancedb://DIR/TABLE")
@@ -79,7 +79,8 @@ def register_cli(subparsers) -> None:
     search.add_argument("--scoring", choices=SCORINGS, default=DEFAULT_SCORING,
                         help=f"maxsim: best chunk; dice: document vector; hybrid: a blend (default {DEFAULT_SCORING}, "
                         "the measured best: docs/retrieval.md)")
-    search.add_argument("--alpha", type=float, default=None, help="hybrid weight of the dice score")
+    search.add_argument("--alpha", type=float, default=None, help="hybrid weight of the dice score (default 0: the "
+                        "measured best, docs/retrieval.md)")
     search.add_argument("--device", default=None, help="where the query encoder runs (default: cuda if available)")
     search.add_argument("--json", action="store_true", help="one JSON object per hit instead of text")
     search.set_defaults(func=_search)

@@ -37,14 +37,6 @@ def corpus_files(path, check: bool = True) -> list[Path]:
     return [f for m in manifests for f in checked_shards(path, m, digest=check)]
 
 
-def read_corpus_output(path):
-    """Yield, per row group of every Parquet file (4,096 rows as encode writes them; memory of one row
-    group, never the output's): (ids list, documents (n, dim) float32, chunks (n_chunks, dim) float32,
-    chunk_document (n_chunks,) int64, start_char, end_char, tokens (n_chunks,) int64)."""
-    for file in corpus_files(path):
-        yield from read_corpus_parts(file)
-
-
 def read_ids(file: Path):
     """Yield the ids of one Parquet file of an encode output, a row group's at a time, as strings."""
     import pyarrow.parquet as pq
@@ -63,8 +55,10 @@ def check_chunk_columns(file: Path, names, use: str) -> None:
 
 
 def read_corpus_parts(file: Path):
-    """The arrays of one Parquet file of an encode output, row group by row group (as
-    `read_corpus_output` yields them)."""
+    """Yield, per row group of one Parquet file of an encode output (4,096 rows as encode writes them;
+    memory of one row group, never the output's): (ids list, documents (n, dim) float32, chunks
+    (n_chunks, dim) float32, chunk_document (n_chunks,) int64, start_char, end_char, tokens (n_chunks,)
+    int64)."""
     import pyarrow.parquet as pq
 
     with reading_parquet(file):

@@ -288,7 +288,7 @@ class DiceIndex(EncoderSlot):
                 top = self._approximate_top(q, int(k), scoring, alpha, int(candidates))
             else:
                 top = exact_top(self._score_range, self.cu_doc_chunks, q, int(k), scoring, alpha)
-            return [[self._hit(qv, d, s, scoring) for d, s in scored_hits(scoring, row)] for qv, row in zip(q, top)]
+            return [[self._hit(qv, d, s) for d, s in scored_hits(scoring, row)] for qv, row in zip(q, top)]
 
     def _score_range(self, q, d0: int, d1: int, scoring: str, alpha: float) -> np.ndarray:
         """(n_q, d1 - d0) scores of documents d0..d1-1 (no evidence: it is found for hits only)."""
@@ -362,7 +362,7 @@ class DiceIndex(EncoderSlot):
         file from now on (the save removes the file it was loaded from)."""
         self._graphs.moved(files)
 
-    def _hit(self, qv: np.ndarray, d: int, score: float, scoring: str) -> Hit:
+    def _hit(self, qv: np.ndarray, d: int, score: float) -> Hit:
         c0, c1 = int(self.cu_doc_chunks[d]), int(self.cu_doc_chunks[d + 1])
         return evidence_hit(self.ids[d], score, qv, self.chunks[c0:c1], self.chunk_start_char[c0:c1],
                             self.chunk_end_char[c0:c1], self.texts[d] if self.store_text else None)

@@ -138,7 +138,8 @@ def register_cli(subparsers) -> None:
     g.add_argument("--graceful-timeout", type=bounded(float, 0), default=30.0,
                    help="seconds to finish requests in flight after SIGTERM before cancelling them, and then as long for a "
                         "forward still running (default 30)")
-    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's and dice_fast's log level (default info)")
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
     add_server_arguments(p.add_argument_group("connections (what is left for a reverse proxy: docs/serving.md)"))
     a = p.add_argument_group("authentication (every route but /health; see docs/serving.md)")
@@ -168,13 +169,14 @@ def register_cli(subparsers) -> None:
     g.add_argument("--min-tokens", type=int, default=32, help="shortest document in tokens (default 32)")
     g.add_argument("--max-tokens", type=int, default=2048, help="longest document in tokens (default 2048)")
     g.add_argument("--docs-per-request", type=int, default=1, help="documents in each request (default 1)")
-    g.add_argument("--encoding-format", choices=("float", "base64"), default="base64")
+    g.add_argument("--encoding-format", choices=("float", "base64"), default="base64",
+                   help="the vectors' encoding the clients ask for (default base64)")
     g.add_argument("--passes", type=int, default=1, help="times the clients go through the corpus (default 1)")
     g.add_argument("--offline-repeats", type=int, default=3,
                    help="timed offline runs; their median is the reference (default 3)")
     g.add_argument("--timeout", type=bounded(float, 0, above=True), default=600.0,
-                   help="give up on a run after this many seconds")
-    g.add_argument("--seed", type=int, default=0)
+                   help="give up on a run after this many seconds (default 600)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the synthetic corpus (default 0)")
     g.add_argument("--csv", default=None, help="append the rows to this CSV")
     g.add_argument("--no-baseline", action="store_true", help="skip the server without cross-request batching")
     add_encoder_arguments(b)

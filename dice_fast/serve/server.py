@@ -71,14 +71,13 @@ class _LingeringTransport:
         return getattr(self._transport, name)
 
 
-def bounded_protocol(read_timeout: float, write_timeout: float, base=None):
-    """A subclass of uvicorn's HTTP protocol (``base``, default uvicorn's "auto" choice) with the read
-    and write timeouts of the module docstring. Its class attribute ``bytes_received`` counts the bytes
-    read from every connection (what a test or benchmark compares with what a client sent)."""
-    if base is None:
-        from uvicorn.protocols.http.auto import AutoHTTPProtocol as base
+def bounded_protocol(read_timeout: float, write_timeout: float):
+    """A subclass of uvicorn's HTTP protocol (its "auto" choice) with the read and write timeouts of the
+    module docstring. Its class attribute ``bytes_received`` counts the bytes read from every connection
+    (what a test or benchmark compares with what a client sent)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    class BoundedProtocol(base):
+    class BoundedProtocol(AutoHTTPProtocol):
         bytes_received = 0
         bytes_discarded = 0
 

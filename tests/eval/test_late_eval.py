@@ -116,7 +116,7 @@ def test_ablation_keeps_dice_and_late_apart(dice_and_late):
     md, _ = normalize_chunks_table([res])
     assert f"| 16 | mean | {pct('k16-mean-norm')} | {pct('k16-mean-raw')} |" in md
     assert f"| 16 late | mean | {pct('late-k16-mean-norm')} | {pct('late-k16-mean-raw')} |" in md
-    md, means = alpha_table([res], normalize_chunks=True)
+    md, _ = alpha_table([res], normalize_chunks=True)
     assert md.splitlines()[0] == "| alpha | passkey k=16 | passkey late k=16 | mean |"
     row = next(line for line in md.splitlines() if line.startswith("| 0.5 |"))
     assert row.startswith(f"| 0.5 | {pct('k16-hybrid-norm@0.5')} | {pct('late-k16-hybrid-norm@0.5')} |")
