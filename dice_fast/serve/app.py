@@ -59,6 +59,7 @@ from .errors import (DeadlineExceeded, InvalidRequest, ModelNotFound, ModelOutpu
 from .evidence import add_evidence_route
 from .guards import BearerAuth, HostGuard, check_api_key
 from .limits import check_limits, default_max_body_bytes
+from .server import SERVER_DEFAULTS
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .schemas import embedding_response, parse_embedding_request
 from .transport import LeasedResponse, RequestTimeout, check_content_type, read_body, unless_disconnected
@@ -75,7 +76,8 @@ _BODY_READ = "dice_fast.body_read"  # scope key: the request body was read whole
 
 
 def create_app(encoder, *, model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int | None = None, allowed_hosts=None, read_timeout: float | None = 60.0,
+               max_body_bytes: int | None = None, allowed_hosts=None,
+               read_timeout: float | None = SERVER_DEFAULTS["read_timeout"],
                shutdown_timeout: float | None = None, **limits):
     """A FastAPI app serving ``encoder``.
 
@@ -89,9 +91,10 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     allowed_hosts: the ``Host`` names and addresses answered (`dice_fast.serve.guards.allowed_hosts`
     builds them for a bound address; ``["*"]``: any); others get 400. None (the default for an app you
     mount in your own server): no check. read_timeout: seconds a request body may take to arrive
-    (408 past it; None: no bound). shutdown_timeout: seconds the app's shutdown waits for the worker to
-    finish the forward it is in (a warm-up, a batch whose requests are gone), then leaves it (None: as
-    long as it takes).
+    (408 past it; None: no bound; default 30, as ``dice-fast serve --read-timeout``). shutdown_timeout:
+    seconds the app's shutdown waits for the worker to finish the forward it is in (a warm-up, a batch
+    whose requests are gone), then leaves it (None, for an app mounted in a server of your own: as long as
+    it takes; ``dice-fast serve`` passes its ``--graceful-timeout``, 30).
     """
     if isinstance(encoder, AsyncDiceEncoder):
         if limits:
