@@ -267,8 +267,9 @@ class DiceIndex(EncoderSlot):
     def search(self, queries, k: int = 10, scoring: str = DEFAULT_SCORING, *, alpha: float = sc.DEFAULT_ALPHA,
                approximate: bool = False, candidates: int = 100) -> list[list[Hit]]:
         """Rank documents for ``queries``: n query strings (encoded with the index's encoder) or an
-        (n, dim) array of query vectors. Returns n lists of at most ``k`` `Hit`s, best first (ties in
-        insertion order). A document without chunks (an empty text) has no maxsim score: ``maxsim`` and
+        (n, dim) array of query vectors. Returns n lists of at most ``k`` `Hit`s, best first (equal scores in
+        insertion order; two identical documents may score ~1e-8 apart, the matrix product's rounding
+        depending on a row's place, and so come in either order). A document without chunks (an empty text) has no maxsim score: ``maxsim`` and
         ``hybrid`` with ``alpha < 1`` never return it.
 
         scoring: "maxsim" (best chunk; the default, measured best: RESULTS.md §5), "dice" (document
