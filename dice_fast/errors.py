@@ -154,11 +154,12 @@ class NonFiniteOutput(DiceError, RuntimeError):
     65,504 most often, or its weights hold NaN): never returned, cached or stored as a vector.
 
     index: the input's index within its call (or request); name: how the message names it
-    ("documents[3]"); precision: what the forward ran in. The other inputs' vectors were exact:
-    attention never crosses inputs."""
+    ("documents[3]"); precision: what the forward ran in ("float16"; of an OpenVINO model's identity
+    only its first word, "int8": the message may go to a server's clients). The other inputs' vectors
+    were exact: attention never crosses inputs."""
 
     def __init__(self, index: int, precision: str, name: str | None = None):
-        self.index, self.precision = int(index), precision
+        self.index, self.precision = int(index), precision.split(" (")[0]
         self.name = name or f"input[{self.index}]"
         super().__init__(f"the model's output for {self.name} is not finite (NaN or infinite) in {precision}: the "
                          "model overflows this precision, or its weights hold NaN; encode it in float32 (or "

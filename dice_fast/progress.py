@@ -24,18 +24,19 @@ class ProgressBar:
                  line_seconds: float = LINE_SECONDS):
         from tqdm.auto import tqdm
 
-        self.lines = show and not _live_display(tqdm)
+        self.lines = show and sys.stderr is not None and not _live_display(tqdm)
         self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, dynamic_ncols=True, desc=desc,
                         disable=not show or self.lines)
         self.tokens, self.documents, self.t0 = 0, 0, time.perf_counter()
         self.desc, self.line_seconds, self.lines_printed = desc or "progress", line_seconds, 0
+        self.next_line = line_seconds  # seconds since the start
 
     def __call__(self, documents: int, tokens: int) -> None:
         self.tokens += tokens
         self.documents += documents
         self.bar.set_postfix_str(f"{self.documents:,} docs", refresh=False)
         self.bar.update(tokens)
-        if self.lines and self.seconds >= self.line_seconds * (self.lines_printed + 1):
+        if self.lines and self.seconds >= self.next_line:
             self._line()
 
     def _line(self) -> None:
@@ -44,9 +45,14 @@ class ProgressBar:
         total = self.bar.total
         part = f" of ~{total:,} ({100 * self.tokens / total:.0f} %)" if total else ""
         left = f", ~{_clock((total - self.tokens) / rate)} left" if total and rate and total > self.tokens else ""
-        print(f"{self.desc}: {self.tokens:,} tokens{part}, {self.documents:,} docs, {rate:,.0f} tok/s, "
-              f"{_clock(seconds)}{left}", file=sys.stderr, flush=True)
+        try:
+            print(f"{self.desc}: {self.tokens:,} tokens{part}, {self.documents:,} docs, {rate:,.0f} tok/s, "
+                  f"{_clock(seconds)}{left}", file=sys.stderr, flush=True)
+        except (OSError, ValueError, AttributeError):  # stderr closed or gone: progress is not worth the job
+            self.lines = False
+            return
         self.lines_printed += 1
+        self.next_line = seconds + self.line_seconds  # after a long batch: one line, not a burst
 
     @property
     def seconds(self) -> float:
@@ -59,8 +65,10 @@ class ProgressBar:
 
 
 def _live_display(tqdm_class) -> bool:
-    """Whether a redrawn bar shows as one: stderr is a terminal, or tqdm draws a notebook widget."""
-    if any(c.__module__ == "tqdm.notebook" for c in tqdm_class.__mro__):
+    """Whether a redrawn bar shows as one: stderr is a terminal, or a notebook's (tqdm's widget, or its
+    text bar where ipywidgets is missing)."""
+    if any(c.__module__ == "tqdm.notebook" for c in tqdm_class.__mro__) or type(sys.stderr).__module__.startswith(
+            "ipykernel"):
         return True
     try:
         return sys.stderr.isatty()

@@ -149,6 +149,8 @@ def test_bad_queries_and_ids_are_named():
     for k in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="k must be an integer >= 1"):
             index.search(queries, k=k)
+        with pytest.raises(ValueError, match="candidates must be an integer >= 1"):  # 2.7 was taken as 2
+            index.search(queries, approximate=True, candidates=k + 1.7 if k != 0 else 0)
     with pytest.raises(ValueError, match="unknown scoring 'bm25'"):
         index.search(queries, scoring="bm25")
     with pytest.raises(ValueError, match="no encoder"):

@@ -62,6 +62,16 @@ def test_search_prints_the_planted_passage(tmp_path, capsys, loaded_once):
     assert hit["id"] == str(planted_id) and PLANTED in hit["text"]
     assert main(["search", str(tmp_path), "q"]) == 2
     assert "no index.json" in capsys.readouterr().err
+    # an empty text has no chunks: a dice hit without a chunk score, printed as such (JSON: null, never
+    # -Infinity, which JSON parsers refuse)
+    (tmp_path / "e.jsonl").write_text('{"text": ""}\n{"text": "the key is under the stone"}\n', encoding="utf-8")
+    assert main(["index", str(tmp_path / "e.jsonl"), "-o", str(tmp_path / "e")]) == 0
+    assert main(["search", str(tmp_path / "e"), "the", "-k", "2", "--scoring", "dice", "--json"]) == 0
+    hits = [json.loads(line, parse_constant=pytest.fail) for line in capsys.readouterr().out.splitlines()]
+    assert {h["id"]: h["chunk_score"] is None for h in hits} == {"1": True, "2": False}, hits
+    assert main(["search", str(tmp_path / "e"), "the", "-k", "2", "--scoring", "dice"]) == 0
+    empty = [line.split()[1] for line in capsys.readouterr().out.splitlines() if "no chunks (an empty text)" in line]
+    assert empty == ["1"]
 
 
 @pytest.mark.parametrize("line,message", [

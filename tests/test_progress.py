@@ -28,3 +28,23 @@ def test_a_short_job_in_a_log_prints_nothing_and_a_hidden_bar_nothing_at_all(cap
     hidden(1, 10)
     hidden.close()
     assert capsys.readouterr().err == "" and (bar.tokens, hidden.documents) == (10, 1)
+
+
+def test_after_a_long_batch_one_line_and_a_closed_stderr_costs_nothing(capsys, monkeypatch):
+    """Each line paid back one 30 s slot: after a 300 s batch the next ten updates each printed a line.
+    And a closed stderr made the first line raise, ending the encode it reported on."""
+    import io
+    import time
+
+    bar = ProgressBar(None, desc="encode", line_seconds=30.0)
+    bar.t0 = time.perf_counter() - 300  # the first batch took 300 s
+    for _ in range(5):
+        bar(1, 10)
+    assert len(capsys.readouterr().err.splitlines()) == 1
+    closed = io.StringIO()
+    closed.close()
+    monkeypatch.setattr("sys.stderr", closed)
+    quiet = ProgressBar(None, line_seconds=0.0)
+    quiet(1, 10)
+    quiet.close()
+    assert quiet.tokens == 10 and not quiet.lines

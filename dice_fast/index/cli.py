@@ -170,8 +170,12 @@ def _search(args) -> int:
         if not args.json:
             print(f"query: {query}")
         for rank, h in enumerate(hits, 1):
-            if args.json:
-                print(json.dumps({"query": query, "rank": rank, **h.__dict__}, ensure_ascii=False))
+            if args.json:  # a document without chunks (an empty text, a dice hit) has no chunk score: null, not -Infinity
+                hit = {**h.__dict__, "chunk_score": h.chunk_score if h.chunk >= 0 else None}
+                print(json.dumps({"query": query, "rank": rank, **hit}, ensure_ascii=False, allow_nan=False))
+                continue
+            if h.chunk < 0:
+                print(f"{rank:>3}  {h.id}  {h.score:.4f}  no chunks (an empty text)")
                 continue
             passage = " ".join(h.text.split()) if h.text is not None else f"[characters {h.start_char}:{h.end_char}]"
             print(f"{rank:>3}  {h.id}  {h.score:.4f}  chunk {h.chunk} ({h.chunk_score:.4f}): {passage}")

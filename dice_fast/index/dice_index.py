@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from .. import scoring as sc
+from ..config import checked_integer
 from ..errors import InputError, OptionError
 from ..streaming import as_iterator
 from .ann import Graphs
@@ -146,7 +147,9 @@ class DiceIndex(EncoderSlot):
         chunk_document (n_chunks,) sorted document index in ``0..n-1`` and the chunks' spans and token
         counts (n_chunks,) each, as `DiceOutput` gives them; texts (n,) when the index stores them.
         Chunk vectors are stored L2-normalised, so ``maxsim`` is a cosine whatever the encoder's
-        ``normalize_chunks`` (raw pooled norms carry no relevance: RESULTS.md §5.3); a zero row stays zero."""
+        ``normalize_chunks`` (raw pooled norms carry no relevance: RESULTS.md §5.3); a zero row stays zero.
+        A chunk of 0 tokens (an empty text's chunk of special tokens alone) is not stored: evidence of
+        nothing (`check_batch`)."""
         with self._lock.writing():
             self._add_arrays(ids, documents, chunks, chunk_document, chunk_start_char, chunk_end_char, chunk_tokens,
                              texts)
@@ -281,14 +284,15 @@ class DiceIndex(EncoderSlot):
         sc.check_scoring(scoring)
         alpha = sc.check_alpha(alpha)
         k = check_k(k)
+        candidates = checked_integer("candidates", candidates)  # True or 2.7 were taken as 1 and 2
         q = self._query_vectors(queries)  # encoded outside the lock: writes go on meanwhile
         with self._lock.reading():
             if len(q) == 0 or len(self) == 0:
                 return [[] for _ in range(len(q))]
             if approximate:
-                top = self._approximate_top(q, int(k), scoring, alpha, int(candidates))
+                top = self._approximate_top(q, k, scoring, alpha, candidates)
             else:
-                top = exact_top(self._score_range, self.cu_doc_chunks, q, int(k), scoring, alpha)
+                top = exact_top(self._score_range, self.cu_doc_chunks, q, k, scoring, alpha)
             return [[self._hit(qv, d, s) for d, s in scored_hits(scoring, row)] for qv, row in zip(q, top)]
 
     def _score_range(self, q, d0: int, d1: int, scoring: str, alpha: float) -> np.ndarray:
@@ -300,8 +304,6 @@ class DiceIndex(EncoderSlot):
                              self.cu_doc_chunks[d0 : d1 + 1] - c0, alpha)
 
     def _approximate_top(self, q, k: int, scoring: str, alpha: float, candidates: int):
-        if candidates < 1:
-            raise OptionError(f"candidates must be a positive integer, got {candidates}")
         proposed = self._proposed(q, k, "documents" if scoring == "dice" else "chunks", candidates)
         short = [i for i, docs in enumerate(proposed) if docs is None]
         exact = {}

@@ -99,11 +99,12 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
                  max_response_floats: int = DEFAULT_LIMITS["max_response_floats"],
                  max_batch_tokens: int | None = None, cross_request_batching: bool = True,
                  auto_truncate: bool = False, cache_memory_mb: int = DEFAULT_CACHE_MEMORY_MB):
-        check_limits(max_inputs_per_request=max_inputs_per_request, max_input_chars=max_input_chars,
-                     max_tokens_per_document=max_tokens_per_document, max_queue_tokens=max_queue_tokens,
-                     max_concurrent_requests=max_concurrent_requests, max_response_floats=max_response_floats,
-                     max_batch_tokens=max_batch_tokens, cache_memory_mb=cache_memory_mb,
-                     request_timeout=request_timeout)
+        (max_inputs_per_request, max_input_chars, max_tokens_per_document, max_queue_tokens, max_concurrent_requests,
+         max_response_floats, max_batch_tokens, cache_memory_mb, request_timeout) = check_limits(  # plain ints
+            max_inputs_per_request=max_inputs_per_request, max_input_chars=max_input_chars,
+            max_tokens_per_document=max_tokens_per_document, max_queue_tokens=max_queue_tokens,
+            max_concurrent_requests=max_concurrent_requests, max_response_floats=max_response_floats,
+            max_batch_tokens=max_batch_tokens, cache_memory_mb=cache_memory_mb, request_timeout=request_timeout).values()
         self.encoder = encoder
         # CPU: trim the heap (`dice_fast.cpu_heap`) once the queue has been empty this long, and at
         # most busy_trim_s apart under load

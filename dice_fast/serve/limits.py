@@ -59,9 +59,11 @@ _LOWEST = {"max_inputs_per_request": 1, "max_input_chars": 1, "max_tokens_per_do
            "max_body_bytes": 1}
 
 
-def check_limits(**values) -> None:
+def check_limits(**values) -> dict:
     """`ValueError` naming the first limit out of range, before anything is built: the `LIMITS`, the
-    `HTTP_LIMITS`, ``max_batch_tokens``, ``cache_memory_mb`` and ``read_timeout`` (the body's, > 0 or None)."""
+    `HTTP_LIMITS`, ``max_batch_tokens``, ``cache_memory_mb`` and ``read_timeout`` (the body's, > 0 or None).
+    Returns ``values`` with each count a plain int (a numpy integer is the int it holds)."""
+    values = dict(values)
     for name, value in values.items():
         if name == "request_timeout":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
@@ -72,4 +74,5 @@ def check_limits(**values) -> None:
         elif name not in _LOWEST:
             raise TypeError(f"unknown server limit {name!r}")
         else:
-            checked_integer(name, value, _LOWEST[name], optional=True)
+            values[name] = checked_integer(name, value, _LOWEST[name], optional=True)
+    return values

@@ -225,7 +225,9 @@ def _settle_done(job, precision: str) -> None:
     """Resolve a finished job's request with its document vectors (with its chunk vectors when kept),
     or with `ModelOutputNotFinite` naming the input whose vectors are not finite."""
     if (bad := non_finite_document(job.plan, job.documents, job.chunks)) is not None:
-        _settle(job.tag, exc=_client_error(NonFiniteOutput(bad, precision), job.tag))
+        error = _client_error(NonFiniteOutput(bad, precision), job.tag)
+        log.error("dice_fast.serve: a request failed: %s", error)  # a failure of the model: logged, as other 500s
+        _settle(job.tag, exc=error)
     else:
         _settle(job.tag, value=(job.documents, job.chunks) if job.keep_chunks else job.documents)
 

@@ -375,8 +375,9 @@ def test_requests_in_flight_past_the_graceful_timeout_get_503_shutting_down(tiny
     assert not any("Exception in ASGI application" in r.getMessage() for r in records.records)
 
 
-def test_a_non_finite_output_is_a_500_naming_the_input():
-    """A model's NaN for one input went out as JSON nulls with 200; the others' vectors are served."""
+def test_a_non_finite_output_is_a_500_naming_the_input(caplog):
+    """A model's NaN for one input went out as JSON nulls with 200; the others' vectors are served, and
+    the failure is logged as other 500s are."""
     from test_non_finite import TEXTS, encoder, poison
 
     enc = encoder()
@@ -389,3 +390,5 @@ def test_a_non_finite_output_is_a_500_naming_the_input():
     assert bad.status_code == 500 and err["code"] == "non_finite_output" and err["param"] == "input[1]", bad.text
     assert "input[1] is not finite" in err["message"] and good.status_code == 200
     assert evidence.status_code == 500 and evidence.json()["error"]["param"] == "documents[1]", evidence.text
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert sum("input[1] is not finite" in m for m in logged) == 1, logged
