@@ -347,3 +347,19 @@ def test_a_late_chunk_is_keyed_by_the_tokens_it_pools_not_by_its_text_offset(tmp
     want = DiceEncoder.from_pretrained(None, **options).encode_documents(["passage: " + body], return_chunks=True)
     assert_close(got.chunks, want.chunks, 1e-5, what="late chunks served from a prefixed encoder's cache")
     assert cached.chunk_stats.disk_hits == 0
+
+
+def test_precision_is_part_of_the_cache_namespace(tmp_path):
+    """The namespace's "dtype" is what keeps an OpenVINO / int8 encoder's vectors (same torch weights,
+    so the same model fingerprint) apart from the float32 torch encoder's; the openvino tests only compare
+    `precision` strings, never the namespace, and are skipped without openvino."""
+    from dice_fast import DiceEncoder
+    from dice_fast.reuse.persistent import ChunkCache, settings_namespace
+
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=8, pooling_impl="torch")
+    cache = ChunkCache(tmp_path / "c")
+    torch_ns = settings_namespace(enc.settings, model, cache)
+    ov_ns = settings_namespace(enc.settings, model, cache, precision="openvino-int8-abc")
+    assert torch_ns.salt != ov_ns.salt and torch_ns.id != ov_ns.id
+    assert settings_namespace(enc.settings, model, cache).salt == torch_ns.salt

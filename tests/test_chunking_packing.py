@@ -83,3 +83,17 @@ def test_check_texts():
         check_texts(["a", b"b"])
     with pytest.raises(TypeError, match="sequence of strings"):
         check_texts(5)
+
+
+def test_pack_wraps_with_multi_token_prefix_and_suffix():
+    """Every prefix and suffix token in order (a one-token suffix cannot tell index 0 from -1)."""
+    ids = np.arange(100, 130, dtype=np.int64)
+    docs = TokenizedDocuments(ids, np.array([0, 10, 10, 30]))
+    plan = plan_chunks(docs.lengths, 4, 1)
+    pre, suf = np.array([1, 3]), np.array([2, 4, 6])
+    batch = pack(docs, plan, np.arange(plan.n_chunks), pre, suf, first_position=0)
+    for i, c in enumerate(batch.chunk_ids):
+        lo, hi = batch.cu_seqlens[i], batch.cu_seqlens[i + 1]
+        d, s, n = plan.document[c], plan.start[c], plan.length[c]
+        content = ids[docs.offsets[d] + s : docs.offsets[d] + s + n].tolist()
+        assert batch.input_ids[lo:hi].tolist() == [1, 3, *content, 2, 4, 6]

@@ -190,3 +190,20 @@ def test_a_popular_row_does_not_keep_its_whole_batch():
                 assert torch.equal(tensor[row], mem.get(popular, b"id00")[0][0])
     held = {item[1].untyped_storage().data_ptr(): item[1].untyped_storage().nbytes() for item in mem._items.values()}
     assert mem.bytes <= mem.max_bytes and sum(held.values()) <= 3 * batch * dim * 4, len(held)
+
+
+def test_suffix_is_part_of_a_chunks_identity():
+    """The same text wrapped in another special suffix (another tokenizer for the same weights:
+    the namespace has no tokenizer in it; a mutation that dropped it survived the suite) must not share a cache identity or key."""
+    from dice_fast.chunking import EncodingPlan, TokenizedDocuments, plan_chunks
+    from dice_fast.reuse.keys import chunk_keys
+
+    lengths = np.array([6])
+    docs = TokenizedDocuments(np.arange(10, 16, dtype=np.int64), np.array([0, 6]))
+    chunks = plan_chunks(lengths, 4, 0)
+    pre = np.array([101])
+    a = chunk_keys(EncodingPlan(docs, chunks, pre, np.array([102])))
+    b = chunk_keys(EncodingPlan(docs, chunks, pre, np.zeros(0, np.int64)))
+    for c in range(chunks.n_chunks):
+        assert a.identity(c) != b.identity(c)
+        assert a.keys[c] != b.keys[c]

@@ -513,3 +513,15 @@ def test_a_single_string_is_refused_not_read_character_by_character(monkeypatch)
         with pytest.raises(TypeError, match="texts must be an iterable of strings, not a single str"):
             index.add("one long document", ids)
     assert len(index) == 0
+
+
+def test_exact_top_ranks_nan_scores_last():
+    """A NaN score (only from overflowing vectors) ranks last, whether or not the top k is cut."""
+    from dice_fast.index.top import exact_top
+
+    s = np.array([[0.5, np.nan, 0.9, 0.1, np.nan]])
+    score_range = lambda q, d0, d1, scoring, alpha: s[:, d0:d1]  # noqa: E731
+    cu, q = np.arange(6, dtype=np.int64), np.zeros((1, 4), np.float32)
+    assert exact_top(score_range, cu, q, 2, "dice", 0.0) == [[(2, 0.9), (0, 0.5)]]
+    full = exact_top(score_range, cu, q, 5, "dice", 0.0)[0]
+    assert [d for d, _ in full] == [2, 0, 3, 1, 4] and [v for _, v in full[3:]] == [-np.inf, -np.inf]

@@ -322,3 +322,17 @@ def test_late_chunking_flags_reach_the_encoder(tmp_path, cached_encoders):
     want = encoder(chunk_size=32, strategy="late", window_tokens=128, window_overlap=16).encode_documents(docs)
     assert_close(np.load(out), want, 1e-5, what="late rows")
     assert not np.allclose(np.load(out), encoder(chunk_size=32).encode_documents(docs), atol=1e-3)
+
+
+def test_shards_hold_shard_rows_when_windows_straddle_them(tmp_path, cached_encoders):
+    """Windows of documents (--max-batch-tokens x 64 characters) that do not line up with
+    --shard-rows still give shards of exactly --shard-rows rows, committed as they fill."""
+    docs = corpus_docs(23, seed=3)
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    common = ["--id-field", "id", "--chunk-size", "16", "--max-batch-tokens", "32", "-q"]
+    assert main(["encode", str(src), "-o", str(tmp_path / "shards") + "/", "--shard-rows", "4", *common]) == 0
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    assert [s["rows"] for s in manifest["shards"]] == [4, 4, 4, 4, 4, 3]
+    assert [s["first_id"] for s in manifest["shards"]] == [f"doc{i:04d}" for i in range(0, 23, 4)]
+    ids, _ = load_embeddings(tmp_path / "shards")
+    assert ids == [f"doc{i:04d}" for i in range(23)]

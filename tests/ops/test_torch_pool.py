@@ -319,3 +319,34 @@ def test_cuda_matches_ref(H):
         for nc in (False, True):
             args = (chunks, cu_doc, w, agg, 3, 0.7, nc, True)
             assert_close(aggregate(*args), aggregate_documents_ref(*args), *F32_TOL, what=f"cuda {agg} nc={nc} H={H}")
+
+
+def test_document_normalisation_clamps_at_1e_12_not_more():
+    """A document vector of small but non-zero norm (1e-6) is still scaled to unit length
+    (spec: divide by max(norm, 1e-12))."""
+    import torch
+    from dice_fast.ops.spec import aggregate_documents_ref
+    from dice_fast.ops.torch_pool import aggregate_documents_torch
+
+    torch.manual_seed(0)
+    chunks = torch.randn(5, 8, dtype=torch.float32) * 1e-6
+    cu = torch.tensor([0, 2, 5], dtype=torch.int64)
+    for agg in ("mean", "max"):
+        got = aggregate_documents_torch(chunks, cu, None, agg)
+        torch.testing.assert_close(got.norm(dim=1), torch.ones(2), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, aggregate_documents_ref(chunks, cu, None, agg), rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_norm_survives_large_norms_over_a_small_temperature():
+    """softmax_norm weights with norm / temperature ~ 1e4 (exp overflows without the segment max)."""
+    import torch
+    from dice_fast.ops.spec import aggregate_documents_ref
+    from dice_fast.ops.torch_pool import aggregate_documents_torch
+
+    torch.manual_seed(0)
+    chunks = torch.randn(6, 8, dtype=torch.float32) * 300
+    cu = torch.tensor([0, 3, 6], dtype=torch.int64)
+    got = aggregate_documents_torch(chunks, cu, None, "softmax_norm", temperature=0.1)
+    assert torch.isfinite(got).all()
+    want = aggregate_documents_ref(chunks, cu, None, "softmax_norm", temperature=0.1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
