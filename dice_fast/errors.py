@@ -161,7 +161,7 @@ class NonFiniteOutput(DiceError, RuntimeError):
     def __init__(self, index: int, precision: str, name: str | None = None):
         self.index, self.precision = int(index), precision.split(" (")[0]
         self.name = name or f"input[{self.index}]"
-        super().__init__(f"the model's output for {self.name} is not finite (NaN or infinite) in {precision}: the "
+        super().__init__(f"the model's output for {self.name} is not finite (NaN or infinite) in {self.precision}: the "
                          "model overflows this precision, or its weights hold NaN; encode it in float32 (or "
                          "bfloat16, whose range is float32's)")
 

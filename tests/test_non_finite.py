@@ -58,6 +58,12 @@ def test_the_input_is_named_and_the_others_are_exact(tmp_path):
     np.testing.assert_allclose(enc.encode_documents(TEXTS), clean.documents, atol=1e-6)
 
 
+def test_the_message_names_the_precision_not_an_openvino_identity():
+    """The server sends the message to its clients: an OpenVINO model's identity (versions, hashes) stays in."""
+    error = NonFiniteOutput(3, "int8 (openvino 2026.4.1, model 1a2b, calibration 3c4d)").renamed("input[3]")
+    assert "input[3] is not finite (NaN or infinite) in int8:" in str(error) and "openvino" not in str(error)
+
+
 def test_an_index_refuses_a_query_the_model_cannot_encode():
     """A query vector array with NaN was refused, but a query string encoding to NaN returned no hits."""
     enc = encoder()
