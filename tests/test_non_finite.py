@@ -60,7 +60,7 @@ def test_the_input_is_named_and_the_others_are_exact(tmp_path):
 
 def test_the_message_names_the_precision_not_an_openvino_identity():
     """The server sends the message to its clients: an OpenVINO model's identity (versions, hashes) stays in."""
-    error = NonFiniteOutput(3, "int8 (openvino 2026.4.1, model 1a2b, calibration 3c4d)").renamed("input[3]")
+    error = NonFiniteOutput(3, "int8 (openvino 2026.4.1, model 1a2b, calibration 3c4d)", "input[3]")
     assert "input[3] is not finite (NaN or infinite) in int8:" in str(error) and "openvino" not in str(error)
 
 
