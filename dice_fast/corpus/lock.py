@@ -36,14 +36,14 @@ import stat
 import sys
 from pathlib import Path
 
-from ..errors import WriteError, writing
+from ..errors import DiceError, WriteError, writing
 from ..folder_guard import folder_guard
 from ..side_files import side_stem
 
 _SPLIT_LOCK = re.compile(r"^\.dice-fast(?:-(\d+)of(\d+))?\.lock$")
 
 
-class OutputLocked(ValueError):
+class OutputLocked(DiceError, ValueError):
     """Another live job holds the output (a ValueError: the command reports it in one line, exit 2)."""
 
 

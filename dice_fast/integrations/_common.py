@@ -16,6 +16,8 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+from ..errors import DiceError
+
 
 class _Abandoned(Exception):
     """Raised in the worker thread of a call whose caller was cancelled (nobody reads it)."""
@@ -145,7 +147,7 @@ def hit_metadata(hit, scoring: str) -> dict:
             "start_char": int(hit.start_char), "end_char": int(hit.end_char), "chunk_score": float(hit.chunk_score)}
 
 
-class QueryTooLong(ValueError):
+class QueryTooLong(DiceError, ValueError):
     """A query longer than the model window, refused in-process and through a server alike; ``index``:
     its position among the texts of the call."""
 
