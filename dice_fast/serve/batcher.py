@@ -99,28 +99,27 @@ class AsyncDiceEncoder(RequestSide, WorkerLoop):
                  max_response_floats: int = DEFAULT_LIMITS["max_response_floats"],
                  max_batch_tokens: int | None = None, cross_request_batching: bool = True,
                  auto_truncate: bool = False, cache_memory_mb: int = DEFAULT_CACHE_MEMORY_MB):
-        (max_inputs_per_request, max_input_chars, max_tokens_per_document, max_queue_tokens, max_concurrent_requests,
-         max_response_floats, max_batch_tokens, cache_memory_mb, request_timeout) = check_limits(  # plain ints
+        limit = check_limits(  # by name, each count a plain int (a numpy integer is the int it holds)
             max_inputs_per_request=max_inputs_per_request, max_input_chars=max_input_chars,
             max_tokens_per_document=max_tokens_per_document, max_queue_tokens=max_queue_tokens,
             max_concurrent_requests=max_concurrent_requests, max_response_floats=max_response_floats,
-            max_batch_tokens=max_batch_tokens, cache_memory_mb=cache_memory_mb, request_timeout=request_timeout).values()
+            max_batch_tokens=max_batch_tokens, cache_memory_mb=cache_memory_mb, request_timeout=request_timeout)
         self.encoder = encoder
         # CPU: trim the heap (`dice_fast.cpu_heap`) once the queue has been empty this long, and at
         # most busy_trim_s apart under load
         self._trims_heap = getattr(getattr(encoder, "device", None), "type", None) == "cpu"
         self.idle_trim_s, self.busy_trim_s = IDLE_TRIM_S, BUSY_TRIM_S
-        self.cache_memory_mb = cache_memory_mb
-        memory = MemoryCache(cache_memory_mb << 20) if cache_memory_mb else None
-        self._queue = encoder.chunk_queue(max_batch_tokens, memory=memory)
-        self.max_inputs_per_request = max_inputs_per_request
-        self.max_tokens_per_document = max_tokens_per_document
-        self.max_queue_tokens = max_queue_tokens or QUEUE_BATCHES * self._queue.max_batch_tokens
-        self.max_concurrent_requests = max_concurrent_requests
+        self.cache_memory_mb = limit["cache_memory_mb"]
+        memory = MemoryCache(self.cache_memory_mb << 20) if self.cache_memory_mb else None
+        self._queue = encoder.chunk_queue(limit["max_batch_tokens"], memory=memory)
+        self.max_inputs_per_request = limit["max_inputs_per_request"]
+        self.max_tokens_per_document = limit["max_tokens_per_document"]
+        self.max_queue_tokens = limit["max_queue_tokens"] or QUEUE_BATCHES * self._queue.max_batch_tokens
+        self.max_concurrent_requests = limit["max_concurrent_requests"]
         self.request_timeout = float(request_timeout)
-        self.max_response_floats = max_response_floats
-        self.max_input_chars = max_input_chars or default_max_input_chars(max_tokens_per_document,
-                                                                          self.max_queue_tokens)
+        self.max_response_floats = limit["max_response_floats"]
+        self.max_input_chars = limit["max_input_chars"] or default_max_input_chars(self.max_tokens_per_document,
+                                                                                   self.max_queue_tokens)
         self.auto_truncate = bool(auto_truncate)
         self.cross_request_batching = cross_request_batching
         self._piece_chars = piece_chars(encoder)
