@@ -126,10 +126,10 @@ def _refuse_encoding_flags(args) -> None:
              ("--[no-]store-text", args.store_text, None))
     given = encoder_flags_given(args) + [flag for flag, value, default in texts if value != default]
     if given:
+        them = "it" if len(given) == 1 else "them"
         raise OptionError(f"{args.input} is an encode --chunks output, indexed with the model and options it was "
                           f"encoded with (and without texts): {', '.join(given)} would change nothing; drop "
-                          f"{'it' if len(given) == 1 else 'them'}, or encode the texts again with "
-                          f"{'it' if len(given) == 1 else 'them'}")
+                          f"{them}, or encode the texts again with {them}")
 
 
 def _push(args) -> int:
