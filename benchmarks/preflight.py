@@ -650,8 +650,14 @@ def _count_variants() -> int:
     import test_gpu
     import test_triton_pool as ttp
 
+    from dice_fast import engine
     from dice_fast.ops import triton_pool as tp
 
+    # the recorded kernels write nothing, so their outputs hold whatever memory held: fill it with
+    # NaN every time (not at random), and switch off the engine's check for a non-finite output
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    engine.non_finite_document = lambda *a, **k: None
     seen: set = set()
     for name in [n for n in dir(tp) if n.endswith("_kernel")]:
         setattr(tp, name, _LaunchRecorder(getattr(tp, name), seen))
