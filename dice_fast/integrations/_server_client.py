@@ -32,7 +32,7 @@ import weakref
 import numpy as np
 
 from ..config import checked_integer
-from ..errors import require
+from ..errors import DiceError, require
 from ._common import QueryTooLong, jsonable
 from ._retry import RetryPolicy
 
@@ -132,14 +132,15 @@ async def _closed_with_its_loop(client):
         await client.aclose()
 
 
-class DiceServerError(RuntimeError):
-    """A running ``dice-fast serve`` refused or failed a request, or could not be reached; ``status`` is
+class DiceServerError(DiceError, RuntimeError):
+    """A running ``dice-fast serve`` refused or failed a request, or could not be reached (a `DiceError`,
+    so one ``except DiceError`` covers an adapter in-process and through a server); ``status`` is
     its HTTP status (None: no response came, e.g. a refused connection or a timeout); ``param``: the
     field the server blamed (``"input[7]"``, ``"dimensions"`` ...; None when it named none). An input is
     named by its position in the whole call, in ``param`` and in the message alike."""
 
     def __init__(self, message: str, status: int | None, param: str | None = None):
-        super().__init__(message)
+        Exception.__init__(self, message)  # not super(): in ServerQueryTooLong that is QueryTooLong's
         self.status = status
         self.param = param
 

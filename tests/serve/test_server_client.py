@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import pytest
 
+from dice_fast.errors import DiceError
 from dice_fast.integrations._common import QueryTooLong
 from dice_fast.integrations._embedder import LocalEmbedder
 from dice_fast.integrations._server_client import DiceServerError, ServerEmbedder, ServerQueryTooLong
@@ -71,6 +72,7 @@ def test_429_and_503_are_retried_after_retry_after_with_jitter(tiny_encoder, wan
         with pytest.raises(DiceServerError, match="answered 500") as e:
             ServerEmbedder(s.url, max_retries=5).documents(TEXTS)  # a server error is not a reason to wait
         assert e.value.status == 500 and len(app.seen) == n + 1
+        assert isinstance(e.value, DiceError) and isinstance(e.value, RuntimeError)  # one except for in- and out-of-process
 
 
 def test_a_server_that_is_not_listening_yet_is_retried_then_reached(tiny_encoder, want):
@@ -137,6 +139,7 @@ def test_a_query_over_the_window_is_refused_alike_in_process_and_through_a_serve
             ServerEmbedder(s.url).queries(texts)
     assert isinstance(served.value, ServerQueryTooLong) and isinstance(served.value, DiceServerError)
     assert served.value.status == 413 and served.value.index == local.value.index == 1
+    assert served.value.param == "input[1]" and isinstance(served.value, DiceError)
     with ServerThread(create_app(tiny_encoder, auto_truncate=True)) as s:  # the operator's choice: cut, as offline
         with pytest.warns(UserWarning, match="1 queries longer than the model window were cut.*query 1 of this call"):
             got = ServerEmbedder(s.url).queries(texts)
