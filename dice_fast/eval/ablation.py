@@ -63,7 +63,7 @@ def normalize_chunks_table(results: Sequence[EvalResult], metric: str = "hit@1")
                 cells += ["–"] * 3
                 continue
             norm, raw = r.metrics[v[True]][metric], r.metrics[v[False]][metric]
-            a, b = macro_average(norm, r.split)["avg"], macro_average(raw, r.split)["avg"]
+            a, b = macro_average(norm, r.length_split)["avg"], macro_average(raw, r.length_split)["avg"]
             diffs.append(100 * (b - a))
             cells += [f"{100 * a:.1f}", f"{100 * b:.1f}", f"{100 * (b - a):+.1f}"]
             for g in r.groups:
@@ -112,7 +112,7 @@ def alpha_table(results: Sequence[EvalResult], normalize_chunks: bool | None = N
             col = f"{r.task} {'late ' if strategy_of(r, m) == 'late' else ''}k={mi['chunk_size']}"
             if col not in cols:
                 cols.append(col)
-            per.setdefault(mi["alpha"], {})[col] = macro_average(r.metrics[m][metric], r.split)["avg"]
+            per.setdefault(mi["alpha"], {})[col] = macro_average(r.metrics[m][metric], r.length_split)["avg"]
     if not per:
         raise ValueError("no hybrid rows with an alpha grid in these results (run with --hybrid-alphas)")
     means = {a: float(np.mean([v[c] for c in cols if c in v])) for a, v in per.items()}
@@ -150,13 +150,13 @@ def scoring_table(res: EvalResult, metrics: Sequence[str] = ("hit@1", "evidence@
             continue
         label = mi["label"].replace(" (norm chunks)", "").replace(" (raw chunks)", "")
         rows[label] = [res.metrics[m].get(x, {}) for x in metrics]
-    lo, hi = side_names(res.split)
+    lo, hi = side_names(res.length_split)
     sample = next(iter(rows.values()))[0]
-    sides = [x for x in (lo, hi) if x in macro_average(sample, res.split)]
+    sides = [x for x in (lo, hi) if x in macro_average(sample, res.length_split)]
     head = ["method"] + [x.replace("<=", "≤") for x in sides] + [length_label(g) for g in res.groups]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for label, pers in rows.items():
-        avgs = [macro_average(p, res.split) for p in pers]
+        avgs = [macro_average(p, res.length_split) for p in pers]
         cells = [" / ".join(_pct(a.get(x)) for a in avgs) for x in sides]
         cells += [" / ".join(_pct(p.get(g)) for p in pers) for g in res.groups]
         lines.append("| " + " | ".join([label] + cells) + " |")

@@ -179,7 +179,7 @@ def cmd_eval(args) -> int:
                           args.seed, args.split)
         print(f"[{task.name}] {len(task.corpus)} documents, {len(task.queries)} queries "
               f"(built in {time.perf_counter() - t0:.1f} s)", flush=True)
-        res = run_eval(task, enc, chunk_sizes=chunk_sizes, aggregations=args.aggregations, split=args.length_split,
+        res = run_eval(task, enc, chunk_sizes=chunk_sizes, aggregations=args.aggregations, length_split=args.length_split,
                        seed=args.seed if task.doc_tokens is not None else None, check_docs=args.check_docs,
                        cache_dir=args.cache_dir, scorings=[x for x in args.scorings if x != "none"],
                        hybrid_alphas=args.hybrid_alphas, strategies=args.strategies,

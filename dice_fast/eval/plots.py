@@ -95,8 +95,8 @@ def _length_axis(ax, res: EvalResult) -> None:
     ax.minorticks_off()
     if min(xs) <= res.window <= max(xs):
         ax.axvline(res.window, color="grey", ls=":", lw=1)
-    if min(xs) <= res.split < max(xs):
-        ax.axvspan(res.split * 1.41, max(xs) * 1.25, color="grey", alpha=0.07, lw=0)
+    if min(xs) <= res.length_split < max(xs):
+        ax.axvspan(res.length_split * 1.41, max(xs) * 1.25, color="grey", alpha=0.07, lw=0)
     ax.set_xlabel("context length (tokens)")
     ax.grid(alpha=0.3)
 
@@ -142,7 +142,7 @@ def plot_hit_vs_length(res: EvalResult, path, metric: str = "hit@1") -> None:
         axes[0][0].set_ylabel(f"{metric} (%)")
         handles, labels = axes[0][0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
-        sides = "; shaded: > " + side_names(res.split)[1][1:] if max(xs) > res.split else ""
+        sides = "; shaded: > " + side_names(res.length_split)[1][1:] if max(xs) > res.length_split else ""
         fig.suptitle(f"{res.task}: {metric} vs context length — {res.info['model']}, {res.info['dtype']}, "
                      f"{res.extra['docs_per_length']} candidates / length\n(dotted: model window "
                      f"{res.window}{sides})", fontsize=9)

@@ -158,7 +158,7 @@ def format_report(res: EvalResult) -> str:
     for metric, title in METRICS:
         rows = {res.method_info[m]["label"]: res.metrics[m][metric] for m in res.methods if metric in res.metrics[m]}
         if rows:
-            lines += [format_table(rows, res.groups, res.split, title=title), ""]
+            lines += [format_table(rows, res.groups, res.length_split, title=title), ""]
     if res.extra.get("chunks_per_doc"):
         lines += [format_storage(res), ""]
     if res.edi:
@@ -177,12 +177,12 @@ def format_report(res: EvalResult) -> str:
                 med, share = edi_by_length(res, k)
                 kept = {g: int((res.edi[k].kept & (res.edi_group == g)).sum()) for g in res.groups}
                 lab = {n: ("single" if n == "single" else res.method_info[n]["label"]) for n in med}
-                lines += [format_table({lab[n]: share[n] for n in share}, res.groups, res.split,
+                lines += [format_table({lab[n]: share[n] for n in share}, res.groups, res.length_split,
                                        title=f"Share of samples with EDI(DICE) < EDI(single) by length (%), chunk "
                                              f"size {k} (kept samples per length: "
                                              + ", ".join(f"{length_label(g)}: {c}" for g, c in kept.items()) + ")",
                                        averages=False), "",
-                          format_table({lab[n]: med[n] for n in med}, res.groups, res.split, scale=1.0, digits=2,
+                          format_table({lab[n]: med[n] for n in med}, res.groups, res.length_split, scale=1.0, digits=2,
                                        title=f"Median EDI by length, chunk size {k}", averages=False), ""]
     tl = ", ".join(f"{name} {t['seconds']:.1f} s" + (f" ({t['tokens'] / max(t['seconds'], 1e-9):,.0f} tok/s)"
                                                        if t["tokens"] else "") for name, t in res.timings.items())
@@ -224,7 +224,7 @@ def csv_rows(res: EvalResult) -> list[dict]:
                 if g in per:
                     add(m, g, metric, per[g], res.n_queries.get(g, ""))
             if res.groups != [GROUP_ALL]:
-                for side, v in macro_average(per, res.split).items():
+                for side, v in macro_average(per, res.length_split).items():
                     add(m, side, metric, v)
     for k, st in res.edi.items():
         for r in _edi_rows(res):

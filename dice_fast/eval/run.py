@@ -121,7 +121,7 @@ class EvalResult:
     timings: dict
     check: dict
     info: dict
-    split: int = 4096
+    length_split: int = 4096
     window: int = 0
     aggregations: tuple = ()
     chunk_sizes: tuple = ()
@@ -200,7 +200,7 @@ def _run_info(encoder, task, seed) -> dict:
 
 
 def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
-             aggregations: Sequence[str] = DEFAULT_AGGREGATIONS, split: int = 4096, seed: int | None = None,
+             aggregations: Sequence[str] = DEFAULT_AGGREGATIONS, length_split: int = 4096, seed: int | None = None,
              check_docs: int = 2, min_margin: float = 0.01, show_progress: bool = True,
              cache_dir=None, normalize_chunks: Sequence[bool] | None = None,
              scorings: Sequence[str] = ("maxsim", "hybrid"), hybrid_alphas: Sequence[float] | None = None,
@@ -209,7 +209,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
 
     task: a `dice_fast.eval.tasks.Task`; encoder: a `DiceEncoder` whose options (pooling, prefixes,
     top_k, temperature, normalize_chunks, normalize, overlap, positions ...) are used for every
-    method, with ``chunk_size`` / ``aggregation`` / ``strategy`` set per method. ``split``: lengths
+    method, with ``chunk_size`` / ``aggregation`` / ``strategy`` set per method. ``length_split``: lengths
     at most / above it make the report's "≤4k" / ">4k" columns. ``check_docs``: the first documents
     of the task are also encoded by the engine with each method's options and compared with the
     vectors derived from chunks (`EvalResult.check`; a warning above 1e-4 in float32, 5e-2
@@ -290,7 +290,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     metrics, n_queries = {}, {}
 
     def score(key, idx, evidence=None):
-        ev = evaluate_ranking(idx, task.qrels, query_groups=qg, split_at=split,
+        ev = evaluate_ranking(idx, task.qrels, query_groups=qg, split_at=length_split,
                               per_query=None if evidence is None else {"evidence@1": evidence})
         names = [m for m in ev["per_query"]]
         if local:
@@ -372,7 +372,7 @@ def run_eval(task, encoder, *, chunk_sizes: Sequence[int] = (64, 128, 254),
     edi_group = (np.full(int(has_gold.sum()), -1, np.int64) if local else np.asarray(task.query_length)[has_gold])
     return EvalResult(
         task=task.name, groups=groups, methods=methods, method_info=method_info, metrics=metrics,
-        n_queries=n_queries, edi=edi, edi_group=edi_group, timings=timings, check=check, info=info, split=split,
+        n_queries=n_queries, edi=edi, edi_group=edi_group, timings=timings, check=check, info=info, length_split=length_split,
         window=single_enc.window, aggregations=aggregations, chunk_sizes=chunk_sizes,
         extra={"n_docs": len(task.corpus), "n_queries": len(task.queries),
                "docs_per_length": _per_group(task.doc_length) if not local else len(task.corpus),

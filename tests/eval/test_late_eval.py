@@ -111,7 +111,7 @@ def test_ablation_keeps_dice_and_late_apart(dice_and_late):
                               ("late", 16, "mean"): {True: "late-k16-mean-norm", False: "late-k16-mean-raw"}}
 
     def pct(key, metric="hit@1"):
-        return f"{100 * macro_average(res.metrics[key][metric], res.split)['avg']:.1f}"
+        return f"{100 * macro_average(res.metrics[key][metric], res.length_split)['avg']:.1f}"
 
     md, _ = normalize_chunks_table([res])
     assert f"| 16 | mean | {pct('k16-mean-norm')} | {pct('k16-mean-raw')} |" in md
