@@ -45,6 +45,13 @@ class ServerThread:
             time.sleep(0.02)
         return self
 
+    def wait_ready(self, timeout: float = 30.0) -> ServerThread:
+        """Wait until ``/health`` answers 200: the worker's warm-up forward is done (before it, 503)."""
+        import httpx
+
+        wait_until(lambda: httpx.get(self.url + "/health").status_code == 200, timeout, what="the warm-up")
+        return self
+
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(30)

@@ -54,7 +54,7 @@ def test_a_request_holds_its_share_until_its_response_is_sent(tiny_encoder):
     body = json.dumps({"input": ["word"] * n}).encode()
     app = create_app(tiny_encoder, max_inputs_per_request=n, max_concurrent_requests=1, max_queue_tokens=10**6)
     with ServerThread(app, write_timeout=1.5) as server, httpx.Client(base_url=server.url, timeout=60) as http:
-        wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
+        server.wait_ready()
         core = app.state.core
         sock = post_unread(server.port, body)
         try:
@@ -78,7 +78,7 @@ def test_the_response_budget_refuses_before_any_work(tiny_encoder, monkeypatch):
     long_doc = word_texts(1, 800, 800, seed=50)[0]  # 50 chunks
     with ServerThread(create_app(proxy, max_response_floats=1000)) as server, \
             httpx.Client(base_url=server.url, timeout=60) as http:
-        wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
+        server.wait_ready()
         ran, counting = len(proxy.batches), CountingTokenizer(tiny_encoder.engine_tokenizer)
         monkeypatch.setattr(tiny_encoder, "engine_tokenizer", counting)  # the engine tokenizes through its own copy
         r = http.post("/v1/embeddings", json={"input": ["word"] * 40})
@@ -102,7 +102,7 @@ def test_evidence_is_charged_for_its_rows_not_for_the_chunk_vectors_it_scores(ti
     app = create_app(proxy, max_response_floats=32 * 10, max_inputs_per_request=60, max_tokens_per_document=500,
                      max_queue_tokens=1000)
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
-        wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
+        server.wait_ready()
         r = http.post("/v1/embeddings", json={"input": [doc], "return_chunks": True})  # chunk vectors returned
         assert r.status_code == 413 and "(1 inputs + 25 chunks) x 32 floats" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "input"
@@ -138,7 +138,7 @@ def test_one_evidence_request_is_one_request(tiny_encoder, monkeypatch):
     docs = word_texts(3, 100, 200, seed=51)
     app = create_app(proxy, max_concurrent_requests=1, max_tokens_per_document=400)
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
-        wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
+        server.wait_ready()
         r = http.post("/v1/evidence", json={"query": "word another", "documents": docs})
         assert r.status_code == 200, r.text
         assert [row["index"] for row in r.json()["data"]] == [0, 1, 2]
