@@ -57,7 +57,7 @@ from .errors import (DeadlineExceeded, InvalidRequest, ModelNotFound, ModelOutpu
                      RequestTooLarge, ServeError, ShuttingDown, Unauthorized, Unhealthy, UnsupportedMediaType,
                      internal_error_body, quote, was_logged)
 from .evidence import add_evidence_route
-from .guards import BearerAuth, HostGuard, check_api_key
+from .guards import BearerAuth, HostGuard, OriginForm, check_api_key
 from .limits import check_limits, default_max_body_bytes
 from .server import SERVER_DEFAULTS
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -132,8 +132,9 @@ def create_app(encoder, *, model_name: str | None = None, api_key: str | None = 
     app.state.max_body_bytes = body_limit
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=check_api_key(api_key), on_refused=metrics.observe_unauthorized)
-    if allowed_hosts is not None:  # outermost: a page re-bound to this address learns nothing, key or not
+    if allowed_hosts is not None:  # before the key: a page re-bound to this address learns nothing, key or not
         app.add_middleware(HostGuard, allowed=list(allowed_hosts), on_refused=metrics.observe_wrong_host)
+    app.add_middleware(OriginForm)  # before the Host check: an absolute-form target's authority is the Host
 
     def closing(request: Request, headers: dict) -> dict:
         """``headers``, with ``Connection: close`` for a request whose body was not read whole: the rest

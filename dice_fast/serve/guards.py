@@ -1,7 +1,8 @@
-"""ASGI middleware in front of the app: the API key (`BearerAuth`) and the ``Host`` check (`HostGuard`).
-Both answer in OpenAI's error shape before the app sees the request and before any body is read.
+"""ASGI middleware in front of the app: the API key (`BearerAuth`), the ``Host`` check (`HostGuard`), and
+absolute-form request targets read as origin-form (`OriginForm`). The first two answer in OpenAI's error
+shape before the app sees the request and before any body is read.
 
-    app = HostGuard(BearerAuth(app, "KEY"), allowed_hosts("127.0.0.1", ["embed.example.com"]))
+    app = OriginForm(HostGuard(BearerAuth(app, "KEY"), allowed_hosts("127.0.0.1", ["embed.example.com"])))
 
 Why the ``Host`` check: a server without a key on 127.0.0.1 is reachable from any web page the user
 opens, through DNS rebinding (``evil.example`` re-resolved to 127.0.0.1): the browser then sends
@@ -16,6 +17,7 @@ import hashlib
 import hmac
 import ipaddress
 from typing import Iterable
+from urllib.parse import unquote
 
 from starlette.responses import JSONResponse
 
@@ -77,6 +79,27 @@ class HostGuard:
                              "a name must be allowed with --allowed-hosts)", param="Host")
         exc.code = "host_not_allowed"
         await JSONResponse(exc.body(), status_code=400, headers={"Connection": "close"})(scope, receive, send)
+
+
+class OriginForm:
+    """ASGI middleware: a request whose target is in absolute form (``POST http://host:port/v1/embeddings``,
+    which RFC 9112 3.2.2 says a server MUST accept) is passed on with the target's path and query, and
+    its authority as the ``Host`` header, which the RFC says such a target replaces. uvicorn's h11
+    protocol left the whole URL as the path: every route answered 404. Outermost, so `HostGuard` checks
+    the authority the request named."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        target = scope.get("raw_path") or b""
+        scheme, sep, rest = target.partition(b"://")
+        if scope["type"] == "http" and sep and scheme.lower() in (b"http", b"https"):
+            authority, slash, path = rest.partition(b"/")
+            raw_path = b"/" + path if slash else b"/"
+            headers = [(k, v) for k, v in scope["headers"] if k != b"host"] + [(b"host", authority)]
+            scope = dict(scope, raw_path=raw_path, path=unquote(raw_path.decode("latin-1")), headers=headers)
+        return await self.app(scope, receive, send)
 
 
 def allowed_hosts(bind: str, extra: Iterable[str] = ()) -> list[str]:

@@ -32,7 +32,7 @@ def held():
 def server(held):
     app = create_app(held, max_body_bytes=100_000, allowed_hosts=["127.0.0.1"])
     with ServerThread(app, read_timeout=1.0) as s:
-        yield s
+        yield s.wait_ready()  # a test that holds the forward back may not catch the warm-up behind it
 
 
 def exchange(port: int, data: bytes, seconds: float = 10.0) -> tuple[list[bytes], bool]:
@@ -119,3 +119,16 @@ def test_head_parse_errors_and_compressed_bodies(server):
             % (len(BODY), BODY))  # plain bytes labelled gzip were embedded; real gzip said "not UTF-8"
     statuses, closed = exchange(server.port, gzip)
     assert statuses == [b"HTTP/1.1 415 Unsupported Media Type"], statuses
+
+
+def test_an_absolute_form_target_is_read_as_its_path(server):
+    """RFC 9112 3.2.2: a server MUST accept a target in absolute form; uvicorn's h11 protocol left the
+    whole URL as the path, and every route answered 404. Its authority replaces the Host header, so the
+    Host check judges the name the request gave."""
+    post = b"POST http://127.0.0.1:%d/v1/embeddings HTTP/1.1\r\n" % server.port
+    statuses, _ = exchange(server.port, post + HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+    assert statuses == [b"HTTP/1.1 200 OK"], statuses
+    for target, want in ((b"HTTP://127.0.0.1/v1/models?limit=1", b"200 OK"), (b"http://127.0.0.1", b"404 Not Found"),
+                         (b"http://evil.example/health", b"400 Bad Request")):  # Host: 127.0.0.1 beside it
+        statuses, _ = exchange(server.port, b"GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % target)
+        assert statuses == [b"HTTP/1.1 " + want], (target, statuses)
