@@ -132,3 +132,28 @@ def test_an_absolute_form_target_is_read_as_its_path(server):
                          (b"http://evil.example/health", b"400 Bad Request")):  # Host: 127.0.0.1 beside it
         statuses, _ = exchange(server.port, b"GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % target)
         assert statuses == [b"HTTP/1.1 " + want], (target, statuses)
+
+
+def chunked(pieces: list[bytes]) -> bytes:
+    """A POST /v1/embeddings whose body is sent in ``pieces``, as chunks of a chunked body."""
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    return b"POST /v1/embeddings HTTP/1.1\r\n" + HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + body
+
+
+def test_a_body_in_thousands_of_tiny_pieces_is_refused_early(server):
+    """h11 parses each chunk in Python on the event loop: 2 MiB in 1-byte chunks held it ~21 s, stalling
+    every other client. Past 4,096 pieces a body must average 32 bytes a piece."""
+    from dice_fast.serve.server import MANY_PIECES
+
+    text = BODY[:-3] + b" " * (MANY_PIECES - 100 - len(BODY)) + BODY[-3:]  # the same request, 1-byte pieces
+    statuses, _ = exchange(server.port, chunked([bytes([c]) for c in text]))  # under the bound: served
+    assert statuses == [b"HTTP/1.1 200 OK"], statuses
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(chunked([b" "] * 50_000))
+        answer = b""
+        while part := sock.recv(1 << 16):  # the server closes after its answer
+            answer += part
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert b"more than 4096 pieces of 1.0 bytes on average" in answer and b"bad_http_request" in answer, answer
+    statuses, _ = exchange(server.port, chunked([BODY[i:i + 32] for i in range(0, len(BODY), 32)]))
+    assert statuses == [b"HTTP/1.1 200 OK"], statuses  # the server serves on
