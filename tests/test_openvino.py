@@ -7,6 +7,7 @@ model; every option it cannot take is refused naming the culprit."""
 from __future__ import annotations
 
 import copy
+import ctypes
 import importlib.util
 import os
 import time
@@ -431,3 +432,45 @@ def test_weights_stay_float32_and_one_export_serves_both_precisions(ov_cache):
     assert len(model_cache.cached_models(ov_cache, "openvino")) == 1 and bf16.precision != fp32.precision
     enc = DiceEncoder.from_pretrained(runtime="openvino", dtype="bfloat16")
     assert enc.device.type == "cpu" and next(enc.model.parameters()).dtype == torch.float32
+
+
+class _SignalStack(ctypes.Structure):  # the C library's stack_t
+    _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+
+
+def _signal_stack() -> tuple[int, bool]:
+    """(address, mapped): this thread's alternate signal stack, and whether its memory is mapped."""
+    stack = _SignalStack()
+    ctypes.CDLL(None).sigaltstack(None, ctypes.byref(stack))
+    sp = stack.ss_sp or 0
+    spans = (line.split()[0].split("-") for line in Path("/proc/self/maps").read_text().splitlines())
+    return sp, sp == 0 or any(int(lo, 16) <= sp < int(hi, 16) for lo, hi in spans)
+
+
+@needs_openvino
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the signal stack from /proc/self/maps")
+def test_encoders_freed_oldest_first_leave_the_signal_stack_mapped(ov_cache, monkeypatch):
+    """OpenVINO's CPU plugin (one per Core) gives the thread an alternate signal stack, and when destroyed
+    restores the one it found and unmaps its own. With a Core per compiled model, two encoders freed
+    oldest first left the thread on an unmapped stack: its next Ctrl-C or SIGTERM was a segmentation
+    fault (a random test order found it: pytest itself died on the SIGTERM test)."""
+    import gc
+    from collections import deque
+
+    monkeypatch.setattr(ovq, "_MEMO", {})
+    monkeypatch.setattr(ovq, "_RECENT", deque(maxlen=0))  # the encoders hold the only references
+    model, tok, *_ = tiny("bert")
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.embeddings.word_embeddings.weight[7, 0] += 1.0
+    first = DiceEncoder(model, tok, runtime="openvino", chunk_size=K)
+    second = DiceEncoder(changed, tok, runtime="openvino", chunk_size=K)
+    ovq._MEMO.clear()
+    del first
+    gc.collect()
+    del second
+    gc.collect()
+    sp, mapped = _signal_stack()
+    if not mapped:  # no alternate stack rather than a dangling one, for the signals of the tests after this
+        ctypes.CDLL(None).sigaltstack(ctypes.byref(_SignalStack(None, 2, 0)), None)  # 2: SS_DISABLE
+    assert mapped, f"the thread's alternate signal stack {sp:#x} is unmapped: a signal would crash the process"

@@ -61,6 +61,7 @@ _MEMO: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _KEEP = 4
 _RECENT: deque = deque(maxlen=_KEEP)
 _LOCK = threading.Lock()
+_CORE: list = []  # the process's one ov.Core (see _core)
 
 
 def _versions() -> dict:
@@ -228,7 +229,7 @@ def _load(folder: Path, write, props: dict, width: int | None, name) -> OpenVino
         found = _MEMO.get(memo)  # (a weak entry may go between a test and a read)
         if found is not None:
             return found
-        core = ov.Core()
+        core = _core()
         read = read_or_write(core, folder, write)
         dynamic = core.compile_model(read, "CPU", props)
         fixed = None
@@ -242,6 +243,20 @@ def _load(folder: Path, write, props: dict, width: int | None, name) -> OpenVino
         compiled = _MEMO[memo] = OpenVinoModel(dynamic, fixed, width, name(rest), rest)
         _RECENT.append(compiled)
         return compiled
+
+
+def _core():
+    """The process's one ``ov.Core``, made on first use and never destroyed (called under `_LOCK`).
+    OpenVINO's CPU plugin, one per Core, gives the thread that first compiles on it an alternate signal
+    stack of its own, and when destroyed restores the one it found and unmaps its own: Cores that went
+    in another order than they came (two encoders, or `dtype="auto"`'s candidates, freed oldest first)
+    left the thread on an unmapped stack, and its next signal (Ctrl-C, SIGTERM, a timer) was a
+    segmentation fault instead of an interrupt."""
+    import openvino as ov
+
+    if not _CORE:
+        _CORE.append(ov.Core())
+    return _CORE[0]
 
 
 def int8_model(model, calibration, cache_root: Path, fingerprint: str, takes_positions: bool, threads: int,
