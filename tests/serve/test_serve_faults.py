@@ -212,7 +212,7 @@ def test_health_is_starting_until_the_warm_up_and_draining_on_sigterm(tiny_encod
         proxy.running.wait(60)
         starting = httpx.get(server.url + "/health")
         proxy.gate.set()
-        wait_until(lambda: httpx.get(server.url + "/health").status_code == 200, what="ready after the warm-up")
+        server.wait_ready()
         ok = httpx.get(server.url + "/health").json()
         draining_server(core)(uvicorn.Config(server.server.config.app)).handle_exit(signal.SIGTERM, None)
         draining = httpx.get(server.url + "/health")
@@ -272,7 +272,7 @@ def test_out_of_memory_names_the_text_as_the_route_does(tiny_encoder):
     texts = word_texts(3, 5, 30, seed=37)
     with ServerThread(create_app(tiny_encoder)) as server, failing_forward(tiny_encoder.model, has_poison), \
             httpx.Client(base_url=server.url, timeout=60) as http:
-        wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
+        server.wait_ready()
         answers = [http.post("/v1/evidence", json={"query": "the cat", "documents": [texts[0], poisoned(texts[1])]}),
                    http.post("/v1/evidence", json={"query": poisoned("the cat sat on"), "documents": texts}),
                    http.post("/v1/embeddings", json={"input": [texts[2], poisoned(texts[1])]})]
@@ -291,7 +291,7 @@ def test_a_failed_batch_is_one_traceback_and_a_line_per_request(tiny_encoder):
     logging.getLogger("dice_fast.serve").addHandler(records)
     try:
         with ServerThread(create_app(tiny_encoder)) as server, httpx.Client(base_url=server.url, timeout=60) as http:
-            wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
+            server.wait_ready()
             with failing_forward(tiny_encoder.model, has_poison, error=lambda: RuntimeError("injected failure")), \
                     ThreadPoolExecutor(3) as pool:
                 answers = list(pool.map(lambda t: http.post("/v1/embeddings", json={"input": [poisoned(t)]}), texts))

@@ -18,7 +18,7 @@ import pytest
 from dice_fast.serve import create_app
 from dice_fast.serve.guards import allowed_hosts
 from dice_fast.serve.openapi import TEXT_PATTERN
-from serve_testing import ServerThread, wait_until
+from serve_testing import ServerThread
 
 KEY = "fuzz-key"
 CONFIG = Path(__file__).with_name("schemathesis.toml")
@@ -29,8 +29,7 @@ def server(tiny_encoder):
     app = create_app(tiny_encoder, api_key=KEY, allowed_hosts=allowed_hosts("127.0.0.1"), max_inputs_per_request=8,
                      max_input_chars=2000, auto_truncate=True)
     with ServerThread(app) as s:
-        wait_until(lambda: httpx.get(s.url + "/health").status_code == 200, what="the warm-up")
-        yield s
+        yield s.wait_ready()
 
 
 def test_the_openapi_document_lists_bodies_statuses_and_types(server):

@@ -168,7 +168,7 @@ def test_huge_inputs_are_refused_before_costing_their_tokenization(tiny_encoder,
     @contextlib.contextmanager
     def serve(**limits):
         with ServerThread(create_app(proxy, max_body_bytes=64 << 20, **limits)) as server:
-            wait_until(lambda: httpx.get(server.url + "/health").status_code == 200, what="the warm-up")
+            server.wait_ready()
             counting.calls = 0  # counts the calls of requests only (not the warm-up's)
             yield server
 

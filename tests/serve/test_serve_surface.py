@@ -12,7 +12,7 @@ import pytest
 
 from dice_fast.serve import create_app
 from dice_fast.serve.guards import allowed_hosts, host_name
-from serve_testing import ServerThread, wait_until
+from serve_testing import ServerThread
 
 HUGE = "x" * (1 << 20)  # 1 MB of one letter: no message may carry 50 of them
 JSON = {"Content-Type": "application/json"}
@@ -25,7 +25,7 @@ def server(tiny_encoder):
     app = create_app(tiny_encoder, allowed_hosts=allowed_hosts("127.0.0.1", ["embed.example.com"]),
                      max_body_bytes=8 << 20, max_input_chars=16)
     with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as http:
-        wait_until(lambda: http.get("/health").status_code == 200, what="the warm-up")
+        s.wait_ready()
         yield http
 
 
