@@ -765,7 +765,7 @@ def check_sizing(plan: dict) -> dict:
     here, tok_rate = tokenizer_rate(), TOKENIZER_RATE
     planned, problems = {}, []
     details = {"tokenizer tokens/s here (the plan assumes the GPU machine's)": f"{here:,.0f} ({tok_rate:,.0f})"}
-    if here < tok_rate / 4:  # no CPU this runs on is that much slower: the path has
+    if here < tok_rate / 4:  # no CPU this runs on is that much slower: its path has, then
         problems.append(f"the benchmark's tokenizer ran {here:,.0f} tokens/s here, under a quarter of the "
                         f"{tok_rate:,.0f} the plan assumes: has its path slowed down?")
     # budgets the script passes to the benchmarks (as in gpu_check.sh)

@@ -81,6 +81,7 @@ def bounded_protocol(read_timeout: float, write_timeout: float):
     """A subclass of uvicorn's HTTP protocol (its "auto" choice) with the read and write timeouts of the
     module docstring. Its class attribute ``bytes_received`` counts the bytes read from every connection
     (what a test or benchmark compares with what a client sent)."""
+    import h11  # uvicorn's own dependency (its h11 protocol, with a few methods below)
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class BoundedProtocol(AutoHTTPProtocol):
@@ -130,8 +131,6 @@ def bounded_protocol(read_timeout: float, write_timeout: float):
 
         def _counted_event(self):
             """h11's next event, counting the pieces of the current request's body (`MANY_PIECES`)."""
-            import h11
-
             event = self._next_event()
             if isinstance(event, h11.Request):
                 self._pieces = self._piece_bytes = 0
@@ -149,8 +148,6 @@ def bounded_protocol(read_timeout: float, write_timeout: float):
             close (uvicorn's was plain text, delimited by the close, without a Date)."""
             if not hasattr(self, "conn"):  # not uvicorn's h11 protocol (httptools): its own answer
                 return super().send_400_response(msg)
-            import h11
-
             msg = self._refusal or msg  # uvicorn passes one message for every parse error
             body = json.dumps({"error": {"message": f"malformed HTTP request: {msg}", "type": "invalid_request_error",
                                          "param": None, "code": "bad_http_request"}}).encode()
