@@ -3,7 +3,8 @@
     config = server_config(app, host="127.0.0.1", port=8080, **SERVER_DEFAULTS)
     draining_server(app.state.core)(config).run()
 
-`bounded_protocol` is uvicorn's own HTTP protocol (h11, or httptools when installed) with two timers:
+`bounded_protocol` is uvicorn's h11 protocol (always: with httptools installed uvicorn's "auto" would pick
+httptools, whose parser none of the bounds below reach) with two timers:
 
 * **read timeout**: the request line and headers must have arrived ``read_timeout`` seconds after
   the connection opened or its previous response ended, else the connection is closed. uvicorn's own
@@ -13,7 +14,7 @@
 * **write timeout**: once the connection's send buffer is full (the client has stopped reading), the
   client must read some of it within ``write_timeout`` seconds, else the connection is aborted and the
   buffered response dropped; the request's share is then released (`LeasedResponse`).
-* **pieces of a body** (h11): a body that comes in more than `MANY_PIECES` pieces (chunks of a chunked
+* **pieces of a body**: a body that comes in more than `MANY_PIECES` pieces (chunks of a chunked
   body, or reads) averaging under `MIN_PIECE_BYTES` is refused with 400 and the connection closed.
   h11 parses each piece in Python on the event loop (~10 us): 2 MiB in 1-byte chunks held the loop
   ~21 s, stalling every other client, where the same bytes in any usual framing take milliseconds.
@@ -24,6 +25,10 @@
   the connection, and the client's kernel drops the response it was about to read (seen as transport
   errors on half the early 413s of a soak). Dropped bytes are counted in ``bytes_discarded``, apart
   from ``bytes_received``.
+* **a client's EOF** before its response is the client going away, as nginx takes it (499): the
+  connection closes and the request's work not yet started is dropped. TCP cannot tell a client that
+  closed from one that only half-closed after sending (``shutdown(SHUT_WR)``, as ``nc -N`` does), and
+  answering the second would leave every abandoned request running to its end.
 
 The rest is uvicorn's: ``limit_concurrency`` (connections and requests at once; more: a plain-text 503),
 ``timeout_keep_alive`` (an idle connection between requests), ``h11_max_incomplete_event_size`` (the
@@ -78,13 +83,13 @@ class _LingeringTransport:
 
 
 def bounded_protocol(read_timeout: float, write_timeout: float):
-    """A subclass of uvicorn's HTTP protocol (its "auto" choice) with the read and write timeouts of the
-    module docstring. Its class attribute ``bytes_received`` counts the bytes read from every connection
-    (what a test or benchmark compares with what a client sent)."""
+    """A subclass of uvicorn's h11 protocol with the bounds of the module docstring. Its class attribute
+    ``bytes_received`` counts the bytes read from every connection (what a test or benchmark compares
+    with what a client sent)."""
     import h11  # uvicorn's own dependency (its h11 protocol, with a few methods below)
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class BoundedProtocol(AutoHTTPProtocol):
+    class BoundedProtocol(H11Protocol):
         bytes_received = 0
         bytes_discarded = 0
 
@@ -94,9 +99,8 @@ def bounded_protocol(read_timeout: float, write_timeout: float):
             super().connection_made(_LingeringTransport(transport, self))
             self._head_timer = self._write_timer = None
             self._cycle_seen = self._refusal = None
-            if hasattr(self, "conn"):  # uvicorn's h11 protocol: count the pieces of each body
-                self._next_event, self.conn.next_event = self.conn.next_event, self._counted_event
-                self._pieces = self._piece_bytes = 0
+            self._next_event, self.conn.next_event = self.conn.next_event, self._counted_event  # count the pieces
+            self._pieces = self._piece_bytes = 0
             self._arm_head()
 
         def data_received(self, data: bytes) -> None:
@@ -146,8 +150,6 @@ def bounded_protocol(read_timeout: float, write_timeout: float):
         def send_400_response(self, msg: str) -> None:
             """A request h11 cannot parse: 400 in OpenAI's error shape with its length and date, then
             close (uvicorn's was plain text, delimited by the close, without a Date)."""
-            if not hasattr(self, "conn"):  # not uvicorn's h11 protocol (httptools): its own answer
-                return super().send_400_response(msg)
             msg = self._refusal or msg  # uvicorn passes one message for every parse error
             body = json.dumps({"error": {"message": f"malformed HTTP request: {msg}", "type": "invalid_request_error",
                                          "param": None, "code": "bad_http_request"}}).encode()
@@ -208,7 +210,7 @@ def bounded_protocol(read_timeout: float, write_timeout: float):
             if self.lingering:
                 self._real.close()
                 return None
-            return super().eof_received()
+            return super().eof_received()  # None: asyncio closes the connection (the module docstring)
 
         def _abort(self) -> None:
             self._write_timer = None

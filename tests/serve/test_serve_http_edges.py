@@ -157,3 +157,17 @@ def test_a_body_in_thousands_of_tiny_pieces_is_refused_early(server):
     assert b"more than 4096 pieces of 1.0 bytes on average" in answer and b"bad_http_request" in answer, answer
     statuses, _ = exchange(server.port, chunked([BODY[i:i + 32] for i in range(0, len(BODY), 32)]))
     assert statuses == [b"HTTP/1.1 200 OK"], statuses  # the server serves on
+
+
+def test_the_protocol_is_h11_whatever_is_installed(monkeypatch):
+    """With httptools installed uvicorn's "auto" protocol is httptools', which none of the bounds above
+    reach (pieces of a body, OpenAI-shaped 400s): the server always runs its h11 protocol."""
+    import asyncio
+
+    from uvicorn.protocols.http import auto
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from dice_fast.serve.server import bounded_protocol
+
+    monkeypatch.setattr(auto, "AutoHTTPProtocol", type("HttpToolsProtocol", (asyncio.Protocol,), {}))  # as if installed
+    assert issubclass(bounded_protocol(1.0, 1.0), H11Protocol)
