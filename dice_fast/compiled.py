@@ -53,15 +53,23 @@ def compile_options(device_type: str) -> dict:
     return {"options": {"freezing": True}}
 
 
-def cpu_compiler_missing() -> str | None:
-    """None where inductor's C++ compiler is on PATH (it builds the compiled CPU forward's kernels with
-    ``$CXX``, else g++; clang++ on macOS), else why the compiled forward cannot be built here."""
-    if BACKEND != "inductor":
+def compiler_missing(device_type: str) -> str | None:
+    """None where the compiled forward can be built on ``device_type`` here, else why not: torch.compile
+    turned off in this process (``TORCH_COMPILE_DISABLE=1``: every compiled function then runs eagerly,
+    and a whole-graph compile fails listing hundreds of skipped frames), or on the CPU no C++ compiler
+    for inductor (it builds the kernels with ``$CXX``, else g++; clang++ on macOS) on PATH."""
+    import torch._dynamo
+
+    if torch._dynamo.config.disable:
+        how = ("TORCH_COMPILE_DISABLE=1 in the environment" if os.environ.get("TORCH_COMPILE_DISABLE") == "1"
+               else "torch._dynamo.config.disable is set")
+        return f"torch.compile is turned off in this process ({how}: unset it)"
+    if BACKEND != "inductor" or device_type != "cpu":
         return None
     name = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
     if shutil.which(name) is None:
         return (f"torch.compile builds its CPU kernels with a C++ compiler and finds none ({name!r} is not on "
-                "PATH; CXX names another)")
+                "PATH; CXX names another: install g++ or point CXX at a C++ compiler)")
     return None
 
 

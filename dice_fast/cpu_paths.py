@@ -155,10 +155,11 @@ def int8_units() -> str | None:
 
 
 def compiler_units() -> str | None:
-    """None where the compiled forward can be built here (a C++ compiler for inductor), else why not."""
-    from .compiled import cpu_compiler_missing
+    """None where the compiled forward can be built here (torch.compile on, a C++ compiler for inductor),
+    else why not."""
+    from .compiled import compiler_missing
 
-    return cpu_compiler_missing()
+    return compiler_missing("cpu")
 
 
 def bf16_compiler_units() -> str | None:

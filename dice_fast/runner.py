@@ -188,12 +188,11 @@ class ModelRunner:
                 f"this model runs on {self.backend} ({why}); use compile='off'"
                 + ("" if self.backend == PADDED else " or attention_backend='sdpa_groups'")
             )
-        from .compiled import CompiledForward, cpu_compiler_missing
+        from .compiled import CompiledForward, compiler_missing
 
-        missing = cpu_compiler_missing() if self.device.type == "cpu" else None
+        missing = compiler_missing(self.device.type)
         if missing:
-            raise OptionError(f"compile='on': {missing}; install g++ (or point CXX at a C++ compiler) or use "
-                              "compile='off'")
+            raise OptionError(f"compile='on': {missing}; or use compile='off'")
         self.compiled = CompiledForward(self.model, self.takes_cache, self.backend)
         batch = _probe_batch(self)
         cu = to_device(batch.cu_seqlens, self.device)

@@ -70,6 +70,28 @@ def test_without_a_cpp_compiler_on_is_refused_and_auto_runs_eager(monkeypatch, t
     assert enc.runner.compiled is None and measured == [["fp32"]]
 
 
+def test_torch_compile_turned_off_is_named_and_auto_runs_eager(monkeypatch, tmp_path):
+    """TORCH_COMPILE_DISABLE=1 (torch._dynamo.config.disable) makes torch.compile run everything eagerly:
+    compile='on' failed deep in the probe with torch's "found no compiled frames" and hundreds of skipped
+    frames; now it is refused naming the variable, and compile='auto' leaves the compiled paths out."""
+    import torch._dynamo
+
+    from dice_fast import cpu_paths
+
+    monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # what torch read from it at import
+    model, tok, *_ = tiny("bert")
+    with pytest.raises(ValueError, match=r"compile='on': torch.compile is turned off in this process "
+                                         r"\(TORCH_COMPILE_DISABLE=1 in the environment: unset it\); or use compile='off'"):
+        DiceEncoder(model, tok, chunk_size=8, compile="on")
+    measured = []
+    monkeypatch.setattr(cpu_paths, "measure_paths", lambda encs, ref: (measured.append(sorted(encs)) or
+                                                                      ({n: 1.0 for n in encs}, {n: 1.0 for n in encs}, True)))
+    enc = DiceEncoder(model, tok, chunk_size=8, compile="auto", runtime="torch", pooling_impl="torch")
+    assert enc.runner.compiled is None and measured == [["fp32"]]
+
+
 @pytest.mark.parametrize("arch", ["bert", "qwen2"])
 def test_the_cuda_varlen_forward_traces_whole_on_the_cpu(arch, monkeypatch):
     """compile='on' with a CUDA varlen backend, run on the CPU: a fake of torch's varlen_attn (torch >=
