@@ -408,6 +408,28 @@ def test_missing_openvino_is_named(monkeypatch):
 
 
 @needs_openvino
+def test_torchscript_turned_off_is_named_and_a_cached_export_still_runs(ov_cache, monkeypatch):
+    """PYTORCH_JIT=0 turns TorchScript off, and with it the trace OpenVINO's export needs: runtime='openvino'
+    died in OpenVINO's decoder ("Couldn't get TorchScript module by tracing ... no attribute
+    'inlined_graph'"). Now it is refused naming the variable; a model exported before still runs (read
+    from the cache, no trace), and dtype='auto' leaves the OpenVINO paths out."""
+    import torch.jit._state
+
+    model, tok, *_ = tiny("bert")
+    exported = DiceEncoder(model, tok, runtime="openvino", chunk_size=K).encode_documents(corpus(seed=4)[:3])
+    monkeypatch.setattr(torch.jit._state._enabled, "enabled", False)  # what PYTORCH_JIT=0 sets at import
+    assert DiceEncoder(model, tok, runtime="openvino", chunk_size=K).encode_documents(corpus(seed=4)[:3]).tolist() \
+        == exported.tolist()
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.embeddings.word_embeddings.weight[7, 0] += 1.0
+    with pytest.raises(OptionError, match="TorchScript, which PYTORCH_JIT=0 turns off.*or use runtime='torch'"):
+        DiceEncoder(changed, tok, runtime="openvino", chunk_size=K)
+    assert "PYTORCH_JIT=0" in cpu_paths.openvino_units()
+    assert all(p.usable() for p in cpu_paths.PATHS if p.options.get("runtime") == "openvino" or p.name == "int8")
+
+
+@needs_openvino
 def test_bf16_refused_where_openvino_would_run_f32(ov_cache, monkeypatch):
     """The last guard: OpenVINO silently runs f32 where a CPU lacks bf16; that is refused, not hidden."""
     model, tok, *_ = tiny("bert")

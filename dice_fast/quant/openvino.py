@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, OptionError
 from .cpu import int8_dot_instructions
 from .model_cache import read_or_write, save
 
@@ -134,10 +134,22 @@ def _feed(ids: np.ndarray, pos: np.ndarray, takes_positions: bool) -> dict:
     return feed
 
 
+def tracing_off() -> str | None:
+    """Why no model can be exported in this process, or None: the export traces the model with
+    TorchScript, which ``PYTORCH_JIT=0`` turns off (the trace then fails deep in OpenVINO's decoder)."""
+    if getattr(getattr(torch.jit, "_state", None), "_enabled", True):  # torch's switch (a truthy proxy)
+        return None
+    return ("OpenVINO's export traces the model with TorchScript, which PYTORCH_JIT=0 turns off in this process "
+            "(unset it; a model exported before is read from the cache without tracing)")
+
+
 def _export(model, takes_positions: bool, ids: np.ndarray, pos: np.ndarray):
     """``model`` as a float32 OpenVINO model with inputs (rows, length) free; ``ids`` / ``pos`` (1, L)
-    int64: one example to trace with."""
+    int64: one example to trace with. `OptionError` where `tracing_off` says why it cannot be."""
     import openvino as ov
+
+    if tracing_off():
+        raise OptionError(f"{tracing_off()}; or use runtime='torch'")
 
     from .. import attention as attn
 
