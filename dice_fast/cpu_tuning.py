@@ -164,11 +164,31 @@ def has_avx512_bf16() -> bool:
 
 
 def machine_key() -> str:
-    """CPU model, the ISA flags that matter, threads and torch version: a cache entry is reused only there."""
+    """CPU model, the ISA flags that matter, threads and torch version (and relaxed float32 matmuls,
+    `float32_matmuls`): a cache entry is reused only there."""
     model = cpu_model()
     isa = sorted(f for f in cpu_flags() if f in ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16",
                                                  "avx512f", "avx2", "avx_vnni"))
-    return f"{model} | {','.join(isa) or 'no-isa-flags'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    relaxed = float32_matmuls("cpu")
+    return (f"{model} | {','.join(isa) or 'no-isa-flags'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+            + (f" | float32 matmuls in {relaxed}" if relaxed else ""))
+
+
+def float32_matmuls(device_type: str) -> str | None:
+    """What torch's float32 matmuls run in on ``device_type`` where that is not float32, else None: "tf32"
+    on CUDA, "bf16" (or "tf32") on a CPU with bf16 units, after ``torch.set_float32_matmul_precision("high")``
+    or ``"medium"``, ``allow_tf32`` or the backends' ``fp32_precision`` (a CPU without bf16 units computes
+    float32 whatever it says: measured, RESULTS §32)."""
+    backend = getattr(torch.backends, "cuda" if device_type == "cuda" else "mkldnn", None)
+    try:
+        relaxed = getattr(getattr(backend, "matmul", None), "fp32_precision", "ieee")
+    except RuntimeError:  # a torch that cannot say
+        return None
+    if relaxed in ("ieee", "none", None) or device_type not in ("cpu", "cuda"):
+        return None
+    if device_type == "cpu" and not ({"avx512_bf16", "amx_bf16"} & cpu_flags()):
+        return None
+    return str(relaxed)
 
 
 def overrides() -> str:

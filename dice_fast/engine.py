@@ -42,8 +42,8 @@ from .reuse import ChunkStats, MemoryCache
 from .reuse.manager import ChunkReuse
 from .reuse.persistent import settings_namespace
 from .runner import ModelRunner
-from .settings import (WEIGHT_DTYPES, Settings, check_kind, placement, pretrained_placement, refuse_openvino_off_cpu,
-                       resolve, weight_dtype)
+from .settings import (WEIGHT_DTYPES, Settings, check_kind, placement, precision_name, pretrained_placement,
+                       refuse_openvino_off_cpu, resolve, weight_dtype)
 from .streaming import Prefetch, as_iterator, windows
 
 _WINDOW_BATCHES = 16  # a streaming window holds about 16 batches' worth of text
@@ -165,9 +165,10 @@ class DiceEncoder:
 
     @property
     def precision(self) -> str:
-        """What chunk vectors are computed in: "float32", "bfloat16", "float16", or the OpenVINO model's
-        identity (precision, versions, model and int8 calibration hashes); the chunk cache's key."""
-        return getattr(self.runner, "identity", None) or str(self.dtype).replace("torch.", "")
+        """What chunk vectors are computed in: "float32" ("float32 (matmuls in tf32)": `precision_name`),
+        "bfloat16", "float16", or the OpenVINO model's identity (precision, versions, model and int8
+        calibration hashes); the chunk cache's key."""
+        return getattr(self.runner, "identity", None) or precision_name(self.dtype, self.device)
 
     @property
     def chunk_overhead(self) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from .attention import choose_backend
 from .config import DEFAULT_CHUNK_SIZE, STRATEGIES, DiceConfig
-from .cpu_tuning import has_amx_bf16
+from .cpu_tuning import float32_matmuls, has_amx_bf16
 from .errors import OptionError
 from .matryoshka import check_dim
 from .models import ModelSpec
@@ -251,6 +251,15 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
 
 
 GRAPH_BACKENDS = ("flash_attn", "torch_varlen")  # CUDA graphs: cu_seqlens read on the device, no per-batch host data
+
+
+def precision_name(dtype: torch.dtype, device: torch.device) -> str:
+    """"float32", "bfloat16" or "float16"; "float32 (matmuls in tf32)" where torch's float32 matmuls run in
+    another precision on ``device`` (`float32_matmuls`): those vectors are not float32's, and the chunk
+    cache (keyed by it) keeps them apart."""
+    name = str(dtype).replace("torch.", "")
+    relaxed = float32_matmuls(device.type) if dtype == torch.float32 else None
+    return f"{name} (matmuls in {relaxed})" if relaxed else name
 
 
 def check_graphable(device: torch.device, backend: str) -> None:

@@ -4,6 +4,7 @@ written says so once."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -112,3 +113,30 @@ def test_a_file_system_without_locks_still_stores(monkeypatch):
     monkeypatch.setattr(fcntl, "flock", no_locks)
     cpu_tuning.store({"v": 1}, "section", "x")
     assert cpu_tuning.cached("section", "x") == {"v": 1}
+
+
+def test_relaxed_float32_matmuls_are_named_in_the_precision_and_the_machine_key(monkeypatch):
+    """``torch.set_float32_matmul_precision("medium")`` (or "high", ``allow_tf32``) lets float32 matmuls run
+    in bf16 via oneDNN on a CPU with bf16 units (TF32 on CUDA): those vectors are not float32's, yet the
+    encoder said "float32", so the chunk cache and the dtype="auto" measurements mixed them with exact
+    float32 ones. A CPU without bf16 units computes float32 whatever the setting (measured on a Zen 2: the
+    same bits), and is left as it is."""
+    import torch
+
+    from dice_fast import DiceEncoder
+    from tiny_models import tiny
+
+    model, tok, *_ = tiny("bert")
+    monkeypatch.setattr(cpu_tuning, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    exact_key = cpu_tuning.machine_key()
+    assert DiceEncoder(model, tok, chunk_size=8).precision == "float32" and cpu_tuning.float32_matmuls("cpu") is None
+    setting = torch.backends.mkldnn.matmul
+    before, setting.fp32_precision = setting.fp32_precision, "bf16"  # what "medium" sets
+    try:
+        assert DiceEncoder(model, tok, chunk_size=8).precision == "float32 (matmuls in bf16)"
+        assert cpu_tuning.machine_key() == exact_key + " | float32 matmuls in bf16"
+        assert DiceEncoder(copy.deepcopy(model), tok, chunk_size=8, dtype="bfloat16").precision == "bfloat16"
+        monkeypatch.setattr(cpu_tuning, "cpu_flags", lambda: {"avx2"})  # no bf16 units: float32 it is
+        assert DiceEncoder(model, tok, chunk_size=8).precision == "float32"
+    finally:
+        setting.fp32_precision = before
