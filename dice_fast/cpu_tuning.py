@@ -13,7 +13,8 @@ and keep the answer in one JSON file per user, under this machine's key:
   ``~/.cache/dice_fast``. A folder that cannot be written costs a measurement in every process,
   and a warning (once per file) says so.
 * **Key** (`machine_key`): CPU model, the ISA flags that decide speed, the thread count and the torch
-  version (which brings its oneDNN and MKL). Entries also carry `RACE_VERSION`, so entries timed another
+  version (which brings its oneDNN and MKL); where set, relaxed float32 matmuls and the variables that
+  cap the kernels' instructions (`ISA_CAPS`). Entries also carry `RACE_VERSION`, so entries timed another
   way are measured again.
 * **Contention**: a measurement taken while other processes held the cores (``busy``) is used, not kept.
 * **Writers**: `store` re-reads the file and writes it whole, atomically, under a thread lock and
@@ -170,8 +171,14 @@ def machine_key() -> str:
     isa = sorted(f for f in cpu_flags() if f in ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16",
                                                  "avx512f", "avx2", "avx_vnni"))
     relaxed = float32_matmuls("cpu")
+    caps = ",".join(f"{k}={os.environ[k].strip()}" for k in ISA_CAPS if os.environ.get(k, "").strip())
     return (f"{model} | {','.join(isa) or 'no-isa-flags'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
-            + (f" | float32 matmuls in {relaxed}" if relaxed else ""))
+            + (f" | float32 matmuls in {relaxed}" if relaxed else "") + (f" | {caps}" if caps else ""))
+
+
+# variables that cap the instructions torch's kernels (ATen) or oneDNN use below what the flags say: a
+# choice measured under a cap (bf16 emulated, a narrower vector width) never decides for the uncapped CPU
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA")
 
 
 def float32_matmuls(device_type: str) -> str | None:

@@ -140,3 +140,14 @@ def test_relaxed_float32_matmuls_are_named_in_the_precision_and_the_machine_key(
         assert DiceEncoder(model, tok, chunk_size=8).precision == "float32"
     finally:
         setting.fp32_precision = before
+
+
+def test_an_isa_cap_is_part_of_the_machine_key(monkeypatch):
+    """``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` cap the kernels below what the CPU flags say (an
+    AMX Xeon capped to AVX2 emulates bf16): a choice measured without the cap was reused under it."""
+    for name in cpu_tuning.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    plain = cpu_tuning.machine_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert cpu_tuning.machine_key() == plain + " | ATEN_CPU_CAPABILITY=default,ONEDNN_MAX_CPU_ISA=AVX2"
