@@ -186,9 +186,11 @@ def float32_matmuls(device_type: str) -> str | None:
     on CUDA, "bf16" (or "tf32") on a CPU with bf16 units, after ``torch.set_float32_matmul_precision("high")``
     or ``"medium"``, ``allow_tf32`` or the backends' ``fp32_precision`` (a CPU without bf16 units computes
     float32 whatever it says: measured, RESULTS §32)."""
-    backend = getattr(torch.backends, "cuda" if device_type == "cuda" else "mkldnn", None)
+    matmul = getattr(getattr(torch.backends, "cuda" if device_type == "cuda" else "mkldnn", None), "matmul", None)
     try:
-        relaxed = getattr(getattr(backend, "matmul", None), "fp32_precision", "ieee")
+        relaxed = getattr(matmul, "fp32_precision", None)
+        if relaxed is None and device_type == "cuda":  # a torch before the fp32_precision settings
+            relaxed = "tf32" if getattr(matmul, "allow_tf32", False) else None
     except RuntimeError:  # a torch that cannot say
         return None
     if relaxed in ("ieee", "none", None) or device_type not in ("cpu", "cuda"):
