@@ -58,12 +58,8 @@ def compiler_missing(device_type: str) -> str | None:
     turned off in this process (``TORCH_COMPILE_DISABLE=1``: every compiled function then runs eagerly,
     and a whole-graph compile fails listing hundreds of skipped frames), or on the CPU no C++ compiler
     for inductor (it builds the kernels with ``$CXX``, else g++; clang++ on macOS) on PATH."""
-    import torch._dynamo
-
-    if torch._dynamo.config.disable:
-        how = ("TORCH_COMPILE_DISABLE=1 in the environment" if os.environ.get("TORCH_COMPILE_DISABLE") == "1"
-               else "torch._dynamo.config.disable is set")
-        return f"torch.compile is turned off in this process ({how}: unset it)"
+    if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # what torch reads (its documented switch)
+        return "torch.compile is turned off in this process (TORCH_COMPILE_DISABLE=1 in the environment: unset it)"
     if BACKEND != "inductor" or device_type != "cpu":
         return None
     name = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")

@@ -136,7 +136,7 @@ def _not_installed(*modules: str) -> str | None:
 def openvino_units() -> str | None:
     """None where OpenVINO is importable (checked without importing it) and a model can be exported to it
     (TorchScript on), else why its paths cannot run."""
-    from .quant.openvino import tracing_off
+    from .quant.cpu import tracing_off
 
     return _not_installed("openvino") or tracing_off()
 
@@ -154,7 +154,7 @@ def int8_units() -> str | None:
 
     if not int8_dot_instructions(cpu_flags()):
         return "no VNNI / AMX int8 dot products"
-    from .quant.openvino import tracing_off
+    from .quant.cpu import tracing_off
 
     return _not_installed("openvino", "nncf") or tracing_off()
 

@@ -417,7 +417,8 @@ def test_torchscript_turned_off_is_named_and_a_cached_export_still_runs(ov_cache
 
     model, tok, *_ = tiny("bert")
     exported = DiceEncoder(model, tok, runtime="openvino", chunk_size=K).encode_documents(corpus(seed=4)[:3])
-    monkeypatch.setattr(torch.jit._state._enabled, "enabled", False)  # what PYTORCH_JIT=0 sets at import
+    monkeypatch.setenv("PYTORCH_JIT", "0")
+    monkeypatch.setattr(torch.jit._state._enabled, "enabled", False)  # what torch makes of it at import
     assert DiceEncoder(model, tok, runtime="openvino", chunk_size=K).encode_documents(corpus(seed=4)[:3]).tolist() \
         == exported.tolist()
     changed = copy.deepcopy(model)

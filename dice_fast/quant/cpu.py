@@ -6,6 +6,8 @@ in int32 in one step: AVX-512 VNNI (Cascade Lake+, Zen 4+), AVX-VNNI (Alder Lake
 emulation with an int16 intermediate; measured on a Zen 3 (benchmarks/RESULTS.md §18) it ran 0.75x the
 float32 OpenVINO path at cos min 0.985 (0.995 with VNNI), so it is refused there (set
 ``DICE_FAST_INT8_ANY_CPU=1`` to run it anyway, with a warning).
+
+Also here, the other thing of the process an OpenVINO export needs: TorchScript on (`tracing_off`).
 """
 
 from __future__ import annotations
@@ -42,3 +44,13 @@ def check_int8_cpu(flags: set[str] | None = None) -> tuple[str, ...]:
         warnings.warn(msg + f" ({ENV_ANY_CPU}=1: running int8 anyway)", stacklevel=3)
         return ()
     raise Int8Unsupported(msg + f", or set {ENV_ANY_CPU}=1 to run it anyway")
+
+
+def tracing_off() -> str | None:
+    """Why no model can be exported to OpenVINO in this process, or None: the export traces the model
+    with TorchScript, which ``PYTORCH_JIT=0`` (or false / no, as torch reads it) turns off; the trace
+    then fails deep in OpenVINO's decoder."""
+    if os.environ.get("PYTORCH_JIT", "1").lower() not in ("0", "false", "no", "0v"):
+        return None
+    return (f"OpenVINO's export traces the model with TorchScript, which PYTORCH_JIT={os.environ['PYTORCH_JIT']} "
+            "turns off in this process (unset it; a model exported before is read from the cache without tracing)")

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError, OptionError
-from .cpu import int8_dot_instructions
+from .cpu import int8_dot_instructions, tracing_off
 from .model_cache import read_or_write, save
 
 # NNCF's transformer preset (softmax, LayerNorm and GELU stay in floating point) with SmoothQuant at
@@ -132,15 +132,6 @@ def _feed(ids: np.ndarray, pos: np.ndarray, takes_positions: bool) -> dict:
     if takes_positions:
         feed["position_ids"] = pos
     return feed
-
-
-def tracing_off() -> str | None:
-    """Why no model can be exported in this process, or None: the export traces the model with
-    TorchScript, which ``PYTORCH_JIT=0`` turns off (the trace then fails deep in OpenVINO's decoder)."""
-    if getattr(getattr(torch.jit, "_state", None), "_enabled", True):  # torch's switch (a truthy proxy)
-        return None
-    return ("OpenVINO's export traces the model with TorchScript, which PYTORCH_JIT=0 turns off in this process "
-            "(unset it; a model exported before is read from the cache without tracing)")
 
 
 def _export(model, takes_positions: bool, ids: np.ndarray, pos: np.ndarray):
