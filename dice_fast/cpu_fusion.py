@@ -25,8 +25,11 @@ model changes; the search runs only parents with no state of their own.
 Agreement: the GELU is computed from the float32 accumulator instead of the bf16-rounded output,
 one rounding fewer than the plain forward (MiniLM bf16 against float32: cos min 0.99992 fused,
 0.99991 apart); in float32 the post-op equalled linear + ``F.gelu`` bit for bit on a test shape.
-Measured, AMX Xeon, 500 chunks: bf16 eager +5.9 %, compiled bf16 +19 %; float32 unchanged (§21).
-``DICE_FAST_CPU_FUSION=off`` runs every GELU apart.
+Measured, AMX Xeon, 500 chunks: bf16 eager +5.9 %, compiled bf16 +19 %; float32 unchanged (§21). On a
+Zen 2 (AVX2) oneDNN's GELU post-op is slower than the GELU apart (one FFN linear + GELU: 49.5 ms fused,
+41.3 apart; the bundled model end to end -6 %, §32), so whether to fuse is raced per machine and dtype
+(`fuses`), as the linear kernel is. ``DICE_FAST_CPU_FUSION`` = ``auto`` (default) | ``on`` | ``off``
+decides without measuring.
 """
 
 from __future__ import annotations
@@ -39,18 +42,44 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import cpu_tuning as tuning
 from .errors import OptionError
 
 ENV = "DICE_FAST_CPU_FUSION"
+MODES = ("auto", "on", "off")
+SHAPE = (4096, 384, 1536)  # tokens x in x out of the raced linear + GELU: a batch of MiniLM's FFN
+MARGIN = 0.97  # fused must be this much faster than apart to be chosen
+_DECIDED: dict[str, bool] = {}
 APPROXIMATIONS = ("none", "tanh")  # F.gelu's, which oneDNN's GELU post-op computes ("gelu_erf", "gelu_tanh")
 
 
-def enabled() -> bool:
-    """Whether ``DICE_FAST_CPU_FUSION`` (``on``, the default, or ``off``) lets the CPU forward fuse."""
-    raw = os.environ.get(ENV, "on").strip().lower() or "on"
-    if raw not in ("on", "off"):
-        raise OptionError(f"{ENV} must be on or off, got {raw!r}")
-    return raw == "on"
+def fuses(dtype: torch.dtype) -> bool:
+    """Whether linears of ``dtype`` run with their GELU fused on this CPU: ``DICE_FAST_CPU_FUSION`` on or off,
+    else (auto) the faster of the two in a race on one `SHAPE` linear + GELU through oneDNN, run once per
+    machine and dtype and cached beside the linear kernel's choice (`dice_fast.cpu_tuning`)."""
+    raw = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if raw not in MODES:
+        raise OptionError(f"{ENV} must be auto, on or off, got {raw!r}")
+    if raw != "auto":
+        return raw == "on"
+    name = f"fusion/{str(dtype).replace('torch.', '')}"
+    if name not in _DECIDED:
+        entry, _ = tuning.cached_entry(name, lambda e: isinstance(e, dict) and e.get("kernel") in ("fused", "apart"),
+                                       lambda: measure(dtype))
+        _DECIDED[name] = entry["kernel"] == "fused"
+    return _DECIDED[name]
+
+
+def measure(dtype: torch.dtype, budget_s: float = tuning.BUDGET_S) -> dict:
+    """Race oneDNN's linear then ``F.gelu`` ("apart") against the linear with its GELU post-op ("fused") on
+    one `SHAPE` linear of ``dtype``; the cache entry {"kernel", "ms", "threads", "load", "busy", "date"}."""
+    from .cpu_linear import onednn_linear
+
+    g = torch.Generator().manual_seed(0)
+    m, k, n = SHAPE
+    x, w, b = (torch.randn(*s, generator=g).to(dtype) for s in ((m, k), (n, k), (n,)))
+    return tuning.kernel_race({"apart": lambda: F.gelu(onednn_linear(x, w, b)),
+                               "fused": lambda: onednn_linear(x, w, b, "none")}, "fused", "apart", MARGIN, budget_s)
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,9 +93,11 @@ class GeluPair:
 
 def gelu_pairs(model: nn.Module) -> tuple[GeluPair, ...]:
     """Each ``nn.Linear`` of ``model`` whose output feeds only a GELU (see the module docstring); empty
-    when fusion is off. Found by running each candidate parent once on a small zero input in the calling
-    thread (nothing global is patched: other threads may run models meanwhile)."""
-    if not enabled():
+    where fusing does not pay for the model's dtype (`fuses`). Found by running each candidate parent once
+    on a small zero input in the calling thread (nothing global is patched: other threads may run models
+    meanwhile)."""
+    param = next(model.parameters(), None)
+    if param is None or not fuses(param.dtype):
         return ()
     holders: dict[int, int] = {}  # id(weight) -> how many modules hold it
     seen: dict[int, int] = {}  # id(module) -> how many times it is registered

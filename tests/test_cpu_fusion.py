@@ -43,6 +43,13 @@ class Block(nn.Module):
         return F.gelu(h, approximate="tanh") if self.extra == "tanh" else F.gelu(h)
 
 
+@pytest.fixture(autouse=True)
+def fusing(monkeypatch):
+    """The mechanism under test runs wherever oneDNN does (``on``); whether it pays here is `fuses`' race,
+    tested on its own below."""
+    monkeypatch.setenv(cpu_fusion.ENV, "on")
+
+
 def found(model) -> dict[int, str]:
     """{id(weight): approximate} of `cpu_fusion.gelu_pairs`."""
     return {id(p.weight): p.approximate for p in cpu_fusion.gelu_pairs(model)}
@@ -92,8 +99,31 @@ def test_env_switches_it_off_and_refuses_nonsense(monkeypatch):
     monkeypatch.setenv(cpu_fusion.ENV, "off")
     assert found(Block()) == {}
     monkeypatch.setenv(cpu_fusion.ENV, "maybe")
-    with pytest.raises(OptionError, match=cpu_fusion.ENV):
+    with pytest.raises(OptionError, match=f"{cpu_fusion.ENV} must be auto, on or off"):
         found(Block())
+
+
+@needs_onednn
+def test_auto_fuses_only_where_the_race_says_it_pays(monkeypatch, tmp_path):
+    """Fusing was always on, measured only on an AMX Xeon; on a Zen 2 oneDNN's GELU post-op made the pair
+    ~20 % slower and the bundled model's forward 6 %. auto (the default) races the two once per machine
+    and dtype (cached), and finds no pairs where apart wins."""
+    monkeypatch.setenv(cpu_fusion.ENV, "auto")
+    monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_fusion, "_DECIDED", {})
+    entry = cpu_fusion.measure(torch.float32, budget_s=0.3)  # the real race, briefly
+    assert entry["kernel"] in ("fused", "apart") and set(entry["ms"]) == {"fused", "apart"}
+    assert (entry["kernel"] == "fused") == (entry["ms"]["fused"] < cpu_fusion.MARGIN * entry["ms"]["apart"])
+    for winner, pairs in (("apart", 0), ("fused", 1)):
+        monkeypatch.setattr(cpu_fusion, "_DECIDED", {})
+        monkeypatch.setattr(cpu_fusion, "measure", lambda dtype, w=winner: {**entry, "kernel": w, "busy": True})
+        assert len(found(Block())) == pairs  # busy: decided for this process, not cached
+    calls = []
+    monkeypatch.setattr(cpu_fusion, "_DECIDED", {})
+    monkeypatch.setattr(cpu_fusion, "measure", lambda dtype: calls.append(dtype) or {**entry, "kernel": "apart", "busy": False})
+    assert not cpu_fusion.fuses(torch.float32) and not cpu_fusion.fuses(torch.float32)
+    monkeypatch.setattr(cpu_fusion, "_DECIDED", {})  # a new process: read from the cache file
+    assert not cpu_fusion.fuses(torch.float32) and calls == [torch.float32]
 
 
 @pytest.mark.parametrize("arch, count", [("bert", 2), ("roberta", 2), ("mpnet", 2), ("deberta-v2", 2),
