@@ -52,35 +52,25 @@ def test_padded_fallback_is_refused():
         DiceEncoder(model, tok, chunk_size=8, compile="yes")
 
 
-def test_without_a_cpp_compiler_on_is_refused_and_auto_runs_eager(monkeypatch, tmp_path):
+@pytest.mark.parametrize("cause", ["no C++ compiler", "TORCH_COMPILE_DISABLE"])
+def test_where_nothing_can_compile_on_is_refused_and_auto_runs_eager(cause, monkeypatch, tmp_path):
     """Inductor builds CPU kernels with a C++ compiler: where it finds none, compile='on' says so before
-    tracing anything, and compile='auto' leaves the compiled paths out of its candidates."""
+    tracing anything. TORCH_COMPILE_DISABLE=1 makes torch.compile run everything eagerly: compile='on'
+    failed deep in the probe with torch's "found no compiled frames" and hundreds of skipped frames; now
+    it is refused naming the variable. Either way compile='auto' leaves the compiled paths out."""
     from dice_fast import compiled, cpu_paths
 
     monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(compiled, "BACKEND", "inductor")
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    if cause == "no C++ compiler":
+        monkeypatch.setattr(compiled, "BACKEND", "inductor")
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+        refusal = "compile='on': torch.compile builds .* C\\+\\+ compiler and finds none.*no-such-g"
+    else:
+        monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")  # (torch read it at import: here only the check sees it)
+        refusal = (r"compile='on': torch.compile is turned off in this process \(TORCH_COMPILE_DISABLE=1 in the "
+                   r"environment: unset it\); or use compile='off'")
     model, tok, *_ = tiny("bert")
-    with pytest.raises(ValueError, match="compile='on': torch.compile builds .* C\\+\\+ compiler and finds none.*no-such-g"):
-        DiceEncoder(model, tok, chunk_size=8, compile="on")
-    measured = []
-    monkeypatch.setattr(cpu_paths, "measure_paths", lambda encs, ref: (measured.append(sorted(encs)) or
-                                                                      ({n: 1.0 for n in encs}, {n: 1.0 for n in encs}, True)))
-    enc = DiceEncoder(model, tok, chunk_size=8, compile="auto", runtime="torch", pooling_impl="torch")
-    assert enc.runner.compiled is None and measured == [["fp32"]]
-
-
-def test_torch_compile_turned_off_is_named_and_auto_runs_eager(monkeypatch, tmp_path):
-    """TORCH_COMPILE_DISABLE=1 (torch._dynamo.config.disable) makes torch.compile run everything eagerly:
-    compile='on' failed deep in the probe with torch's "found no compiled frames" and hundreds of skipped
-    frames; now it is refused naming the variable, and compile='auto' leaves the compiled paths out."""
-    from dice_fast import cpu_paths
-
-    monkeypatch.setenv("DICE_FAST_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")  # (torch read it at import: here only the check sees it)
-    model, tok, *_ = tiny("bert")
-    with pytest.raises(ValueError, match=r"compile='on': torch.compile is turned off in this process "
-                                         r"\(TORCH_COMPILE_DISABLE=1 in the environment: unset it\); or use compile='off'"):
+    with pytest.raises(ValueError, match=refusal):
         DiceEncoder(model, tok, chunk_size=8, compile="on")
     measured = []
     monkeypatch.setattr(cpu_paths, "measure_paths", lambda encs, ref: (measured.append(sorted(encs)) or
