@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cpu_tuning import BUDGET_S, cached_entry, decision_entry, has_amx_bf16, overrides, race
+from .cpu_tuning import BUDGET_S, cached_entry, decision_entry, env_choice, has_amx_bf16, overrides, race
 from .errors import OptionError
 
 ENV_DTYPE = "DICE_FAST_CPU_ATTENTION_DTYPE"
@@ -222,10 +222,7 @@ def _env_dtype(dtype: torch.dtype) -> torch.dtype | None:
 
 
 def _env_kernel() -> str:
-    raw = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
-    if raw not in ("auto", "sdpa", "amx"):
-        raise OptionError(f"{ENV_KERNEL} must be auto, sdpa or amx, got {raw!r}")
-    return raw
+    return env_choice(ENV_KERNEL, ("sdpa", "amx"))
 
 
 def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:

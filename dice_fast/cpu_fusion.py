@@ -34,7 +34,6 @@ decides without measuring.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +42,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import cpu_tuning as tuning
-from .errors import OptionError
 
 ENV = "DICE_FAST_CPU_FUSION"
-MODES = ("auto", "on", "off")
+MODES = ("on", "off")  # besides "auto"
 SHAPE = (4096, 384, 1536)  # tokens x in x out of the raced linear + GELU: a batch of MiniLM's FFN
 MARGIN = 0.97  # fused must be this much faster than apart to be chosen
-_DECIDED: dict[str, bool] = {}
+_DECIDED: dict[str, str] = {}
 APPROXIMATIONS = ("none", "tanh")  # F.gelu's, which oneDNN's GELU post-op computes ("gelu_erf", "gelu_tanh")
 
 
@@ -57,17 +55,11 @@ def fuses(dtype: torch.dtype) -> bool:
     """Whether linears of ``dtype`` run with their GELU fused on this CPU: ``DICE_FAST_CPU_FUSION`` on or off,
     else (auto) the faster of the two in a race on one `SHAPE` linear + GELU through oneDNN, run once per
     machine and dtype and cached beside the linear kernel's choice (`dice_fast.cpu_tuning`)."""
-    raw = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if raw not in MODES:
-        raise OptionError(f"{ENV} must be auto, on or off, got {raw!r}")
+    raw = tuning.env_choice(ENV, MODES)
     if raw != "auto":
         return raw == "on"
     name = f"fusion/{str(dtype).replace('torch.', '')}"
-    if name not in _DECIDED:
-        entry, _ = tuning.cached_entry(name, lambda e: isinstance(e, dict) and e.get("kernel") in ("fused", "apart"),
-                                       lambda: measure(dtype))
-        _DECIDED[name] = entry["kernel"] == "fused"
-    return _DECIDED[name]
+    return tuning.decided_kernel(_DECIDED, name, ("fused", "apart"), lambda: measure(dtype)) == "fused"
 
 
 def measure(dtype: torch.dtype, budget_s: float = tuning.BUDGET_S) -> dict:

@@ -22,13 +22,11 @@ the residual add before it.
 from __future__ import annotations
 
 import math
-import os
 import threading
 
 import torch
 
 from . import cpu_tuning as tuning
-from .errors import OptionError
 
 ENV = "DICE_FAST_CPU_LAYER_NORM"
 KERNELS = ("torch", "native")
@@ -59,18 +57,13 @@ def _probe() -> tuple[bool, str]:
 
 def kernel() -> str:
     """The bf16 LayerNorm kernel here: "native" or "torch" (see the module docstring)."""
-    raw = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if raw not in ("auto", *KERNELS):
-        raise OptionError(f"{ENV} must be auto, torch or native, got {raw!r}")
+    raw = tuning.env_choice(ENV, KERNELS)
     if raw == "torch" or not ready()[0]:
         return "torch"  # an explicit "native" too: there is no kernel to run
     if raw == "native":
         return raw
     with _LOCK:
-        if "kernel" not in _STATE:
-            entry, _ = tuning.cached_entry(_NAME, lambda e: isinstance(e, dict) and e.get("kernel") in KERNELS, measure)
-            _STATE["kernel"] = entry["kernel"]
-        return _STATE["kernel"]
+        return tuning.decided_kernel(_STATE, _NAME, KERNELS, measure)
 
 
 def measure(budget_s: float = tuning.BUDGET_S) -> dict:

@@ -28,7 +28,6 @@ fused in (`dice_fast.cpu_fusion`) and a bf16 model's LayerNorms on the measured 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
@@ -37,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import cpu_layer_norm
 from . import cpu_tuning as tuning
-from .errors import ModelError, OptionError
+from .errors import ModelError
 
 ENV_KERNEL = "DICE_FAST_CPU_LINEAR"
 KERNELS = ("torch", "onednn")
@@ -64,19 +63,12 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 
 def kernel(dtype: torch.dtype) -> str:
     """The linear kernel for CPU tensors of ``dtype``: "onednn" or "torch" (see the module docstring)."""
-    raw = os.environ.get(ENV_KERNEL, "auto").strip().lower() or "auto"
-    if raw not in ("auto", *KERNELS):
-        raise OptionError(f"{ENV_KERNEL} must be auto, torch or onednn, got {raw!r}")
+    raw = tuning.env_choice(ENV_KERNEL, KERNELS)
     if dtype not in (torch.float32, torch.bfloat16) or not available(dtype):
         return "torch"  # an explicit "onednn" too: there is no oneDNN kernel to run
     if raw != "auto":
         return raw
-    name = f"linear/{str(dtype).replace('torch.', '')}"
-    if name not in _DECIDED:
-        entry, _ = tuning.cached_entry(name, lambda e: isinstance(e, dict) and e.get("kernel") in KERNELS,
-                                       lambda: measure(dtype))
-        _DECIDED[name] = entry["kernel"]
-    return _DECIDED[name]
+    return tuning.decided_kernel(_DECIDED, f"linear/{str(dtype).replace('torch.', '')}", KERNELS, lambda: measure(dtype))
 
 
 def model_kernel(model) -> str:

@@ -1,10 +1,11 @@
 """The per-machine tuning cache, and the timing every CPU speed choice is made with.
 
 The CPU choices that are measured rather than assumed (the attention kernel, `dice_fast.cpu_attention`;
-the linear kernel, `dice_fast.cpu_linear`; the bf16 LayerNorm, `dice_fast.cpu_layer_norm`; the
-``dtype="auto"`` path, `dice_fast.cpu_paths`) time their candidates with `race` (two kernels:
-`kernel_race`), or their own rounds, sampling the machine's load with `sample_others`,
-and keep the answer in one JSON file per user, under this machine's key:
+the linear kernel, `dice_fast.cpu_linear`; the bf16 LayerNorm, `dice_fast.cpu_layer_norm`; the linear +
+GELU fusion, `dice_fast.cpu_fusion`; the ``dtype="auto"`` path, `dice_fast.cpu_paths`) time their
+candidates with `race` (two kernels: `kernel_race`, remembered per process by `decided_kernel`, with
+`env_choice` reading the variable that decides without measuring), or their own rounds, sampling the
+machine's load with `sample_others`, and keep the answer in one JSON file per user, under this machine's key:
 
     entry, source = cpu_tuning.cached_entry("linear/float32", valid, measure)  # cached, else measured and kept
     cpu_tuning.cached("paths", slot); cpu_tuning.store(entry, "paths", slot)   # nested sections
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import OptionError
 from .runinfo import cpu_model
 from .side_files import replace_file
 
@@ -186,6 +188,8 @@ def float32_matmuls(device_type: str) -> str | None:
     on CUDA, "bf16" (or "tf32") on a CPU with bf16 units, after ``torch.set_float32_matmul_precision("high")``
     or ``"medium"``, ``allow_tf32`` or the backends' ``fp32_precision`` (a CPU without bf16 units computes
     float32 whatever it says: measured, RESULTS §32)."""
+    if device_type not in ("cpu", "cuda"):
+        return None
     matmul = getattr(getattr(torch.backends, "cuda" if device_type == "cuda" else "mkldnn", None), "matmul", None)
     try:
         relaxed = getattr(matmul, "fp32_precision", None)
@@ -193,7 +197,7 @@ def float32_matmuls(device_type: str) -> str | None:
             relaxed = "tf32" if getattr(matmul, "allow_tf32", False) else None
     except RuntimeError:  # a torch that cannot say
         return None
-    if relaxed in ("ieee", "none", None) or device_type not in ("cpu", "cuda"):
+    if relaxed in ("ieee", "none", None):
         return None
     if device_type == "cpu" and not ({"avx512_bf16", "amx_bf16"} & cpu_flags()):
         return None
@@ -206,6 +210,24 @@ def overrides() -> str:
     its own, so it never decides for the defaults."""
     return ",".join(f"{k}={v.strip()}" for k, v in sorted(os.environ.items())
                     if k.startswith("DICE_FAST_CPU_") and v.strip())
+
+
+def env_choice(env: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``env`` that overrides a measured choice: "auto" (unset or empty: measure)
+    or one of ``choices``; `OptionError` naming the variable and the values it takes otherwise."""
+    raw = os.environ.get(env, "auto").strip().lower() or "auto"
+    if raw not in ("auto", *choices):
+        raise OptionError(f"{env} must be auto, {', '.join(choices[:-1])} or {choices[-1]}, got {raw!r}")
+    return raw
+
+
+def decided_kernel(memo: dict, name: str, kernels: tuple[str, ...], measure) -> str:
+    """The winner of the race ``name`` on this machine, one of ``kernels``: from ``memo`` (the caller's, for
+    its process), else `cached_entry` (the cache file, else ``measure()``), then kept in ``memo``."""
+    if name not in memo:
+        entry, _ = cached_entry(name, lambda e: isinstance(e, dict) and e.get("kernel") in kernels, measure)
+        memo[name] = entry["kernel"]
+    return memo[name]
 
 
 def cached_entry(name: str, valid, measure) -> tuple[dict, str]:

@@ -139,8 +139,8 @@ def _export(model, takes_positions: bool, ids: np.ndarray, pos: np.ndarray):
     int64: one example to trace with. `OptionError` where `tracing_off` says why it cannot be."""
     import openvino as ov
 
-    if tracing_off():
-        raise OptionError(f"{tracing_off()}; or use runtime='torch'")
+    if why := tracing_off():
+        raise OptionError(f"{why}; or use runtime='torch'")
 
     from .. import attention as attn
 
