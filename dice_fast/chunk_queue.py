@@ -3,8 +3,8 @@ token budget, and each plan's document vectors handed back when its last chunk i
 
     queue = ChunkQueue(settings, runner, reuse)      # or encoder.chunk_queue()
     job = queue.submit(encoder.plan(texts))          # any number of plans, from any thread
-    while (batch := queue.next_batch()) is not None:  # one thread runs the model
-        for done in queue.complete(batch, runner.run(batch.packed)):
+    while (batch := queue.next_batch()) is not None:  # one thread runs the model and its head
+        for done in queue.run(batch)[0]:
             done.documents                            # (n_docs, dim) float32, row i is the plan's text i
 
 The engine submits windows of a corpus, the server requests: documents of several requests share a
@@ -39,6 +39,7 @@ from .aggregation import aggregate
 from .chunking import EncodingPlan
 from .errors import InputOutOfMemory
 from .faults import BudgetBackoff, release_cached_memory, run_split
+from .head import with_head
 from .packing import PackedBatch, merge, pack, pack_windows
 from .reuse import ChunkKeys, ChunkStats
 from .reuse.manager import FOLLOW, RUN, ChunkReuse
@@ -156,8 +157,7 @@ class ChunkQueue:
         ``keys``: the plan's `chunk_keys` when computed beforehand (e.g. in a worker thread) with
         `keys_for`. A job whose every chunk is known already (memory, cache) is done on return."""
         s = self.settings
-        job = Job(plan, aggregation or s.config.aggregation, keep_chunks, tag, width=s.spec.hidden_size,
-                  device=s.device)
+        job = Job(plan, aggregation or s.config.aggregation, keep_chunks, tag, width=s.chunk_dim, device=s.device)
         if plan.n_chunks == 0:  # no documents: nothing to run
             job.cum = np.zeros(0, np.int64)
             job.documents = np.zeros((0, s.dim), np.float32)
@@ -314,23 +314,23 @@ class ChunkQueue:
         return self._backoff.budget
 
     def run(self, batch: Batch, run_batch=None, before_complete=None) -> tuple[list[Job], list[Job]]:
-        """Run ``batch`` with ``run_batch`` (PackedBatch -> (n, dim) float32; default: the runner's
-        `ModelRunner.run`), splitting it on
-        out-of-memory down to single chunks, and complete it. Returns (jobs finished, jobs failed): a
+        """Run ``batch`` with ``run_batch`` (PackedBatch -> (n, hidden_size) float32; default: the runner's
+        `ModelRunner.run`) and the model's head (`dice_fast.head`), splitting it on out-of-memory down
+        to single chunks, and complete it. Returns (jobs finished, jobs failed): a
         job fails when one of its chunks ran out of memory alone (``job.error``, an `InputOutOfMemory`
         naming its document within the plan); every other chunk keeps its exact vector. Other errors
         of ``run_batch`` propagate (the caller fails the batch's jobs). The consumer of `next_batch`
         calls this from one thread; ``before_complete()``, when given, is called before the batch
         completes (the pipeline waits there for its producer's selection of the next batch)."""
         device = self.settings.device
-        run_batch = run_batch or self.runner.run
+        run_batch = with_head(run_batch or self.runner.run, self.settings.head)
         ooms = []
 
         def on_oom():
             ooms.append(1)
             release_cached_memory(device)
 
-        vectors, failed = run_split(run_batch, batch.packed, self.settings.spec.hidden_size, on_oom)  # full width
+        vectors, failed = run_split(run_batch, batch.packed, self.settings.chunk_dim, on_oom)  # full width
         self._backoff.failed() if ooms else self._backoff.succeeded()
         failed_jobs = []
 

@@ -36,7 +36,7 @@ from .output import DiceOutput, concat_outputs  # noqa: F401 - DiceOutput is par
 from .packing import PackedBatch
 from .pipeline import BatchPipeline
 from .pieces import PIECE_CHARS, cuts_are_exact, tokenize_bounded
-from .private_tokenizer import private_tokenizer
+from .private_tokenizer import lowercasing, private_tokenizer
 from .progress import progress_reporter
 from .reuse import ChunkStats, MemoryCache
 from .reuse.manager import ChunkReuse
@@ -102,7 +102,8 @@ class DiceEncoder:
         tok, self._tokenizer_lock = private_tokenizer(tokenizer)
         self.engine_tokenizer = tok
         self._cuts_exact: bool | None = None  # `cuts_are_exact`, probed on first use
-        self.settings: Settings = resolve(cfg, inspect_model(model, tok, model_path), tok, device, dtype)
+        spec = inspect_model(model, tok, model_path)
+        self.settings: Settings = resolve(cfg, spec, lowercasing(tok) if spec.lowercase else tok, device, dtype)
         s = self.settings
         self.chunk_stats = ChunkStats()
         if cfg.openvino:
@@ -155,7 +156,7 @@ class DiceEncoder:
     # ----------------------------------------------------------------------------------------
     @property
     def dim(self) -> int:
-        """Width of the returned vectors: ``truncate_dim``, else the model's hidden size."""
+        """Width of the returned vectors: ``truncate_dim``, else the model's (its Dense head's, if any)."""
         return self.settings.dim
 
     @property
@@ -176,7 +177,7 @@ class DiceEncoder:
         return self.settings.chunk_overhead
 
     def __repr__(self) -> str:
-        c = self.config
+        c, s = self.config, self.settings
         backend = self.backend
         if self.runner.fallback_reason:
             backend += f" (model's own attention: {self.runner.fallback_reason})"
@@ -187,8 +188,8 @@ class DiceEncoder:
             f"attention={backend}{'' if self.causal is None else ('/causal' if self.causal else '/bidirectional')}, "
             f"pooling_impl={self.pooling_impl}, strategy={c.strategy}, chunk_size={c.chunk_size}, overlap={c.overlap}, "
             f"positions={c.positions}, pooling={self.pooling}, aggregation={c.aggregation}, window={self.window}, "
-            f"max_batch_tokens={self.max_batch_tokens}, normalize_chunks={self.settings.normalize_chunks}"
-            f"{self.settings.late_label()}{c.changed((*DiceConfig.options_of('vector'), 'dedup'), shown=_SHOWN)}"
+            f"max_batch_tokens={self.max_batch_tokens}, normalize_chunks={s.normalize_chunks}{s.head_label()}"
+            f"{s.late_label()}{c.changed((*DiceConfig.options_of('vector'), 'dedup'), shown=_SHOWN)}"
             f"{self._speed_label()})"
         )
 
@@ -264,7 +265,8 @@ class DiceEncoder:
             return concat_outputs(list(self._run(iter([plan]), "mean", False, report, "queries")), self.dim, False)
 
     def run_batch(self, batch: PackedBatch) -> torch.Tensor:
-        """Chunk vectors (n_chunks, dim) float32, in packing order, of one packed batch (see `ChunkQueue`)."""
+        """Pooled chunk vectors (n_chunks, hidden_size) float32 of one packed batch, in packing order, before
+        the model's head (`ChunkQueue.run` runs it)."""
         return self.runner.run(batch)
 
     def chunk_queue(self, max_batch_tokens: int | None = None, *, memory: MemoryCache | None = None,

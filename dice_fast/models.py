@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .errors import MissingDependency, ModelError, OptionError, one_line
+from .head import applies_to_sentence_vector
 
 # Model types whose learned position table starts at padding_idx + 1 (positions 0..padding_idx are
 # reserved); detected generically from the embedding's padding_idx, this list is the fallback.
@@ -56,6 +57,9 @@ class ModelSpec:
     unsupported_pooling: str | None = None
     skipped_modules: tuple[str, ...] = ()
     vocab_size: int = 0  # rows of the input embedding table (0: unknown)
+    head: tuple[str, ...] = ()  # the pipeline's Dense module folders after its pooling, in order (`dice_fast.head`)
+    lowercase: bool = False  # sentence-transformers' do_lower_case: texts are lowercased before tokenizing
+    pools_prompt: bool = True  # False: the Pooling leaves a prompt's tokens out (include_prompt false)
 
 
 def default_model_path() -> str:
@@ -137,6 +141,9 @@ def inspect_model(model, tokenizer, path: str | None = None) -> ModelSpec:
         flops_per_token=linear_flops_per_token(model),
         unsupported_pooling=st.get("unsupported_pooling"),
         skipped_modules=tuple(st.get("skipped_modules", ())),
+        head=tuple(st.get("head", ())),
+        lowercase=st.get("lowercase", False),
+        pools_prompt=st.get("pools_prompt", True),
         vocab_size=_embedding_rows(model),
     )
 
@@ -209,19 +216,28 @@ def _sentence_transformers_facts(path) -> dict:
     cfg = _read_json(root / "sentence_bert_config.json")
     if isinstance(cfg.get("max_seq_length"), int):
         facts["max_seq_length"] = cfg["max_seq_length"]
+    facts["lowercase"] = cfg.get("do_lower_case") is True
     modules = _read_json(root / "modules.json", default=[])
+    pooled = False  # the modules so far end in the Pooling and Dense modules on its vector (the head)
     for m in modules if isinstance(modules, list) else []:
         kind = str(m.get("type", "")) if isinstance(m, dict) else ""
+        folder = root / str(m.get("path", "")) if kind else root
         if kind.endswith("Normalize"):
-            facts["normalizes"] = True
+            facts["normalizes"], pooled = True, False
         elif kind.endswith("Pooling"):
-            modes = _pooling_modes(_read_json(root / str(m.get("path", "")) / "config.json"))
+            pooling = _read_json(folder / "config.json")
+            pooling = pooling if isinstance(pooling, dict) else {}
+            modes, facts["pools_prompt"] = _pooling_modes(pooling), pooling.get("include_prompt", True) is not False
             if len(modes) == 1 and modes[0] in _ST_POOLINGS:
                 facts["pooling"] = _ST_POOLINGS[modes[0]]
             elif modes:
                 facts["unsupported_pooling"] = "+".join(modes)
-        elif kind and not kind.endswith("Transformer"):  # Dense, LayerNorm, WordEmbeddings ...
+            pooled = True
+        elif kind.endswith("Dense") and pooled and applies_to_sentence_vector(folder):
+            facts.setdefault("head", []).append(str(folder))
+        elif kind and not kind.endswith("Transformer"):  # LayerNorm, WordEmbeddings, a Dense elsewhere ...
             facts.setdefault("skipped_modules", []).append(f"{kind.rsplit('.', 1)[-1]} ({m.get('path', '')})")
+            pooled = False
     return facts
 
 

@@ -3,6 +3,7 @@
     tok, lock = private_tokenizer(tokenizer)   # a copy (or, passed one of its copies, that one) and its lock
     with lock:
         tok(texts, ...)
+    lowercasing(tok)                           # a model whose sentence-transformers config says do_lower_case
 """
 
 from __future__ import annotations
@@ -30,6 +31,21 @@ def private_tokenizer(tokenizer) -> tuple[object, threading.Lock]:
                 pass
             _PRIVATE.setdefault(tokenizer, threading.Lock())
         return tokenizer, _PRIVATE[tokenizer]
+
+
+def lowercasing(tokenizer):
+    """``tokenizer`` (dice_fast's copy) made to lowercase every text first, as sentence-transformers applies
+    a model's ``do_lower_case``: a Lowercase normalizer before its own, unless one is there already (the
+    offsets still point into the text as given). Returns the same tokenizer."""
+    from tokenizers import normalizers
+
+    backend = tokenizer.backend_tokenizer
+    current = backend.normalizer
+    if not (isinstance(current, normalizers.Lowercase) or (isinstance(current, normalizers.Sequence)
+                                                           and any(isinstance(n, normalizers.Lowercase) for n in current))):
+        rest = list(current) if isinstance(current, normalizers.Sequence) else [] if current is None else [current]
+        backend.normalizer = normalizers.Sequence([normalizers.Lowercase(), *rest])
+    return tokenizer
 
 
 _PRIVATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dice_fast's tokenizers -> their lock

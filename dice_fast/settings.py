@@ -24,6 +24,7 @@ from .attention import choose_backend
 from .config import DEFAULT_CHUNK_SIZE, STRATEGIES, DiceConfig
 from .cpu_tuning import float32_matmuls, has_amx_bf16
 from .errors import OptionError
+from .head import ChunkHead, load_head
 from .matryoshka import check_dim
 from .models import ModelSpec
 from .ops import resolve_impl, unavailable
@@ -83,7 +84,8 @@ class Settings:
     chunk vectors are L2-normalised before aggregating. causal: None (the model's own), True or False.
     max_batch_tokens: token budget of one forward. backend: the attention backend asked of the runner.
     pooling_impl: the pooling/aggregation kernels ("torch", "triton", "native", "reference").
-    pipeline: batches are prepared in a producer thread (`dice_fast.pipeline`).
+    pipeline: batches are prepared in a producer thread (`dice_fast.pipeline`). head: the model's Dense
+    modules after its pooling, run on every chunk vector (`dice_fast.head`), or None.
     """
 
     config: DiceConfig
@@ -102,15 +104,21 @@ class Settings:
     pipeline: bool = False
     document_text_prefix: TextPrefix | None = None
     query_text_prefix: TextPrefix | None = None
+    head: ChunkHead | None = None
 
     def text_prefix(self, kind: str | None) -> TextPrefix | None:
         """The `TextPrefix` texts of ``kind`` ("documents", "queries"; None: none) follow, or None."""
         return {"documents": self.document_text_prefix, "queries": self.query_text_prefix}.get(kind)
 
     @property
+    def chunk_dim(self) -> int:
+        """Width of a chunk vector: the head's output, else the model's hidden size."""
+        return self.head.out_features if self.head is not None else self.spec.hidden_size
+
+    @property
     def dim(self) -> int:
-        """Width of the returned vectors: ``truncate_dim``, else the model's hidden size."""
-        return self.config.truncate_dim or self.spec.hidden_size
+        """Width of the returned vectors: ``truncate_dim``, else `chunk_dim`."""
+        return self.config.truncate_dim or self.chunk_dim
 
     @property
     def chunk_overhead(self) -> int:
@@ -140,6 +148,10 @@ class Settings:
         if size is None:
             size = self.window - _overhead(wrap)
         return Chunking(wrap, size, overlap, cap, global_positions, late)
+
+    def head_label(self) -> str:
+        """", head=[Dense 768->768 Tanh]": the model's Dense modules run on every chunk vector, else ""."""
+        return "" if self.head is None else f", head={self.head!r}"
 
     def late_label(self) -> str:
         """", window_tokens=512, window_overlap=127": the windows late chunking runs (strategy late), else ""."""
@@ -217,14 +229,19 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
             f"{cfg.chunk_size + doc_overhead} tokens, more than the model's {spec.position_limit} "
             f"positions; allowed: chunk_size <= {spec.position_limit - doc_overhead}"
         )
-    check_dim(cfg.truncate_dim, spec.hidden_size)
+    if not spec.pools_prompt and (cfg.pooling or spec.pooling) in ("mean", "cls") and (cfg.document_prefix or cfg.query_prefix):
+        raise OptionError("this model's sentence-transformers Pooling leaves a prompt's tokens out (include_prompt false), "
+                          "which dice_fast does not compute: a chunk pools every token of its prefix too; encode "
+                          "without document_prefix / query_prefix, or with pooling='last'")
+    head = load_head(spec.head, spec.hidden_size)
+    check_dim(cfg.truncate_dim, head.out_features if head is not None else spec.hidden_size)
     if cfg.pooling is None and spec.unsupported_pooling:
         raise OptionError(f"this model's sentence-transformers pooling is {spec.unsupported_pooling!r}, which dice_fast "
                           "does not compute; pass pooling='mean', 'cls' or 'last' to choose the chunk pooling")
     if spec.skipped_modules:
-        warnings.warn(f"the model's sentence-transformers pipeline has {', '.join(spec.skipped_modules)} after its "
-                      "pooling, which dice_fast does not apply: its vectors are the pooled transformer outputs, not "
-                      "the pipeline's", UserWarning, stacklevel=4)
+        warnings.warn(f"the model's sentence-transformers pipeline has {', '.join(spec.skipped_modules)}, which "
+                      "dice_fast does not apply: its vectors are the pooled transformer outputs (and the Dense "
+                      "modules right after the pooling), not the pipeline's", UserWarning, stacklevel=4)
     settings = Settings(
         config=cfg, spec=spec, device=device, dtype=dtype, window=window, document_wrap=doc_wrap,
         query_wrap=query_wrap, pooling=cfg.pooling or spec.pooling,
@@ -234,7 +251,7 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
                                                   default_batch_tokens(device, spec.flops_per_token, dtype)),
         backend=choose_backend(cfg.attention_backend, device, dtype), pooling_impl=pooling_impl,
         pipeline=cfg.pipeline == "on" or (cfg.pipeline == "auto" and device.type == "cuda"),
-        document_text_prefix=doc_text, query_text_prefix=query_text,
+        document_text_prefix=doc_text, query_text_prefix=query_text, head=head,
     )
     if cfg.cuda_graphs:  # refused before a forward is compiled or exported, not after
         check_graphable(device, "openvino" if cfg.openvino else settings.backend)

@@ -94,7 +94,8 @@ def _encode_padded(encoder, texts: list[str], batch_size: int, sort: bool) -> np
             ).last_hidden_state
             n_t = to_device(n, device)
             chunks[to_device(idx, device)] = _pool(hidden, valid_t, n_t, encoder.pooling)
-    return _aggregate(encoder, plan, chunks)
+    head = encoder.settings.head  # the model's Dense modules after its pooling, as the engine runs them
+    return _aggregate(encoder, plan, chunks if head is None else head(chunks))
 
 
 def _attention_mask(valid: torch.Tensor, causal: bool | None) -> torch.Tensor:

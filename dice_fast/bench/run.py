@@ -180,7 +180,8 @@ def encode_plan(encoder, plan) -> np.ndarray:
     queue = encoder.chunk_queue()
     job = queue.submit(plan)
     while (batch := queue.next_batch()) is not None:
-        queue.complete(batch, encoder.run_batch(batch.packed))
+        if failed := queue.run(batch)[1]:  # the forward and the model's head; a chunk out of memory alone
+            raise failed[0].error
     return job.documents
 
 

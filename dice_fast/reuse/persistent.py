@@ -377,8 +377,9 @@ def settings_namespace(settings, model, cache, max_gb=None, model_path=None, pre
         "causal": settings.is_causal,
         "first_position": settings.spec.first_position,
         **minor_versions(),  # torch, transformers
+        **({"head": settings.head.digest} if settings.head is not None else {}),  # the Dense modules' weights
     }
-    return store.bind(description, settings.spec.hidden_size)  # chunk vectors are full width (truncate_dim: after)
+    return store.bind(description, settings.chunk_dim)  # chunk vectors are full width (truncate_dim: after)
 
 
 __all__ = ["ChunkCache", "CacheNamespace", "CacheError", "settings_namespace", "model_fingerprint", "open_cache",

@@ -1,0 +1,225 @@
+"""A model folder's sentence-transformers pipeline, followed or refused, checked against
+sentence-transformers itself: the Dense modules after its pooling (`dice_fast.head`) on every chunk and
+query vector (against sentence-transformers run on each chunk's exact token ids, on every path that
+pools chunks), ``do_lower_case``, and a Pooling that leaves the prompt out."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from dice_fast import DiceEncoder
+from dice_fast.errors import DiceError, ModelError
+from helpers import assert_close
+from oracle import corpus
+from tiny_models import tiny
+
+st_models = pytest.importorskip("sentence_transformers.models")
+SentenceTransformer = pytest.importorskip("sentence_transformers").SentenceTransformer
+
+HEAD_WIDTH = 16
+TOL = 2e-6  # float32: the same linears, pooling sums in another order
+
+
+def _heads(hidden: int, seed: int = 7) -> list:
+    """Three Dense modules of the kinds saved models hold: a Tanh projection, a residual GELU block,
+    a projection without bias whose residual is projected too."""
+    torch.manual_seed(seed)
+    heads = [st_models.Dense(hidden, 24, activation_function=torch.nn.Tanh()),
+             st_models.Dense(24, 24, activation_function=torch.nn.GELU(), use_residual=True),
+             st_models.Dense(24, HEAD_WIDTH, bias=False, activation_function=torch.nn.Identity(), use_residual=True)]
+    with torch.no_grad():
+        for h in heads:
+            for p in h.parameters():
+                p.normal_(0, 0.3)
+    return heads
+
+
+def st_folder(tmp_path, *, heads=None, normalize=True, safe=True, name="st", pooling=None):
+    """A saved sentence-transformers pipeline: tiny BERT, ``pooling`` (default mean), ``heads`` (default
+    `_heads`), Normalize. Returns (folder, the SentenceTransformer loaded back from it)."""
+    model, tok, *_ = tiny("bert")
+    hf = tmp_path / f"{name}-hf"
+    copy.deepcopy(model).save_pretrained(hf)
+    tok.save_pretrained(hf)
+    modules = [st_models.Transformer(str(hf), max_seq_length=64), pooling or st_models.Pooling(32, "mean"),
+               *(_heads(32) if heads is None else heads)]
+    modules += [st_models.Normalize()] if normalize else []
+    SentenceTransformer(modules=modules, device="cpu").save(str(tmp_path / name), safe_serialization=safe)
+    return tmp_path / name, SentenceTransformer(str(tmp_path / name), device="cpu", local_files_only=True).eval()
+
+
+def st_chunk_vectors(st, out, plan) -> np.ndarray:
+    """(n_chunks, width) the pipeline run by sentence-transformers on each chunk's wrapped token ids."""
+    rows = []
+    with torch.inference_mode():
+        for c in range(plan.n_chunks):
+            ids = torch.as_tensor(plan.chunk_ids(c), dtype=torch.long)[None]
+            rows.append(st({"input_ids": ids, "attention_mask": torch.ones_like(ids)})["sentence_embedding"][0])
+    return torch.stack(rows).numpy()
+
+
+def test_chunk_documents_and_queries_are_the_pipelines_own(tmp_path):
+    folder, st = st_folder(tmp_path)
+    enc = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8)
+    assert enc.dim == HEAD_WIDTH and enc.settings.normalize_chunks
+    assert "head=[Dense 32->24 Tanh, Dense 24->24 GELU +residual, Dense 24->16 Identity +residual]" in repr(enc)
+    texts = corpus(seed=3, longest=60)
+    out = enc.encode_documents(texts, return_chunks=True)
+    want = st_chunk_vectors(st, out, enc.plan(texts))
+    assert out.chunks.shape == want.shape == (len(want), HEAD_WIDTH)
+    assert_close(out.chunks, want, TOL, what="chunk vectors against sentence-transformers per chunk")
+    docs = np.stack([want[out.chunk_document == d].astype(np.float64).mean(0) for d in range(len(texts))])
+    assert_close(out.documents, docs / np.linalg.norm(docs, axis=1, keepdims=True), TOL, what="mean of chunks")
+    queries = ["the cat sat on a mat", "red house under blue sky", "what is short"]
+    assert_close(enc.encode_queries(queries), st.encode(queries, convert_to_numpy=True), TOL, what="queries")
+
+
+@pytest.mark.parametrize("options", [
+    {"strategy": "late", "window_tokens": 40},
+    {"attention_backend": "padded"},
+    {"aggregation": "topk_norm", "top_k": 2, "max_chunks_per_document": 3},
+    {"truncate_dim": 8, "normalize_chunks": True},
+], ids=["late", "padded", "topk", "truncated"])
+def test_every_path_runs_the_head_on_its_pooled_chunks(tmp_path, options):
+    """The same transformer without the Dense modules, its chunks run through sentence-transformers'
+    own Dense modules afterwards: what the engine with the head gives, on each path that pools chunks."""
+    heads = _heads(32)
+    folder, _ = st_folder(tmp_path, heads=heads, normalize=False)
+    bare, _ = st_folder(tmp_path, heads=[], normalize=False, name="bare")
+    texts = corpus(seed=5, longest=90)
+    got = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8, **options).encode_documents(
+        texts, return_chunks=True)
+    same = {k: v for k, v in options.items() if k not in ("truncate_dim", "normalize_chunks")}
+    pooled = DiceEncoder.from_pretrained(bare, device="cpu", chunk_size=8, normalize_chunks=False, **same)
+    raw = torch.as_tensor(pooled.encode_documents(texts, return_chunks=True).chunks)
+    with torch.inference_mode():
+        for h in heads:
+            raw = h({"sentence_embedding": raw})["sentence_embedding"]
+    want = raw.numpy()
+    if options.get("normalize_chunks"):
+        want = want / np.linalg.norm(want, axis=1, keepdims=True)
+    if "truncate_dim" in options:
+        want = want[:, : options["truncate_dim"]]
+        want = want / np.linalg.norm(want, axis=1, keepdims=True)
+    assert got.chunks.shape == want.shape
+    assert_close(got.chunks, want, TOL, what=f"chunks with the head, {options}")
+
+
+def test_weights_saved_as_pytorch_model_bin_are_read_too(tmp_path):
+    folder, st = st_folder(tmp_path, safe=False)
+    assert not list(folder.glob("2_Dense/*.safetensors")) and (folder / "2_Dense" / "pytorch_model.bin").is_file()
+    queries = ["hello world", "the old man and the river"]
+    got = DiceEncoder.from_pretrained(folder, device="cpu").encode_queries(queries)
+    assert_close(got, st.encode(queries, convert_to_numpy=True), TOL, what="queries, weights from .bin")
+
+
+def test_the_chunk_cache_keeps_heads_apart(tmp_path):
+    """Two pipelines with one transformer and Dense modules of the same shapes but other weights share
+    a persistent cache: neither is ever served the other's chunk vectors."""
+    cache = tmp_path / "cache"
+    a, _ = st_folder(tmp_path, heads=_heads(32, seed=1), name="a")
+    b, st_b = st_folder(tmp_path, heads=_heads(32, seed=2), name="b")
+    texts = corpus(seed=9, longest=40)
+    first = DiceEncoder.from_pretrained(a, device="cpu", chunk_size=8, cache=cache).encode_documents(texts)
+    enc_b = DiceEncoder.from_pretrained(b, device="cpu", chunk_size=8, cache=cache)
+    out = enc_b.encode_documents(texts, return_chunks=True)
+    assert_close(out.chunks, st_chunk_vectors(st_b, out, enc_b.plan(texts)), TOL, what="b on a's cache")
+    assert np.abs(out.documents - first).max() > 0.1
+    again = DiceEncoder.from_pretrained(b, device="cpu", chunk_size=8, cache=cache).encode_documents(texts)
+    np.testing.assert_array_equal(again, out.documents)  # b's own entries are hits: the same vectors
+
+
+def test_truncate_dim_is_bounded_by_the_heads_width(tmp_path):
+    folder, _ = st_folder(tmp_path)
+    with pytest.raises(DiceError, match=f"truncate_dim.*{HEAD_WIDTH}"):
+        DiceEncoder.from_pretrained(folder, device="cpu", truncate_dim=24)  # the transformer is 32 wide
+
+
+def _edit_config(folder, **changes):
+    path = folder / "2_Dense" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda f: (f / "2_Dense" / "config.json").unlink(), r"2_Dense/config\.json: cannot read"),
+    (lambda f: _edit_config(f, activation_function="os.system"), r"activation_function 'os\.system' is not a torch\.nn"),
+    (lambda f: _edit_config(f, activation_function="torch.nn.modules.linear.Linear"), "cannot be made without arguments"),
+    (lambda f: _edit_config(f, in_features=31), "in_features 31, but the vectors it follows are 32 wide"),
+    (lambda f: _edit_config(f, out_features=25), r"linear\.weight must be a floating-point tensor of shape \(25, 32\)"),
+    (lambda f: (f / "2_Dense" / "model.safetensors").write_bytes(b"not a tensor file"), "cannot read the Dense module's weights"),
+    (lambda f: (f / "2_Dense" / "model.safetensors").unlink(), "has no model.safetensors or pytorch_model.bin"),
+], ids=["no-config", "foreign-activation", "activation-with-arguments", "in-features", "shape", "damaged", "no-weights"])
+def test_a_head_it_cannot_read_exactly_is_refused_by_name(tmp_path, damage, message):
+    folder, _ = st_folder(tmp_path)
+    damage(folder)
+    with pytest.raises(ModelError, match=message):
+        DiceEncoder.from_pretrained(folder, device="cpu")
+
+
+def test_dense_modules_not_on_the_pooled_vector_are_named_not_applied(tmp_path):
+    """A Dense after Normalize, or one that reads token embeddings, is not the head: warned, and the
+    vectors are the pooled ones."""
+    folder, _ = st_folder(tmp_path, heads=[st_models.Dense(32, 32)])
+    listed = json.loads((folder / "modules.json").read_text())
+    listed[2], listed[3] = listed[3], listed[2]  # Pooling, Normalize, Dense
+    (folder / "modules.json").write_text(json.dumps(listed))
+    with pytest.warns(UserWarning, match=r"has Dense \(2_Dense\), which dice_fast does not apply"):
+        enc = DiceEncoder.from_pretrained(folder, device="cpu")
+    assert enc.settings.head is None and enc.dim == 32
+    listed[2], listed[3] = listed[3], listed[2]
+    (folder / "modules.json").write_text(json.dumps(listed))
+    _edit_config(folder, module_input_name="token_embeddings")
+    with pytest.warns(UserWarning, match=r"has Dense \(2_Dense\), which dice_fast does not apply"):
+        assert DiceEncoder.from_pretrained(folder, device="cpu").settings.head is None
+    _edit_config(folder, module_input_name="sentence_embedding")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert DiceEncoder.from_pretrained(folder, device="cpu").settings.head is not None
+
+
+def test_do_lower_case_lowercases_every_text_first_as_sentence_transformers_does(tmp_path):
+    """An older folder's ``do_lower_case``: every text lowercased before tokenizing, its spans in the text
+    as given. The tokenizer is the tiny word-level one without its Lowercase: "The" is [UNK] to it."""
+    model, tok, *_ = tiny("bert")
+    cased = copy.deepcopy(tok)
+    cased.backend_tokenizer.normalizer = None
+    texts = ["The Cat sat on a mat. The RED house", "the cat sat on a mat. the red house"]
+    hf = tmp_path / "hf"
+    copy.deepcopy(model).save_pretrained(hf)
+    cased.save_pretrained(hf)
+    folder = tmp_path / "st"
+    st_modules = [st_models.Transformer(str(hf), max_seq_length=64, do_lower_case=True), st_models.Pooling(32, "mean")]
+    SentenceTransformer(modules=st_modules, device="cpu").save(str(folder))
+    # as sentence-transformers 5 and before saved it: the flag in the config, the tokenizer cased
+    # (version 6 bakes a Lowercase normalizer into the saved tokenizer instead, and still reads the flag)
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": True}))
+    cased.save_pretrained(folder)
+    st = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+    enc = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=6)
+    out = enc.encode_documents(texts, return_chunks=True)
+    np.testing.assert_array_equal(out.documents[0], out.documents[1])
+    want = st.encode(texts[:1], convert_to_numpy=True)  # no Normalize module: the engine's normalize=True does it
+    assert_close(enc.encode_queries(texts[:1]), want / np.linalg.norm(want, axis=1, keepdims=True), TOL, what="lowercased")
+    first = out.chunk_document == 0
+    spans = [texts[0][a:b] for a, b in zip(out.chunk_start_char[first], out.chunk_end_char[first])]
+    assert spans[0].startswith("The Cat") and spans[-1].endswith("RED house")  # the text as given
+    plain = DiceEncoder(model, cased, chunk_size=6)  # no folder, no do_lower_case: "The" is [UNK]
+    assert np.abs(plain.encode_documents(texts[:1]) - out.documents[:1]).max() > 1e-3
+    assert cased.backend_tokenizer.normalizer is None  # the caller's tokenizer is left as it was
+
+
+def test_a_pooling_that_leaves_the_prompt_out_is_refused_with_a_prefix(tmp_path):
+    folder, _ = st_folder(tmp_path, heads=[], pooling=st_models.Pooling(32, "mean", include_prompt=False))
+    DiceEncoder.from_pretrained(folder, device="cpu")  # without a prompt there is nothing to leave out
+    for prefix in ({"document_prefix": "passage: "}, {"query_prefix": "query: "}):
+        with pytest.raises(DiceError, match=r"leaves a prompt's tokens out \(include_prompt false\)"):
+            DiceEncoder.from_pretrained(folder, device="cpu", **prefix)
+    DiceEncoder.from_pretrained(folder, device="cpu", pooling="last", document_prefix="passage: ")
