@@ -75,13 +75,14 @@ def default_model_path() -> str:
 
 def load_model(path: str | os.PathLike | None, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
     """Load ``(model, tokenizer)`` from ``path`` (``None``: the bundled default model), frozen in eval mode."""
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     path = default_model_path() if path is None else str(path)
     hub = _check_model_path(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = _model_class(config).from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:  # no model files there, an unknown hub id, an unreadable config
         if hub:
             raise ModelError(f"model {path} is not a local folder and could not be loaded from the Hugging Face "
@@ -90,6 +91,17 @@ def load_model(path: str | os.PathLike | None, device: torch.device, dtype: torc
         raise ModelError(f"model {path}: cannot load a model from its folder ({one_line(exc)[:300]})", path) from None
     model.to(device).eval().requires_grad_(False)
     return model, tokenizer
+
+
+def _model_class(config):
+    """``AutoModel``, or for an encoder-decoder (T5, mT5, UMT5, LongT5 ...: GTR-T5, sentence-T5) its
+    encoder alone (``T5EncoderModel``...), as sentence-transformers loads it: all an embedding runs."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(getattr(config, "model_type", None), "")  # "T5Model" (also a folder of its encoder)
+    encoder = getattr(transformers, name[: -len("Model")] + "EncoderModel", None) if name.endswith("Model") else None
+    return encoder or transformers.AutoModel
 
 
 # what a saved tokenizer leaves in a model folder (fast or slow; WordPiece, BPE, SentencePiece, tiktoken)
@@ -118,6 +130,10 @@ def inspect_model(model, tokenizer, path: str | None = None) -> ModelSpec:
     if not getattr(tokenizer, "is_fast", False):
         raise OptionError("dice_fast needs a fast (Rust) tokenizer; load it with use_fast=True")
     config = model.config
+    if getattr(config, "is_encoder_decoder", False) and getattr(model, "decoder", None) is not None:
+        raise ModelError(f"{type(model).__name__} is an encoder-decoder model; dice_fast embeds with its encoder alone: "
+                         "pass the encoder model (T5EncoderModel.from_pretrained(path) for the T5 family, as "
+                         "DiceEncoder.from_pretrained loads it)", path)
     first = _first_position(model)
     table = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     position_limit = int(table) - first if table else _HUGE

@@ -223,3 +223,34 @@ def test_a_pooling_that_leaves_the_prompt_out_is_refused_with_a_prefix(tmp_path)
         with pytest.raises(DiceError, match=r"leaves a prompt's tokens out \(include_prompt false\)"):
             DiceEncoder.from_pretrained(folder, device="cpu", **prefix)
     DiceEncoder.from_pretrained(folder, device="cpu", pooling="last", document_prefix="passage: ")
+
+
+def test_a_t5_folder_runs_its_encoder_as_sentence_transformers_does(tmp_path):
+    """A T5 checkpoint (encoder and decoder, as GTR-T5 and sentence-T5 are published) with a
+    sentence-T5-like pipeline (mean, Dense without bias or activation, Normalize): its encoder alone runs,
+    as sentence-transformers loads it (AutoModel's T5Model wanted decoder inputs and failed inside
+    transformers); the T5Model itself is refused by name."""
+    import transformers
+
+    model, tok, *_ = tiny("t5-encoder")
+    config = copy.deepcopy(model.config)
+    config.is_encoder_decoder = True
+    full = transformers.T5Model(config)
+    full.shared.load_state_dict(model.shared.state_dict())
+    full.encoder.load_state_dict(model.encoder.state_dict())
+    full.save_pretrained(tmp_path / "t5")
+    tok.save_pretrained(tmp_path / "t5")
+    torch.manual_seed(3)
+    dense = st_models.Dense(32, HEAD_WIDTH, bias=False, activation_function=torch.nn.Identity())
+    modules = [st_models.Transformer(str(tmp_path / "t5"), max_seq_length=64), st_models.Pooling(32, "mean"), dense,
+               st_models.Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(tmp_path / "st"))
+    st = SentenceTransformer(str(tmp_path / "st"), device="cpu", local_files_only=True).eval()
+    for folder in (tmp_path / "t5", tmp_path / "st"):  # the published checkpoint, and the pipeline's own save
+        enc = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8)
+        assert type(enc.model).__name__ == "T5EncoderModel"
+    texts = corpus(seed=4, longest=50)
+    out = enc.encode_documents(texts, return_chunks=True)
+    assert_close(out.chunks, st_chunk_vectors(st, out, enc.plan(texts)), TOL, what="sentence-T5-like chunks")
+    with pytest.raises(ModelError, match="T5Model is an encoder-decoder model; dice_fast embeds with its encoder"):
+        DiceEncoder(full, tok)
