@@ -79,10 +79,11 @@ def load_model(path: str | os.PathLike | None, device: torch.device, dtype: torc
 
     path = default_model_path() if path is None else str(path)
     hub = _check_model_path(path)
+    source = path if hub else str(transformer_folder(Path(path).expanduser()))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = _model_class(config).from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = _model_class(config).from_pretrained(source, config=config, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:  # no model files there, an unknown hub id, an unreadable config
         if hub:
             raise ModelError(f"model {path} is not a local folder and could not be loaded from the Hugging Face "
@@ -112,6 +113,7 @@ def _check_model_path(path: str) -> bool:
     """Raise `ModelError` for a path that cannot hold a model; True when ``path`` can only be a hub id."""
     p = Path(path).expanduser()
     if p.is_dir():
+        p = transformer_folder(p)
         if not (p / "config.json").is_file():
             raise ModelError(f"model {path} is not a model folder (it has no config.json)", path)
         if not any(_TOKENIZER_FILE.match(f.name) for f in p.iterdir()):  # transformers would make up a tiny one
@@ -153,7 +155,7 @@ def inspect_model(model, tokenizer, path: str | None = None) -> ModelSpec:
         special_suffix=suffix,
         is_causal=bool(getattr(config, "is_decoder", False)) or _is_decoder_only(model),
         hidden_size=int(config.hidden_size),
-        name=str(getattr(config, "_name_or_path", "") or config.model_type),
+        name=str(path or getattr(config, "_name_or_path", "") or config.model_type),
         flops_per_token=linear_flops_per_token(model),
         unsupported_pooling=st.get("unsupported_pooling"),
         skipped_modules=tuple(st.get("skipped_modules", ())),
@@ -223,13 +225,26 @@ def pipeline_normalizes(path: str | os.PathLike) -> bool:
     return _sentence_transformers_facts(os.fspath(path)).get("normalizes", False)
 
 
+def transformer_folder(root: Path) -> Path:
+    """Where a model folder keeps its transformer: the folder itself, or the subfolder its
+    sentence-transformers ``modules.json`` names for the Transformer module (``0_Transformer``, as
+    sentence-transformers 1 saved them) when that holds a config.json and lies inside the folder."""
+    modules = _read_json(root / "modules.json", default=[])
+    for m in modules if isinstance(modules, list) else []:
+        if isinstance(m, dict) and str(m.get("type", "")).endswith("Transformer") and m.get("path"):
+            sub = (root / str(m["path"])).resolve()
+            if sub.is_relative_to(root.resolve()) and (sub / "config.json").is_file():
+                return sub
+    return root
+
+
 def _sentence_transformers_facts(path) -> dict:
     """max_seq_length, pooling and Normalize from a sentence-transformers folder, when there is one."""
     facts: dict = {}
     if not path or not Path(path).is_dir():
         return facts
     root = Path(path)
-    cfg = _read_json(root / "sentence_bert_config.json")
+    cfg = _read_json(transformer_folder(root) / "sentence_bert_config.json")
     if isinstance(cfg.get("max_seq_length"), int):
         facts["max_seq_length"] = cfg["max_seq_length"]
     facts["lowercase"] = cfg.get("do_lower_case") is True

@@ -254,3 +254,30 @@ def test_a_t5_folder_runs_its_encoder_as_sentence_transformers_does(tmp_path):
     assert_close(out.chunks, st_chunk_vectors(st, out, enc.plan(texts)), TOL, what="sentence-T5-like chunks")
     with pytest.raises(ModelError, match="T5Model is an encoder-decoder model; dice_fast embeds with its encoder"):
         DiceEncoder(full, tok)
+
+
+def test_a_folder_saved_by_sentence_transformers_1_with_its_transformer_in_a_subfolder(tmp_path):
+    """The layout sentence-transformers 1 wrote (the transformer, its tokenizer and sentence_bert_config.json
+    in ``0_Transformer/``; LaBSE-like: cls pooling, Dense, Normalize) loads from the folder, follows its
+    pipeline, and records the folder, not the subfolder, as the model (an index restores it from there)."""
+    folder, _ = st_folder(tmp_path, pooling=st_models.Pooling(32, "cls"))
+    sub = folder / "0_Transformer"
+    sub.mkdir()
+    for f in list(folder.iterdir()):
+        if f.is_file() and f.name not in ("modules.json", "config_sentence_transformers.json", "README.md"):
+            f.rename(sub / f.name)
+    (sub / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 40, "do_lower_case": False}))
+    listed = json.loads((folder / "modules.json").read_text())
+    listed[0]["path"] = "0_Transformer"
+    (folder / "modules.json").write_text(json.dumps(listed))
+    assert not (folder / "config.json").exists()
+    st = SentenceTransformer(str(folder), device="cpu", local_files_only=True).eval()  # which reads it too
+    enc = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8)
+    assert enc.pooling == "cls" and enc.window == 40 and enc.dim == HEAD_WIDTH and enc.spec.name == str(folder)
+    texts = corpus(seed=6, longest=50)
+    out = enc.encode_documents(texts, return_chunks=True)
+    assert_close(out.chunks, st_chunk_vectors(st, out, enc.plan(texts)), TOL, what="subfolder layout")
+    listed[0]["path"] = "../elsewhere"  # a modules.json may not point outside its folder
+    (folder / "modules.json").write_text(json.dumps(listed))
+    with pytest.raises(ModelError, match="is not a model folder"):
+        DiceEncoder.from_pretrained(folder, device="cpu")
