@@ -44,7 +44,7 @@ def test_batches_respect_budget_and_order():
     docs = TokenizedDocuments(np.arange(int(lengths.sum())), np.concatenate([[0], np.cumsum(lengths)]))
     plan = EncodingPlan(docs, plan_chunks(lengths, 100), np.zeros(0, np.int64), np.zeros(0, np.int64))
     settings = SimpleNamespace(max_batch_tokens=10, spec=SimpleNamespace(first_position=0, hidden_size=4),
-                               config=SimpleNamespace(aggregation="mean"), device=torch.device("cpu"), dim=4)
+                               config=SimpleNamespace(aggregation="mean"), device=torch.device("cpu"), dim=4, chunk_dim=4)
     queue = ChunkQueue(settings)  # the queue reads only its settings to hand batches out
     queue.submit(plan)
     batches = []
