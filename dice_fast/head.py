@@ -5,8 +5,8 @@ a linear layer and an activation, sometimes several, sometimes with a residual c
 embedding of a text is that projection of the pooled vector, so DICE's chunk vectors are too: the head
 runs on each pooled chunk (and query) vector, before chunk normalisation and aggregation.
 
-    head = load_head(["/model/2_Dense"], hidden_size=768, device=torch.device("cpu"))
-    vectors = head(pooled)   # (n, 768) float32 -> (n, head.out_features) float32
+    head = load_head(["/model/2_Dense"], hidden_size=768)   # None for no folders
+    vectors = head(pooled)   # (n, 768) float32 on any device -> (n, head.out_features) float32 there
 
 The modules are read from their folders (``config.json`` and ``model.safetensors`` or
 ``pytorch_model.bin``) as sentence-transformers saves them; an activation must be a ``torch.nn``
@@ -53,7 +53,6 @@ class Dense:
         if cfg.get("use_residual", False):
             self.residual = True if in_features == self.out_features else \
                 _tensor(weights, "residual.weight", (self.out_features, in_features), folder)
-
         self._placed: dict = {}  # device -> (weight, bias, residual) there
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

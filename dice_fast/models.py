@@ -264,7 +264,8 @@ def _sentence_transformers_facts(path) -> dict:
             elif modes:
                 facts["unsupported_pooling"] = "+".join(modes)
             pooled = True
-        elif kind.endswith("Dense") and pooled and applies_to_sentence_vector(folder):
+        elif kind.endswith("Dense") and pooled and folder.resolve().is_relative_to(root.resolve()) \
+                and applies_to_sentence_vector(folder):  # (weights read from inside the model folder only)
             facts.setdefault("head", []).append(str(folder))
         elif kind and not kind.endswith("Transformer"):  # LayerNorm, WordEmbeddings, a Dense elsewhere ...
             facts.setdefault("skipped_modules", []).append(f"{kind.rsplit('.', 1)[-1]} ({m.get('path', '')})")

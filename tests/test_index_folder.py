@@ -423,3 +423,35 @@ def test_a_legacy_folder_with_texts_loads_and_its_plain_names_are_removed_on_rew
     DiceIndex.load(legacy).save(legacy)
     assert sorted(p.name for p in legacy.iterdir()) == sorted(_generation_files(legacy))
     assert [h.text for h in DiceIndex.load(legacy).search(np.eye(1, 4, dtype=np.float32), 1)[0]] == ["the"]
+
+
+def test_an_older_index_holding_chunks_of_no_text_loads_without_them(tmp_path):
+    """Before RESULTS §30 an empty or blank text's one chunk (its special tokens alone, 0 tokens) was
+    stored, and maxsim ranked it first for short queries. Such a folder (no ``chunks_of_text_only`` in
+    its index.json) loads without those chunks; saved again, it is marked and holds none."""
+    model, tok = tiny("bert")[:2]
+    enc = DiceEncoder(model, tok, chunk_size=4, pooling="mean", pooling_impl="torch")
+    texts = ["", "the cat sat on a mat and the dog ran", " \n\t", "big red house with tree under blue sky"]
+    index = DiceIndex.from_texts(enc, texts, ids=["empty", "cat", "blank", "house"])
+    index.save(tmp_path / "ix")
+    meta = json.loads((tmp_path / "ix" / "index.json").read_text())
+    assert meta.pop("chunks_of_text_only") is True
+    files = {name: tmp_path / "ix" / entry["file"] for name, entry in meta["files"].items()}
+    cu = np.load(files["cu_doc_chunks"])
+    at = [int(cu[0]), int(cu[2])]  # the empty and the blank text: a chunk each, as older versions stored
+    nearest = enc.encode_queries(["the"])[0]  # such a chunk sat near every short query
+    rows = {"chunks": np.stack([nearest, nearest]), "chunk_start_char": [0, 0], "chunk_end_char": [0, 0],
+            "chunk_tokens": [0, 0]}
+    for name, values in rows.items():
+        np.save(files[name], np.insert(np.load(files[name]), at, values, axis=0))
+        meta["files"][name]["shape"][0] += 2
+    np.save(files["cu_doc_chunks"], cu + np.array([0, 1, 1, 2, 2]))
+    meta["n_chunks"] += 2
+    (tmp_path / "ix" / "index.json").write_text(json.dumps(meta))
+    old = DiceIndex.load(tmp_path / "ix", encoder=enc)
+    assert list(np.diff(old.cu_doc_chunks)) == list(np.diff(index.cu_doc_chunks)) and old.n_chunks == index.n_chunks
+    np.testing.assert_array_equal(old.chunks, index.chunks)
+    assert [h.id for h in old.search(["the"], k=4, scoring="maxsim")[0]] == ["cat", "house"]
+    old.save(tmp_path / "ix")
+    again = json.loads((tmp_path / "ix" / "index.json").read_text())
+    assert again["chunks_of_text_only"] is True and again["n_chunks"] == index.n_chunks

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import warnings
 
 import numpy as np
@@ -183,6 +184,11 @@ def test_dense_modules_not_on_the_pooled_vector_are_named_not_applied(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert DiceEncoder.from_pretrained(folder, device="cpu").settings.head is not None
+    shutil.copytree(folder / "2_Dense", tmp_path / "outside")  # weights are read from inside the folder only
+    listed[2]["path"] = "../outside"
+    (folder / "modules.json").write_text(json.dumps(listed))
+    with pytest.warns(UserWarning, match=r"has Dense \(\.\./outside\), which dice_fast does not apply"):
+        assert DiceEncoder.from_pretrained(folder, device="cpu").settings.head is None
 
 
 def test_do_lower_case_lowercases_every_text_first_as_sentence_transformers_does(tmp_path):

@@ -2,7 +2,8 @@
 
     index.json                   {"format": "dice_fast.index/2", "generation": G, "dim", "n_documents",
                                   "n_chunks", "chunk_dtype", "store_text", "model", "encoder_options",
-                                  "files": {name: {"file", "shape", "dtype"}}, "graphs": {over: file}}
+                                  "files": {name: {"file", "shape", "dtype"}}, "graphs": {over: file},
+                                  "chunks_of_text_only": true}
     documents.G.npy              (n_documents, dim) float32
     chunks.G.npy                 (n_chunks, dim) float32 or float16
     cu_doc_chunks.G.npy          (n_documents + 1,) int64: document d owns chunks cu[d]:cu[d+1]
@@ -19,7 +20,10 @@ switch; saves into one folder take turns (an exclusive ``flock`` on the folder, 
 threads and processes on a local disk). `load` opens only the files ``index.json`` names, checks
 each one's shape and dtype and the offsets' consistency, and refuses a damaged or foreign folder
 naming the file. ``mmap=True`` maps the vector files instead of reading them (pages come in as
-search touches them). Folders of format ``dice_fast.index/1`` (plain names) still load.
+search touches them). Folders of format ``dice_fast.index/1`` (plain names) still load. An index
+saved before ``chunks_of_text_only`` was written may hold an empty text's chunk of special tokens
+alone (0 tokens, which maxsim ranked first for short queries: RESULTS §30): `load` leaves such chunks
+out (the chunk arrays then read into memory, its graphs rebuilt when next needed).
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ def _write_generation(index, folder: Path, gen: str) -> dict:
         _write(folder / graphs[over], lambda f, g=graph: f.write(_graph_bytes(g)))
     meta = {"format": FORMAT, "generation": gen, "dim": index.dim, "n_documents": len(index),
             "n_chunks": index.n_chunks, "chunk_dtype": index.chunk_dtype, "store_text": index.store_text,
-            "model": index.model, "encoder_options": index.encoder_options, "files": files, "graphs": graphs}
+            "model": index.model, "encoder_options": index.encoder_options, "files": files, "graphs": graphs,
+            "chunks_of_text_only": True}  # no chunk of 0 tokens (`check_batch` stores none)
     tmp = folder / _TMP
     _write(tmp, _json_writer(meta))
     os.replace(tmp, folder / "index.json")  # the switch: before it the old index, after it the new one
@@ -225,8 +230,19 @@ def _read_generation(cls, folder: Path, meta: dict, mmap: bool):
         except ValueError as exc:
             raise InputError(f"{folder / files['text_offsets']}: {exc}") from None
     graphs = {over: folder / name for over, name in (meta.get("graphs") or {}).items()}
+    if meta.get("chunks_of_text_only") is not True and np.any(np.asarray(loaded["chunk_tokens"]) == 0):
+        loaded, graphs = _without_empty_chunks(loaded), {}  # the graphs number the chunks left out
     index.restore(ids, loaded, texts, graphs)
     return index
+
+
+def _without_empty_chunks(loaded: dict) -> dict:
+    """The arrays read with their chunks of 0 tokens left out (in memory), the offsets renumbered."""
+    keep = np.asarray(loaded["chunk_tokens"]) != 0
+    out = dict(loaded, cu_doc_chunks=np.concatenate([[0], np.cumsum(keep)])[np.asarray(loaded["cu_doc_chunks"])])
+    for name in ("chunks", "chunk_start_char", "chunk_end_char", "chunk_tokens"):
+        out[name] = np.asarray(loaded[name])[keep]
+    return out
 
 
 def _unit_chunks(chunks: np.ndarray) -> np.ndarray:
