@@ -85,3 +85,15 @@ def test_the_probe_names_a_model_that_gives_nan():
     assert "gives NaN or infinite hidden states in float32" in repr(enc), repr(enc)
     with pytest.raises(NonFiniteOutput, match=r"documents\[0\]"):
         enc.encode_documents(TEXTS[:1])
+
+
+def test_vectors_whose_norm_overflows_float32_are_named_not_zeros():
+    """Hidden states past ~1e18 are finite, but their float32 norm is not: normalised, every vector was
+    returned as zeros, silently (RESULTS §30)."""
+    enc = encoder()
+    with torch.no_grad():
+        enc.model.encoder.layer[-1].output.LayerNorm.weight.mul_(1e19)
+    with pytest.raises(NonFiniteOutput, match=r"documents\[0\]"):
+        enc.encode_documents(TEXTS)
+    with pytest.raises(NonFiniteOutput, match=r"queries\[0\]"):
+        enc.encode_queries(["a cat"])
