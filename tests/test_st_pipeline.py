@@ -1,7 +1,8 @@
-"""A model folder's sentence-transformers pipeline, followed or refused, checked against
-sentence-transformers itself: the Dense modules after its pooling (`dice_fast.head`) on every chunk and
-query vector (against sentence-transformers run on each chunk's exact token ids, on every path that
-pools chunks), ``do_lower_case``, and a Pooling that leaves the prompt out."""
+"""A model folder as sentence-transformers publishes it, followed or refused, checked against
+sentence-transformers itself run on each chunk's exact token ids: the Dense modules after its pooling
+(`dice_fast.head`) on every chunk and query vector and every path that pools chunks, ``do_lower_case``,
+a Pooling that leaves the prompt out, T5 checkpoints (their encoder alone) and the layout of
+sentence-transformers 1 (the transformer in ``0_Transformer/``)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def st_folder(tmp_path, *, heads=None, normalize=True, safe=True, name="st", poo
     return tmp_path / name, SentenceTransformer(str(tmp_path / name), device="cpu", local_files_only=True).eval()
 
 
-def st_chunk_vectors(st, out, plan) -> np.ndarray:
+def st_chunk_vectors(st, plan) -> np.ndarray:
     """(n_chunks, width) the pipeline run by sentence-transformers on each chunk's wrapped token ids."""
     rows = []
     with torch.inference_mode():
@@ -72,7 +73,7 @@ def test_chunk_documents_and_queries_are_the_pipelines_own(tmp_path):
     assert "head=[Dense 32->24 Tanh, Dense 24->24 GELU +residual, Dense 24->16 Identity +residual]" in repr(enc)
     texts = corpus(seed=3, longest=60)
     out = enc.encode_documents(texts, return_chunks=True)
-    want = st_chunk_vectors(st, out, enc.plan(texts))
+    want = st_chunk_vectors(st, enc.plan(texts))
     assert out.chunks.shape == want.shape == (len(want), HEAD_WIDTH)
     assert_close(out.chunks, want, TOL, what="chunk vectors against sentence-transformers per chunk")
     docs = np.stack([want[out.chunk_document == d].astype(np.float64).mean(0) for d in range(len(texts))])
@@ -130,7 +131,7 @@ def test_the_chunk_cache_keeps_heads_apart(tmp_path):
     first = DiceEncoder.from_pretrained(a, device="cpu", chunk_size=8, cache=cache).encode_documents(texts)
     enc_b = DiceEncoder.from_pretrained(b, device="cpu", chunk_size=8, cache=cache)
     out = enc_b.encode_documents(texts, return_chunks=True)
-    assert_close(out.chunks, st_chunk_vectors(st_b, out, enc_b.plan(texts)), TOL, what="b on a's cache")
+    assert_close(out.chunks, st_chunk_vectors(st_b, enc_b.plan(texts)), TOL, what="b on a's cache")
     assert np.abs(out.documents - first).max() > 0.1
     again = DiceEncoder.from_pretrained(b, device="cpu", chunk_size=8, cache=cache).encode_documents(texts)
     np.testing.assert_array_equal(again, out.documents)  # b's own entries are hits: the same vectors
@@ -257,7 +258,7 @@ def test_a_t5_folder_runs_its_encoder_as_sentence_transformers_does(tmp_path):
         assert type(enc.model).__name__ == "T5EncoderModel"
     texts = corpus(seed=4, longest=50)
     out = enc.encode_documents(texts, return_chunks=True)
-    assert_close(out.chunks, st_chunk_vectors(st, out, enc.plan(texts)), TOL, what="sentence-T5-like chunks")
+    assert_close(out.chunks, st_chunk_vectors(st, enc.plan(texts)), TOL, what="sentence-T5-like chunks")
     with pytest.raises(ModelError, match="T5Model is an encoder-decoder model; dice_fast embeds with its encoder"):
         DiceEncoder(full, tok)
 
@@ -282,7 +283,7 @@ def test_a_folder_saved_by_sentence_transformers_1_with_its_transformer_in_a_sub
     assert enc.pooling == "cls" and enc.window == 40 and enc.dim == HEAD_WIDTH and enc.spec.name == str(folder)
     texts = corpus(seed=6, longest=50)
     out = enc.encode_documents(texts, return_chunks=True)
-    assert_close(out.chunks, st_chunk_vectors(st, out, enc.plan(texts)), TOL, what="subfolder layout")
+    assert_close(out.chunks, st_chunk_vectors(st, enc.plan(texts)), TOL, what="subfolder layout")
     listed[0]["path"] = "../elsewhere"  # a modules.json may not point outside its folder
     (folder / "modules.json").write_text(json.dumps(listed))
     with pytest.raises(ModelError, match="is not a model folder"):
