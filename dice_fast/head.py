@@ -34,7 +34,7 @@ class Dense:
 
     def __init__(self, folder: Path, in_features: int):
         cfg = _config(folder)
-        self.folder, self.in_features = folder, in_features
+        self.in_features = in_features
         try:
             self.out_features = int(cfg["out_features"])
             saved_in = int(cfg.get("in_features", in_features))

@@ -229,7 +229,8 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
             f"{cfg.chunk_size + doc_overhead} tokens, more than the model's {spec.position_limit} "
             f"positions; allowed: chunk_size <= {spec.position_limit - doc_overhead}"
         )
-    if not spec.pools_prompt and (cfg.pooling or spec.pooling) in ("mean", "cls") and (cfg.document_prefix or cfg.query_prefix):
+    pooling = cfg.pooling or spec.pooling
+    if not spec.pools_prompt and pooling in ("mean", "cls") and (cfg.document_prefix or cfg.query_prefix):
         raise OptionError("this model's sentence-transformers Pooling leaves a prompt's tokens out (include_prompt false), "
                           "which dice_fast does not compute: a chunk pools every token of its prefix too; encode "
                           "without document_prefix / query_prefix, or with pooling='last'")
@@ -244,7 +245,7 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
                       "modules right after the pooling), not the pipeline's", UserWarning, stacklevel=4)
     settings = Settings(
         config=cfg, spec=spec, device=device, dtype=dtype, window=window, document_wrap=doc_wrap,
-        query_wrap=query_wrap, pooling=cfg.pooling or spec.pooling,
+        query_wrap=query_wrap, pooling=pooling,
         normalize_chunks=spec.normalizes if cfg.normalize_chunks is None else cfg.normalize_chunks,
         causal=_CAUSAL[cfg.attention],
         max_batch_tokens=cfg.max_batch_tokens or (OPENVINO_BATCH_TOKENS if cfg.openvino else
