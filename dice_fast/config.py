@@ -307,6 +307,11 @@ def _choice(name: str, value, allowed) -> None:
 _INT64_MAX = 2**63 - 1  # counts go to torch and numpy as int64
 
 
+def dtype_name(dtype) -> str:
+    """A dtype's name as the ``dtype`` option spells it: "bfloat16" for torch.bfloat16 or "bfloat16"."""
+    return str(dtype).replace("torch.", "")
+
+
 def checked_integer(name: str, value, minimum: int = 1, optional: bool = False) -> int | None:
     """``value`` as a plain int (a numpy integer is the int it holds); `OptionError` naming ``name`` for
     None (unless ``optional``), a bool, a float, a string, or a value outside ``minimum``..2**63-1. Every
@@ -328,5 +333,5 @@ def _real(name: str, value, low: float, high: float, above: bool = False, what: 
     return x
 
 
-__all__ = ["DiceConfig", "option", "checked_integer", "DTYPES", "COMPILE_MODES", "RUNTIMES", "PIPELINE_MODES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES",
+__all__ = ["DiceConfig", "option", "checked_integer", "dtype_name", "DTYPES", "COMPILE_MODES", "RUNTIMES", "PIPELINE_MODES", "STRATEGIES", "POSITIONS", "ATTENTION_MODES",
            "ATTENTION_BACKENDS", "POOLINGS", "AGGREGATIONS"]

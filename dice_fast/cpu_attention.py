@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .config import dtype_name
 from .cpu_tuning import BUDGET_S, cached_entry, decision_entry, env_choice, has_amx_bf16, overrides, race
 from .errors import OptionError
 
@@ -90,7 +91,7 @@ def reset() -> None:
 def decisions() -> dict[str, CpuAttention]:
     """The CPU attention choices this process has made so far, by ``"<dtype>/d<head size>"``
     (empty until CPU attention has run: a benchmark can name what actually ran)."""
-    return {f"{_dtype_name(k[0])}/d{k[1]}": v for k, v in list(_MEMO.items())}
+    return {f"{dtype_name(k[0])}/d{k[1]}": v for k, v in list(_MEMO.items())}
 
 
 def describe(dtype: torch.dtype) -> str:
@@ -239,7 +240,7 @@ def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:
     if forced is not None and kernel_env != "auto":
         return CpuAttention(forced, 0, "env")
     forced_kernels = overrides()
-    name = f"{_dtype_name(dtype)}/d{head_dim}" + (f" ({forced_kernels})" if forced_kernels else "")
+    name = f"{dtype_name(dtype)}/d{head_dim}" + (f" ({forced_kernels})" if forced_kernels else "")
     entry, source = cached_entry(name, _valid,
                                  lambda: measure_cpu_attention(dtype, head_dim))
     measured = getattr(torch, entry["dtype"])
@@ -254,10 +255,6 @@ def _decide(dtype: torch.dtype, head_dim: int) -> CpuAttention:
 def _valid(entry) -> bool:
     return (isinstance(entry, dict) and entry.get("dtype") in ("float32", "bfloat16", "float16")
             and isinstance(entry.get("matmul_max_len"), int) and entry.get("kernel") in ("sdpa", "amx"))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: float = BUDGET_S) -> dict:
@@ -312,7 +309,7 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
     work, ms, kernel = torch.float32, {}, "sdpa"
     if dtype != torch.float32:
         long_case = packed(2, 256)
-        low = f"long_{_dtype_name(dtype)}"
+        low = f"long_{dtype_name(dtype)}"
         ms = race({"long_float32": sdpa_in(torch.float32, long_case), low: sdpa_in(dtype, long_case)},
                    deadline - budget_s / 2)
         work = dtype if ms[low] < _MARGIN * ms["long_float32"] else torch.float32
@@ -333,4 +330,4 @@ def measure_cpu_attention(dtype: torch.dtype, head_dim: int = 64, budget_s: floa
             matmul_max_len = length
         else:
             break
-    return decision_entry(ms, dtype=_dtype_name(work), matmul_max_len=matmul_max_len, kernel=kernel)
+    return decision_entry(ms, dtype=dtype_name(work), matmul_max_len=matmul_max_len, kernel=kernel)

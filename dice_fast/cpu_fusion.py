@@ -42,6 +42,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import cpu_tuning as tuning
+from .config import dtype_name
 
 ENV = "DICE_FAST_CPU_FUSION"
 MODES = ("on", "off")  # besides "auto"
@@ -58,7 +59,7 @@ def fuses(dtype: torch.dtype) -> bool:
     raw = tuning.env_choice(ENV, MODES)
     if raw != "auto":
         return raw == "on"
-    name = f"fusion/{str(dtype).replace('torch.', '')}"
+    name = f"fusion/{dtype_name(dtype)}"
     return tuning.decided_kernel(_DECIDED, name, ("fused", "apart"), lambda: measure(dtype)) == "fused"
 
 

@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import cpu_layer_norm
 from . import cpu_tuning as tuning
+from .config import dtype_name
 from .errors import ModelError
 
 ENV_KERNEL = "DICE_FAST_CPU_LINEAR"
@@ -68,7 +69,7 @@ def kernel(dtype: torch.dtype) -> str:
         return "torch"  # an explicit "onednn" too: there is no oneDNN kernel to run
     if raw != "auto":
         return raw
-    return tuning.decided_kernel(_DECIDED, f"linear/{str(dtype).replace('torch.', '')}", KERNELS, lambda: measure(dtype))
+    return tuning.decided_kernel(_DECIDED, f"linear/{dtype_name(dtype)}", KERNELS, lambda: measure(dtype))
 
 
 def model_kernel(model) -> str:

@@ -43,7 +43,7 @@ from typing import Callable
 
 import numpy as np
 
-from .config import DiceConfig
+from .config import DiceConfig, dtype_name
 from .errors import OptionError
 
 AGREEMENT = DiceConfig.auto_agreement  # 0.999: the default least cosine to float32 eager, over the measured chunks
@@ -116,7 +116,7 @@ def warn_if_emulated(dtype) -> None:
     for it: its matmuls are emulated (MiniLM on an AVX2-only Zen 3: bf16 6.1-6.8x, fp16 4.8x slower than float32, RESULTS §18.13)."""
     import warnings
 
-    name = str(dtype).replace("torch.", "")
+    name = dtype_name(dtype)
     if half_units(name) is not None:
         warnings.warn(f"dtype={name!r} on a CPU without {' or '.join(HALF_UNITS[name])}: its matmuls are emulated, "
                       "several times slower than float32 (MiniLM on an AVX2-only Zen 3: bf16 ~6x, fp16 ~5x); "
@@ -364,7 +364,7 @@ def resolve(encoder_cls, model, tokenizer, cfg, model_path=None, measure=None, m
     if device.type != "cpu":
         raise OptionError(f"dtype='auto' and compile='auto' choose among CPU forwards; on {device} pass an explicit "
                          "dtype (bfloat16) and compile ('off' or 'on')")
-    dtype = cfg.dtype if cfg.dtype is not None else str(param.dtype).replace("torch.", "")
+    dtype = cfg.dtype if cfg.dtype is not None else dtype_name(param.dtype)
 
     def encoder_for(options):
         return encoder_cls(copy.deepcopy(model), tokenizer, config=cfg.replace(**options), model_path=model_path)

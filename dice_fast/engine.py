@@ -28,7 +28,7 @@ from .aggregation import non_finite_document
 from .chunk_queue import ChunkQueue
 from .chunking import (EncodingPlan, TokenizedDocuments, check_texts, check_vocabulary, plan_chunks, plan_windows,
                        tokenize, warn_truncated)
-from .config import DiceConfig
+from .config import DiceConfig, dtype_name
 from .cpu_heap import keep_freed_pages, release_freed_memory
 from .errors import ArgumentTypeError, NonFiniteOutput, TextError
 from .models import inspect_model, load_model
@@ -82,7 +82,7 @@ class DiceEncoder:
             raise ArgumentTypeError("pass either config= or keyword options, not both")
         DiceConfig.check_names(options)
         if isinstance(options.get("dtype"), torch.dtype):
-            options["dtype"] = str(options["dtype"]).replace("torch.", "")
+            options["dtype"] = dtype_name(options["dtype"])
         cfg = config or DiceConfig(**options)
         self.path_choice = None  # dice_fast.cpu_paths.PathChoice of dtype="auto" / compile="auto"
         if cfg.dtype == "auto" or cfg.compile == "auto":

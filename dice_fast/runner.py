@@ -34,6 +34,7 @@ from .nosync import sync_free_kwargs
 from .ops import pool_chunks
 from .packing import PackedBatch, pack
 from .chunking import ChunkPlan, TokenizedDocuments
+from .config import dtype_name
 from .errors import ModelError, OptionError
 
 PADDED = "padded"
@@ -122,8 +123,8 @@ class ModelRunner:
         key, would silently change."""
         param = next(self.model.parameters())
         if param.dtype != self.dtype or param.device != self.device:
-            were = f"{str(self.dtype).replace('torch.', '')} on {self.device}"
-            raise ModelError(f"the model's weights are now {str(param.dtype).replace('torch.', '')} on {param.device}, "
+            were = f"{dtype_name(self.dtype)} on {self.device}"
+            raise ModelError(f"the model's weights are now {dtype_name(param.dtype)} on {param.device}, "
                              f"not the {were} this encoder was built with: another encoder on the same model object "
                              "(or its caller) moved them; give each encoder its own copy of the model "
                              "(copy.deepcopy), or build them with the same dtype and device")
@@ -265,7 +266,7 @@ class ModelRunner:
         # per-chunk outputs are in the packed batch's (length-sorted) order
         want = torch.cat([alone[int(c)] for c in batch.chunk_ids]).float()
         if not bool(torch.isfinite(want).all()):  # nothing to compare: a NaN error said "differs" (and chose padded)
-            return (f"its per-chunk forward gives NaN or infinite hidden states in {str(packed.dtype)[6:]} (the model "
+            return (f"its per-chunk forward gives NaN or infinite hidden states in {dtype_name(packed.dtype)} (the model "
                     "overflows this precision, or its weights hold NaN), so the packed forward could not be checked")
         err = float((packed.float() - want).norm() / want.norm().clamp_min(1e-12))
         tol = _PROBE_TOLERANCE.get(packed.dtype, _PROBE_TOLERANCE_HALF)

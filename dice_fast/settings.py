@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .attention import choose_backend
-from .config import DEFAULT_CHUNK_SIZE, STRATEGIES, DiceConfig
+from .config import DEFAULT_CHUNK_SIZE, STRATEGIES, DiceConfig, dtype_name
 from .cpu_tuning import float32_matmuls, has_amx_bf16
 from .errors import OptionError
 from .head import ChunkHead, load_head
@@ -275,7 +275,7 @@ def precision_name(dtype: torch.dtype, device: torch.device) -> str:
     """"float32", "bfloat16" or "float16"; "float32 (matmuls in tf32)" where torch's float32 matmuls run in
     another precision on ``device`` (`float32_matmuls`): those vectors are not float32's, and the chunk
     cache (keyed by it) keeps them apart."""
-    name = str(dtype).replace("torch.", "")
+    name = dtype_name(dtype)
     relaxed = float32_matmuls(device.type) if dtype == torch.float32 else None
     return f"{name} (matmuls in {relaxed})" if relaxed else name
 
@@ -364,7 +364,7 @@ def pretrained_placement(device=None, dtype=None, runtime=None) -> tuple[torch.d
     ``dtype`` (a name or a ``torch.dtype``) is kept."""
     on_cpu = str(dtype) == "int8" or runtime == "openvino"
     device = parse_device(device or ("cuda" if torch.cuda.is_available() and not on_cpu else "cpu"))
-    dtype = str(dtype or ("bfloat16" if device.type == "cuda" else "float32")).replace("torch.", "")
+    dtype = dtype_name(dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if dtype not in WEIGHT_DTYPES:
         raise OptionError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
     return device, dtype

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..chunking import check_texts
+from ..config import dtype_name
 from ..errors import ArgumentTypeError
 from ._common import QueryTooLong, as_encoder, in_thread_until_cancelled, jsonable, vector_settings
 from ._server_client import CLIENT_OPTIONS, ServerEmbedder
@@ -114,7 +115,7 @@ class LocalEmbedder:
         options = {k: getattr(enc.config, k) for k in DiceConfig.field_names()}
         # where and at what precision it runs now (options left None would pick them anew, e.g. CUDA)
         options["device"] = options["device"] or str(enc.device)
-        options["dtype"] = options["dtype"] or str(enc.dtype).replace("torch.", "")
+        options["dtype"] = options["dtype"] or dtype_name(enc.dtype)
         if enc.cache is not None:
             options.update(cache=str(enc.cache.cache.folder), cache_max_gb=_gb(enc.cache.cache.max_bytes))
         if type(enc.model).__module__.startswith("transformers_modules"):  # loaded with the folder's own code

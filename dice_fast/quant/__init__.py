@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import dtype_name
 from ..errors import MissingDependency, OptionError
 from .agreement import Agreement, agreement, cosines, held_out_texts
 from .cpu import Int8Unsupported, check_int8_cpu, int8_dot_instructions
@@ -40,7 +41,7 @@ def openvino_runner(encoder, model, pad_token_id, streams: int | None = None, hi
     int8 = cfg.dtype == "int8"
     # the precision OpenVINO runs: the dtype option (the torch weights stay float32, `weight_dtype`), else
     # the model's own
-    dtype = cfg.dtype or str(encoder.dtype).replace("torch.", "")
+    dtype = cfg.dtype or dtype_name(encoder.dtype)
     if not int8 and dtype not in FLOAT_PRECISIONS:
         raise OptionError(f"runtime='openvino' runs dtype float32, bfloat16 or int8, not {dtype!r}")
     if dtype == "bfloat16" and bf16_units() is not None:

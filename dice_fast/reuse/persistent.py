@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import dtype_name
 from ..errors import ArgumentTypeError, CacheError, OptionError
 from ..folder_guard import folder_guard
 from .keys import model_fingerprint
@@ -371,7 +372,7 @@ def settings_namespace(settings, model, cache, max_gb=None, model_path=None, pre
     description = {
         "format": FORMAT,
         "model": store.fingerprint(model, model_path),
-        "dtype": precision or str(settings.dtype).replace("torch.", ""),
+        "dtype": precision or dtype_name(settings.dtype),
         "device": settings.device.type,
         "pooling": settings.pooling,
         "causal": settings.is_causal,
