@@ -368,7 +368,7 @@ class ChunkQueue:
             if p.windows is not None:
                 return pack_windows(p, ids, self.settings.spec.first_position)
             return pack(p.tokens, p.chunks, ids, p.prefix, p.suffix, self.settings.spec.first_position,
-                        p.global_positions)
+                        p.global_positions, p.unpooled)
         except Exception as exc:
             exc.dice_fast_job = job
             raise

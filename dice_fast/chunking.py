@@ -287,7 +287,9 @@ class EncodingPlan:
     offset in its document (the paper's ablation) instead of restarting; windows: late chunking's
     `Windows` (None: every chunk runs alone, DICE). Under late chunking the prefix and suffix wrap
     every window, and a chunk is pooled over its own text tokens inside its window (a chunk without
-    any, the one chunk of an empty document, over its whole window).
+    any, the one chunk of an empty document, over its whole window). unpooled: leading tokens of every
+    wrapped chunk (or window, for a chunk without text) its pooling leaves out, at most all but its last
+    (a Pooling with include_prompt false: the prompt, `TextPrefix.prompt_length`).
     """
 
     tokens: TokenizedDocuments
@@ -296,6 +298,7 @@ class EncodingPlan:
     suffix: np.ndarray
     global_positions: bool = False
     windows: Windows | None = None
+    unpooled: int = 0
 
     @property
     def n_docs(self) -> int:
@@ -342,8 +345,9 @@ class EncodingPlan:
 
     @property
     def chunk_weights(self) -> np.ndarray:
-        """(n_chunks,) float32 weight of every chunk for ``weighted_mean`` (the tokens it is pooled over)."""
-        return self.chunk_lengths.astype(np.float32)
+        """(n_chunks,) float32 weight of every chunk for ``weighted_mean``: the tokens it is pooled over."""
+        lengths, late_text = self.chunk_lengths, self.windows is not None and self.chunks.length > 0
+        return (lengths - np.where(late_text, 0, np.minimum(self.unpooled, np.maximum(lengths - 1, 0)))).astype(np.float32)
 
     @property
     def document_tokens(self) -> np.ndarray:

@@ -187,7 +187,7 @@ class DiceEncoder:
             f"DiceEncoder(model={self.spec.name!r}, device={self.device}, dtype={self.precision}, "
             f"attention={backend}{'' if self.causal is None else ('/causal' if self.causal else '/bidirectional')}, "
             f"pooling_impl={self.pooling_impl}, strategy={c.strategy}, chunk_size={c.chunk_size}, overlap={c.overlap}, "
-            f"positions={c.positions}, pooling={self.pooling}, aggregation={c.aggregation}, window={self.window}, "
+            f"positions={c.positions}, pooling={s.pooling_label()}, aggregation={c.aggregation}, window={self.window}, "
             f"max_batch_tokens={self.max_batch_tokens}, normalize_chunks={s.normalize_chunks}{s.head_label()}"
             f"{s.late_label()}{c.changed((*DiceConfig.options_of('vector'), 'dedup'), shown=_SHOWN)}"
             f"{self._speed_label()})"
@@ -223,8 +223,8 @@ class DiceEncoder:
         """Most tokens of one text the model runs (special tokens and prefix aside); a longer text is
         cut to them: a query to one window, a document with ``strategy="single"`` or
         ``max_chunks_per_document``. None: every token runs."""
-        _, size, overlap, cap, _, _ = self.settings.chunking(check_kind(kind), strategy)
-        return None if cap is None else size + (cap - 1) * (size - overlap)
+        c = self.settings.chunking(check_kind(kind), strategy)
+        return None if c.cap is None else c.size + (c.cap - 1) * (c.size - c.overlap)
 
     def encode_documents(self, texts: Iterable[str], return_chunks: bool = False, show_progress: bool = False,
                          progress: Callable[[int, int], None] | None = None):
@@ -320,11 +320,11 @@ class DiceEncoder:
 
     def _plan_tokens(self, tokens: TokenizedDocuments, kind: str, base: int = 0, chunking=None,
                      strategy: str | None = None) -> EncodingPlan:
-        wrap, size, overlap, cap, global_positions, late = chunking or self.settings.chunking(kind, strategy)
+        wrap, size, overlap, cap, global_positions, late, unpooled = chunking or self.settings.chunking(kind, strategy)
         check_vocabulary(tokens, self.spec.vocab_size, kind, base)
         chunks = plan_chunks(tokens.lengths, size, overlap, cap)
         windows = None if late is None else plan_windows(chunks, tokens.lengths, *late)
-        plan = EncodingPlan(tokens, chunks, wrap[0], wrap[1], global_positions, windows)
+        plan = EncodingPlan(tokens, chunks, wrap[0], wrap[1], global_positions, windows, unpooled)
         if kind == "queries":
             warn_truncated(tokens.lengths, size, self.window, kind)
         if global_positions:

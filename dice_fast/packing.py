@@ -15,7 +15,9 @@ Late chunking (`pack_windows`) packs windows instead: the sequences are wrapped 
 restarting per window), and the pooled segments are the chunk spans inside them: ``pool_rows`` (R,)
 int64 rows of the batch's tokens, ``pool_cu`` (n + 1,) int32 segments over those rows, ``pool_seq``
 (n,) int64 the sequence each segment lies in (non-decreasing); ``chunk_ids`` then names the pooled
-segments, not the sequences. Without them (None) every sequence is one pooled chunk.
+segments, not the sequences. A chunk whose pooling leaves its leading tokens out (``unpooled``: a
+prompt under include_prompt false) is the segment of its sequence after them. Every segment is a run of
+consecutive rows of one sequence. Without them (None) every sequence is one pooled chunk.
 
 All index arithmetic is vectorised numpy; the only Python loop is over batches.
 """
@@ -78,11 +80,14 @@ def pack(
     suffix: np.ndarray,
     first_position: int,
     global_positions: bool = False,
+    unpooled: int = 0,
 ) -> PackedBatch:
     """Pack the plan chunks ``chunk_ids`` (n,) into one varlen batch.
 
     prefix, suffix: int64 token ids put around every chunk's content. The work is proportional to
-    the batch's tokens: only the batch's own token ids are read, never the whole corpus.
+    the batch's tokens: only the batch's own token ids are read, never the whole corpus. ``unpooled``:
+    leading tokens of every wrapped chunk its pooling leaves out (at most all but its last); the
+    batch then pools those segments (``pool_rows``), one per sequence.
     """
     n_pre, n_suf = len(prefix), len(suffix)
     content = plan.length[chunk_ids]
@@ -107,14 +112,21 @@ def pack(
     position_ids = r + first_position
     if global_positions:
         position_ids += np.repeat(plan.start[chunk_ids], lengths)
-    return PackedBatch(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        cu_seqlens=cu.astype(np.int32),
-        max_seqlen=int(lengths.max()) if len(lengths) else 0,
-        chunk_ids=chunk_ids,
-        lengths=lengths,
-    )
+    batch = PackedBatch(input_ids, position_ids, cu.astype(np.int32), int(lengths.max()) if len(lengths) else 0,
+                        chunk_ids, lengths)
+    if not unpooled:
+        return batch
+    skip = np.minimum(unpooled, np.maximum(lengths - 1, 0))
+    rows, pool_cu = _rows(cu[:-1] + skip, lengths - skip)
+    return dataclasses.replace(batch, pool_rows=rows, pool_cu=pool_cu, pool_seq=np.arange(len(lengths), dtype=np.int64))
+
+
+def _rows(first: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(pool_rows, pool_cu) of the segments of ``count`` consecutive rows from ``first`` (n,) each."""
+    pool_cu = np.zeros(len(count) + 1, dtype=np.int64)
+    np.cumsum(count, out=pool_cu[1:])
+    rows = np.repeat(first - pool_cu[:-1], count) + np.arange(int(pool_cu[-1]), dtype=np.int64)
+    return rows, pool_cu.astype(np.int32)
 
 
 def pack_windows(plan: EncodingPlan, chunk_ids: np.ndarray, first_position: int) -> PackedBatch:
@@ -133,14 +145,12 @@ def pack_windows(plan: EncodingPlan, chunk_ids: np.ndarray, first_position: int)
     ch = plan.chunks
     cu = batch.cu_seqlens.astype(np.int64)
     text = ch.length[chunk_ids] > 0
+    skip = np.minimum(plan.unpooled, np.maximum(batch.lengths[seq] - 1, 0))  # no text: the window less its prompt
     first = np.where(text, cu[seq] + len(plan.prefix) + ch.start[chunk_ids] - w.start[w.chunk_window[chunk_ids]],
-                     cu[seq])
-    count = np.where(text, ch.length[chunk_ids], batch.lengths[seq])  # no text: the whole window
-    pool_cu = np.zeros(len(chunk_ids) + 1, dtype=np.int64)
-    np.cumsum(count, out=pool_cu[1:])
-    rows = np.repeat(first - pool_cu[:-1], count) + np.arange(int(pool_cu[-1]), dtype=np.int64)
-    return PackedBatch(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen, chunk_ids,
-                       batch.lengths, rows, pool_cu.astype(np.int32), seq)
+                     cu[seq] + skip)
+    count = np.where(text, ch.length[chunk_ids], batch.lengths[seq] - skip)
+    rows, pool_cu = _rows(first, count)
+    return dataclasses.replace(batch, chunk_ids=chunk_ids, pool_rows=rows, pool_cu=pool_cu, pool_seq=seq)
 
 
 def merge(parts: list[PackedBatch]) -> tuple[PackedBatch, np.ndarray]:

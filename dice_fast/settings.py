@@ -58,7 +58,8 @@ _CAUSAL = {"model default": None, "causal": True, "bidirectional": False}
 class Chunking(NamedTuple):
     """How a text of one kind is cut: ``wrap`` (prefix ids, suffix ids) around every chunk, ``size``
     text tokens per chunk, ``overlap``, ``cap`` chunks kept per text (None: all), ``global_positions``,
-    ``late`` (window capacity in text tokens, window overlap) for late chunking, else None."""
+    ``late`` (window capacity in text tokens, window overlap) for late chunking, else None, ``unpooled``
+    leading tokens of every wrapped chunk its pooling leaves out (the prompt, `Settings.unpooled`)."""
 
     wrap: tuple[np.ndarray, np.ndarray]
     size: int
@@ -66,6 +67,7 @@ class Chunking(NamedTuple):
     cap: int | None
     global_positions: bool
     late: tuple[int, int] | None = None
+    unpooled: int = 0
 
 
 LATE_MAX_WINDOW = 8192  # the default window of late chunking is the position table, at most this
@@ -85,7 +87,8 @@ class Settings:
     max_batch_tokens: token budget of one forward. backend: the attention backend asked of the runner.
     pooling_impl: the pooling/aggregation kernels ("torch", "triton", "native", "reference").
     pipeline: batches are prepared in a producer thread (`dice_fast.pipeline`). head: the model's Dense
-    modules after its pooling, run on every chunk vector (`dice_fast.head`), or None.
+    modules after its pooling, run on every chunk vector (`dice_fast.head`), or None. leaves_prompt_out:
+    the model's Pooling leaves a prompt's tokens out (include_prompt false) of a mean or cls pooling.
     """
 
     config: DiceConfig
@@ -105,10 +108,17 @@ class Settings:
     document_text_prefix: TextPrefix | None = None
     query_text_prefix: TextPrefix | None = None
     head: ChunkHead | None = None
+    leaves_prompt_out: bool = False
 
     def text_prefix(self, kind: str | None) -> TextPrefix | None:
         """The `TextPrefix` texts of ``kind`` ("documents", "queries"; None: none) follow, or None."""
         return {"documents": self.document_text_prefix, "queries": self.query_text_prefix}.get(kind)
+
+    def unpooled(self, kind: str) -> int:
+        """Leading tokens of every wrapped chunk of ``kind`` its pooling leaves out: the prefix's
+        sentence-transformers ``prompt_length`` where the model's Pooling leaves the prompt out, else 0."""
+        prefix = self.text_prefix(kind)
+        return prefix.prompt_length if self.leaves_prompt_out and prefix is not None else 0
 
     @property
     def chunk_dim(self) -> int:
@@ -147,7 +157,11 @@ class Settings:
             late = self.late_windows() if strategy == "late" else None
         if size is None:
             size = self.window - _overhead(wrap)
-        return Chunking(wrap, size, overlap, cap, global_positions, late)
+        return Chunking(wrap, size, overlap, cap, global_positions, late, self.unpooled(kind))
+
+    def pooling_label(self) -> str:
+        """"mean", or "mean (prompt left out)" where the model's Pooling leaves a prefix's tokens out."""
+        return self.pooling + (" (prompt left out)" if self.leaves_prompt_out else "")
 
     def head_label(self) -> str:
         """", head=[Dense 768->768 Tanh]": the model's Dense modules run on every chunk vector, else ""."""
@@ -230,10 +244,6 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
             f"positions; allowed: chunk_size <= {spec.position_limit - doc_overhead}"
         )
     pooling = cfg.pooling or spec.pooling
-    if not spec.pools_prompt and pooling in ("mean", "cls") and (cfg.document_prefix or cfg.query_prefix):
-        raise OptionError("this model's sentence-transformers Pooling leaves a prompt's tokens out (include_prompt false), "
-                          "which dice_fast does not compute: a chunk pools every token of its prefix too; encode "
-                          "without document_prefix / query_prefix, or with pooling='last'")
     head = load_head(spec.head, spec.hidden_size)
     check_dim(cfg.truncate_dim, head.out_features if head is not None else spec.hidden_size)
     if cfg.pooling is None and spec.unsupported_pooling:
@@ -253,6 +263,7 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
         backend=choose_backend(cfg.attention_backend, device, dtype), pooling_impl=pooling_impl,
         pipeline=cfg.pipeline == "on" or (cfg.pipeline == "auto" and device.type == "cuda"),
         document_text_prefix=doc_text, query_text_prefix=query_text, head=head,
+        leaves_prompt_out=not spec.pools_prompt and pooling in ("mean", "cls"),
     )
     if cfg.cuda_graphs:  # refused before a forward is compiled or exported, not after
         check_graphable(device, "openvino" if cfg.openvino else settings.backend)

@@ -28,17 +28,26 @@ class TextPrefix:
 
     text: str
     ids: tuple[int, ...]
+    prompt_length: int = 0
 
     @classmethod
     def of(cls, tokenizer, text: str) -> TextPrefix | None:
-        """``text``'s `TextPrefix` with ``tokenizer`` (None for "")."""
+        """``text``'s `TextPrefix` with ``tokenizer`` (None for "").
+
+        ``prompt_length``: the leading tokens sentence-transformers takes for the prompt, which a Pooling
+        with include_prompt false leaves out of every chunk: ``text`` tokenized alone with the special
+        tokens, less a trailing special token ([CLS] and the prompt's ids; with a SentencePiece
+        tokenizer that keeps a trailing "▁" alone, one more than the prefix's ids in the chunk, as
+        sentence-transformers counts it)."""
         if not text:
             return None
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        whole = list(tokenizer(text)["input_ids"])
+        length = len(whole) - (bool(whole) and whole[-1] in set(tokenizer.all_special_ids))
         if text.endswith(" "):
             while ids and not tokenizer.decode(ids[-1:]).strip(" "):
                 ids.pop()
-        return cls(text, tuple(ids))
+        return cls(text, tuple(ids), length)
 
     def text_start(self, ids: list[int], span_of) -> int | None:
         """Where the text's tokens begin in ``ids``, those of ``self.text + text`` tokenized together

@@ -316,9 +316,16 @@ def test_dense_pooling_matches_the_engines(pooling):
     valid = np.arange(7)[None, :] < lengths[:, None]
     cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     want = pool_chunks(torch.from_numpy(hidden[valid]), cu, pooling, impl="reference").numpy()
-    np.testing.assert_allclose(pool_dense(hidden, lengths, pooling), want, rtol=1e-6, atol=1e-6)
+    whole = (np.arange(5), np.zeros(5, np.int64), lengths)
+    np.testing.assert_allclose(pool_dense(hidden, whole, pooling), want, rtol=1e-6, atol=1e-6)
+    # segments inside rows (late chunking, a prompt left out): rows 0 and 2 from their third token
+    segments = (np.array([0, 0, 2]), np.array([2, 5, 2]), np.array([3, 2, 3]))
+    parts = [hidden[0, 2:5], hidden[0, 5:7], hidden[2, 2:5]]
+    cu = torch.tensor([0, 3, 5, 8], dtype=torch.int32)
+    want = pool_chunks(torch.from_numpy(np.concatenate(parts)), cu, pooling, impl="reference").numpy()
+    np.testing.assert_allclose(pool_dense(hidden, segments, pooling), want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="pooling"):
-        pool_dense(hidden, lengths, "max")
+        pool_dense(hidden, whole, "max")
 
 
 def test_agreement_of_no_texts_is_an_input_error():

@@ -1,12 +1,13 @@
 """A model folder as sentence-transformers publishes it, followed or refused, checked against
 sentence-transformers itself run on each chunk's exact token ids: the Dense modules after its pooling
 (`dice_fast.head`) on every chunk and query vector and every path that pools chunks, ``do_lower_case``,
-a Pooling that leaves the prompt out, T5 checkpoints (their encoder alone) and the layout of
+a Pooling that leaves the prompt out (every chunk pooled after it), T5 checkpoints (their encoder alone) and the layout of
 sentence-transformers 1 (the transformer in ``0_Transformer/``)."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import shutil
 import warnings
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from dice_fast import DiceEncoder
+from dice_fast.bench.baselines import encode_padded_naive
 from dice_fast.errors import DiceError, ModelError
 from helpers import assert_close
 from oracle import corpus
@@ -223,13 +225,103 @@ def test_do_lower_case_lowercases_every_text_first_as_sentence_transformers_does
     assert cased.backend_tokenizer.normalizer is None  # the caller's tokenizer is left as it was
 
 
-def test_a_pooling_that_leaves_the_prompt_out_is_refused_with_a_prefix(tmp_path):
-    folder, _ = st_folder(tmp_path, heads=[], pooling=st_models.Pooling(32, "mean", include_prompt=False))
-    DiceEncoder.from_pretrained(folder, device="cpu")  # without a prompt there is nothing to leave out
-    for prefix in ({"document_prefix": "passage: "}, {"query_prefix": "query: "}):
-        with pytest.raises(DiceError, match=r"leaves a prompt's tokens out \(include_prompt false\)"):
-            DiceEncoder.from_pretrained(folder, device="cpu", **prefix)
-    DiceEncoder.from_pretrained(folder, device="cpu", pooling="last", document_prefix="passage: ")
+def _prompt_length_seen(st, prompt: str) -> int:
+    """The ``prompt_length`` sentence-transformers hands its Pooling when it encodes a text after ``prompt``."""
+    seen = {}
+    hook = st[1].register_forward_pre_hook(lambda module, args: seen.update(n=args[0].get("prompt_length")))
+    try:
+        st.encode(["the cat"], prompt=prompt)
+    finally:
+        hook.remove()
+    return int(seen["n"])
+
+
+def _st_after_prompt(st, plan, prompt_length: int | None) -> np.ndarray:
+    """(n_chunks, width) sentence-transformers on each wrapped chunk, its Pooling told ``prompt_length``."""
+    rows = []
+    with torch.inference_mode():
+        for c in range(plan.n_chunks):
+            ids = torch.as_tensor(plan.chunk_ids(c), dtype=torch.long)[None]
+            features = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            if prompt_length is not None:
+                features["prompt_length"] = prompt_length
+            rows.append(st(features)["sentence_embedding"][0])
+    return torch.stack(rows).numpy()
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls"])
+def test_a_pooling_that_leaves_the_prompt_out_pools_every_chunk_after_it(tmp_path, mode):
+    """INSTRUCTOR-like (a Pooling with include_prompt false, Dense, Normalize): every chunk is wrapped with the
+    prompt and pooled from the token after it, as sentence-transformers pools a text after its prompt."""
+    folder, st = st_folder(tmp_path, pooling=st_models.Pooling(32, mode, include_prompt=False))
+    doc_prompt, query_prompt = "represent the document: ", "query: "
+    enc = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8, document_prefix=doc_prompt,
+                                      query_prefix=query_prompt)
+    assert f"pooling={mode} (prompt left out)" in repr(enc)
+    texts = corpus(seed=8, longest=60)
+    out = enc.encode_documents(texts, return_chunks=True)
+    plan = enc.plan(texts)
+    k = _prompt_length_seen(st, doc_prompt)
+    assert k == len(plan.prefix) and plan.unpooled == k  # [CLS] and the prompt's words
+    assert_close(out.chunks, _st_after_prompt(st, plan, k), TOL, what=f"{mode} chunks after the prompt")
+    assert np.abs(out.chunks - _st_after_prompt(st, plan, None)).max() > 1e-2  # the prompt pooled is another vector
+    queries = ["the cat sat on a mat", "red house under blue sky", "what is short"]
+    assert_close(enc.encode_queries(queries), st.encode(queries, prompt=query_prompt, convert_to_numpy=True), TOL,
+                 what="queries after their prompt")
+    short = [t for t in texts if len(enc.tokenize([t]).ids) <= 20][:3]  # one chunk each: sentence-transformers whole
+    whole = DiceEncoder.from_pretrained(folder, device="cpu", document_prefix=doc_prompt)
+    assert_close(whole.encode_documents(short), st.encode(short, prompt=doc_prompt, convert_to_numpy=True), TOL,
+                 what="one-chunk documents")
+    bare = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8)  # no prompt: nothing is left out
+    assert bare.plan(texts).unpooled == 0
+    assert_close(bare.encode_documents(texts, return_chunks=True).chunks, st_chunk_vectors(st, bare.plan(texts)), TOL,
+                 what="no prompt")
+
+
+def test_a_prompt_left_out_on_every_path_that_pools_chunks(tmp_path, ov_cache):
+    """The same chunks left out of the same prompt on the padded path, in the benchmark's baseline, on OpenVINO (which pools each
+    dense row from the token after the prompt), with the chunk cache (whose
+    entries of the model pooling its prompt never serve it), under weighted_mean (chunks weighted by
+    the tokens pooled) and late chunking (a chunk pools its own text; an empty text's window, all
+    but the prompt)."""
+    pooling = st_models.Pooling(32, "mean", include_prompt=False)
+    folder, st = st_folder(tmp_path, heads=[], normalize=False, pooling=pooling)
+    pooled, _ = st_folder(tmp_path, heads=[], normalize=False, name="pooled")  # the same weights, prompt pooled
+    prompt = {"document_prefix": "represent the document: "}
+    texts = corpus(seed=9, longest=60)
+    enc = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8, **prompt)
+    want = enc.encode_documents(texts, return_chunks=True)
+    padded = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8, attention_backend="padded", **prompt)
+    assert_close(padded.encode_documents(texts, return_chunks=True).chunks, want.chunks, TOL, what="padded")
+    assert_close(encode_padded_naive(enc, texts, batch_size=5), want.documents, TOL, what="the benchmark's baseline")
+    if importlib.util.find_spec("openvino") is not None:
+        ov = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8, runtime="openvino", **prompt)
+        assert_close(ov.encode_documents(texts, return_chunks=True).chunks, want.chunks, 1e-5, what="OpenVINO")
+    cache = tmp_path / "cache"
+    other = DiceEncoder.from_pretrained(pooled, device="cpu", chunk_size=8, cache=cache, **prompt)
+    other_chunks = other.encode_documents(texts, return_chunks=True).chunks
+    cached = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8, cache=cache, **prompt)
+    for _ in range(2):  # computed beside the other model's entries, then from its own
+        assert_close(cached.encode_documents(texts, return_chunks=True).chunks, want.chunks, TOL, what="cache")
+    assert np.abs(other_chunks - want.chunks).max() > 1e-2
+    weighted = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8, aggregation="weighted_mean", **prompt)
+    plan = weighted.plan(texts)
+    weights = plan.chunks.length + len(plan.suffix)  # the tokens after the prompt
+    np.testing.assert_array_equal(plan.chunk_weights, weights)
+    docs = np.stack([(want.chunks[want.chunk_document == d] * weights[want.chunk_document == d, None]).sum(0)
+                     for d in range(len(texts))])
+    assert_close(weighted.encode_documents(texts), docs / np.linalg.norm(docs, axis=1, keepdims=True), TOL,
+                 what="weighted_mean")
+    late = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8, strategy="late", window_tokens=40, **prompt)
+    texts = [*texts, ""]
+    got = late.encode_documents(texts, return_chunks=True).chunks
+    same = DiceEncoder.from_pretrained(pooled, device="cpu", chunk_size=8, strategy="late", window_tokens=40,
+                                       **prompt).encode_documents(texts, return_chunks=True).chunks
+    text = late.plan(texts).chunks.length > 0
+    assert (~text).sum() >= 1 and not text[-1]
+    assert_close(got[text], same[text], TOL, what="late chunks of text")  # their own tokens, never the prompt
+    empty = _st_after_prompt(st, DiceEncoder.from_pretrained(folder, device="cpu", **prompt).plan([""]), len(plan.prefix))
+    assert_close(got[~text], np.repeat(empty, (~text).sum(), 0), TOL, what="late: an empty text's window after the prompt")
 
 
 def test_a_t5_folder_runs_its_encoder_as_sentence_transformers_does(tmp_path):

@@ -92,8 +92,8 @@ def _encode_padded(encoder, texts: list[str], batch_size: int, sort: bool) -> np
                 attention_mask=_attention_mask(valid_t, encoder.causal),
                 position_ids=to_device(positions, device),
             ).last_hidden_state
-            n_t = to_device(n, device)
-            chunks[to_device(idx, device)] = _pool(hidden, valid_t, n_t, encoder.pooling)
+            skip = np.minimum(plan.unpooled, np.maximum(n - 1, 0))  # a prompt its pooling leaves out
+            chunks[to_device(idx, device)] = _pool(hidden, to_device(skip, device), to_device(n, device), encoder.pooling)
     head = encoder.settings.head  # the model's Dense modules after its pooling, as the engine runs them
     return _aggregate(encoder, plan, chunks if head is None else head(chunks))
 
@@ -108,15 +108,18 @@ def _attention_mask(valid: torch.Tensor, causal: bool | None) -> torch.Tensor:
     return mask
 
 
-def _pool(hidden: torch.Tensor, valid: torch.Tensor, n: torch.Tensor, pooling: str) -> torch.Tensor:
-    """hidden: (batch, width, H) -> (batch, H) float32 over each row's ``n`` valid tokens (0 for n == 0)."""
+def _pool(hidden: torch.Tensor, first: torch.Tensor, n: torch.Tensor, pooling: str) -> torch.Tensor:
+    """hidden: (batch, width, H) -> (batch, H) float32 over each row's tokens ``first:n`` of its ``n`` valid
+    ones (0 for n == 0)."""
+    rows = torch.arange(len(n), device=hidden.device)
     if pooling == "mean":
-        h = hidden.float().masked_fill(~valid[..., None], 0.0)
-        vec = h.sum(1) / n.clamp_min(1)[:, None].float()
+        cols = torch.arange(hidden.shape[1], device=hidden.device)[None, :]
+        pooled = (cols >= first[:, None]) & (cols < n[:, None])
+        vec = hidden.float().masked_fill(~pooled[..., None], 0.0).sum(1) / (n - first).clamp_min(1)[:, None].float()
     elif pooling == "cls":
-        vec = hidden[:, 0].float()
+        vec = hidden[rows, first].float()
     else:
-        vec = hidden[torch.arange(len(n), device=hidden.device), (n - 1).clamp_min(0)].float()
+        vec = hidden[rows, (n - 1).clamp_min(0)].float()
     return vec.masked_fill((n == 0)[:, None], 0.0)
 
 

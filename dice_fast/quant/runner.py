@@ -65,12 +65,17 @@ class OpenVinoRunner(ModelRunner):
         """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32 in packing order; sub-batches of
         at most ``max_batch_tokens / streams`` padded tokens, ``streams`` of them in flight. A
         sub-batch as wide as the compiled fixed width runs on the fixed-length model, any other on the
-        dynamic one; one model's requests finish before the other's start (never 2x streams at once)."""
-        out = np.zeros((len(batch.lengths), self.spec.hidden_size), np.float32)
+        dynamic one; one model's requests finish before the other's start (never 2x streams at once).
+        A batch that pools segments (`PackedBatch.segments`: late chunking, a prompt left out) pools each
+        inside its row."""
+        out = np.zeros((batch.n_chunks, self.spec.hidden_size), np.float32)
+        seq_rows, starts, counts = _segment_offsets(batch)
         errors: list = []
         queue = None
         try:
             for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, max(1, self.max_batch_tokens // self.streams)):
+                c_lo, c_hi = batch.chunk_rows(lo, hi)
+                segments = (seq_rows[c_lo:c_hi] - lo, starts[c_lo:c_hi], counts[c_lo:c_hi])
                 wanted = self._queue(ids.shape[1] == self.openvino.width)
                 if queue is not wanted:
                     if queue is not None:
@@ -80,8 +85,7 @@ class OpenVinoRunner(ModelRunner):
                 if pos is not None:
                     feed["position_ids"] = pos
                 # share_inputs: OpenVINO reads the arrays in place (kept alive by userdata until done)
-                queue.start_async(feed, (out, lo, hi, batch.lengths[lo:hi], self.pooling, feed, errors),
-                                  share_inputs=True)
+                queue.start_async(feed, (out, c_lo, c_hi, segments, self.pooling, feed, errors), share_inputs=True)
         finally:
             if queue is not None:
                 queue.wait_all()  # also after a failed start: no request of this batch outlives the call
@@ -90,29 +94,39 @@ class OpenVinoRunner(ModelRunner):
         return torch.from_numpy(out)
 
 
-def pool_dense(hidden: np.ndarray, lengths: np.ndarray, pooling: str) -> np.ndarray:
-    """Chunk vectors of one dense sub-batch: hidden (n, width, H) with row ``i``'s valid tokens first
-    (``lengths[i]`` >= 1 of them) -> (n, H) float32. mean: over the valid tokens, summed in float64
-    (the engine's `pool_chunks` to float32 rounding); cls: the first token; last: the last valid one."""
-    n = len(lengths)
+def pool_dense(hidden: np.ndarray, segments, pooling: str) -> np.ndarray:
+    """Chunk vectors of one dense sub-batch: hidden (n, width, H); ``segments`` (rows, starts, counts),
+    three (m,) int arrays: chunk ``j`` is the ``counts[j]`` >= 1 tokens of row ``rows[j]`` from
+    ``starts[j]`` -> (m, H) float32. mean: over them, summed in float64 (the engine's `pool_chunks` to
+    float32 rounding); cls: the first; last: the last."""
+    rows, starts, counts = (np.asarray(a, np.int64) for a in segments)
     if pooling == "cls":
-        return np.array(hidden[:, 0], np.float32)
+        return np.array(hidden[rows, starts], np.float32)
     if pooling == "last":
-        return np.array(hidden[np.arange(n), np.asarray(lengths) - 1], np.float32)
+        return np.array(hidden[rows, starts + counts - 1], np.float32)
     if pooling != "mean":
         raise OptionError(f"pooling must be mean, cls or last, got {pooling!r}")
-    out = np.empty((n, hidden.shape[2]), np.float32)
-    for i, length in enumerate(lengths):  # an empty row (outside the contract) pools to zeros
-        out[i] = hidden[i, : int(length)].sum(0, dtype=np.float64) / max(int(length), 1)
+    out = np.empty((len(rows), hidden.shape[2]), np.float32)
+    for j, (row, start, count) in enumerate(zip(rows.tolist(), starts.tolist(), counts.tolist())):
+        out[j] = hidden[row, start:start + count].sum(0, dtype=np.float64) / max(count, 1)  # none: zeros
     return out
+
+
+def _segment_offsets(batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sequence, first token inside it, tokens) of every chunk ``batch`` pools, (n_chunks,) int64 each."""
+    pool_rows, pool_cu, seq = batch.segments()
+    pool_cu = np.asarray(pool_cu, np.int64)
+    counts = np.diff(pool_cu)
+    first = pool_rows[np.minimum(pool_cu[:-1], max(len(pool_rows) - 1, 0))] if len(pool_rows) else np.zeros_like(counts)
+    return seq, first - batch.cu_seqlens.astype(np.int64)[seq], counts
 
 
 def _pool_finished(request, userdata) -> None:
     """AsyncInferQueue callback: the finished sub-batch's chunk vectors into ``out[lo:hi]`` (disjoint
     rows, so concurrent callbacks never overlap), read from the output in place; an error is kept
     for the caller's thread."""
-    out, lo, hi, lengths, pooling, _feed, errors = userdata
+    out, lo, hi, segments, pooling, _feed, errors = userdata
     try:
-        out[lo:hi] = pool_dense(request.get_output_tensor(0).data, lengths, pooling)
+        out[lo:hi] = pool_dense(request.get_output_tensor(0).data, segments, pooling)
     except Exception as exc:  # noqa: BLE001 - raised by run() in the caller's thread
         errors.append(exc)

@@ -4,7 +4,9 @@ A chunk's pooled vector is a pure function of the model, the options that shape 
 device type, token pooling, causal or bidirectional attention) and the token ids the model sees
 (special tokens, prefix, text, suffix), plus its start offset under ``positions="global"``. A late
 chunk's vector depends on its whole window: its identity is the chunk's span inside the window's
-wrapped ids plus their SHA-256 (tagged apart, so a DICE identity never equals a late one). So:
+wrapped ids plus their SHA-256 (tagged apart, so a DICE identity never equals a late one). A plan
+whose pooling leaves leading tokens out (`EncodingPlan.unpooled`: a prompt under include_prompt false)
+puts b"U" and their count first in every identity. So:
 
 * `model_fingerprint(model)`: the model part of a cache namespace (config and every weight).
 * `chunk_keys(plan, salt)` gives every chunk of a plan its **identity** (bytes: a positions header
@@ -46,6 +48,10 @@ def chunk_keys(plan, salt: bytes = b"") -> ChunkKeys:
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= 2**31):
         raise OptionError("token ids must lie in [0, 2**31) to be keyed")
     raw = ids.astype("<i4").tobytes()
+    if plan.unpooled:  # the leading tokens its pooling leaves out, first in every identity
+        salt, salt_len = salt + b"U" + int(plan.unpooled).to_bytes(4, "little"), len(salt)
+    else:
+        salt_len = len(salt)
     pre = np.asarray(plan.prefix, "<i4").tobytes()
     suf = np.asarray(plan.suffix, "<i4").tobytes()
     ch = plan.chunks
@@ -63,7 +69,7 @@ def chunk_keys(plan, salt: bytes = b"") -> ChunkKeys:
         messages = [head + raw[s:e] + suf for s, e in zip(starts.tolist(), ends.tolist())]
     keys = np.fromiter((int.from_bytes(sha(m).digest()[:8], "little", signed=True) for m in messages),
                        np.int64, len(messages))
-    return ChunkKeys(keys, messages, len(salt))
+    return ChunkKeys(keys, messages, salt_len)
 
 
 def _late_messages(plan, raw: bytes, pre: bytes, suf: bytes, salt: bytes) -> list:
