@@ -21,7 +21,7 @@ from dice_fast.bench.baselines import encode_padded_naive
 from dice_fast.errors import DiceError, ModelError
 from helpers import assert_close
 from oracle import corpus
-from tiny_models import tiny
+from tiny_models import tiny, tiny_subword
 
 st_models = pytest.importorskip("sentence_transformers.models")
 SentenceTransformer = pytest.importorskip("sentence_transformers").SentenceTransformer
@@ -276,6 +276,27 @@ def test_a_pooling_that_leaves_the_prompt_out_pools_every_chunk_after_it(tmp_pat
     assert bare.plan(texts).unpooled == 0
     assert_close(bare.encode_documents(texts, return_chunks=True).chunks, st_chunk_vectors(st, bare.plan(texts)), TOL,
                  what="no prompt")
+
+
+@pytest.mark.parametrize("arch, kind", [("xlm-roberta", "unigram"), ("llama", "bpe")])
+def test_the_prompt_left_out_is_sentence_transformers_count_with_subword_tokenizers(tmp_path, arch, kind):
+    """SentencePiece keeps a prompt's trailing space as a token of its own ("▁"), byte-level BPE too ("Ġ"),
+    so sentence-transformers' prompt_length (the prompt tokenized alone) counts one token more than the
+    prompt's ids before a text: the count is its own, and the vectors are its own."""
+    model, tok, *_ = tiny_subword(arch, kind)
+    copy.deepcopy(model).save_pretrained(tmp_path / "hf")
+    tok.save_pretrained(tmp_path / "hf")
+    modules = [st_models.Transformer(str(tmp_path / "hf"), max_seq_length=64),
+               st_models.Pooling(model.config.hidden_size, "mean", include_prompt=False)]
+    SentenceTransformer(modules=modules, device="cpu").save(str(tmp_path / "st"))
+    st = SentenceTransformer(str(tmp_path / "st"), device="cpu", local_files_only=True).eval()
+    prompt = "passage: "
+    enc = DiceEncoder.from_pretrained(tmp_path / "st", device="cpu", query_prefix=prompt, normalize=False)
+    prefix = enc.settings.query_text_prefix
+    assert prefix.prompt_length == _prompt_length_seen(st, prompt) == len(tok(prompt)["input_ids"]) - (kind == "unigram")
+    queries = ["the cat sat on the mat", "what is short", "passage: again"]
+    assert_close(enc.encode_queries(queries), st.encode(queries, prompt=prompt, convert_to_numpy=True), TOL,
+                 what=f"{kind} queries after their prompt")
 
 
 def test_a_prompt_left_out_on_every_path_that_pools_chunks(tmp_path, ov_cache):
