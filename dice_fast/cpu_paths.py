@@ -51,7 +51,7 @@ AGREEMENT_CHUNKS = 32
 ROUNDS = 3
 _KEY = "paths"  # the cache file's section (beside the attention choices)
 # the measurement's version, in its cache slot: bump it when `measure_paths` or a path's forward changes
-PATHS_VERSION = 4
+PATHS_VERSION = 5
 # DiceConfig fields that change neither the chunk vectors `measure_paths` compares nor how fast they are made;
 # every other field (chunk size, pooling, attention, prefixes, batch budget, ...) keys the measurement
 # (`run_batch`'s chunk vectors come before chunk normalisation; the measured windows are one chunk each, so
@@ -65,14 +65,12 @@ _NOT_MEASURED = ("dtype", "compile", "runtime", "auto_agreement", "aggregation",
 class CpuPath:
     """One way to run the forward: ``options`` (DiceConfig changes); ``usable()`` says why it cannot
     run on this machine (None: it can); ``lossy``: its vectors are further from float32 than bf16
-    rounding, so it is a candidate only under a bound below `AGREEMENT`; ``strategies``: the
-    ``strategy`` options it can run."""
+    rounding, so it is a candidate only under a bound below `AGREEMENT`. Every path runs every ``strategy``."""
 
     name: str
     options: dict
     usable: Callable[[], str | None] = field(default=lambda: None, compare=False)
     lossy: bool = False
-    strategies: tuple = ("dice", "single", "late")
 
 
 @dataclass(frozen=True)
@@ -176,11 +174,9 @@ PATHS: list[CpuPath] = [
     CpuPath("bf16", {"dtype": "bfloat16", "compile": "off", "runtime": "torch"}, bf16_units),
     CpuPath("fp32+compile", {"dtype": "float32", "compile": "on", "runtime": "torch"}, compiler_units),
     CpuPath("bf16+compile", {"dtype": "bfloat16", "compile": "on", "runtime": "torch"}, bf16_compiler_units),
-    CpuPath("fp32+openvino", {"dtype": "float32", "compile": "off", "runtime": "openvino"}, openvino_units,
-            strategies=("dice", "single")),
-    CpuPath("bf16+openvino", {"dtype": "bfloat16", "compile": "off", "runtime": "openvino"}, openvino_bf16_units,
-            strategies=("dice", "single")),
-    CpuPath("int8", {"dtype": "int8", "compile": "off"}, int8_units, lossy=True, strategies=("dice", "single")),
+    CpuPath("fp32+openvino", {"dtype": "float32", "compile": "off", "runtime": "openvino"}, openvino_units),
+    CpuPath("bf16+openvino", {"dtype": "bfloat16", "compile": "off", "runtime": "openvino"}, openvino_bf16_units),
+    CpuPath("int8", {"dtype": "int8", "compile": "off"}, int8_units, lossy=True),
 ]
 REFERENCE = "fp32"
 
@@ -190,13 +186,11 @@ def register_path(path: CpuPath) -> None:
     PATHS[:] = [p for p in PATHS if p.name != path.name] + [path]
 
 
-def candidates(dtype: str, compile: str, bound: float = AGREEMENT, strategy: str = "dice",
-               runtime: str | None = None) -> list[CpuPath]:
-    """The paths `choose_path` considers for the ``dtype`` / ``compile`` / ``strategy`` / ``runtime``
-    (None: any) options and the agreement ``bound``, the reference first (lossy paths only under a
-    bound below `AGREEMENT`)."""
+def candidates(dtype: str, compile: str, bound: float = AGREEMENT, runtime: str | None = None) -> list[CpuPath]:
+    """The paths `choose_path` considers for the ``dtype`` / ``compile`` / ``runtime`` (None: any) options
+    and the agreement ``bound``, the reference first (lossy paths only under a bound below `AGREEMENT`)."""
     want = {"off": ("off",), "on": ("on",), "auto": ("off", "on")}[compile]
-    return [p for p in PATHS if p.options.get("compile", "off") in want and strategy in p.strategies
+    return [p for p in PATHS if p.options.get("compile", "off") in want
             and (dtype == "auto" or p.options.get("dtype") == dtype) and (bound < AGREEMENT or not p.lossy)
             and runtime in (None, path_runtime(p))]
 
@@ -207,8 +201,8 @@ def path_runtime(path: CpuPath) -> str:
 
 
 def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure: Callable | None = None,
-                model_key: str | None = None, bound: float = AGREEMENT, strategy: str = "dice",
-                runtime: str | None = None, options_key: str = "") -> PathChoice:
+                model_key: str | None = None, bound: float = AGREEMENT, runtime: str | None = None,
+                options_key: str = "") -> PathChoice:
     """The fastest path whose cos min is >= ``bound`` (see the module docstring).
 
     encoder_for(options) -> a `DiceEncoder` running a copy of the model with ``options`` (an
@@ -220,15 +214,12 @@ def choose_path(encoder_for: Callable, model, dtype: str, compile: str, measure:
     """
     from . import cpu_tuning
 
-    listed = candidates(dtype, compile, bound, strategy, runtime)
+    listed = candidates(dtype, compile, bound, runtime)
     paths = [p for p in listed if p.usable() is None]
     if not paths:
-        near = [] if listed else candidates(dtype, compile, bound, "dice", runtime)  # those left out by the strategy
-        why = "; ".join(f"{p.name}: {p.usable()}" for p in listed) or (
-            "; ".join(f"{p.name} runs strategies {', '.join(p.strategies)} only" for p in near)
-            or "none is a candidate of these options")
-        raise OptionError(f"dtype={dtype!r}, compile={compile!r}, runtime={runtime!r}, strategy={strategy!r}, "
-                          f"auto_agreement={bound}: no candidate path runs on this CPU ({why})")
+        why = "; ".join(f"{p.name}: {p.usable()}" for p in listed) or "none is a candidate of these options"
+        raise OptionError(f"dtype={dtype!r}, compile={compile!r}, runtime={runtime!r}, auto_agreement={bound}: "
+                          f"no candidate path runs on this CPU ({why})")
     if model_key is None:
         from .reuse.keys import model_fingerprint
 
@@ -308,12 +299,14 @@ def _finite(x) -> bool:
 
 def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
     """({name: document tokens/s}, {name: min cosine to ``reference``}, busy) of each encoder on
-    `AGREEMENT_CHUNKS` windows of held-out prose, packed as batches of each encoder's own budget."""
+    `AGREEMENT_CHUNKS` windows of held-out prose, packed as batches of each encoder's own budget (under
+    late chunking, windows of a late window's text: their speed is not a chunk's)."""
     from .data import prose_halves, token_windows
-    from .packing import pack
+    from .packing import pack, pack_windows
     from . import cpu_tuning
 
-    size = reference.config.chunk_size
+    late = reference.config.strategy == "late"
+    size = reference.settings.late_windows()[0] if late else reference.config.chunk_size
     texts = token_windows(reference.tokenizer, "\n\n".join(prose_halves()[1]), AGREEMENT_CHUNKS, size)
     plan = reference.plan(texts)
     # the agreement also on chunks of mixed lengths in one batch: a path that pads them (OpenVINO) is
@@ -323,9 +316,15 @@ def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
 
     def batches(p, budget: int):
         if (id(p), budget) not in packed:
-            per = max(1, budget // int(p.chunk_lengths.max()))
-            packed[id(p), budget] = [pack(p.tokens, p.chunks, np.arange(lo, min(lo + per, p.n_chunks)), p.prefix,
-                                          p.suffix, reference.spec.first_position) for lo in range(0, p.n_chunks, per)]
+            first = reference.spec.first_position
+            if late:  # whole windows per batch
+                per, window = max(1, budget // int(p.window_lengths.max())), p.windows.chunk_window
+                packed[id(p), budget] = [pack_windows(p, np.flatnonzero((window >= lo) & (window < lo + per)), first)
+                                         for lo in range(0, len(p.windows.length), per)]
+            else:
+                per = max(1, budget // int(p.chunk_lengths.max()))
+                packed[id(p), budget] = [pack(p.tokens, p.chunks, np.arange(lo, min(lo + per, p.n_chunks)), p.prefix,
+                                              p.suffix, first) for lo in range(0, p.n_chunks, per)]
         return packed[id(p), budget]
 
     def run(enc, p=plan):
@@ -370,6 +369,6 @@ def resolve(encoder_cls, model, tokenizer, cfg, model_path=None, measure=None, m
         return encoder_cls(copy.deepcopy(model), tokenizer, config=cfg.replace(**options), model_path=model_path)
 
     choice = choose_path(encoder_for, model, dtype, cfg.compile, measure=measure, model_key=model_key,
-                         bound=cfg.auto_agreement, strategy=cfg.strategy, runtime=cfg.runtime,
+                         bound=cfg.auto_agreement, runtime=cfg.runtime,
                          options_key=options_key(cfg))
     return cfg.replace(**choice.options), choice

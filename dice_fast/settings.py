@@ -189,10 +189,6 @@ class Settings:
                               "between windows is window_overlap)")
         if c.positions != "local":
             raise OptionError("strategy='late' restarts positions in every window; positions must be 'local'")
-        if c.openvino:  # the OpenVINO runner pools whole padded rows; late pools segments inside them
-            raise OptionError(f"strategy='late' cannot run with {c.openvino} (its OpenVINO model pools every "
-                              "sequence whole, not the chunks inside a window); use the torch runtime (float32 or "
-                              "bfloat16)")
         capacity = tokens - self.chunk_overhead
         room = capacity - c.chunk_size
         if room < 0:

@@ -5,6 +5,7 @@ never hands a DICE vector to a late chunk or the reverse."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import numpy as np
@@ -182,10 +183,13 @@ def test_late_refuses_what_it_cannot_take(options, culprit):
     assert enc.plan(["a cat"]).windows is None
 
 
-def test_late_refuses_int8_before_quantizing():
-    model, tok, *_ = tiny("bert")
-    with pytest.raises(OptionError, match="dtype='int8'"):
-        DiceEncoder(model, tok, chunk_size=K, strategy="late", window_tokens=24, dtype="int8")
+@pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="OpenVINO is not installed (the int8 extra)")
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_late_on_openvino_matches_per_window_reference(arch, ov_cache):
+    """runtime='openvino' (the path dtype='auto' picks on many CPUs) pools each chunk inside its window's
+    dense row; it was refused before."""
+    enc, _ = check_late(arch, runtime="openvino", dtype="float32")
+    assert enc.precision.startswith("float32 (openvino")
 
 
 @pytest.mark.parametrize("bad", ["LATE", "", None, 3])

@@ -383,8 +383,6 @@ def test_options_it_cannot_take_are_refused(monkeypatch):
     assert DiceConfig(runtime="openvino").openvino == "runtime='openvino'"
     assert DiceConfig(dtype="bfloat16").openvino is None
     model, tok, *_ = tiny("bert")
-    with pytest.raises(OptionError, match="strategy='late' cannot run with runtime='openvino'"):
-        DiceEncoder(model, tok, runtime="openvino", chunk_size=K, strategy="late")
     with pytest.raises(OptionError, match="attention_backend='sdpa_groups' cannot run with runtime='openvino'"):
         DiceEncoder(model, tok, runtime="openvino", chunk_size=K, attention_backend="sdpa_groups")
     decoder, dtok, *_ = tiny("llama")

@@ -58,9 +58,9 @@ def openvino_runner(encoder, model, pad_token_id, streams: int | None = None, hi
         raise MissingDependency(f"{what}: pip install 'dice-fast[int8]'") from exc
     from . import openvino as ovq
 
-    # a full document chunk's length: the fixed-length twin's (late chunking never runs on OpenVINO)
-    strategy = "single" if cfg.strategy == "single" else "dice"
-    full_chunk = encoder.settings.chunking("documents", strategy).size + encoder.chunk_overhead
+    # the fixed-length twin's width: a full document chunk's wrapped length (late chunking: a full window's)
+    cut = encoder.settings.chunking("documents")
+    full_chunk = (cut.late[0] if cut.late is not None else cut.size) + encoder.chunk_overhead
     root, fingerprint, threads = cache_path().parent, model_fingerprint(model), torch.get_num_threads()
     if int8:
         chunks = _calibration(encoder)
