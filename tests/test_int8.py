@@ -303,6 +303,19 @@ def test_int8_agrees_with_float32_on_held_out_prose(ov_cache, tmp_path):
     np.testing.assert_allclose((alone * together).sum(1), 1.0, atol=1e-4)
 
 
+def test_openvino_sub_batches_hold_at_most_2048_tokens_and_2_late_windows_of_512():
+    """A request's rows: at most SUB_BATCH_TOKENS padded tokens and SUB_BATCH_SQUARE rows x width² (the
+    attention scores of one head), at least one row; consecutive rows, every row once."""
+    from dice_fast.quant import runner
+    from dice_fast.runner import _padded_groups
+
+    lengths = np.array([600, 512, 512, 512, 383, 383, 383, 383, 256, 256, 256, 256, 256, 256, 256, 256, 256, 40, 3])
+    groups = list(_padded_groups(lengths, runner.SUB_BATCH_TOKENS, runner.SUB_BATCH_SQUARE))
+    assert [hi - lo for lo, hi in groups] == [1, 2, 2, 3, 8, 3]
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths) and all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    assert [hi - lo for lo, hi in _padded_groups(lengths, 2048)] == [3, 4, 5, 7]  # by tokens alone
+
+
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
 def test_dense_pooling_matches_the_engines(pooling):
     """The int8 runner pools each dense sub-batch itself: the same vectors as the engine's pool_chunks

@@ -6,8 +6,8 @@ and each finished sub-batch is pooled to chunk vectors at once (`pool_dense`: th
 chunk pooling over each row's valid tokens, summed in float64), written in packing order.
 
 Speed: the compiled model has ``streams`` OpenVINO streams (default: one per inference thread, each
-stream one thread) and a batch's sub-batches (``max_batch_tokens / streams`` padded tokens each) are
-kept ``streams`` at a time in flight in an `openvino.AsyncInferQueue`, so every core runs its own
+stream one thread) and a batch's sub-batches (``max_batch_tokens / streams`` padded tokens each, at
+most `SUB_BATCH_TOKENS` and `SUB_BATCH_SQUARE`) are kept ``streams`` at a time in flight in an `openvino.AsyncInferQueue`, so every core runs its own
 request instead of all cores synchronising inside one (``streams=1``: one synchronous request with
 every thread, the first version). Sub-batches of full chunks run on a twin of the model compiled for
 their length (rows free), ~1.1x the dynamic model's speed. Pooling in the request's callback reads
@@ -30,6 +30,16 @@ import torch
 
 from ..errors import OptionError
 from ..runner import PADDED, ModelRunner
+
+# A request's dense sub-batch: at most SUB_BATCH_TOKENS padded tokens and SUB_BATCH_SQUARE rows x width²
+# (the attention scores one head holds: 2 rows of 512-token late windows, 8 of 256-token chunks). MiniLM
+# float32 on the 2-core Zen 2, medians of 3 interleaved runs, against 4096 tokens (half of the 8192-token
+# batch, the rule before): 256-token chunks +5 %, 700-word documents +21 %, mixed lengths +37 %; late
+# windows +38 % (700-word documents), +3 % (mixed lengths); plain 1024 or 2048 lost somewhere. Against
+# PyTorch eager float32 on documents of mixed lengths, OpenVINO went from 0.87-0.92x to 1.13-1.20x
+# (benchmarks/RESULTS.md §34). Smaller requests keep both streams busy to the batch's end.
+SUB_BATCH_TOKENS = 2048
+SUB_BATCH_SQUARE = 2**19
 
 
 class OpenVinoRunner(ModelRunner):
@@ -63,7 +73,8 @@ class OpenVinoRunner(ModelRunner):
 
     def run(self, batch) -> torch.Tensor:
         """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32 in packing order; sub-batches of
-        at most ``max_batch_tokens / streams`` padded tokens, ``streams`` of them in flight. A
+        at most ``max_batch_tokens / streams`` padded tokens (`SUB_BATCH_TOKENS`, `SUB_BATCH_SQUARE`),
+        ``streams`` of them in flight. A
         sub-batch as wide as the compiled fixed width runs on the fixed-length model, any other on the
         dynamic one; one model's requests finish before the other's start (never 2x streams at once).
         A batch that pools segments (`PackedBatch.segments`: late chunking, a prompt left out) pools each
@@ -73,7 +84,8 @@ class OpenVinoRunner(ModelRunner):
         errors: list = []
         queue = None
         try:
-            for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, max(1, self.max_batch_tokens // self.streams)):
+            budget = max(1, min(self.max_batch_tokens // self.streams, SUB_BATCH_TOKENS))
+            for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, budget, SUB_BATCH_SQUARE):
                 c_lo, c_hi = batch.chunk_rows(lo, hi)
                 segments = (seq_rows[c_lo:c_hi] - lo, starts[c_lo:c_hi], counts[c_lo:c_hi])
                 wanted = self._queue(ids.shape[1] == self.openvino.width)
