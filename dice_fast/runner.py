@@ -214,13 +214,13 @@ class ModelRunner:
             out[t_lo:t_hi] = hidden[to_device(mask, hidden.device).bool()]
         return out
 
-    def dense_batches(self, batch: PackedBatch, budget: int, square: int | None = None):
+    def dense_batches(self, batch: PackedBatch, budget: int = 0, groups=None):
         """The batch's chunks (sorted by length) as dense padded sub-batches of at most ``budget`` padded
-        tokens (and ``square`` rows x width², when given): (lo, hi, t_lo, t_hi, ids, mask, positions) with
-        ids / mask / positions (n, width) int64 (positions None where the model takes none) holding chunks
-        ``lo:hi`` (packing order), packed tokens ``t_lo:t_hi``."""
+        tokens (or the consecutive (lo, hi) row ranges ``groups``): (lo, hi, t_lo, t_hi, ids, mask,
+        positions) with ids / mask / positions (n, width) int64 (positions None where the model takes
+        none) holding chunks ``lo:hi`` (packing order), packed tokens ``t_lo:t_hi``."""
         lengths, cu = batch.lengths, batch.cu_seqlens.astype(np.int64)
-        for lo, hi in _padded_groups(lengths, budget, square):
+        for lo, hi in (_padded_groups(lengths, budget) if groups is None else groups):
             n, width = hi - lo, int(lengths[lo])
             sub = lengths[lo:hi]
             t_lo, t_hi = int(cu[lo]), int(cu[hi])
@@ -301,14 +301,12 @@ def _probe_batch(runner: ModelRunner) -> PackedBatch:
     return pack(docs, plan, np.arange(2), prefix, suffix, runner.spec.first_position)
 
 
-def _padded_groups(lengths: np.ndarray, budget: int, square: int | None = None):
-    """Consecutive ranges of the (non-increasing) ``lengths`` whose padded size n x longest fits ``budget``
-    (and n x longest² fits ``square``, when given); at least one row each."""
+def _padded_groups(lengths: np.ndarray, budget: int):
+    """Consecutive ranges of the (non-increasing) ``lengths`` whose padded size n x longest fits ``budget``."""
     lo, n = 0, len(lengths)
     while lo < n:
         width = max(int(lengths[lo]), 1)
-        rows = budget // width if square is None else min(budget // width, square // (width * width))
-        hi = min(n, lo + max(rows, 1))
+        hi = min(n, lo + max(budget // width, 1))
         yield lo, hi
         lo = hi
 

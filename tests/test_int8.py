@@ -303,17 +303,20 @@ def test_int8_agrees_with_float32_on_held_out_prose(ov_cache, tmp_path):
     np.testing.assert_allclose((alone * together).sum(1), 1.0, atol=1e-4)
 
 
-def test_openvino_sub_batches_hold_at_most_2048_tokens_and_2_late_windows_of_512():
-    """A request's rows: at most SUB_BATCH_TOKENS padded tokens and SUB_BATCH_SQUARE rows x width² (the
-    attention scores of one head), at least one row; consecutive rows, every row once."""
-    from dice_fast.quant import runner
-    from dice_fast.runner import _padded_groups
+def test_openvino_requests_split_each_models_rows_evenly_across_the_streams():
+    """Each model's rows (the fixed-length twin's, the others) in a multiple of the streams' count of requests
+    of near-equal tokens, each within about REQUEST_TOKENS and REQUEST_SQUARE rows x width² (2 late windows
+    of 512, 8 chunks of 256); consecutive, every row once, at least one each."""
+    from dice_fast.quant.runner import REQUEST_SQUARE, request_groups
 
     lengths = np.array([600, 512, 512, 512, 383, 383, 383, 383, 256, 256, 256, 256, 256, 256, 256, 256, 256, 40, 3])
-    groups = list(_padded_groups(lengths, runner.SUB_BATCH_TOKENS, runner.SUB_BATCH_SQUARE))
-    assert [hi - lo for lo, hi in groups] == [1, 2, 2, 3, 8, 3]
+    groups = request_groups(lengths, 256, streams=2)
+    assert [hi - lo for lo, hi in groups] == [2, 2, 2, 2, 5, 4, 1, 1]
     assert groups[0][0] == 0 and groups[-1][1] == len(lengths) and all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
-    assert [hi - lo for lo, hi in _padded_groups(lengths, 2048)] == [3, 4, 5, 7]  # by tokens alone
+    assert all(len({lengths[lo] == 256, lengths[hi - 1] == 256}) == 1 for lo, hi in groups)  # one model each
+    assert [hi - lo for lo, hi in request_groups(np.full(32, 256), 256, streams=2, square=REQUEST_SQUARE)] == [8] * 4
+    assert [hi - lo for lo, hi in request_groups(np.full(32, 256), 256, streams=2, square=2**40)] == [16, 16]
+    assert request_groups(np.array([5]), None, streams=4) == [(0, 1)] and request_groups(np.zeros(0, np.int64), 5, 2) == []
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last"])

@@ -6,10 +6,10 @@ and each finished sub-batch is pooled to chunk vectors at once (`pool_dense`: th
 chunk pooling over each row's valid tokens, summed in float64), written in packing order.
 
 Speed: the compiled model has ``streams`` OpenVINO streams (default: one per inference thread, each
-stream one thread) and a batch's sub-batches (``max_batch_tokens / streams`` padded tokens each, at
-most `SUB_BATCH_TOKENS` and `SUB_BATCH_SQUARE`) are kept ``streams`` at a time in flight in an `openvino.AsyncInferQueue`, so every core runs its own
-request instead of all cores synchronising inside one (``streams=1``: one synchronous request with
-every thread, the first version). Sub-batches of full chunks run on a twin of the model compiled for
+stream one thread) and a batch's sub-batches (`request_groups`: a multiple of the streams per model,
+of near-equal tokens) are kept ``streams`` at a time in flight in an `openvino.AsyncInferQueue`, so every
+core runs its own request instead of all cores synchronising inside one (``streams=1``: one synchronous
+request with every thread, the first version). Sub-batches of full chunks run on a twin of the model compiled for
 their length (rows free), ~1.1x the dynamic model's speed. Pooling in the request's callback reads
 the output in place: no (tokens, hidden) copy, no torch ops (whose OpenMP threads would contend with
 OpenVINO's). Measured in benchmarks/RESULTS.md (the int8 throughput sections, §15-§16).
@@ -31,15 +31,14 @@ import torch
 from ..errors import OptionError
 from ..runner import PADDED, ModelRunner
 
-# A request's dense sub-batch: at most SUB_BATCH_TOKENS padded tokens and SUB_BATCH_SQUARE rows x width²
-# (the attention scores one head holds: 2 rows of 512-token late windows, 8 of 256-token chunks). MiniLM
-# float32 on the 2-core Zen 2, medians of 3 interleaved runs, against 4096 tokens (half of the 8192-token
-# batch, the rule before): 256-token chunks +5 %, 700-word documents +21 %, mixed lengths +37 %; late
-# windows +38 % (700-word documents), +3 % (mixed lengths); plain 1024 or 2048 lost somewhere. Against
-# PyTorch eager float32 on documents of mixed lengths, OpenVINO went from 0.87-0.92x to 1.13-1.20x
-# (benchmarks/RESULTS.md §34). Smaller requests keep both streams busy to the batch's end.
-SUB_BATCH_TOKENS = 2048
-SUB_BATCH_SQUARE = 2**19
+# A batch's requests (`request_groups`): the rows of one model (fixed-length twin or dynamic) cut into a
+# multiple of the streams, of near-equal tokens, each about REQUEST_TOKENS at most and REQUEST_SQUARE
+# rows x width² (the attention scores one head holds: 2 late windows of 512 tokens, 8 chunks of 256), so
+# every stream works to the end of each model's rows. Cutting by tokens alone (requests of 4096 and a
+# remainder, the rule before) left one stream idle for the remainder: on the 2-core Zen 2, MiniLM float32,
+# this rule ran 1.14x-1.52x that one on documents of mixed lengths, DICE and late chunking (RESULTS §34).
+REQUEST_TOKENS = 4096
+REQUEST_SQUARE = 2**19
 
 
 class OpenVinoRunner(ModelRunner):
@@ -72,11 +71,10 @@ class OpenVinoRunner(ModelRunner):
         return queues[id(model)]
 
     def run(self, batch) -> torch.Tensor:
-        """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32 in packing order; sub-batches of
-        at most ``max_batch_tokens / streams`` padded tokens (`SUB_BATCH_TOKENS`, `SUB_BATCH_SQUARE`),
-        ``streams`` of them in flight. A
-        sub-batch as wide as the compiled fixed width runs on the fixed-length model, any other on the
-        dynamic one; one model's requests finish before the other's start (never 2x streams at once).
+        """Chunk vectors of ``batch``: (n_chunks, hidden_size) float32 in packing order; sub-batches
+        (`request_groups`) ``streams`` at a time in flight. A sub-batch as wide as the compiled fixed
+        width runs on the fixed-length model, any other on the dynamic one; one model's requests finish
+        before the other's start (never 2x streams at once).
         A batch that pools segments (`PackedBatch.segments`: late chunking, a prompt left out) pools each
         inside its row."""
         out = np.zeros((batch.n_chunks, self.spec.hidden_size), np.float32)
@@ -84,8 +82,9 @@ class OpenVinoRunner(ModelRunner):
         errors: list = []
         queue = None
         try:
-            budget = max(1, min(self.max_batch_tokens // self.streams, SUB_BATCH_TOKENS))
-            for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, budget, SUB_BATCH_SQUARE):
+            cap = max(1, min(self.max_batch_tokens // self.streams, REQUEST_TOKENS))
+            groups = request_groups(batch.lengths, self.openvino.width, self.streams, cap)
+            for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, groups=groups):
                 c_lo, c_hi = batch.chunk_rows(lo, hi)
                 segments = (seq_rows[c_lo:c_hi] - lo, starts[c_lo:c_hi], counts[c_lo:c_hi])
                 wanted = self._queue(ids.shape[1] == self.openvino.width)
@@ -121,6 +120,26 @@ def pool_dense(hidden: np.ndarray, segments, pooling: str) -> np.ndarray:
     out = np.empty((len(rows), hidden.shape[2]), np.float32)
     for j, (row, start, count) in enumerate(zip(rows.tolist(), starts.tolist(), counts.tolist())):
         out[j] = hidden[row, start:start + count].sum(0, dtype=np.float64) / max(count, 1)  # none: zeros
+    return out
+
+
+def request_groups(lengths: np.ndarray, fixed_width: int | None, streams: int, cap: int = REQUEST_TOKENS,
+                   square: int = REQUEST_SQUARE) -> list[tuple[int, int]]:
+    """Consecutive (lo, hi) ranges of a batch's non-increasing row ``lengths``, one request each: the rows
+    of each model (those ``fixed_width`` long, the others) cut into ``streams`` x k requests of near-equal
+    tokens, k the least that keeps a request within about ``cap`` tokens and ``square`` rows x width²;
+    at least one row each."""
+    lengths = np.asarray(lengths, np.int64)
+    fixed = lengths == (fixed_width if fixed_width is not None else -1)
+    edges = [0, *(np.flatnonzero(fixed[1:] != fixed[:-1]) + 1).tolist(), len(lengths)]
+    out = []
+    for lo, hi in zip(edges, edges[1:]):
+        part = lengths[lo:hi]
+        need = max(-(-int(part.sum()) // cap), -(-int((part * part).sum()) // square), 1)
+        k = min(-(-need // streams) * streams, hi - lo)
+        cuts = np.searchsorted(np.cumsum(part), part.sum() * np.arange(1, k) / k, side="left") + 1
+        bounds = np.unique(np.concatenate([[0], np.clip(cuts, 1, hi - lo - 1), [hi - lo]]))
+        out += [(lo + int(a), lo + int(b)) for a, b in zip(bounds, bounds[1:])]
     return out
 
 
