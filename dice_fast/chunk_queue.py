@@ -40,7 +40,7 @@ from .chunking import EncodingPlan
 from .errors import InputOutOfMemory
 from .faults import BudgetBackoff, release_cached_memory, run_split
 from .head import with_head
-from .packing import PackedBatch, merge, pack, pack_windows
+from .packing import PackedBatch, merge, pack_plan
 from .reuse import ChunkKeys, ChunkStats
 from .reuse.manager import FOLLOW, RUN, ChunkReuse
 from .runner import ModelRunner, to_device
@@ -363,12 +363,8 @@ class ChunkQueue:
 
     def _pack(self, job: Job, ids: np.ndarray) -> PackedBatch:
         """`pack` ``job``'s chunks ``ids``; an error raised names the job (for `fail_packing`)."""
-        p = job.plan
         try:
-            if p.windows is not None:
-                return pack_windows(p, ids, self.settings.spec.first_position)
-            return pack(p.tokens, p.chunks, ids, p.prefix, p.suffix, self.settings.spec.first_position,
-                        p.global_positions, p.unpooled)
+            return pack_plan(job.plan, ids, self.settings.spec.first_position)
         except Exception as exc:
             exc.dice_fast_job = job
             raise

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ArgumentTypeError, OptionError, TextError
-from .text_prefix import TextPrefix
+from .text_prefix import TextPrefix, prompt_left_out
 
 
 @dataclass(frozen=True)
@@ -347,7 +347,7 @@ class EncodingPlan:
     def chunk_weights(self) -> np.ndarray:
         """(n_chunks,) float32 weight of every chunk for ``weighted_mean``: the tokens it is pooled over."""
         lengths, late_text = self.chunk_lengths, self.windows is not None and self.chunks.length > 0
-        return (lengths - np.where(late_text, 0, np.minimum(self.unpooled, np.maximum(lengths - 1, 0)))).astype(np.float32)
+        return (lengths - np.where(late_text, 0, prompt_left_out(self.unpooled, lengths))).astype(np.float32)
 
     @property
     def document_tokens(self) -> np.ndarray:

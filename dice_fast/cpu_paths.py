@@ -302,7 +302,7 @@ def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
     `AGREEMENT_CHUNKS` windows of held-out prose, packed as batches of each encoder's own budget (under
     late chunking, windows of a late window's text: their speed is not a chunk's)."""
     from .data import prose_halves, token_windows
-    from .packing import pack, pack_windows
+    from .packing import pack_plan
     from . import cpu_tuning
 
     late = reference.config.strategy == "late"
@@ -316,15 +316,13 @@ def measure_paths(encoders: dict, reference) -> tuple[dict, dict, bool]:
 
     def batches(p, budget: int):
         if (id(p), budget) not in packed:
-            first = reference.spec.first_position
             if late:  # whole windows per batch
                 per, window = max(1, budget // int(p.window_lengths.max())), p.windows.chunk_window
-                packed[id(p), budget] = [pack_windows(p, np.flatnonzero((window >= lo) & (window < lo + per)), first)
-                                         for lo in range(0, len(p.windows.length), per)]
+                picks = [np.flatnonzero((window >= lo) & (window < lo + per)) for lo in range(0, len(p.windows.length), per)]
             else:
                 per = max(1, budget // int(p.chunk_lengths.max()))
-                packed[id(p), budget] = [pack(p.tokens, p.chunks, np.arange(lo, min(lo + per, p.n_chunks)), p.prefix,
-                                              p.suffix, first) for lo in range(0, p.n_chunks, per)]
+                picks = [np.arange(lo, min(lo + per, p.n_chunks)) for lo in range(0, p.n_chunks, per)]
+            packed[id(p), budget] = [pack_plan(p, ids, reference.spec.first_position) for ids in picks]
         return packed[id(p), budget]
 
     def run(enc, p=plan):

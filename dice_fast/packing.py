@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .chunking import ChunkPlan, EncodingPlan, TokenizedDocuments
+from .text_prefix import prompt_left_out
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def pack(
                         chunk_ids, lengths)
     if not unpooled:
         return batch
-    skip = np.minimum(unpooled, np.maximum(lengths - 1, 0))
+    skip = prompt_left_out(unpooled, lengths)
     rows, pool_cu = _rows(cu[:-1] + skip, lengths - skip)
     return dataclasses.replace(batch, pool_rows=rows, pool_cu=pool_cu, pool_seq=np.arange(len(lengths), dtype=np.int64))
 
@@ -127,6 +128,16 @@ def _rows(first: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     np.cumsum(count, out=pool_cu[1:])
     rows = np.repeat(first - pool_cu[:-1], count) + np.arange(int(pool_cu[-1]), dtype=np.int64)
     return rows, pool_cu.astype(np.int32)
+
+
+def pack_plan(plan: EncodingPlan, chunk_ids: np.ndarray, first_position: int) -> PackedBatch:
+    """``plan``'s chunks ``chunk_ids`` packed as the engine runs them: their windows under late chunking
+    (`pack_windows`), else each chunk wrapped (`pack`) with the plan's positions and the tokens its
+    pooling leaves out."""
+    if plan.windows is not None:
+        return pack_windows(plan, chunk_ids, first_position)
+    return pack(plan.tokens, plan.chunks, chunk_ids, plan.prefix, plan.suffix, first_position, plan.global_positions,
+                plan.unpooled)
 
 
 def pack_windows(plan: EncodingPlan, chunk_ids: np.ndarray, first_position: int) -> PackedBatch:
@@ -145,7 +156,7 @@ def pack_windows(plan: EncodingPlan, chunk_ids: np.ndarray, first_position: int)
     ch = plan.chunks
     cu = batch.cu_seqlens.astype(np.int64)
     text = ch.length[chunk_ids] > 0
-    skip = np.minimum(plan.unpooled, np.maximum(batch.lengths[seq] - 1, 0))  # no text: the window less its prompt
+    skip = prompt_left_out(plan.unpooled, batch.lengths[seq])  # no text: the window less its prompt
     first = np.where(text, cu[seq] + len(plan.prefix) + ch.start[chunk_ids] - w.start[w.chunk_window[chunk_ids]],
                      cu[seq] + skip)
     count = np.where(text, ch.length[chunk_ids], batch.lengths[seq] - skip)

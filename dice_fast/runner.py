@@ -206,21 +206,21 @@ class ModelRunner:
 
     def _padded_hidden(self, batch: PackedBatch) -> torch.Tensor:
         """(T, H) hidden states of the batch's tokens in packed order, from dense padded sub-batches."""
-        out = None
-        for _, _, t_lo, t_hi, ids, mask, pos in self.dense_batches(batch, self.max_batch_tokens):
+        out, groups = None, padded_groups(batch.lengths, self.max_batch_tokens)
+        for _, _, t_lo, t_hi, ids, mask, pos in self.dense_batches(batch, groups):
             hidden = self._dense_hidden(ids, mask, pos)
             if out is None:
                 out = hidden.new_empty((batch.n_tokens, hidden.shape[-1]))
             out[t_lo:t_hi] = hidden[to_device(mask, hidden.device).bool()]
         return out
 
-    def dense_batches(self, batch: PackedBatch, budget: int = 0, groups=None):
-        """The batch's chunks (sorted by length) as dense padded sub-batches of at most ``budget`` padded
-        tokens (or the consecutive (lo, hi) row ranges ``groups``): (lo, hi, t_lo, t_hi, ids, mask,
-        positions) with ids / mask / positions (n, width) int64 (positions None where the model takes
-        none) holding chunks ``lo:hi`` (packing order), packed tokens ``t_lo:t_hi``."""
+    def dense_batches(self, batch: PackedBatch, groups):
+        """The batch's chunks (sorted by length) as dense padded sub-batches, one per consecutive (lo, hi)
+        row range of ``groups`` (`padded_groups`, the OpenVINO runner's `request_groups`): (lo, hi, t_lo,
+        t_hi, ids, mask, positions) with ids / mask / positions (n, width) int64 (positions None where the
+        model takes none) holding chunks ``lo:hi`` (packing order), packed tokens ``t_lo:t_hi``."""
         lengths, cu = batch.lengths, batch.cu_seqlens.astype(np.int64)
-        for lo, hi in (_padded_groups(lengths, budget) if groups is None else groups):
+        for lo, hi in groups:
             n, width = hi - lo, int(lengths[lo])
             sub = lengths[lo:hi]
             t_lo, t_hi = int(cu[lo]), int(cu[hi])
@@ -301,7 +301,7 @@ def _probe_batch(runner: ModelRunner) -> PackedBatch:
     return pack(docs, plan, np.arange(2), prefix, suffix, runner.spec.first_position)
 
 
-def _padded_groups(lengths: np.ndarray, budget: int):
+def padded_groups(lengths: np.ndarray, budget: int):
     """Consecutive ranges of the (non-increasing) ``lengths`` whose padded size n x longest fits ``budget``."""
     lo, n = 0, len(lengths)
     while lo < n:

@@ -65,4 +65,10 @@ class TextPrefix:
         return np.maximum(np.asarray(spans, np.int64).reshape(-1, 2) - len(self.text), 0)
 
 
-__all__ = ["TextPrefix"]
+def prompt_left_out(prompt_length: int, lengths) -> np.ndarray:
+    """(n,) int64 leading tokens a Pooling that leaves the prompt out leaves out of rows of ``lengths`` (wrapped
+    chunks or windows): ``prompt_length`` (`TextPrefix.prompt_length`), at most all but each row's last."""
+    return np.minimum(prompt_length, np.maximum(np.asarray(lengths, np.int64) - 1, 0))
+
+
+__all__ = ["TextPrefix", "prompt_left_out"]

@@ -164,16 +164,16 @@ def test_a_cancellation_drops_the_chunks_the_producer_prepared(cancel_at):
 def test_a_packing_error_is_raised_where_the_serial_loop_raises_it(monkeypatch):
     enc = _encoder("off", max_batch_tokens=40)
     plans = [enc.plan(t) for t in (_texts()[:6], _texts()[6:])]
-    raised, real_pack = [], chunk_queue.pack
+    raised, real_pack = [], chunk_queue.pack_plan
     for piped in (False, True):
         queue = enc.chunk_queue()
         jobs = [queue.submit(p) for p in plans]
-        def bad_pack(tokens, *args, victim=jobs[1]):
-            if tokens is victim.plan.tokens:
+        def bad_pack(plan, *args, victim=jobs[1]):
+            if plan.tokens is victim.plan.tokens:
                 raise ValueError("bad plan")
-            return real_pack(tokens, *args)
+            return real_pack(plan, *args)
 
-        monkeypatch.setattr(chunk_queue, "pack", bad_pack)
+        monkeypatch.setattr(chunk_queue, "pack_plan", bad_pack)
         source = BatchPipeline(queue, enc.device) if piped else queue
         n = 0
         with pytest.raises(ValueError, match="bad plan") as info:

@@ -23,6 +23,7 @@ import torch
 from ..matryoshka import truncate
 from ..ops import aggregate_documents
 from ..runner import to_device
+from ..text_prefix import prompt_left_out
 
 
 def encode_padded_sorted(encoder, texts: list[str], batch_size: int = 32) -> np.ndarray:
@@ -92,7 +93,7 @@ def _encode_padded(encoder, texts: list[str], batch_size: int, sort: bool) -> np
                 attention_mask=_attention_mask(valid_t, encoder.causal),
                 position_ids=to_device(positions, device),
             ).last_hidden_state
-            skip = np.minimum(plan.unpooled, np.maximum(n - 1, 0))  # a prompt its pooling leaves out
+            skip = prompt_left_out(plan.unpooled, n)
             chunks[to_device(idx, device)] = _pool(hidden, to_device(skip, device), to_device(n, device), encoder.pooling)
     head = encoder.settings.head  # the model's Dense modules after its pooling, as the engine runs them
     return _aggregate(encoder, plan, chunks if head is None else head(chunks))

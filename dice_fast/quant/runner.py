@@ -84,7 +84,7 @@ class OpenVinoRunner(ModelRunner):
         try:
             cap = max(1, min(self.max_batch_tokens // self.streams, REQUEST_TOKENS))
             groups = request_groups(batch.lengths, self.openvino.width, self.streams, cap)
-            for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, groups=groups):
+            for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, groups):
                 c_lo, c_hi = batch.chunk_rows(lo, hi)
                 segments = (seq_rows[c_lo:c_hi] - lo, starts[c_lo:c_hi], counts[c_lo:c_hi])
                 wanted = self._queue(ids.shape[1] == self.openvino.width)

@@ -48,10 +48,9 @@ def chunk_keys(plan, salt: bytes = b"") -> ChunkKeys:
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= 2**31):
         raise OptionError("token ids must lie in [0, 2**31) to be keyed")
     raw = ids.astype("<i4").tobytes()
+    salt_len = len(salt)
     if plan.unpooled:  # the leading tokens its pooling leaves out, first in every identity
-        salt, salt_len = salt + b"U" + int(plan.unpooled).to_bytes(4, "little"), len(salt)
-    else:
-        salt_len = len(salt)
+        salt += b"U" + int(plan.unpooled).to_bytes(4, "little")
     pre = np.asarray(plan.prefix, "<i4").tobytes()
     suf = np.asarray(plan.suffix, "<i4").tobytes()
     ch = plan.chunks

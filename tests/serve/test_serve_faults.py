@@ -90,18 +90,18 @@ def test_out_of_memory_fails_only_the_request_of_the_chunk(tiny_encoder):
 
 
 def test_packing_error_fails_only_the_request_it_was_packing(tiny_encoder, monkeypatch):
-    pack = chunk_queue.pack
+    pack = chunk_queue.pack_plan
     packs = []  # per pack call: whether it raised
 
-    def flaky_pack(docs, *args, **kwargs):
-        packs.append(has_poison(docs.ids))
+    def flaky_pack(plan, *args, **kwargs):
+        packs.append(has_poison(plan.tokens.ids))
         if packs[-1]:
             raise RuntimeError("injected packing failure")
-        return pack(docs, *args, **kwargs)
+        return pack(plan, *args, **kwargs)
 
     texts = word_texts(6, 5, 12, seed=31)  # one chunk each: the three requests fit one batch
     ref = tiny_encoder.encode_documents(texts)
-    monkeypatch.setattr(chunk_queue, "pack", flaky_pack)
+    monkeypatch.setattr(chunk_queue, "pack_plan", flaky_pack)
     proxy = ProxyEncoder(tiny_encoder)
 
     async def main():
