@@ -172,10 +172,10 @@ def test_full_chunks_run_on_the_fixed_length_twin(ov_cache, tmp_path, monkeypatc
     assert compiled.dynamic.input("input_ids").get_partial_shape()[1].is_dynamic
     used = []
     real_queue = type(enc.runner)._queue
-    monkeypatch.setattr(type(enc.runner), "_queue", lambda self, fixed: used.append(fixed) or real_queue(self, fixed))
+    monkeypatch.setattr(type(enc.runner), "_queue", lambda self, model: used.append(model) or real_queue(self, model))
     texts = ["the old man ran to the river under a blue sky " * 6, "a short one", "the dog sat by the red house " * 2]
     out = enc.encode_documents(texts, return_chunks=True)
-    assert True in used and False in used  # full chunks (several sub-batches) and the short tails
+    assert "fixed" in used and {"dynamic", "latency"} & set(used)  # full chunks (several sub-batches), the tails
     # every chunk alone on the dynamic model only (no fixed width): the same chunk vectors
     monkeypatch.setattr(type(enc.runner), "_queue", real_queue)
     plain = DiceEncoder(model, tok, dtype="int8", chunk_size=16, calibration=str(sample))
@@ -306,7 +306,8 @@ def test_int8_agrees_with_float32_on_held_out_prose(ov_cache, tmp_path):
 def test_openvino_requests_split_each_models_rows_evenly_across_the_streams():
     """Each model's rows (the fixed-length twin's, the others) in a multiple of the streams' count of requests
     of near-equal tokens, each within about REQUEST_TOKENS and REQUEST_SQUARE rows x width² (2 late windows
-    of 512, 8 chunks of 256); consecutive, every row once, at least one each."""
+    of 512, 8 chunks of 256); consecutive, every row once, at least one each. Fewer rows than streams:
+    as few requests as those bounds allow."""
     from dice_fast.quant.runner import REQUEST_SQUARE, request_groups
 
     lengths = np.array([600, 512, 512, 512, 383, 383, 383, 383, 256, 256, 256, 256, 256, 256, 256, 256, 256, 40, 3])
@@ -317,6 +318,9 @@ def test_openvino_requests_split_each_models_rows_evenly_across_the_streams():
     assert [hi - lo for lo, hi in request_groups(np.full(32, 256), 256, streams=2, square=REQUEST_SQUARE)] == [8] * 4
     assert [hi - lo for lo, hi in request_groups(np.full(32, 256), 256, streams=2, square=2**40)] == [16, 16]
     assert request_groups(np.array([5]), None, streams=4) == [(0, 1)] and request_groups(np.zeros(0, np.int64), 5, 2) == []
+    # a model's rows fewer than the streams run on the latency twin: cut only where a request would be too big
+    assert request_groups(np.array([256, 40, 3]), 256, streams=4) == [(0, 1), (1, 3)]
+    assert request_groups(np.array([3000, 3000, 3000]), None, streams=4) == [(0, 1), (1, 2), (2, 3)]
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last"])

@@ -55,20 +55,23 @@ def test_sliding_window_models_with_padded_rows_match_the_per_chunk_forward(arch
 
 @needs_openvino
 def test_chunk_vectors_do_not_depend_on_the_batch(ov_cache, monkeypatch):
-    """Full chunks run on the twin compiled for their length, tails on the dynamic model; a chunk's
-    vector is the same alone, beside neighbours of other lengths, and on the dynamic model only."""
+    """Full chunks run on the twin compiled for their length, tails on the dynamic model, a model's rows
+    fewer than the streams on the latency twin; a chunk's vector is the same alone, beside neighbours
+    of other lengths, and on the dynamic model only."""
     model, tok, *_ = tiny("bert")
     budget = 40 * torch.get_num_threads()  # ~4 chunks per sub-batch (one stream per thread), whatever the cores
     enc = DiceEncoder(model, tok, runtime="openvino", chunk_size=K, max_batch_tokens=budget, normalize=False)
     assert enc.runner.openvino.width == K + enc.chunk_overhead and enc.max_batch_tokens // enc.runner.streams == 40
     used = []
     real_queue = type(enc.runner)._queue
-    monkeypatch.setattr(type(enc.runner), "_queue", lambda self, fixed: used.append(fixed) or real_queue(self, fixed))
+    monkeypatch.setattr(type(enc.runner), "_queue", lambda self, model: used.append(model) or real_queue(self, model))
     texts = corpus(seed=3)
     together = enc.encode_documents(texts, return_chunks=True).chunks
-    assert True in used and False in used
+    assert "fixed" in used and "dynamic" in used
+    used.clear()
     alone = np.concatenate([enc.encode_documents([t], return_chunks=True).chunks for t in texts])
     np.testing.assert_allclose(alone, together, atol=1e-5)
+    assert enc.runner.streams == 1 or "latency" in used  # a one-chunk text alone: one row
     dynamic_only = DiceEncoder(model, tok, runtime="openvino", chunk_size=K, max_batch_tokens=budget, normalize=False)
     compiled = dynamic_only.runner.openvino
     dynamic_only.runner.openvino = ovq.OpenVinoModel(compiled.dynamic, None, None, compiled.identity, compiled.runs)

@@ -57,16 +57,18 @@ class OpenVinoRunner(ModelRunner):
         self._local = threading.local()  # one request queue per thread and model: a queue is not thread-safe
         self.fallback_reason = None
 
-    def _queue(self, fixed: bool):
-        """This thread's request queue for the fixed-length twin (``fixed``) or the dynamic model."""
-        model = self.openvino.fixed if fixed else self.openvino.dynamic
+    def _queue(self, model: str):
+        """This thread's request queue for ``model``: "fixed" (the fixed-length twin), "dynamic" or
+        "latency" (the latency twin: one request at a time, every thread in it)."""
+        jobs = 1 if model == "latency" else self.streams
+        model = self.openvino.latency.get() if model == "latency" else getattr(self.openvino, model)
         queues = getattr(self._local, "queues", None)
         if queues is None:
             queues = self._local.queues = {}
         if id(model) not in queues:  # keyed by the model itself: a runner given other models gets new queues
             import openvino as ov
 
-            queue = queues[id(model)] = ov.AsyncInferQueue(model, self.streams)
+            queue = queues[id(model)] = ov.AsyncInferQueue(model, jobs)
             queue.set_callback(_pool_finished)
         return queues[id(model)]
 
@@ -75,6 +77,8 @@ class OpenVinoRunner(ModelRunner):
         (`request_groups`) ``streams`` at a time in flight. A sub-batch as wide as the compiled fixed
         width runs on the fixed-length model, any other on the dynamic one; one model's requests finish
         before the other's start (never 2x streams at once).
+        The rows of one model fewer than the streams (one query, one short document) run as one request on
+        the latency twin instead, every thread in it (`LatencyTwin`).
         A batch that pools segments (`PackedBatch.segments`: late chunking, a prompt left out) pools each
         inside its row."""
         out = np.zeros((batch.n_chunks, self.spec.hidden_size), np.float32)
@@ -84,10 +88,13 @@ class OpenVinoRunner(ModelRunner):
         try:
             cap = max(1, min(self.max_batch_tokens // self.streams, REQUEST_TOKENS))
             groups = request_groups(batch.lengths, self.openvino.width, self.streams, cap)
+            n_fixed = int(np.count_nonzero(np.asarray(batch.lengths) == self.openvino.width))
             for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, groups):
                 c_lo, c_hi = batch.chunk_rows(lo, hi)
                 segments = (seq_rows[c_lo:c_hi] - lo, starts[c_lo:c_hi], counts[c_lo:c_hi])
-                wanted = self._queue(ids.shape[1] == self.openvino.width)
+                fixed = ids.shape[1] == self.openvino.width
+                few = (n_fixed if fixed else len(batch.lengths) - n_fixed) < self.streams
+                wanted = self._queue("latency" if few and self.openvino.latency else "fixed" if fixed else "dynamic")
                 if queue is not wanted:
                     if queue is not None:
                         queue.wait_all()
@@ -128,7 +135,8 @@ def request_groups(lengths: np.ndarray, fixed_width: int | None, streams: int, c
     """Consecutive (lo, hi) ranges of a batch's non-increasing row ``lengths``, one request each: the rows
     of each model (those ``fixed_width`` long, the others) cut into ``streams`` x k requests of near-equal
     tokens, k the least that keeps a request within about ``cap`` tokens and ``square`` rows x width²;
-    at least one row each."""
+    at least one row each. A model's rows fewer than ``streams`` are cut into k only (they run on
+    the latency twin, one request at a time)."""
     lengths = np.asarray(lengths, np.int64)
     fixed = lengths == (fixed_width if fixed_width is not None else -1)
     edges = [0, *(np.flatnonzero(fixed[1:] != fixed[:-1]) + 1).tolist(), len(lengths)]
@@ -136,7 +144,8 @@ def request_groups(lengths: np.ndarray, fixed_width: int | None, streams: int, c
     for lo, hi in zip(edges, edges[1:]):
         part = lengths[lo:hi]
         need = max(-(-int(part.sum()) // cap), -(-int((part * part).sum()) // square), 1)
-        k = min(-(-need // streams) * streams, hi - lo)
+        per = streams if hi - lo >= streams else 1
+        k = min(-(-need // per) * per, hi - lo)
         cuts = np.searchsorted(np.cumsum(part), part.sum() * np.arange(1, k) / k, side="left") + 1
         bounds = np.unique(np.concatenate([[0], np.clip(cuts, 1, hi - lo - 1), [hi - lo]]))
         out += [(lo + int(a), lo + int(b)) for a, b in zip(bounds, bounds[1:])]
