@@ -19,7 +19,8 @@ synchronisation (no ``.item()``, no value-sized allocation), so it can run on CU
 * Chunk -> document: per-chunk scalars (norms, weights, top-k ranks, softmax weights) are
   computed in float64, so ranking ties and softmax weights match the float64 reference; they fold
   into one float32 coefficient per chunk and the document vector is one ``index_add_`` (or a
-  ``scatter_reduce_(amax)`` for ``max``). Top-k ranks come from two stable sorts (by norm
+  ``scatter_reduce_(amax)`` for ``max``; a small one on the CPU, one ``segment_reduce``, bit-identical:
+  see `SERIAL_ELEMENTS`). Top-k ranks come from two stable sorts (by norm
   descending, then by document): ties go to the earlier chunk. Softmax uses a segment max.
 """
 
@@ -38,6 +39,13 @@ __all__ = ["pool_chunks_torch", "aggregate_documents_torch"]
 # tokens: 5.8 ms with 4 MiB slabs vs 45 ms widening the whole batch at once; 8k x 4096: 14 ms vs 90 ms.
 SLAB_BYTES = 4 << 20
 NORM_BLOCK_BYTES = 1 << 20  # rows of chunk vectors widened to float64 at a time (see _norms_float64)
+# Chunk vectors of at most this many elements (a query, a short document: ~85 rows of 384) are summed
+# into documents by `torch.segment_reduce`, which adds a segment's rows in the same order as index_add_
+# (bit-identical) on the calling thread. index_add_ / scatter_reduce_ enter an OpenMP parallel region at
+# any size, and its idle threads then spin for ~3-10 ms: the OpenVINO forward of the next query, sharing
+# the cores, ran 6.7-7.0 ms instead of 4.2 (12 tokens, 2-core Zen 2, RESULTS §35). Above it index_add_ is
+# the faster (20,000 rows: 1.6 ms against 9.5) and one forward of such a batch dwarfs the spin.
+SERIAL_ELEMENTS = 1 << 15
 
 
 def _slab_rows(hidden_size: int) -> int:
@@ -121,7 +129,12 @@ def aggregate_documents_torch(
         coef = inv if coef is None else coef * inv
     x = chunks if coef is None else chunks * coef.to(torch.float32).unsqueeze(1)
 
-    if aggregation == "max":
+    if dev.type == "cpu" and x.numel() <= SERIAL_ELEMENTS:  # the same sums and maxima, on this thread alone
+        edges = torch.cat([cu.new_zeros(1), cu[1:].clamp_max(n), cu.new_full((1,), n)])
+        out = torch.segment_reduce(x, "max" if aggregation == "max" else "sum", lengths=edges.diff())[:D]
+        if aggregation == "max":
+            out = out.masked_fill_((counts[:D] == 0).unsqueeze(1), 0.0)
+    elif aggregation == "max":
         out = torch.full((D + 1, H), float("-inf"), dtype=torch.float32, device=dev)
         out.scatter_reduce_(0, doc.unsqueeze(1).expand(n, H), x, "amax")
         out = out[:D].masked_fill_((counts[:D] == 0).unsqueeze(1), 0.0)
@@ -129,8 +142,8 @@ def aggregate_documents_torch(
         out = torch.zeros((D + 1, H), dtype=torch.float32, device=dev)
         out.index_add_(0, doc, x)
         out = out[:D]
-        if aggregation == "mean":
-            out /= counts[:D].clamp_min(1).unsqueeze(1).to(torch.float32)
+    if aggregation == "mean":
+        out /= counts[:D].clamp_min(1).unsqueeze(1).to(torch.float32)
     if normalize:
         out /= torch.linalg.vector_norm(out, dim=1, keepdim=True).clamp_min(NORM_EPS)
     return out

@@ -258,6 +258,27 @@ def test_aggregate_no_chunks_empty_documents_and_trailing_chunks():
 
 
 @pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_small_inputs_sum_on_the_calling_thread_to_the_same_bits(agg, monkeypatch):
+    """Chunk vectors of at most SERIAL_ELEMENTS on the CPU are summed (or maxed) by one segment_reduce, no
+    OpenMP region whose spinning threads would slow an OpenVINO forward after it: the same bits as the
+    index_add_ / scatter_reduce_ of larger inputs, empty documents and trailing chunks included."""
+    chunks, _, w = _docs([2, 1, 3, 5], 16, seed=7)
+    calls = []
+    real = torch.segment_reduce
+    monkeypatch.setattr(torch, "segment_reduce", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    for cu in ([0, 2, 3, 6, 11], [0, 2, 2, 3], [0, 0, 2, 3, 6], [0, 1, 3], [0, 11]):
+        cu = torch.tensor(cu, dtype=torch.int64)
+        for nc in (False, True):
+            args = (chunks, cu, w, agg, 2, 0.7, nc, True)
+            serial = aggregate(*args)
+            with monkeypatch.context() as m:
+                m.setattr(tpo, "SERIAL_ELEMENTS", -1)
+                parallel = aggregate(*args)
+            assert torch.equal(serial, parallel), (agg, nc, cu.tolist())
+    assert calls == ["max" if agg == "max" else "sum"] * 10
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
 def test_documents_split_across_calls(agg):
     """Aggregating two groups of documents separately gives the same document vectors, bit for bit."""
     doc_lens = _lengths(30, 12, seed=91, extra=[1, 70])
