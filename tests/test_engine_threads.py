@@ -59,3 +59,45 @@ def test_encoders_built_over_one_encoders_copy_share_it_and_its_lock():
     for i in range(Variants.MAX_VARIANTS + 5):  # a prompt per call: the variants used last are kept
         variants.get(document_prefix=f"prompt {i}: ")
     assert len(variants._cache) == Variants.MAX_VARIANTS and variants.get(document_prefix="first: ") is not first
+
+
+def test_prefetch_prepares_the_first_item_here_and_the_next_in_its_worker():
+    """`Prefetch`: the caller waits for the first item anyway, so it is prepared in the caller's thread and a
+    one-item input (one query) starts no thread; each later item is prepared in the worker while the caller
+    works on the one before. Errors (the iterator's, a prepare's) come from the `next` call of their item."""
+    from dice_fast.streaming import Prefetch
+
+    where = []
+
+    def prepare(item):
+        where.append(threading.current_thread().name)
+        if item == "bad":
+            raise ValueError("bad item")
+        return item.upper()
+
+    with Prefetch(iter(["one"]), prepare) as ahead:
+        assert ahead.pool is None and ahead.next() == "ONE" and ahead.next() is None
+    assert where == [threading.current_thread().name]
+    where.clear()
+    with Prefetch(iter(["a", "bad", "c"]), prepare) as ahead:
+        assert ahead.next() == "A"
+        try:
+            ahead.next()
+            raise AssertionError("the prepare error was not raised")
+        except ValueError as exc:
+            assert "bad item" in str(exc)
+    assert where[0] == threading.current_thread().name and all(w.startswith("dice_fast-prefetch") for w in where[1:])
+
+    def failing():
+        yield "x"
+        raise OSError("input gone")
+
+    with Prefetch(failing(), prepare) as ahead:
+        assert ahead.next() == "X"
+        try:
+            ahead.next()
+            raise AssertionError("the iterator's error was not raised")
+        except OSError as exc:
+            assert "input gone" in str(exc)
+    with Prefetch(iter([]), prepare) as ahead:
+        assert ahead.next() is None
