@@ -45,18 +45,23 @@ def parse_args(argv=None):
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--chunks", type=int, default=500, help="texts of 254 tokens encoded by every path")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per path (median), interleaved")
-    ap.add_argument("--venv", default=os.environ.get("DICE_PEERS_VENV", "/work/peers-venv"),
-                    help="the peers' venv made by benchmarks/peers_env.sh ($DICE_PEERS_VENV)")
-    ap.add_argument("--work", type=Path, default=None, help="exports and vectors (default: a temp folder per calibration)")
-    ap.add_argument("--csv", type=Path, default=HERE / "peers.csv")
-    ap.add_argument("--skip", nargs="*", default=[], help="path names not to run")
-    ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
+    add_path_options(ap, HERE / "peers.csv")
     ap.add_argument("--int8-variants", nargs="*", default=[], metavar="STREAMS[@BUDGET][/PRECISION]",
                     help="extra dice_fast int8 rows for an A/B: e.g. 1 (one synchronous request, the first "
                     "version), 2@8192 (2 streams, max_batch_tokens 8192), 2/f32 (float parts in f32)")
+    return ap.parse_args(argv)
+
+
+def add_path_options(ap, csv_path: Path) -> None:
+    """The options choosing and placing the paths (the peers' venv and exports, skips, the CSV)."""
+    ap.add_argument("--venv", default=os.environ.get("DICE_PEERS_VENV", "/work/peers-venv"),
+                    help="the peers' venv made by benchmarks/peers_env.sh ($DICE_PEERS_VENV)")
+    ap.add_argument("--work", type=Path, default=None, help="exports and vectors (default: a temp folder per calibration)")
+    ap.add_argument("--csv", type=Path, default=csv_path)
+    ap.add_argument("--skip", nargs="*", default=[], help="path names not to run")
+    ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
     ap.add_argument("--no-peers", action="store_true",
                     help="dice_fast rows only (cosines against dice_fp32, or the first dice row when it is skipped)")
-    return ap.parse_args(argv)
 
 
 class Peers:
@@ -87,6 +92,14 @@ class Peers:
         self.proc.stdin.flush()
         msg = self._reply("ran")
         return msg["seconds"], np.load(self.work / f"{name}.npy")
+
+    def each(self, name: str, texts: list[str]) -> tuple[list[float], np.ndarray]:
+        """``texts`` encoded by peer ``name`` one call each: (every call's seconds, (n, dim) vectors)."""
+        file = self.work / "each.json"
+        file.write_text(json.dumps(texts), encoding="utf-8")
+        self.proc.stdin.write(f"each {name} {file}\n")
+        self.proc.stdin.flush()
+        return self._reply("ran")["seconds"], np.load(self.work / f"{name}.npy")
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -143,40 +156,46 @@ def dice_paths(skip, variants=()) -> tuple[dict, dict]:
     return encoders, skipped
 
 
+def open_peers(args, model_dir: str, tok, texts: list[str]) -> tuple[Peers | None, dict, dict]:
+    """(the peers' worker or None, peer -> why skipped, the peers' versions) for ``args.venv`` (None with
+    ``args.no_peers``), exports cached in ``args.work`` (default: a temp folder per model and calibration)."""
+    from dice_fast.cpu_tuning import cpu_flags
+    from dice_fast.data import prose_halves, token_windows
+
+    python = str(Path(args.venv) / "bin" / "python")
+    if args.no_peers:
+        return None, {"peers": "--no-peers"}, {}
+    if not Path(python).exists():
+        return None, {"peers": f"no peers venv at {args.venv}: run benchmarks/peers_env.sh"}, {}
+    calibration = token_windows(tok, "\n\n".join(prose_halves()[0]), CALIBRATION_CHUNKS, TEXT_TOKENS)
+    digest = hashlib.sha256(json.dumps([model_dir, calibration]).encode()).hexdigest()[:12]
+    work = args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"dice_peers_{digest}"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "texts.json").write_text(json.dumps({"texts": texts, "calibration": calibration}), encoding="utf-8")
+    print(f"peers' work folder {work}", flush=True)
+    # sentence-transformers' avx512_vnni config everywhere (the faster one even on an AVX2-only Zen 3,
+    # RESULTS §18.5), and beside it the avx2 config where there is no VNNI: the one a user is told to pick
+    onnx_int8_configs = ["avx512_vnni"] + ([] if "avx512_vnni" in cpu_flags() else ["avx2"])
+    peers = Peers(python, model_dir, work, work / "texts.json", args.batch_size, onnx_int8_configs)
+    return peers, peers.ready["skipped"], peers.ready["versions"]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from dice_fast.data import prose_halves, token_windows
     from dice_fast.models import default_model_path
     from dice_fast.quant import cosines, held_out_texts
-    from dice_fast.runinfo import append_csv, cpu_model, versions
+    from dice_fast.runinfo import cpu_model, versions
     from dice_fast.cpu_tuning import cpu_flags
 
     model_dir = default_model_path()
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = held_out_texts(tok, args.chunks, TEXT_TOKENS)
-    calibration = token_windows(tok, "\n\n".join(prose_halves()[0]), CALIBRATION_CHUNKS, TEXT_TOKENS)
     tokens = sum(len(ids) for ids in tok(texts)["input_ids"])  # with [CLS] / [SEP]: what the model runs
-    digest = hashlib.sha256(json.dumps([model_dir, calibration]).encode()).hexdigest()[:12]
-    work = args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"dice_peers_{digest}"
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "texts.json").write_text(json.dumps({"texts": texts, "calibration": calibration}), encoding="utf-8")
     load0 = os.getloadavg()
-    print(f"{len(texts)} texts, {tokens:,} tokens; load average {load0[0]:.1f}; work folder {work}", flush=True)
-
-    python = str(Path(args.venv) / "bin" / "python")
-    peers, peer_skipped, peer_versions = None, {}, {}
-    if args.no_peers:
-        peer_skipped["peers"] = "--no-peers"
-    elif not Path(python).exists():
-        peer_skipped["peers"] = f"no peers venv at {args.venv}: run benchmarks/peers_env.sh"
-    else:
-        # sentence-transformers' avx512_vnni config everywhere (the faster one even on an AVX2-only Zen 3,
-        # RESULTS §18.5), and beside it the avx2 config where there is no VNNI: the one a user is told to pick
-        onnx_int8_configs = ["avx512_vnni"] + ([] if "avx512_vnni" in cpu_flags() else ["avx2"])
-        peers = Peers(python, model_dir, work, work / "texts.json", args.batch_size, onnx_int8_configs)
-        peer_skipped, peer_versions = peers.ready["skipped"], peers.ready["versions"]
+    peers, peer_skipped, peer_versions = open_peers(args, model_dir, tok, texts)
+    print(f"{len(texts)} texts, {tokens:,} tokens; load average {load0[0]:.1f}", flush=True)
     encoders, dice_skipped = dice_paths(args.skip, args.int8_variants)
 
     runs = {}
@@ -227,12 +246,20 @@ def main(argv=None) -> int:
                      "tokens_per_s_each": "/".join(f"{tokens / s:.0f}" for s in seconds[name]),  # per round
                      "load_start": round(load0[0], 2), "load_end": round(load1[0], 2),
                      "versions": json.dumps(peer_versions if name.startswith("st_") else ours, sort_keys=True)})
-    for name, why in {**peer_skipped, **dice_skipped}.items():
-        print(f"| {name} | skipped: {why} |")
-    print(f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end; peers {peer_versions}; dice_fast {ours}")
-    append_csv(rows, args.csv)
-    print(f"{len(rows)} rows appended to {args.csv}")
+    write_rows(rows, args.csv, {**peer_skipped, **dice_skipped}, (load0[0], load1[0]), peer_versions)
     return 0
+
+
+def write_rows(rows: list[dict], csv_path: Path, skipped: dict, loads: tuple, peer_versions: dict, cells: str = "") -> None:
+    """The table's skipped paths (``cells``: the empty columns before the name), the loads and versions
+    printed, then ``rows`` appended to ``csv_path``."""
+    from dice_fast.runinfo import append_csv, versions
+
+    for name, why in skipped.items():
+        print(f"| {cells}{name} | skipped: {why} |")
+    print(f"load average {loads[0]:.1f} at start, {loads[1]:.1f} at end; peers {peer_versions}; dice_fast {versions()}")
+    append_csv(rows, csv_path)
+    print(f"{len(rows)} rows appended to {csv_path}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 not measured yet (or measured before the latest kernels) runs, and pastes into benchmarks/RESULTS.md.
 
     bash benchmarks/peers_env.sh         # once per machine: the peers' own venv ($DICE_PEERS_VENV)
-    python benchmarks/cpu_check.py       # 10 min on 2 quiet AMX Xeon cores, 23-26 on a Zen 2: run nothing else
+    python benchmarks/cpu_check.py       # 12 min on 2 quiet AMX Xeon cores, 25-28 on a Zen 2: run nothing else
     python benchmarks/cpu_check.py --verdict benchmarks/logs/cpu_check_20261205_0300   # re-read a run
 
 Steps, each in its own process (no thread pool, OpenVINO or tuning state carries over):
@@ -10,15 +10,17 @@ Steps, each in its own process (no thread pool, OpenVINO or tuning state carries
    Runtime and OpenVINO against dice_fast's float32, bf16, compiled and int8 paths; interleaved);
 2. the mixed-length corpus: ``dice-fast bench --corpus mixed``, the engine in float32 against bf16;
    (float32 alone on a CPU without bf16 units, where the bf16 target does not apply);
-3. ``dtype="auto"``: the path this machine picks (``print(encoder)``).
+3. ``dtype="auto"``: the path this machine picks (``print(encoder)``);
+4. per-call latency: ``bench_latency.py`` (one text a call: queries, passages, chunks; the same paths).
 
 The verdict (also in verdict.txt), against the targets the issue states for a Zen 4-like CPU:
 * dice_fast's fastest path whose cos min is at least the fastest peer's: >= 1.2x that peer (medians;
   the per-round ratios beside it, as the rounds are interleaved);
 * the engine's bf16 >= 1.7x its float32 on the mixed corpus;
 * compiled float32 >= eager float32.
+Beside them (no target stated): per size, dice_fast's fastest per-call path against the fastest peer's.
 Everything goes under ``--out`` (default benchmarks/logs/cpu_check_<date>_<time>/): each step's log,
-peers.csv, mixed.csv, verdict.txt. The machine and versions are in every CSV row.
+peers.csv, mixed.csv, latency.csv, verdict.txt. The machine and versions are in every CSV row.
 """
 
 from __future__ import annotations
@@ -102,6 +104,27 @@ def verdict(peer_rows: list[dict], mixed_rows: list[dict]) -> list[str]:
     return lines
 
 
+def latency_verdict(rows: list[dict]) -> list[str]:
+    """Per size of bench_latency.py's ``rows``: dice_fast's fastest path whose cos min is at least the
+    fastest peer's, against that peer (medians of per-call milliseconds; no target stated)."""
+    lines = []
+    for size in dict.fromkeys(r["size"] for r in rows):
+        peers = [r for r in rows if r["size"] == size and r["path"].startswith("st_")]
+        ours = [r for r in rows if r["size"] == size and r["path"].startswith("dice_")]
+        if not peers or not ours:
+            continue
+        peer = min(peers, key=lambda r: float(r["median_ms"]))
+        fit = [r for r in ours if float(r["cos_min"]) >= float(peer["cos_min"])]
+        if not fit:
+            lines.append(f"latency, {size}: no dice_fast path reaches {peer['path']}'s cos min {float(peer['cos_min']):.5f}")
+            continue
+        best = min(fit, key=lambda r: float(r["median_ms"]))
+        lines.append(f"latency, {size} ({best.get('tokens', '?')} tokens): {best['path']} {float(best['median_ms']):.2f} ms against "
+                     f"the fastest peer {peer['path']} {float(peer['median_ms']):.2f} ms: "
+                     f"{float(peer['median_ms']) / float(best['median_ms']):.2f}x")
+    return lines
+
+
 def _against(what: str, rates: dict, fast: str, slow: str, target: float, missing: str) -> str:
     """One target's line: ``rates[fast] / rates[slow]`` (tokens/s) against ``target``; ``missing`` without both."""
     if fast not in rates or slow not in rates:
@@ -125,7 +148,8 @@ def _step(name: str, cmd: list[str], out: Path) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.verdict is not None:
-        print("\n".join(verdict(read_rows(args.verdict / "peers.csv"), read_rows(args.verdict / "mixed.csv"))))
+        print("\n".join(verdict(read_rows(args.verdict / "peers.csv"), read_rows(args.verdict / "mixed.csv"))
+                        + latency_verdict(read_rows(args.verdict / "latency.csv"))))
         return 0
     out = args.out or HERE / "logs" / f"cpu_check_{datetime.datetime.now():%Y%m%d_%H%M}"
     out.mkdir(parents=True, exist_ok=True)
@@ -143,9 +167,11 @@ def main(argv=None) -> int:
                                  "--budget-s", "90", "--csv", str(out / "mixed.csv")], out),
         "auto": _step("auto", [py, "-c", "from dice_fast import DiceEncoder; "
                                "print(DiceEncoder.from_pretrained(device='cpu', dtype='auto'))"], out),
+        "latency": _step("latency", [py, str(HERE / "bench_latency.py"), "--csv", str(out / "latency.csv")], out),
     }
     lines = [f"{name} step: exit status {rc}" for name, rc in status.items() if rc]
     lines += verdict(read_rows(out / "peers.csv"), read_rows(out / "mixed.csv"))
+    lines += latency_verdict(read_rows(out / "latency.csv"))
     (out / "verdict.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n== verdict (" + str(out / "verdict.txt") + ")\n" + "\n".join(lines))
     return max(status.values())

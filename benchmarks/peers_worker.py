@@ -10,7 +10,9 @@ that CPU is told to pick, and the one measured faster there, RESULTS §18.5), Op
 inference precision) and OpenVINO static int8
 (NNCF via optimum-intel, calibrated on the texts' "calibration" list: the first half of the bundled
 prose). Then answers the driver on stdin, one line per request: "NAME [N]" -> that peer encodes the
-texts (the first N) once and writes its vectors to --work/NAME.npy; "quit" ends. Replies are stdout lines
+texts (the first N) once and writes its vectors to --work/NAME.npy; "each NAME FILE" -> it encodes the
+texts of the JSON list in FILE one call each (benchmarks/bench_latency.py), writes their vectors to
+--work/NAME.npy and replies every call's seconds; "quit" ends. Replies are stdout lines
 starting with "@@ " (JSON), so library chatter on stdout is ignored by the driver.
 """
 
@@ -139,8 +141,20 @@ def main() -> int:
         name, _, count = line.strip().partition(" ")  # "NAME [N]": encode the first N texts (a warm-up)
         if name == "quit":
             break
+        if name == "each":  # "each NAME FILE": one call per text of FILE, each timed
+            name, _, file = count.partition(" ")
         if name not in models:
             say(event="error", name=name, error="unknown or skipped peer")
+            continue
+        if line.startswith("each "):
+            vecs, each = [], []
+            for text in json.loads(Path(file).read_text(encoding="utf-8")):
+                t0 = time.perf_counter()
+                out = models[name].encode([text], batch_size=args.batch_size, convert_to_numpy=True)
+                each.append(time.perf_counter() - t0)
+                vecs.append(out[0])
+            np.save(args.work / f"{name}.npy", np.asarray(vecs, np.float32))
+            say(event="ran", name=name, seconds=each)
             continue
         t0 = time.perf_counter()
         vecs = models[name].encode(texts[: int(count or len(texts))], batch_size=args.batch_size,

@@ -65,3 +65,21 @@ def test_verdict_of_a_run_folder(tmp_path, capsys):
     assert cpu_check.main(["--verdict", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "1.500x" in out and "per round 1.48-1.53x" in out and "2.400x" in out
+
+
+def test_latency_verdict_per_size_at_the_fastest_peers_agreement():
+    def row(path, size, ms, cos):
+        return {"path": path, "size": size, "tokens": "12" if size == "query" else "256", "median_ms": str(ms),
+                "cos_min": str(cos)}
+    rows = [row("st_torch_fp32", "query", 14.0, 1.0), row("st_onnx_fp32", "query", 5.0, 1.0),
+            row("st_onnx_int8_dynamic", "query", 4.0, 0.98), row("dice_ov_fp32", "query", 6.0, 1.0),
+            row("dice_fp32", "query", 15.0, 1.0),
+            row("st_openvino", "chunk", 55.0, 1.0), row("dice_ov_fp32", "chunk", 50.0, 1.0),
+            row("st_onnx_fp32", "passage", 14.0, 1.0), row("dice_int8", "passage", 9.0, 0.99)]
+    lines = cpu_check.latency_verdict(rows)
+    # the fastest peer is int8 (cos min 0.98): dice's float path, at cos 1.0 >= 0.98, against it
+    assert lines[0] == ("latency, query (12 tokens): dice_ov_fp32 6.00 ms against the fastest peer "
+                        "st_onnx_int8_dynamic 4.00 ms: 0.67x")
+    assert lines[1].startswith("latency, chunk (256 tokens): dice_ov_fp32 50.00 ms") and lines[1].endswith("1.10x")
+    assert lines[2] == "latency, passage: no dice_fast path reaches st_onnx_fp32's cos min 1.00000"
+    assert cpu_check.latency_verdict([]) == []
