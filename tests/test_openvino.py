@@ -44,6 +44,38 @@ def test_float32_matches_the_per_chunk_forward(arch, ov_cache):
 
 
 @needs_openvino
+def test_threads_calling_at_once_share_one_latency_twin_and_get_their_own_vectors(ov_cache):
+    """Threads encoding single texts at once (a server's clients, an app's workers): the latency twin is
+    compiled once, each thread has its own request queues, and every vector is the one of a call alone."""
+    import threading
+
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, runtime="openvino", chunk_size=K, normalize=False)
+    texts = [t[:60] for t in corpus(seed=5)][:8]
+    want = [enc.encode_queries([t]) for t in texts]
+    got, errors = {}, []
+
+    def worker(i):
+        try:
+            for r in range(3):
+                for j, t in enumerate(texts):
+                    got[i, r, j] = enc.encode_queries([t])
+        except Exception as exc:  # noqa: BLE001 - reported by the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and len(got) == 4 * 3 * len(texts)
+    for (_, _, j), vec in got.items():
+        np.testing.assert_allclose(vec, want[j], atol=1e-6)
+    twin = enc.runner.openvino.latency
+    assert enc.runner.streams == 1 or (twin is not None and twin.get() is twin.get())
+
+
+@needs_openvino
 @pytest.mark.parametrize("arch", ["modernbert", "mistral-swa"])
 def test_sliding_window_models_with_padded_rows_match_the_per_chunk_forward(arch, ov_cache):
     """A sliding-window model exported with its SDPA attention gave NaN for every row padded by more than
