@@ -76,6 +76,24 @@ def test_threads_calling_at_once_share_one_latency_twin_and_get_their_own_vector
 
 
 @needs_openvino
+def test_a_query_never_waits_for_another_models_export(ov_cache):
+    """The module's lock is held through a model's export (minutes for int8's calibration): a query on an
+    encoder already loaded, whose latency twin compiles on its first use, runs meanwhile."""
+    import threading
+
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, runtime="openvino", chunk_size=K, normalize=False)
+    if enc.runner.openvino.latency is None:
+        pytest.skip("one stream per process here: no latency twin")
+    done = threading.Event()
+    with ovq._LOCK:  # another thread's export in progress
+        query = threading.Thread(target=lambda: (enc.encode_queries(["a cat"]), done.set()), daemon=True)
+        query.start()
+        assert done.wait(60), "the query waited for another model's export"
+    query.join()
+
+
+@needs_openvino
 @pytest.mark.parametrize("arch", ["modernbert", "mistral-swa"])
 def test_sliding_window_models_with_padded_rows_match_the_per_chunk_forward(arch, ov_cache):
     """A sliding-window model exported with its SDPA attention gave NaN for every row padded by more than

@@ -201,15 +201,17 @@ class LatencyTwin:
     256 tokens; RESULTS §35), while two or more rows ran as fast or faster on the streams. The same
     graph and precision: vectors agree with the throughput model's to float rounding."""
 
-    def __init__(self, read, props: dict):
-        self._read, self._props, self._model = read, props, None
+    def __init__(self, core, read, props: dict):
+        self._core, self._read, self._props, self._model = core, read, props, None
+        self._lock = threading.Lock()  # its own: `_LOCK` is held through other models' exports (minutes for int8)
 
     def get(self):
-        """The compiled latency model (compiled by the first call, ~0.2 s for MiniLM)."""
-        with _LOCK:
-            if self._model is None:
-                self._model = _core().compile_model(self._read, "CPU", self._props)
-            return self._model
+        """The compiled latency model (compiled by the first call, ~0.2 s for MiniLM). Thread-safe."""
+        if self._model is None:
+            with self._lock:
+                if self._model is None:
+                    self._model = self._core.compile_model(self._read, "CPU", self._props)
+        return self._model
 
 
 def latency_properties(props: dict) -> dict:
@@ -270,7 +272,7 @@ def _load(folder: Path, write, props: dict, width: int | None, name) -> OpenVino
         # the precision the float ops really run in (int8: OpenVINO's per-CPU default, bf16 where the
         # CPU has it): named, since it shifts vectors (within the stated agreement)
         rest = dynamic.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # "bf16" / "f32"
-        latency = LatencyTwin(read, latency_properties(props)) if props.get("PERFORMANCE_HINT") == "THROUGHPUT" else None
+        latency = LatencyTwin(core, read, latency_properties(props)) if props.get("PERFORMANCE_HINT") == "THROUGHPUT" else None
         compiled = _MEMO[memo] = OpenVinoModel(dynamic, fixed, width, name(rest), rest, latency)
         _RECENT.append(compiled)
         return compiled
