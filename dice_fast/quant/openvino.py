@@ -198,8 +198,9 @@ class LatencyTwin:
     """The model compiled as one latency stream on every inference thread, on first use (`get`), for a
     throughput model's batches of fewer rows than it has streams: one request on one stream leaves the
     other threads idle, so one row ran ~1.6-1.7x faster this way (2-core Zen 2, MiniLM float32, 12 to
-    256 tokens; RESULTS §35), while two or more rows ran as fast or faster on the streams. The same
-    graph and precision: vectors agree with the throughput model's to float rounding."""
+    256 tokens; RESULTS §35), while two or more rows mostly ran as fast or faster on the streams (two
+    rows of 12 tokens: 1.13x here, of 70: 0.88x). The same graph and precision: vectors agree with the
+    throughput model's to float rounding."""
 
     def __init__(self, core, read, props: dict):
         self._core, self._read, self._props, self._model = core, read, props, None
