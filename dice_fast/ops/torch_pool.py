@@ -117,7 +117,9 @@ def aggregate_documents_torch(
     if D == 0 or n == 0 or H == 0:
         return torch.zeros((D, H), dtype=torch.float32, device=dev)
     cu = cu_doc_chunks
-    doc = _segment_ids(cu, n)  # (n,) in [0, D]; D = a chunk after the last document (scratch)
+    serial = dev.type == "cpu" and n * H <= SERIAL_ELEMENTS  # the same sums and maxima, on this thread alone
+    # (n,) in [0, D]; D = a chunk after the last document (scratch); mean and max on one thread need none
+    doc = None if serial and aggregation in ("mean", "max") else _segment_ids(cu, n)
     counts = torch.cat([cu[1:] - cu[:-1], cu.new_ones(1)])  # (D + 1,) chunks per document, 1 for scratch
 
     norms = None  # (n,) float64 L2 norms of the chunks as pooled: the salience signal (spec)
@@ -129,7 +131,7 @@ def aggregate_documents_torch(
         coef = inv if coef is None else coef * inv
     x = chunks if coef is None else chunks * coef.to(torch.float32).unsqueeze(1)
 
-    if dev.type == "cpu" and x.numel() <= SERIAL_ELEMENTS:  # the same sums and maxima, on this thread alone
+    if serial:
         edges = torch.cat([cu.new_zeros(1), cu[1:].clamp_max(n), cu.new_full((1,), n)])
         out = torch.segment_reduce(x, "max" if aggregation == "max" else "sum", lengths=edges.diff())[:D]
         if aggregation == "max":
