@@ -141,12 +141,13 @@ def main() -> int:
         name, _, count = line.strip().partition(" ")  # "NAME [N]": encode the first N texts (a warm-up)
         if name == "quit":
             break
-        if name == "each":  # "each NAME FILE": one call per text of FILE, each timed
+        each_call = name == "each"  # "each NAME FILE": one call per text of FILE, each timed
+        if each_call:
             name, _, file = count.partition(" ")
         if name not in models:
             say(event="error", name=name, error="unknown or skipped peer")
             continue
-        if line.startswith("each "):
+        if each_call:
             vecs, each = [], []
             for text in json.loads(Path(file).read_text(encoding="utf-8")):
                 t0 = time.perf_counter()
