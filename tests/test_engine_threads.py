@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from dice_fast import DiceEncoder
 from tiny_models import WORDS, tiny
@@ -81,11 +82,8 @@ def test_prefetch_prepares_the_first_item_here_and_the_next_in_its_worker():
     where.clear()
     with Prefetch(iter(["a", "bad", "c"]), prepare) as ahead:
         assert ahead.next() == "A"
-        try:
+        with pytest.raises(ValueError, match="bad item"):
             ahead.next()
-            raise AssertionError("the prepare error was not raised")
-        except ValueError as exc:
-            assert "bad item" in str(exc)
     assert where[0] == threading.current_thread().name and all(w.startswith("dice_fast-prefetch") for w in where[1:])
 
     def failing():
@@ -94,10 +92,7 @@ def test_prefetch_prepares_the_first_item_here_and_the_next_in_its_worker():
 
     with Prefetch(failing(), prepare) as ahead:
         assert ahead.next() == "X"
-        try:
+        with pytest.raises(OSError, match="input gone"):
             ahead.next()
-            raise AssertionError("the iterator's error was not raised")
-        except OSError as exc:
-            assert "input gone" in str(exc)
     with Prefetch(iter([]), prepare) as ahead:
         assert ahead.next() is None
