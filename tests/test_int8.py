@@ -312,15 +312,20 @@ def test_openvino_requests_split_each_models_rows_evenly_across_the_streams():
 
     lengths = np.array([600, 512, 512, 512, 383, 383, 383, 383, 256, 256, 256, 256, 256, 256, 256, 256, 256, 40, 3])
     groups = request_groups(lengths, 256, streams=2)
-    assert [hi - lo for lo, hi in groups] == [2, 2, 2, 2, 5, 4, 1, 1]
+    assert [hi - lo for lo, hi, _ in groups] == [2, 2, 2, 2, 5, 4, 1, 1]
     assert groups[0][0] == 0 and groups[-1][1] == len(lengths) and all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
-    assert all(len({lengths[lo] == 256, lengths[hi - 1] == 256}) == 1 for lo, hi in groups)  # one model each
-    assert [hi - lo for lo, hi in request_groups(np.full(32, 256), 256, streams=2, square=REQUEST_SQUARE)] == [8] * 4
-    assert [hi - lo for lo, hi in request_groups(np.full(32, 256), 256, streams=2, square=2**40)] == [16, 16]
-    assert request_groups(np.array([5]), None, streams=4) == [(0, 1)] and request_groups(np.zeros(0, np.int64), 5, 2) == []
-    # a model's rows fewer than the streams run on the latency twin: cut only where a request would be too big
-    assert request_groups(np.array([256, 40, 3]), 256, streams=4) == [(0, 1), (1, 3)]
-    assert request_groups(np.array([3000, 3000, 3000]), None, streams=4) == [(0, 1), (1, 2), (2, 3)]
+    assert all(len({lengths[lo] == 256, lengths[hi - 1] == 256}) == 1 for lo, hi, _ in groups)  # one model each
+    assert not any(alone for _, _, alone in groups)  # every model has at least as many rows as streams
+    assert [hi - lo for lo, hi, _ in request_groups(np.full(32, 256), 256, streams=2, square=REQUEST_SQUARE)] == [8] * 4
+    assert [hi - lo for lo, hi, _ in request_groups(np.full(32, 256), 256, streams=2, square=2**40)] == [16, 16]
+    assert request_groups(np.zeros(0, np.int64), 5, 2) == []
+    # a model's rows fewer than the streams are alone (they run on the latency twin): cut only where a
+    # request would be too big
+    assert request_groups(np.array([5]), None, streams=4) == [(0, 1, True)]
+    assert request_groups(np.array([5]), None, streams=1) == [(0, 1, False)]
+    assert request_groups(np.array([256, 40, 3]), 256, streams=4) == [(0, 1, True), (1, 3, True)]
+    assert request_groups(np.array([256, 256, 40]), 256, streams=2) == [(0, 1, False), (1, 2, False), (2, 3, True)]
+    assert request_groups(np.array([3000, 3000, 3000]), None, streams=4) == [(0, 1, True), (1, 2, True), (2, 3, True)]
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last"])

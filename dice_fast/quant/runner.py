@@ -88,13 +88,12 @@ class OpenVinoRunner(ModelRunner):
         try:
             cap = max(1, min(self.max_batch_tokens // self.streams, REQUEST_TOKENS))
             groups = request_groups(batch.lengths, self.openvino.width, self.streams, cap)
-            n_fixed = int(np.count_nonzero(np.asarray(batch.lengths) == self.openvino.width))
-            for lo, hi, _, _, ids, mask, pos in self.dense_batches(batch, groups):
+            for (lo, hi, _, _, ids, mask, pos), alone in zip(self.dense_batches(batch, [g[:2] for g in groups]),
+                                                             [g[2] for g in groups]):
                 c_lo, c_hi = batch.chunk_rows(lo, hi)
                 segments = (seq_rows[c_lo:c_hi] - lo, starts[c_lo:c_hi], counts[c_lo:c_hi])
                 fixed = ids.shape[1] == self.openvino.width
-                few = (n_fixed if fixed else len(batch.lengths) - n_fixed) < self.streams
-                wanted = self._queue("latency" if few and self.openvino.latency else "fixed" if fixed else "dynamic")
+                wanted = self._queue("latency" if alone and self.openvino.latency else "fixed" if fixed else "dynamic")
                 if queue is not wanted:
                     if queue is not None:
                         queue.wait_all()
@@ -131,12 +130,12 @@ def pool_dense(hidden: np.ndarray, segments, pooling: str) -> np.ndarray:
 
 
 def request_groups(lengths: np.ndarray, fixed_width: int | None, streams: int, cap: int = REQUEST_TOKENS,
-                   square: int = REQUEST_SQUARE) -> list[tuple[int, int]]:
-    """Consecutive (lo, hi) ranges of a batch's non-increasing row ``lengths``, one request each: the rows
-    of each model (those ``fixed_width`` long, the others) cut into ``streams`` x k requests of near-equal
-    tokens, k the least that keeps a request within about ``cap`` tokens and ``square`` rows x width²;
-    at least one row each. A model's rows fewer than ``streams`` are cut into k only (they run on
-    the latency twin, one request at a time)."""
+                   square: int = REQUEST_SQUARE) -> list[tuple[int, int, bool]]:
+    """Consecutive (lo, hi, alone) row ranges of a batch's non-increasing row ``lengths``, one request each:
+    the rows of each model (those ``fixed_width`` long, the others) cut into ``streams`` x k requests of
+    near-equal tokens, k the least that keeps a request within about ``cap`` tokens and ``square`` rows x
+    width²; at least one row each. A model's rows fewer than ``streams`` are cut into k only and are
+    ``alone`` (True): they run on the latency twin, one request at a time (`LatencyTwin`)."""
     lengths = np.asarray(lengths, np.int64)
     fixed = lengths == (fixed_width if fixed_width is not None else -1)
     edges = [0, *(np.flatnonzero(fixed[1:] != fixed[:-1]) + 1).tolist(), len(lengths)]
@@ -144,11 +143,15 @@ def request_groups(lengths: np.ndarray, fixed_width: int | None, streams: int, c
     for lo, hi in zip(edges, edges[1:]):
         part = lengths[lo:hi]
         need = max(-(-int(part.sum()) // cap), -(-int((part * part).sum()) // square), 1)
-        per = streams if hi - lo >= streams else 1
+        alone = hi - lo < streams
+        per = 1 if alone else streams
         k = min(-(-need // per) * per, hi - lo)
+        if k == 1:  # one request (a query, a short document): nothing to cut
+            out.append((lo, hi, alone))
+            continue
         cuts = np.searchsorted(np.cumsum(part), part.sum() * np.arange(1, k) / k, side="left") + 1
         bounds = np.unique(np.concatenate([[0], np.clip(cuts, 1, hi - lo - 1), [hi - lo]]))
-        out += [(lo + int(a), lo + int(b)) for a, b in zip(bounds, bounds[1:])]
+        out += [(lo + int(a), lo + int(b), alone) for a, b in zip(bounds, bounds[1:])]
     return out
 
 
