@@ -378,7 +378,7 @@ class DiceEncoder:
                 while jobs and jobs[0].done:
                     job = jobs.popleft()
                     if self.device.type == "cpu":
-                        release_freed_memory()
+                        release_freed_memory(int(job.cum[-1]) if len(job.cum) else 0)  # the tokens it ran
                     if progress is not None and job.plan.n_chunks == 0:
                         progress(0, 0)
                     elif progress is not None and (known := queue.documents_pooled(job)):

@@ -80,3 +80,34 @@ def test_bad_setting_is_named(monkeypatch):
     monkeypatch.setattr(cpu_heap, "_applied", None)
     with pytest.raises(ValueError, match="DICE_FAST_CPU_HEAP='off'.*'keep'.*'default'"):
         cpu_heap.keep_freed_pages()
+
+
+def test_the_heap_is_trimmed_after_windows_that_ran_enough_tokens_to_matter(monkeypatch):
+    """After each window of a CPU encode the freed pages go back to the OS, but not after a window of
+    fewer than SMALL_WINDOW_TOKENS tokens run (a query, a short document: a trim cost 2 % of such a call,
+    and such a window leaves little to hand back); `release_freed_memory()` alone always trims."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import WORDS, tiny
+
+    from dice_fast import DiceEncoder, cpu_heap
+
+    model, tok = tiny("bert")[:2]
+    enc = DiceEncoder(model, tok, chunk_size=32, device="cpu", dedup=False)  # (sets the real policy first)
+    trims = []
+
+    class Libc:
+        def malloc_trim(self, pad):
+            trims.append(pad)
+
+    monkeypatch.setattr(cpu_heap, "_libc", Libc)
+    cpu_heap.release_freed_memory()
+    cpu_heap.release_freed_memory(cpu_heap.SMALL_WINDOW_TOKENS)
+    cpu_heap.release_freed_memory(cpu_heap.SMALL_WINDOW_TOKENS - 1)
+    assert len(trims) == 2
+    trims.clear()
+    enc.encode_queries(["a short query"])
+    enc.encode_documents([" ".join(WORDS[:40])])
+    assert trims == []
+    long = " ".join(WORDS[i % len(WORDS)] for i in range(cpu_heap.SMALL_WINDOW_TOKENS + 100))
+    enc.encode_documents([long])  # one window over the threshold
+    assert trims == [0]
