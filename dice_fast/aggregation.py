@@ -31,15 +31,15 @@ def aggregate(vectors: torch.Tensor, plan: EncodingPlan, aggregation: str, setti
     ``settings.dim``."""
     c = settings.config
     cu = torch.from_numpy(plan.chunks.cu_doc_chunks).to(vectors.device)
-    weights = torch.from_numpy(plan.chunk_weights).to(vectors.device)
+    weights = torch.from_numpy(plan.chunk_weights).to(vectors.device) if aggregation == "weighted_mean" else None
     docs = aggregate_documents(vectors, cu, weights, aggregation, c.top_k, c.temperature,
                                settings.normalize_chunks, c.normalize, impl=settings.pooling_impl)
     docs = truncate(docs, c.truncate_dim, c.normalize)  # Matryoshka: after aggregating full vectors
     # a chunk whose norm overflows float32 (values past ~1e18) normalises to zeros, silently: its
     # document is marked not finite instead, and `non_finite_document` names it
-    overflows = ~torch.isfinite(torch.linalg.vector_norm(vectors, dim=1))
-    if len(vectors) and bool(overflows.any()):
-        docs[torch.from_numpy(plan.chunks.document).to(vectors.device)[overflows]] = float("nan")
+    norms = torch.linalg.vector_norm(vectors, dim=1)
+    if len(vectors) and not bool(torch.isfinite(norms).all()):
+        docs[torch.from_numpy(plan.chunks.document).to(vectors.device)[~torch.isfinite(norms)]] = float("nan")
     chunks = None
     if keep_chunks:
         out = torch.nn.functional.normalize(vectors, dim=1, eps=1e-12) if settings.normalize_chunks else vectors

@@ -19,8 +19,8 @@ synchronisation (no ``.item()``, no value-sized allocation), so it can run on CU
 * Chunk -> document: per-chunk scalars (norms, weights, top-k ranks, softmax weights) are
   computed in float64, so ranking ties and softmax weights match the float64 reference; they fold
   into one float32 coefficient per chunk and the document vector is one ``index_add_`` (or a
-  ``scatter_reduce_(amax)`` for ``max``; a small one on the CPU, one ``segment_reduce``, bit-identical:
-  see `SERIAL_ELEMENTS`). Top-k ranks come from two stable sorts (by norm
+  ``scatter_reduce_(amax)`` for ``max``; a small one on the CPU is reduced on the calling thread,
+  bit-identical: see `SERIAL_ELEMENTS`). Top-k ranks come from two stable sorts (by norm
   descending, then by document): ties go to the earlier chunk. Softmax uses a segment max.
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .spec import NORM_EPS, check_aggregate_inputs, check_pool_chunks_inputs
@@ -40,11 +41,12 @@ __all__ = ["pool_chunks_torch", "aggregate_documents_torch"]
 SLAB_BYTES = 4 << 20
 NORM_BLOCK_BYTES = 1 << 20  # rows of chunk vectors widened to float64 at a time (see _norms_float64)
 # Chunk vectors of at most this many elements (a query, a short document: ~85 rows of 384) are summed
-# into documents by `torch.segment_reduce`, which adds a segment's rows in the same order as index_add_
-# (bit-identical) on the calling thread. index_add_ / scatter_reduce_ enter an OpenMP parallel region at
-# any size, and its idle threads then spin for ~3-10 ms: the OpenVINO forward of the next query, sharing
-# the cores, ran 6.7-7.0 ms instead of 4.2 (12 tokens, 2-core Zen 2, RESULTS §35). Above it index_add_ is
-# the faster (20,000 rows: 1.6 ms against 9.5) and one forward of such a batch dwarfs the spin.
+# into documents on the calling thread, a segment's rows in the same order as index_add_ (bit-identical):
+# mean and max in numpy (`_serial_mean_max`), the weighted ones by `torch.segment_reduce`. index_add_ /
+# scatter_reduce_ enter an OpenMP parallel region at any size, and its idle threads then spin for ~3-10
+# ms: the OpenVINO forward of the next query, sharing the cores, ran 6.7-7.0 ms instead of 4.2 (12
+# tokens, 2-core Zen 2, RESULTS §35). Above it index_add_ is the faster (20,000 rows: 1.6 ms against
+# segment_reduce's 9.5) and one forward of such a batch dwarfs the spin.
 SERIAL_ELEMENTS = 1 << 15
 
 
@@ -118,8 +120,9 @@ def aggregate_documents_torch(
         return torch.zeros((D, H), dtype=torch.float32, device=dev)
     cu = cu_doc_chunks
     serial = dev.type == "cpu" and n * H <= SERIAL_ELEMENTS  # the same sums and maxima, on this thread alone
-    # (n,) in [0, D]; D = a chunk after the last document (scratch); mean and max on one thread need none
-    doc = None if serial and aggregation in ("mean", "max") else _segment_ids(cu, n)
+    if serial and aggregation in ("mean", "max"):
+        return _serial_mean_max(chunks, cu.numpy(), aggregation, normalize_chunks, normalize)
+    doc = _segment_ids(cu, n)  # (n,) in [0, D]; D = a chunk after the last document (scratch)
     counts = torch.cat([cu[1:] - cu[:-1], cu.new_ones(1)])  # (D + 1,) chunks per document, 1 for scratch
 
     norms = None  # (n,) float64 L2 norms of the chunks as pooled: the salience signal (spec)
@@ -127,15 +130,12 @@ def aggregate_documents_torch(
         norms = _norms_float64(chunks)
     coef = _chunk_coefficients(cu, doc, counts, norms, chunk_weights, aggregation, top_k, temperature)
     if normalize_chunks:
-        inv = 1.0 / norms.clamp_min(NORM_EPS)
+        inv = _inverse_norms(chunks, norms)
         coef = inv if coef is None else coef * inv
-    x = chunks if coef is None else chunks * coef.to(torch.float32).unsqueeze(1)
+    x = _scaled(chunks, coef)
 
-    if serial:
-        edges = torch.cat([cu.new_zeros(1), cu[1:].clamp_max(n), cu.new_full((1,), n)])
-        out = torch.segment_reduce(x, "max" if aggregation == "max" else "sum", lengths=edges.diff())[:D]
-        if aggregation == "max":
-            out = out.masked_fill_((counts[:D] == 0).unsqueeze(1), 0.0)
+    if serial:  # weighted rows (weighted_mean, top-k, softmax), summed as `_serial_mean_max` sums
+        out = torch.segment_reduce(x, "sum", lengths=torch.from_numpy(_segment_lengths(cu.numpy(), n)))[:D]
     elif aggregation == "max":
         out = torch.full((D + 1, H), float("-inf"), dtype=torch.float32, device=dev)
         out.scatter_reduce_(0, doc.unsqueeze(1).expand(n, H), x, "amax")
@@ -149,6 +149,50 @@ def aggregate_documents_torch(
     if normalize:
         out /= torch.linalg.vector_norm(out, dim=1, keepdim=True).clamp_min(NORM_EPS)
     return out
+
+
+def _segment_lengths(cu: np.ndarray, n: int) -> np.ndarray:
+    """(D + 1,) int64 rows of each of the D documents of offsets ``cu`` (D + 1,) over ``n`` rows, and of
+    the rows after the last (scratch): the ``lengths`` of one ``segment_reduce``."""
+    return np.diff(np.concatenate([[0], np.minimum(cu[1:], n), [n]]))
+
+
+def _inverse_norms(chunks: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
+    """(n,) float64 1 / max(norm, NORM_EPS) of each chunk (``norms``: their `_norms_float64`, if known)."""
+    return 1.0 / (_norms_float64(chunks) if norms is None else norms).clamp_min(NORM_EPS)
+
+
+def _scaled(chunks: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
+    """The chunks' rows, each times its float64 ``coef`` rounded to float32 (None: as they are)."""
+    return chunks if coef is None else chunks * coef.to(torch.float32).unsqueeze(1)
+
+
+def _serial_mean_max(chunks: torch.Tensor, cu: np.ndarray, aggregation: str, normalize_chunks: bool,
+                     normalize: bool) -> torch.Tensor:
+    """`aggregate_documents_torch`'s mean or max of a small CPU input (`SERIAL_ELEMENTS`) on the calling
+    thread, bit for bit the ``index_add_`` / ``scatter_reduce_`` path: the same float32 products, sums
+    row by row in chunk order from zero, divisions, and torch's own norms. In numpy but for the norms:
+    each torch op cost 10-60 µs just after a forward had left the caches cold, and the ~25 of the
+    general path took 0.5 ms of one query's 7 ms call on OpenVINO (2-core Zen 2, RESULTS §36)."""
+    D = len(cu) - 1
+    x = chunks.numpy()
+    if normalize_chunks:
+        x = x * _inverse_norms(chunks).numpy().astype(np.float32)[:, None]
+    counts = np.diff(cu)
+    out = np.zeros((D, x.shape[1]), np.float32)
+    for d, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        row = out[d]
+        if aggregation == "max" and hi > lo:
+            np.copyto(row, x[lo])
+            lo += 1
+        for i in range(lo, hi):
+            (np.maximum if aggregation == "max" else np.add)(row, x[i], out=row)
+    if aggregation == "mean":
+        out /= np.maximum(counts, 1).astype(np.float32)[:, None]
+    if normalize:
+        out /= np.maximum(torch.linalg.vector_norm(torch.from_numpy(out), dim=1, keepdim=True).numpy(),
+                          np.float32(NORM_EPS))
+    return torch.from_numpy(out)
 
 
 def _norms_float64(x: torch.Tensor) -> torch.Tensor:

@@ -259,23 +259,31 @@ def test_aggregate_no_chunks_empty_documents_and_trailing_chunks():
 
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 def test_small_inputs_sum_on_the_calling_thread_to_the_same_bits(agg, monkeypatch):
-    """Chunk vectors of at most SERIAL_ELEMENTS on the CPU are summed (or maxed) by one segment_reduce, no
-    OpenMP region whose spinning threads would slow an OpenVINO forward after it: the same bits as the
+    """Chunk vectors of at most SERIAL_ELEMENTS on the CPU are reduced on the calling thread, with no
+    index_add_ / scatter_reduce_, whose OpenMP region's spinning threads would slow an OpenVINO forward
+    after it (mean and max in numpy, the weighted ones by one segment_reduce): the same bits as the
     index_add_ / scatter_reduce_ of larger inputs, empty documents and trailing chunks included."""
     chunks, _, w = _docs([2, 1, 3, 5], 16, seed=7)
     calls = []
+    for name in ("index_add_", "scatter_reduce_"):
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=getattr(torch.Tensor, name), _name=name, **k:
+                            calls.append(_name) or _real(self, *a, **k))
     real = torch.segment_reduce
     monkeypatch.setattr(torch, "segment_reduce", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     for cu in ([0, 2, 3, 6, 11], [0, 2, 2, 3], [0, 0, 2, 3, 6], [0, 1, 3], [0, 11]):
         cu = torch.tensor(cu, dtype=torch.int64)
-        for nc in (False, True):
-            args = (chunks, cu, w, agg, 2, 0.7, nc, True)
+        for nc, normalize in ((False, True), (True, True), (False, False)):
+            args = (chunks, cu, w, agg, 2, 0.7, nc, normalize)
+            calls.clear()
             serial = aggregate(*args)
+            ran = list(calls)
             with monkeypatch.context() as m:
                 m.setattr(tpo, "SERIAL_ELEMENTS", -1)
                 parallel = aggregate(*args)
-            assert torch.equal(serial, parallel), (agg, nc, cu.tolist())
-    assert calls == ["max" if agg == "max" else "sum"] * 10
+            assert torch.equal(serial, parallel), (agg, nc, normalize, cu.tolist())
+            # mean and max: numpy; the weighted ones: their coefficients (1-D), then one segment_reduce
+            assert ran == [] if agg in ("mean", "max") else ran[-1] == "sum" and "sum" not in ran[:-1], ran
+    assert "scatter_reduce_" in calls if agg == "max" else "index_add_" in calls  # the larger path ran too
 
 
 @pytest.mark.parametrize("agg", AGGREGATIONS)
