@@ -272,13 +272,18 @@ class ChunkQueue:
         # rows grouped by job in one sort and two host-to-device copies per batch, not two per job
         order = np.argsort(batch.part, kind="stable")
         bounds = np.searchsorted(batch.part[order], np.arange(len(batch.jobs) + 1)).tolist()
-        if len(order):
-            dst = to_device(batch.packed.chunk_ids[order], vectors.device)
+        ids = batch.packed.chunk_ids[order]
+        if (len(batch.jobs) == 1 and batch.jobs[0].vectors is None and len(ids) == batch.jobs[0].plan.n_chunks
+                and np.array_equal(ids, np.arange(len(ids)))):
+            batch.jobs[0].vectors = vectors  # every chunk of one job, in its order (a query, a short document)
+        elif len(order):
+            dst = to_device(ids, vectors.device)
             src = vectors if len(batch.jobs) == 1 else vectors[to_device(order, vectors.device)]
         for j, job in enumerate(batch.jobs):
             lo, hi = bounds[j], bounds[j + 1]
             if hi > lo:
-                job.vectors_on(vectors.device).index_copy_(0, dst[lo:hi], src[lo:hi])
+                if job.vectors is not vectors:
+                    job.vectors_on(vectors.device).index_copy_(0, dst[lo:hi], src[lo:hi])
                 job.left -= hi - lo
             job.pooled = batch.ranges[j][1]
         self.reuse.fan_out(batch, vectors, lost_rows)
