@@ -204,8 +204,10 @@ def _norms_float64(x: torch.Tensor) -> torch.Tensor:
     buffer each call: 2000 x 4096 chunks 119 ms at once vs 10 ms in 1 MiB blocks (AMD EPYC, 1 thread).
     """
     n, H = x.shape
-    out = torch.empty(n, dtype=torch.float64, device=x.device)
     step = n if x.device.type != "cpu" else max(1, NORM_BLOCK_BYTES // (8 * max(1, H)))
+    if n <= step:  # one block: the same call without the buffer (a query's chunk: 6 µs, not 18)
+        return torch.linalg.vector_norm(x, dim=1, dtype=torch.float64)
+    out = torch.empty(n, dtype=torch.float64, device=x.device)
     for r0 in range(0, n, step):
         torch.linalg.vector_norm(x[r0 : r0 + step], dim=1, dtype=torch.float64, out=out[r0 : r0 + step])
     return out
