@@ -274,7 +274,7 @@ class ChunkQueue:
         bounds = np.searchsorted(batch.part[order], np.arange(len(batch.jobs) + 1)).tolist()
         ids = batch.packed.chunk_ids[order]
         if (len(batch.jobs) == 1 and batch.jobs[0].vectors is None and len(ids) == batch.jobs[0].plan.n_chunks
-                and np.array_equal(ids, np.arange(len(ids)))):
+                and (ids == np.arange(len(ids))).all()):
             batch.jobs[0].vectors = vectors  # every chunk of one job, in its order (a query, a short document)
         elif len(order):
             dst = to_device(ids, vectors.device)

@@ -81,6 +81,8 @@ class OpenVinoRunner(ModelRunner):
         the latency twin instead, every thread in it (`LatencyTwin`).
         A batch that pools segments (`PackedBatch.segments`: late chunking, a prompt left out) pools each
         inside its row."""
+        import openvino as ov
+
         out = np.zeros((batch.n_chunks, self.spec.hidden_size), np.float32)
         seq_rows, starts, counts = _segment_offsets(batch)
         errors: list = []
@@ -98,11 +100,12 @@ class OpenVinoRunner(ModelRunner):
                     if queue is not None:
                         queue.wait_all()
                     queue = wanted
-                feed = {"input_ids": ids, "attention_mask": mask}
-                if pos is not None:
-                    feed["position_ids"] = pos
-                # share_inputs: OpenVINO reads the arrays in place (kept alive by userdata until done)
-                queue.start_async(feed, (out, c_lo, c_hi, segments, self.pooling, feed, errors), share_inputs=True)
+                arrays = {"input_ids": ids, "attention_mask": mask, **({} if pos is None else {"position_ids": pos})}
+                # OpenVINO reads the arrays in place (kept alive by userdata until done); Tensors made here
+                # skip its Python input dispatch: 0.26 -> 0.21 ms a start (one query, RESULTS §36)
+                feed = {name: ov.Tensor(a, shared_memory=True) for name, a in arrays.items()}
+                queue.start_async(feed, (out, c_lo, c_hi, segments, self.pooling, (feed, arrays), errors),
+                                  share_inputs=True)
         finally:
             if queue is not None:
                 queue.wait_all()  # also after a failed start: no request of this batch outlives the call
