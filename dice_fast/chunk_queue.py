@@ -281,10 +281,9 @@ class ChunkQueue:
             src = vectors if len(batch.jobs) == 1 else vectors[to_device(order, vectors.device)]
         for j, job in enumerate(batch.jobs):
             lo, hi = bounds[j], bounds[j + 1]
-            if hi > lo:
-                if job.vectors is not vectors:
-                    job.vectors_on(vectors.device).index_copy_(0, dst[lo:hi], src[lo:hi])
-                job.left -= hi - lo
+            if hi > lo and job.vectors is not vectors:
+                job.vectors_on(vectors.device).index_copy_(0, dst[lo:hi], src[lo:hi])
+            job.left -= hi - lo
             job.pooled = batch.ranges[j][1]
         self.reuse.fan_out(batch, vectors, lost_rows)
         finished = []
