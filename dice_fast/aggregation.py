@@ -43,7 +43,9 @@ def aggregate(vectors: torch.Tensor, plan: EncodingPlan, aggregation: str, setti
     chunks = None
     if keep_chunks:
         out = torch.nn.functional.normalize(vectors, dim=1, eps=1e-12) if settings.normalize_chunks else vectors
-        chunks = truncate(out, c.truncate_dim, settings.normalize_chunks).cpu().numpy()
+        out = truncate(out, c.truncate_dim, settings.normalize_chunks)
+        # the caller's own rows: ``vectors`` may be a batch's output, which the chunk stores hold
+        chunks = (out.clone() if out is vectors else out).cpu().numpy()
     return docs.cpu().numpy(), chunks
 
 

@@ -207,3 +207,22 @@ def test_suffix_is_part_of_a_chunks_identity():
     for c in range(chunks.n_chunks):
         assert a.identity(c) != b.identity(c)
         assert a.keys[c] != b.keys[c]
+
+
+@pytest.mark.parametrize("texts", [["one short document"], ["first of two", "second of two"]])
+def test_returned_chunk_vectors_are_the_callers_own(texts):
+    """A caller may scale the chunk vectors it gets in place: the stores that reuse them (a shared
+    `MemoryCache`) keep theirs. (A batch holding every chunk of one job hands the job its vectors
+    without a copy, and those are the rows the stores hold.)"""
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=K, pooling_impl="torch", normalize=False)
+    assert not enc.settings.normalize_chunks  # the returned rows would be the pooled ones themselves
+    memory = MemoryCache(1 << 20)
+    want = enc.encode_documents(texts, return_chunks=True).chunks.copy()
+    for _ in range(2):
+        queue = enc.chunk_queue(memory=memory)
+        job = queue.submit(enc.plan(texts), keep_chunks=True)
+        while (batch := queue.next_batch()) is not None:
+            queue.run(batch)
+        np.testing.assert_array_equal(job.chunks, want)  # the second time: from the memory store
+        job.chunks *= 0.0

@@ -120,7 +120,7 @@ def aggregate_documents_torch(
         return torch.zeros((D, H), dtype=torch.float32, device=dev)
     cu = cu_doc_chunks
     serial = dev.type == "cpu" and n * H <= SERIAL_ELEMENTS  # the same sums and maxima, on this thread alone
-    if serial and aggregation in ("mean", "max"):
+    if serial and aggregation in ("mean", "max") and not chunks.requires_grad:
         return _serial_mean_max(chunks, cu.numpy(), aggregation, normalize_chunks, normalize)
     doc = _segment_ids(cu, n)  # (n,) in [0, D]; D = a chunk after the last document (scratch)
     counts = torch.cat([cu[1:] - cu[:-1], cu.new_ones(1)])  # (D + 1,) chunks per document, 1 for scratch
