@@ -81,8 +81,6 @@ def run_split(run_batch, packed: PackedBatch, dim: int, on_oom=None) -> tuple[to
         else:
             mid = (lo + hi) // 2
             todo += [(mid, hi), (lo, mid)]  # the first half runs first
-    if len(done) == 1 and len(done[0][1]) == packed.n_chunks:  # one forward ran every chunk (no split)
-        return done[0][1], failed
     device = done[0][1].device if done else torch.device("cpu")
     out = torch.zeros((packed.n_chunks, dim), dtype=torch.float32, device=device)
     for lo, vectors in done:

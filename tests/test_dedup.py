@@ -226,3 +226,31 @@ def test_returned_chunk_vectors_are_the_callers_own(texts):
             queue.run(batch)
         np.testing.assert_array_equal(job.chunks, want)  # the second time: from the memory store
         job.chunks *= 0.0
+
+
+def test_a_run_batch_that_reuses_its_output_buffer_corrupts_no_store():
+    """`ChunkQueue.run` takes any ``run_batch``, and one that writes every batch into the same buffer (a
+    static output, as CUDA graphs have) must not leave the memory store pointing into that buffer."""
+    import torch
+
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=K, pooling_impl="torch")
+    buffers = {}
+
+    def run_batch(packed):
+        out = enc.run_batch(packed)
+        buf = buffers.setdefault(tuple(out.shape), torch.empty_like(out))
+        return buf.copy_(out)
+
+    memory = MemoryCache(1 << 20)
+    first, other = ["the first document"], ["another document"]
+    got = []
+    for texts in (first, other, first):  # the third from the memory store
+        queue = enc.chunk_queue(memory=memory)
+        job = queue.submit(enc.plan(texts))
+        while (batch := queue.next_batch()) is not None:
+            queue.run(batch, run_batch)
+        got.append(job.documents)
+    assert queue.stats.memory_hits == 1 and queue.stats.computed == 0  # the third: from the store
+    np.testing.assert_array_equal(got[2], got[0])
+    assert not np.array_equal(got[1], got[0])
