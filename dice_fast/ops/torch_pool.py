@@ -135,7 +135,7 @@ def aggregate_documents_torch(
     x = _scaled(chunks, coef)
 
     if serial:  # weighted rows (weighted_mean, top-k, softmax), summed as `_serial_mean_max` sums
-        out = torch.segment_reduce(x, "sum", lengths=torch.from_numpy(_segment_lengths(cu.numpy(), n)))[:D]
+        out = torch.segment_reduce(x, "sum", lengths=torch.from_numpy(np.diff(_segment_edges(cu.numpy(), n))))[:D]
     elif aggregation == "max":
         out = torch.full((D + 1, H), float("-inf"), dtype=torch.float32, device=dev)
         out.scatter_reduce_(0, doc.unsqueeze(1).expand(n, H), x, "amax")
@@ -151,10 +151,10 @@ def aggregate_documents_torch(
     return out
 
 
-def _segment_lengths(cu: np.ndarray, n: int) -> np.ndarray:
-    """(D + 1,) int64 rows of each of the D documents of offsets ``cu`` (D + 1,) over ``n`` rows, and of
-    the rows after the last (scratch): the ``lengths`` of one ``segment_reduce``."""
-    return np.diff(np.concatenate([[0], np.minimum(cu[1:], n), [n]]))
+def _segment_edges(cu: np.ndarray, n: int) -> np.ndarray:
+    """(D + 2,) int64 first row of each of the D documents of offsets ``cu`` (D + 1,) over ``n`` rows, of
+    the rows after the last (scratch), and ``n``: the segments the general path's segment ids make."""
+    return np.concatenate([[0], np.minimum(cu[1:], n), [n]])
 
 
 def _inverse_norms(chunks: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,8 +180,8 @@ def _serial_mean_max(chunks: torch.Tensor, cu: np.ndarray, aggregation: str, nor
     if normalize_chunks:
         x = x * _inverse_norms(chunks).numpy().astype(np.float32)[:, None]
     counts = np.diff(cu)
-    starts = np.concatenate([[0], np.minimum(cu[1:-1], len(x))])  # the rows the general path's segments hold
-    rows = np.minimum(cu[1:], len(x)) - starts
+    edges = _segment_edges(cu, len(x))
+    starts, rows = edges[:D], np.diff(edges[:D + 1])  # each document's rows
     out = np.zeros((D, x.shape[1]), np.float32)
     for k in range(int(rows.max(initial=0))):  # the k-th chunk of every document that has one, at once
         docs = np.flatnonzero(rows > k)
