@@ -37,9 +37,9 @@ def aggregate(vectors: torch.Tensor, plan: EncodingPlan, aggregation: str, setti
     docs = truncate(docs, c.truncate_dim, c.normalize)  # Matryoshka: after aggregating full vectors
     # a chunk whose norm overflows float32 (values past ~1e18) normalises to zeros, silently: its
     # document is marked not finite instead, and `non_finite_document` names it
-    norms = torch.linalg.vector_norm(vectors, dim=1)
-    if len(vectors) and not bool(torch.isfinite(norms).all()):
-        docs[torch.from_numpy(plan.chunks.document).to(vectors.device)[~torch.isfinite(norms)]] = float("nan")
+    finite = torch.isfinite(torch.linalg.vector_norm(vectors, dim=1))
+    if len(vectors) and not bool(finite.all()):
+        docs[torch.from_numpy(plan.chunks.document).to(vectors.device)[~finite]] = float("nan")
     chunks = None
     if keep_chunks:
         out = torch.nn.functional.normalize(vectors, dim=1, eps=1e-12) if settings.normalize_chunks else vectors
