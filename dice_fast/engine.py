@@ -156,7 +156,7 @@ class DiceEncoder:
     # ----------------------------------------------------------------------------------------
     @property
     def dim(self) -> int:
-        """Width of the returned vectors: ``truncate_dim``, else the model's (its Dense head's, if any)."""
+        """Width of the returned vectors: ``truncate_dim``, else the model's (its head's, if any)."""
         return self.settings.dim
 
     @property

@@ -57,7 +57,8 @@ class ModelSpec:
     unsupported_pooling: str | None = None
     skipped_modules: tuple[str, ...] = ()
     vocab_size: int = 0  # rows of the input embedding table (0: unknown)
-    head: tuple[str, ...] = ()  # the pipeline's Dense module folders after its pooling, in order (`dice_fast.head`)
+    # the pipeline's modules on the pooled vector, (kind, folder) in order: Dense, LayerNorm, Normalize (`dice_fast.head`)
+    head: tuple[tuple[str, str], ...] = ()
     lowercase: bool = False  # sentence-transformers' do_lower_case: texts are lowercased before tokenizing
     pools_prompt: bool = True  # False: the Pooling leaves a prompt's tokens out (include_prompt false)
 
@@ -249,13 +250,15 @@ def _sentence_transformers_facts(path) -> dict:
         facts["max_seq_length"] = cfg["max_seq_length"]
     facts["lowercase"] = cfg.get("do_lower_case") is True
     modules = _read_json(root / "modules.json", default=[])
-    pooled = False  # the modules so far end in the Pooling and Dense modules on its vector (the head)
+    pooled = False  # the modules so far end in the Pooling and modules on its vector (the head)
+    normalized = False  # ... and in a Normalize after those: the head's if more modules follow it
     for m in modules if isinstance(modules, list) else []:
         kind = str(m.get("type", "")) if isinstance(m, dict) else ""
         folder = root / str(m.get("path", "")) if kind else root
-        if kind.endswith("Normalize"):
-            facts["normalizes"], pooled = True, False
-        elif kind.endswith("Pooling"):
+        name = kind.rsplit(".", 1)[-1]
+        if name == "Normalize":
+            facts["normalizes"], normalized = True, pooled
+        elif name == "Pooling":
             pooling = _read_json(folder / "config.json")
             pooling = pooling if isinstance(pooling, dict) else {}
             modes, facts["pools_prompt"] = _pooling_modes(pooling), pooling.get("include_prompt", True) is not False
@@ -263,13 +266,16 @@ def _sentence_transformers_facts(path) -> dict:
                 facts["pooling"] = _ST_POOLINGS[modes[0]]
             elif modes:
                 facts["unsupported_pooling"] = "+".join(modes)
-            pooled = True
-        elif kind.endswith("Dense") and pooled and folder.resolve().is_relative_to(root.resolve()) \
-                and applies_to_sentence_vector(folder):  # (weights read from inside the model folder only)
-            facts.setdefault("head", []).append(str(folder))
-        elif kind and not kind.endswith("Transformer"):  # LayerNorm, WordEmbeddings, a Dense elsewhere ...
-            facts.setdefault("skipped_modules", []).append(f"{kind.rsplit('.', 1)[-1]} ({m.get('path', '')})")
-            pooled = False
+            pooled, normalized = True, False
+        elif name in ("Dense", "LayerNorm") and pooled and folder.resolve().is_relative_to(root.resolve()) \
+                and (name != "Dense" or applies_to_sentence_vector(folder)):  # (weights from inside the folder only)
+            head = facts.setdefault("head", [])
+            head += [("Normalize", "")] if normalized else []
+            head.append((name, str(folder)))
+            facts["normalizes"] = normalized = False
+        elif kind and not name.endswith("Transformer"):  # WordEmbeddings, a Dense on token embeddings or outside the folder ...
+            facts.setdefault("skipped_modules", []).append(f"{name} ({m.get('path', '')})")
+            pooled = normalized = False
     return facts
 
 

@@ -86,9 +86,10 @@ class Settings:
     chunk vectors are L2-normalised before aggregating. causal: None (the model's own), True or False.
     max_batch_tokens: token budget of one forward. backend: the attention backend asked of the runner.
     pooling_impl: the pooling/aggregation kernels ("torch", "triton", "native", "reference").
-    pipeline: batches are prepared in a producer thread (`dice_fast.pipeline`). head: the model's Dense
-    modules after its pooling, run on every chunk vector (`dice_fast.head`), or None. leaves_prompt_out:
-    the model's Pooling leaves a prompt's tokens out (include_prompt false) of a mean or cls pooling.
+    pipeline: batches are prepared in a producer thread (`dice_fast.pipeline`).
+    head: the model's Dense, LayerNorm and Normalize modules after its pooling, run on every chunk
+    vector (`dice_fast.head`), or None. leaves_prompt_out: the model's Pooling leaves a prompt's tokens
+    out (include_prompt false) of a mean or cls pooling.
     """
 
     config: DiceConfig
@@ -164,7 +165,7 @@ class Settings:
         return self.pooling + (" (prompt left out)" if self.leaves_prompt_out else "")
 
     def head_label(self) -> str:
-        """", head=[Dense 768->768 Tanh]": the model's Dense modules run on every chunk vector, else ""."""
+        """", head=[Dense 768->768 Tanh]": the model's modules on the pooled vector, else ""."""
         return "" if self.head is None else f", head={self.head!r}"
 
     def late_label(self) -> str:
@@ -247,8 +248,8 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
                           "does not compute; pass pooling='mean', 'cls' or 'last' to choose the chunk pooling")
     if spec.skipped_modules:
         warnings.warn(f"the model's sentence-transformers pipeline has {', '.join(spec.skipped_modules)}, which "
-                      "dice_fast does not apply: its vectors are the pooled transformer outputs (and the Dense "
-                      "modules right after the pooling), not the pipeline's", UserWarning, stacklevel=4)
+                      "dice_fast does not apply: its vectors are the pooled transformer outputs (and the Dense, "
+                      "LayerNorm and Normalize modules on them before it), not the pipeline's", UserWarning, stacklevel=4)
     settings = Settings(
         config=cfg, spec=spec, device=device, dtype=dtype, window=window, document_wrap=doc_wrap,
         query_wrap=query_wrap, pooling=pooling,

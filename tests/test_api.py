@@ -313,8 +313,10 @@ def test_sentence_transformers_pooling_is_followed_or_refused(tmp_path, pooling_
 
 
 def test_sentence_transformers_modules_not_applied_are_named(tmp_path):
-    folder = _st_folder(tmp_path, ["Pooling", "LayerNorm", "Normalize"], {"pooling_mode_mean_tokens": True})
-    with pytest.warns(UserWarning, match=r"has LayerNorm \(2_LayerNorm\), which dice_fast does not apply"):
+    folder = _st_folder(tmp_path, ["WordWeights", "Pooling", "SpladePooling", "Normalize"],
+                        {"pooling_mode_mean_tokens": True})
+    with pytest.warns(UserWarning, match=r"has WordWeights \(1_WordWeights\), SpladePooling \(3_SpladePooling\), "
+                                         "which dice_fast does not apply"):
         DiceEncoder.from_pretrained(folder, device="cpu")
 
 

@@ -169,20 +169,14 @@ def test_a_head_it_cannot_read_exactly_is_refused_by_name(tmp_path, damage, mess
 
 
 def test_dense_modules_not_on_the_pooled_vector_are_named_not_applied(tmp_path):
-    """A Dense after Normalize, or one that reads token embeddings, is not the head: warned, and the
-    vectors are the pooled ones."""
+    """A Dense that reads token embeddings, or one outside the model folder, is not the head: warned, and
+    the vectors are the pooled ones."""
     folder, _ = st_folder(tmp_path, heads=[st_models.Dense(32, 32)])
     listed = json.loads((folder / "modules.json").read_text())
-    listed[2], listed[3] = listed[3], listed[2]  # Pooling, Normalize, Dense
-    (folder / "modules.json").write_text(json.dumps(listed))
+    _edit_config(folder, module_input_name="token_embeddings")
     with pytest.warns(UserWarning, match=r"has Dense \(2_Dense\), which dice_fast does not apply"):
         enc = DiceEncoder.from_pretrained(folder, device="cpu")
     assert enc.settings.head is None and enc.dim == 32
-    listed[2], listed[3] = listed[3], listed[2]
-    (folder / "modules.json").write_text(json.dumps(listed))
-    _edit_config(folder, module_input_name="token_embeddings")
-    with pytest.warns(UserWarning, match=r"has Dense \(2_Dense\), which dice_fast does not apply"):
-        assert DiceEncoder.from_pretrained(folder, device="cpu").settings.head is None
     _edit_config(folder, module_input_name="sentence_embedding")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -191,6 +185,97 @@ def test_dense_modules_not_on_the_pooled_vector_are_named_not_applied(tmp_path):
     listed[2]["path"] = "../outside"
     (folder / "modules.json").write_text(json.dumps(listed))
     with pytest.warns(UserWarning, match=r"has Dense \(\.\./outside\), which dice_fast does not apply"):
+        assert DiceEncoder.from_pretrained(folder, device="cpu").settings.head is None
+
+
+def _layer_norm(width: int, seed: int) -> "st_models.LayerNorm":
+    norm = st_models.LayerNorm(width)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        norm.norm.weight.normal_(1, 0.5)
+        norm.norm.bias.normal_(0, 0.5)
+    return norm
+
+
+def test_layer_norms_and_a_normalize_between_modules_are_the_pipelines_own(tmp_path):
+    """Pooling, Dense, LayerNorm, Normalize, Dense, LayerNorm, Normalize: every module on the pooled vector
+    runs on each chunk and query vector (the last Normalize is normalize_chunks), as sentence-transformers
+    runs them; and a Normalize right after the pooling, then a Dense, likewise."""
+    torch.manual_seed(11)
+    first, second = (st_models.Dense(32, 24), st_models.Dense(24, HEAD_WIDTH, activation_function=torch.nn.Identity()))
+    mid = [first, _layer_norm(24, 1), st_models.Normalize(), second, _layer_norm(HEAD_WIDTH, 2)]
+    folder, st = st_folder(tmp_path, heads=mid)
+    enc = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8)
+    assert "head=[Dense 32->24 Tanh, LayerNorm 24, Normalize, Dense 24->16 Identity, LayerNorm 16]" in repr(enc)
+    assert enc.dim == HEAD_WIDTH and enc.settings.normalize_chunks
+    texts = corpus(seed=4, longest=60)
+    out = enc.encode_documents(texts, return_chunks=True)
+    assert_close(out.chunks, st_chunk_vectors(st, enc.plan(texts)), TOL, what="chunks through LayerNorms and Normalize")
+    queries = ["the cat sat on a mat", "what is short"]
+    assert_close(enc.encode_queries(queries), st.encode(queries, convert_to_numpy=True), TOL, what="queries")
+
+    folder, st = st_folder(tmp_path, heads=[st_models.Normalize(), st_models.Dense(32, 32)], normalize=False,
+                           name="normalize-first")
+    enc = DiceEncoder.from_pretrained(folder, device="cpu", chunk_size=8, normalize_chunks=True)
+    assert "head=[Normalize, Dense 32->32 Tanh]" in repr(enc)
+    assert not DiceEncoder.from_pretrained(folder, device="cpu").settings.normalize_chunks  # the pipeline ends in Dense
+    out = enc.encode_documents(texts, return_chunks=True)
+    want = st_chunk_vectors(st, enc.plan(texts))
+    assert_close(out.chunks, want / np.linalg.norm(want, axis=1, keepdims=True), TOL, what="Normalize, Dense")
+
+
+def test_a_head_digest_keys_every_module_and_keeps_dense_heads_keys(tmp_path):
+    """The chunk cache's key of a head: another LayerNorm weight, or a Normalize more, is another key;
+    a head of Dense modules keeps the key it had before other modules joined (its cached vectors still hit)."""
+    import hashlib
+
+    from dice_fast.head import load_head
+
+    folder, _ = st_folder(tmp_path, heads=[*_heads(32), _layer_norm(HEAD_WIDTH, 3)])
+    names = [m["path"] for m in json.loads((folder / "modules.json").read_text())[2:6]]
+    dense = [("Dense", str(folder / n)) for n in names[:3]]
+    norm = ("LayerNorm", str(folder / names[3]))
+    old = hashlib.sha256()  # the digest as dice_fast computed it for Dense heads alone
+    for d in load_head(dense, 32).layers:
+        old.update(f"{d.in_features}|{d.out_features}|{d.activation_name}|".encode())
+        for t in (d.weight, d.bias, d.residual):
+            old.update(t.numpy().tobytes() if isinstance(t, torch.Tensor) else repr(t).encode())
+    assert load_head(dense, 32).digest == old.hexdigest()
+    digests = {load_head(dense, 32).digest, load_head([*dense, norm], 32).digest,
+               load_head([*dense, ("Normalize", ""), norm], 32).digest}
+    other, _ = st_folder(tmp_path, heads=[*_heads(32), _layer_norm(HEAD_WIDTH, 4)], name="other")
+    digests.add(load_head([*dense, ("LayerNorm", str(other / names[3]))], 32).digest)
+    assert len(digests) == 4
+
+
+def _edit_norm(folder, name, **changes):
+    path = folder / name / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda f, n: _edit_norm(f, n, dimension="wide"), "a LayerNorm module needs an integer dimension"),
+    (lambda f, n: _edit_norm(f, n, dimension=17), "dimension 17, but the vectors it follows are 16 wide"),
+    (lambda f, n: (f / n / "config.json").write_text("[1]"), "a LayerNorm module's configuration must be a JSON object"),
+    (lambda f, n: (f / n / "model.safetensors").unlink(), "the LayerNorm module has no model.safetensors"),
+], ids=["dimension-type", "dimension", "config", "no-weights"])
+def test_a_layer_norm_it_cannot_read_exactly_is_refused_by_name(tmp_path, damage, message):
+    folder, _ = st_folder(tmp_path, heads=[*_heads(32), _layer_norm(HEAD_WIDTH, 5)])
+    name = json.loads((folder / "modules.json").read_text())[5]["path"]
+    damage(folder, name)
+    with pytest.raises(ModelError, match=message):
+        DiceEncoder.from_pretrained(folder, device="cpu")
+
+
+def test_a_layer_norm_before_the_pooling_is_named_not_applied(tmp_path):
+    folder, _ = st_folder(tmp_path, heads=[])
+    listed = json.loads((folder / "modules.json").read_text())
+    (folder / "1_LayerNorm").mkdir()
+    _layer_norm(32, 6).save(str(folder / "1_LayerNorm"))
+    listed.insert(1, {"idx": 9, "name": "9", "path": "1_LayerNorm",
+                      "type": "sentence_transformers.models.LayerNorm"})
+    (folder / "modules.json").write_text(json.dumps(listed))
+    with pytest.warns(UserWarning, match=r"has LayerNorm \(1_LayerNorm\), which dice_fast does not apply"):
         assert DiceEncoder.from_pretrained(folder, device="cpu").settings.head is None
 
 

@@ -95,7 +95,7 @@ def _encode_padded(encoder, texts: list[str], batch_size: int, sort: bool) -> np
             ).last_hidden_state
             skip = prompt_left_out(plan.unpooled, n)
             chunks[to_device(idx, device)] = _pool(hidden, to_device(skip, device), to_device(n, device), encoder.pooling)
-    head = encoder.settings.head  # the model's Dense modules after its pooling, as the engine runs them
+    head = encoder.settings.head  # the model's modules on the pooled vector, as the engine runs them
     return _aggregate(encoder, plan, chunks if head is None else head(chunks))
 
 

@@ -378,7 +378,7 @@ def settings_namespace(settings, model, cache, max_gb=None, model_path=None, pre
         "causal": settings.is_causal,
         "first_position": settings.spec.first_position,
         **minor_versions(),  # torch, transformers
-        **({"head": settings.head.digest} if settings.head is not None else {}),  # the Dense modules' weights
+        **({"head": settings.head.digest} if settings.head is not None else {}),  # the head modules' weights
     }
     return store.bind(description, settings.chunk_dim)  # chunk vectors are full width (truncate_dim: after)
 
