@@ -39,7 +39,8 @@ class _Module:
     in_features = out_features = 0
 
     def tensors(self) -> tuple:
-        """The module's weights (float32 CPU tensors, or None / True where a slot is empty), in a fixed order."""
+        """The module's weights in a fixed order: float32 CPU tensors (None: an absent bias; True: Dense's
+        identity residual)."""
         return ()
 
     def describe(self) -> str:
