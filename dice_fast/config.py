@@ -120,16 +120,20 @@ class DiceConfig:
         detail='`"flash_attn"`, `"torch_varlen"`, `"sdpa_groups"` run packed; `"padded"` is the exact fallback '
         '(dense padded batches with the model\'s own attention), chosen by `"auto"` for models that cannot '
         'run packed.', role="speed")
-    document_prefix: str = option("", 'text put after the special prefix of every chunk, e.g. "passage: "',
-                                  default_help="no prefix",
-                                  detail="Prefix and text get the ids they have tokenized together, as "
-                                  "sentence-transformers' prompts do (a trailing space is no token of its own where "
-                                  'the vocabulary merges it: with byte-level BPE the text\'s first word takes it, '
-                                  '"Ġthe", not "the"; where it does not, it is a token of the first chunk), and spans '
-                                  "stay in the text; where one token would span both (\"query:\" then \",\" as "
-                                  "\":,\"), the text gets its own ids. Likewise `query_prefix`.")
-    query_prefix: str = option("", 'text put after the special prefix of every query, e.g. "query: "',
-                               default_help="no prefix")
+    document_prefix: str | None = option(
+        None, 'text put after the special prefix of every chunk, e.g. "passage: "',
+        default_help="the model folder's sentence-transformers \"document\" prompt, else none",
+        detail="The default is the prompt sentence-transformers' `encode_document` applies (the folder's "
+        "saved `\"document\"` prompt in `config_sentence_transformers.json`; its `\"query\"` prompt for "
+        "`query_prefix`); `\"\"`: none. Prefix and text get the ids they have tokenized together, as "
+        "sentence-transformers' prompts do (a trailing space is no token of its own where "
+        'the vocabulary merges it: with byte-level BPE the text\'s first word takes it, '
+        '"Ġthe", not "the"; where it does not, it is a token of the first chunk), and spans '
+        "stay in the text; where one token would span both (\"query:\" then \",\" as "
+        "\":,\"), the text gets its own ids. Likewise `query_prefix`.")
+    query_prefix: str | None = option(
+        None, 'text put after the special prefix of every query, e.g. "query: "',
+        default_help="the model folder's sentence-transformers \"query\" prompt, else none")
     max_chunks_per_document: int | None = option(None, "keep only each document's first N chunks",
                                                  default_help="all", metavar="N")
     max_length: int | None = option(
@@ -226,8 +230,9 @@ class DiceConfig:
                 "allowed: 0 <= overlap < chunk_size"
             )
         for name in ("document_prefix", "query_prefix"):
-            if not isinstance(getattr(self, name), str):
-                raise ArgumentTypeError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise ArgumentTypeError(f"{name} must be a string (or None: the model's prompt), "
+                                        f"got {type(getattr(self, name)).__name__}")
         for name in ("normalize", "normalize_chunks", "dedup", "cuda_graphs"):
             value = getattr(self, name)
             if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):  # numpy.True_
@@ -275,10 +280,11 @@ class DiceConfig:
         return dataclasses.replace(self, **changes)
 
     def changed(self, names, shown=()) -> str:
-        """", name=value" for each option of ``names`` not in ``shown`` whose value is not its default."""
+        """", name=value" for each option of ``names`` not in ``shown`` whose value is not its default (a
+        text option resolved to ``""`` where the default None stands for the model's own counts as the default)."""
         fields = {f.name: f for f in dataclasses.fields(self)}
-        return "".join(f", {n}={getattr(self, n)!r}" for n in names
-                       if n not in shown and getattr(self, n) != fields[n].default)
+        return "".join(f", {n}={getattr(self, n)!r}" for n in names if n not in shown
+                       and getattr(self, n) not in (fields[n].default, "" if fields[n].default is None else None))
 
     @classmethod
     def check_names(cls, options) -> None:

@@ -60,6 +60,9 @@ class ModelSpec:
     # the pipeline's modules on the pooled vector, (kind, folder) in order: Dense, LayerNorm, Normalize (`dice_fast.head`)
     head: tuple[tuple[str, str], ...] = ()
     lowercase: bool = False  # sentence-transformers' do_lower_case: texts are lowercased before tokenizing
+    # the folder's saved sentence-transformers prompts that encode_document / encode_query apply ("": none)
+    document_prompt: str = ""
+    query_prompt: str = ""
     pools_prompt: bool = True  # False: the Pooling leaves a prompt's tokens out (include_prompt false)
 
 
@@ -162,6 +165,8 @@ def inspect_model(model, tokenizer, path: str | None = None) -> ModelSpec:
         skipped_modules=tuple(st.get("skipped_modules", ())),
         head=tuple(st.get("head", ())),
         lowercase=st.get("lowercase", False),
+        document_prompt=st.get("prompts", {}).get("document", ""),
+        query_prompt=st.get("prompts", {}).get("query", ""),
         pools_prompt=st.get("pools_prompt", True),
         vocab_size=_embedding_rows(model),
     )
@@ -249,6 +254,9 @@ def _sentence_transformers_facts(path) -> dict:
     if isinstance(cfg.get("max_seq_length"), int):
         facts["max_seq_length"] = cfg["max_seq_length"]
     facts["lowercase"] = cfg.get("do_lower_case") is True
+    prompts = _read_json(root / "config_sentence_transformers.json").get("prompts")
+    facts["prompts"] = {k: v for k, v in prompts.items() if k in ("document", "query") and isinstance(v, str)} \
+        if isinstance(prompts, dict) else {}
     modules = _read_json(root / "modules.json", default=[])
     pooled = False  # the modules so far end in the Pooling and modules on its vector (the head)
     normalized = False  # ... and in a Normalize after those: the head's if more modules follow it
@@ -296,8 +304,12 @@ def _pooling_modes(pcfg: dict) -> list[str]:
 
 
 def _read_json(path: Path, default=None):
+    """The JSON in ``path``; ``default`` when it cannot be read, or ({} by default) when it holds another
+    type than the default's (an object where none is given)."""
+    default = {} if default is None else default
     try:
         with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
+            value = json.load(fh)
     except (OSError, ValueError):
-        return {} if default is None else default
+        return default
+    return value if isinstance(value, type(default)) else default

@@ -217,6 +217,9 @@ def resolve(config: DiceConfig, spec: ModelSpec, tokenizer, device: torch.device
     window = cfg.max_length if cfg.max_length is not None else spec.window
     if window > spec.position_limit:
         raise OptionError(f"max_length {window} exceeds the model's {spec.position_limit} positions")
+    cfg = cfg.replace(  # None: the model's saved prompt (what sentence-transformers' encode_document / _query apply)
+        document_prefix=spec.document_prompt if cfg.document_prefix is None else cfg.document_prefix,
+        query_prefix=spec.query_prompt if cfg.query_prefix is None else cfg.query_prefix)
     doc_text, query_text = (TextPrefix.of(tokenizer, text) for text in (cfg.document_prefix, cfg.query_prefix))
     doc_wrap, query_wrap = _wrap_ids(spec, doc_text), _wrap_ids(spec, query_text)
     doc_overhead = _overhead(doc_wrap)

@@ -486,3 +486,13 @@ def test_a_folder_saved_by_sentence_transformers_1_with_its_transformer_in_a_sub
     (folder / "modules.json").write_text(json.dumps(listed))
     with pytest.raises(ModelError, match="is not a model folder"):
         DiceEncoder.from_pretrained(folder, device="cpu")
+
+
+@pytest.mark.parametrize("name", ["sentence_bert_config.json", "modules.json", "config_sentence_transformers.json"])
+def test_a_sentence_transformers_file_of_another_json_type_is_read_as_absent(tmp_path, name):
+    """A JSON list where an object is due (or an object where modules.json's list is) raised AttributeError
+    from inside the model facts; such a file is now read as absent, as an unreadable one is."""
+    folder, _ = st_folder(tmp_path, heads=[], normalize=False)
+    (folder / name).write_text(json.dumps({"a": 1} if name == "modules.json" else [1, 2]))
+    enc = DiceEncoder.from_pretrained(folder, device="cpu")
+    assert enc.dim == 32 and enc.settings.head is None

@@ -40,9 +40,11 @@ async def in_thread_until_cancelled(work):
         raise
 
 
-def as_encoder(encoder, options: dict):
+def as_encoder(encoder, options: dict, applies_prompts: bool = False):
     """``encoder``: a `DiceEncoder` (used as is; ``options`` must then be empty), a local model folder,
-    or None (the bundled all-MiniLM-L6-v2), loaded with ``options`` (`DiceConfig` fields)."""
+    or None (the bundled all-MiniLM-L6-v2), loaded with ``options`` (`DiceConfig` fields).
+    ``applies_prompts``: the caller applies the folder's prompts itself (as sentence-transformers or MTEB
+    do), so a folder loaded here has no prefixes unless ``options`` give them (not the model's prompts)."""
     from dice_fast import DiceEncoder
 
     if isinstance(encoder, DiceEncoder):
@@ -52,6 +54,8 @@ def as_encoder(encoder, options: dict):
         return encoder
     if encoder is not None and not isinstance(encoder, (str, os.PathLike)):
         raise TypeError(f"expected a DiceEncoder, a model folder or None, got {type(encoder).__name__}")
+    if applies_prompts:
+        options = {"document_prefix": "", "query_prefix": "", **options}
     return DiceEncoder.from_pretrained(encoder, **options)
 
 

@@ -17,7 +17,8 @@ Prompts (``prompts={...}``, default: the model folder's sentence-transformers pr
 in MTEB's order: ``"{task name}-{query|document}"``, ``"{task name}"``, ``"{task type}-{query|document}"``,
 ``"{task type}"``, ``"query"`` / ``"document"``. The prompt found becomes the ``query_prefix`` or
 ``document_prefix`` of that call (its tokens follow the special prefix of every chunk); none found ->
-the encoder's own prefixes. A task's own instruction (``TaskMetadata.prompt``) is not used.
+the encoder's own prefixes (none for a folder loaded here; a `DiceEncoder` passed in keeps its own).
+A task's own instruction (``TaskMetadata.prompt``) is not used.
 
 Needs the ``mteb`` extra: ``pip install dice-fast[mteb]``.
 """
@@ -55,7 +56,7 @@ class DiceMTEBModel:
 
     def __init__(self, encoder=None, prompts: dict[str, str] | None = None, *, name: str | None = None, **options):
         require("mteb", extra="mteb", needed_by="DiceMTEBModel")
-        self.encoder = as_encoder(encoder, options)
+        self.encoder = as_encoder(encoder, options, applies_prompts=True)
         self._variants = Variants(self.encoder)
         self.model_prompts = dict(model_prompts(self.encoder)[0] if prompts is None else prompts)
         self.name = name or f"dice_fast/{model_label(self.encoder.spec.name)}"

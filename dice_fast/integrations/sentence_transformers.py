@@ -30,7 +30,8 @@ Differences from ``SentenceTransformer.encode``, by design:
   Vectors change with it only by float32 rounding (about 1e-7).
 * Prompts as in sentence-transformers 6: ``"query"`` and ``"document"`` are always among the prompts
   (``""`` unless given or saved), so ``encode_query`` / ``encode_document`` never fall back to
-  ``default_prompt_name``; an empty prompt is no prompt (the encoder's own prefix applies).
+  ``default_prompt_name``; an empty prompt is no prompt (the encoder's own prefix applies: none for a
+  folder loaded here, the folder's prompts by default for a `DiceEncoder` passed in).
 * ``similarity`` / ``similarity_pairwise`` follow ``similarity_fn_name`` ("cosine", "dot", "euclidean",
   "manhattan": negative distances), as sentence-transformers computes them; default: the model
   folder's ``config_sentence_transformers.json``, else "cosine".
@@ -81,7 +82,7 @@ class DiceSentenceEncoder:
             # as SentenceTransformer: normalised only by a Normalize module (a dot-product model's
             # vectors were made unit length, its scores and ranking changed); a hub name keeps the default
             options = {**options, "normalize": pipeline_normalizes(encoder)}
-        self.encoder = as_encoder(encoder, options)
+        self.encoder = as_encoder(encoder, options, applies_prompts=True)
         self._variants = Variants(self.encoder)
         own, own_default = model_prompts(self.encoder)
         merged: dict = dict.fromkeys(_SEEDED_PROMPTS)

@@ -333,7 +333,7 @@ def test_a_hub_name_keeps_the_engines_normalize(monkeypatch):
     class Loaded(Exception):
         pass
 
-    def as_encoder(encoder, options):
+    def as_encoder(encoder, options, **how):
         seen.append(options)
         raise Loaded
 
