@@ -231,6 +231,12 @@ def pipeline_normalizes(path: str | os.PathLike) -> bool:
     return _sentence_transformers_facts(os.fspath(path)).get("normalizes", False)
 
 
+def saved_st_config(path) -> dict:
+    """The folder ``path``'s ``config_sentence_transformers.json`` (prompts, similarity function ...) as a
+    dict; ``{}`` when there is none, or it cannot be read, or it is not a JSON object."""
+    return _read_json(Path(path) / "config_sentence_transformers.json")
+
+
 def transformer_folder(root: Path) -> Path:
     """Where a model folder keeps its transformer: the folder itself, or the subfolder its
     sentence-transformers ``modules.json`` names for the Transformer module (``0_Transformer``, as
@@ -254,7 +260,7 @@ def _sentence_transformers_facts(path) -> dict:
     if isinstance(cfg.get("max_seq_length"), int):
         facts["max_seq_length"] = cfg["max_seq_length"]
     facts["lowercase"] = cfg.get("do_lower_case") is True
-    prompts = _read_json(root / "config_sentence_transformers.json").get("prompts")
+    prompts = saved_st_config(root).get("prompts")
     facts["prompts"] = {k: v for k, v in prompts.items() if k in ("document", "query") and isinstance(v, str)} \
         if isinstance(prompts, dict) else {}
     modules = _read_json(root / "modules.json", default=[])
@@ -268,7 +274,6 @@ def _sentence_transformers_facts(path) -> dict:
             facts["normalizes"], normalized = True, pooled
         elif name == "Pooling":
             pooling = _read_json(folder / "config.json")
-            pooling = pooling if isinstance(pooling, dict) else {}
             modes, facts["pools_prompt"] = _pooling_modes(pooling), pooling.get("include_prompt", True) is not False
             if len(modes) == 1 and modes[0] in _ST_POOLINGS:
                 facts["pooling"] = _ST_POOLINGS[modes[0]]

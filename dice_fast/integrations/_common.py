@@ -10,13 +10,12 @@ Imports nothing optional at module level (``import dice_fast.integrations`` must
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
 from collections import OrderedDict
-from pathlib import Path
 
 from ..errors import DiceError
+from ..models import saved_st_config
 
 
 class _Abandoned(Exception):
@@ -105,13 +104,7 @@ class Variants:
 
 def st_config(encoder) -> dict:
     """The model folder's ``config_sentence_transformers.json`` as a dict, ``{}`` when there is none."""
-    path = Path(str(encoder.spec.name)) / "config_sentence_transformers.json"
-    try:
-        with open(path, encoding="utf-8") as fh:
-            cfg = json.load(fh)
-    except (OSError, ValueError):
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
+    return saved_st_config(str(encoder.spec.name))
 
 
 def model_prompts(encoder) -> tuple[dict, str | None]:
