@@ -76,7 +76,7 @@ def add_encoder_arguments(p: argparse.ArgumentParser, config_cls: type = DiceCon
     g.add_argument("--model", default=None, help="model folder (default: the bundled all-MiniLM-L6-v2)")
     for field in dataclasses.fields(config_cls):
         flag, spec = encoder_flag(field, config_cls)
-        g.add_argument(flag, **spec)
+        g.add_argument(flag, **spec).empty_text = field.metadata.get("empty_text", False)
 
 
 def bounded(kind: type, low: float, *, above: bool = False):

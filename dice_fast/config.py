@@ -37,7 +37,7 @@ ROLES = ("vector", "precision", "speed")
 
 
 def option(default, help: str, *, default_help: str | None = None, detail: str = "", choices=None,
-           metavar: str | None = None, role: str = "vector"):
+           metavar: str | None = None, role: str = "vector", empty_text: bool = False):
     """A `DiceConfig` field with its documentation, the one place an option is described.
 
     help: one line (plain text) saying what the option does; the flag's ``--help`` and the first part
@@ -48,11 +48,14 @@ def option(default, help: str, *, default_help: str | None = None, detail: str =
     The flag's form follows the field: ``--name-with-dashes VALUE``; for a bool that defaults to
     True ``--no-name`` (its help then reads "do not <help>": phrase a bool's help as an action), to
     False ``--name``, to None ``--name/--no-name``. role: what the option changes, one of `ROLES`.
+    empty_text: ``""`` is one of its values (a prefix's "none"), so an empty environment variable sets
+    it rather than leaving it unset.
     """
     if role not in ROLES:
         raise OptionError(f"role must be one of {ROLES}, got {role!r}")
     meta = {"help": help, "default_help": default_help, "detail": detail,
-            "choices": None if choices is None else tuple(choices), "metavar": metavar, "role": role}
+            "choices": None if choices is None else tuple(choices), "metavar": metavar, "role": role,
+            "empty_text": empty_text}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -130,10 +133,10 @@ class DiceConfig:
         'the vocabulary merges it: with byte-level BPE the text\'s first word takes it, '
         '"Ġthe", not "the"; where it does not, it is a token of the first chunk), and spans '
         "stay in the text; where one token would span both (\"query:\" then \",\" as "
-        "\":,\"), the text gets its own ids. Likewise `query_prefix`.")
+        "\":,\"), the text gets its own ids. Likewise `query_prefix`.", empty_text=True)
     query_prefix: str | None = option(
         None, 'text put after the special prefix of every query, e.g. "query: "',
-        default_help="the model folder's sentence-transformers \"query\" prompt, else none")
+        default_help="the model folder's sentence-transformers \"query\" prompt, else none", empty_text=True)
     max_chunks_per_document: int | None = option(None, "keep only each document's first N chunks",
                                                  default_help="all", metavar="N")
     max_length: int | None = option(

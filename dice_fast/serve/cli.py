@@ -50,9 +50,10 @@ def add_server_arguments(g) -> None:
 def environment_defaults(p: argparse.ArgumentParser, environ=os.environ) -> None:
     """Let every long flag of ``p`` be set from ``$DICE_FAST_<FLAG>`` (``--max-queue-tokens``:
     ``DICE_FAST_MAX_QUEUE_TOKENS``; a switch takes 1/true/yes/on or 0/false/no/off; an empty variable is
-    unset), as TEI does; the flag wins over the variable. Each flag's help names its variable. A bad value
-    is an error when the command parses its arguments (``p.set_defaults(environment_errors=...)``); a
-    ``DICE_FAST_`` variable that is neither a flag's nor in `OTHER_VARIABLES` (``DICE_FAST_NORMALIZE`` for
+    unset, but for an option whose values include the empty text: a prefix's "none"), as TEI does; the
+    flag wins over the variable. Each flag's help names its variable. A bad value is an error when the
+    command parses its arguments (``p.set_defaults(environment_errors=...)``); a ``DICE_FAST_`` variable
+    that is neither a flag's nor in `OTHER_VARIABLES` (``DICE_FAST_NORMALIZE`` for
     ``DICE_FAST_NO_NORMALIZE``) a warning (``environment_warnings``)."""
     errors, names = [], []
     for action in p._actions:
@@ -62,9 +63,9 @@ def environment_defaults(p: argparse.ArgumentParser, environ=os.environ) -> None
         env = ENV_PREFIX + longs[0][2:].replace("-", "_").upper()
         action.help = f"{action.help or ''} [env: {env}]".strip()
         names.append(env)
-        if action.dest == "api_key" or not environ.get(env):  # the key: see api_key(), which reads it last
-            continue
-        value = environ[env]
+        value = environ.get(env)
+        if action.dest == "api_key" or value is None or value == "" and not getattr(action, "empty_text", False):
+            continue  # (the key: see api_key(), which reads it last)
         if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
             if value.strip().lower() not in _TRUE + _FALSE:
                 errors.append(f"${env}={value[:40]!r}: expected one of {', '.join(_TRUE)} or {', '.join(_FALSE)}")

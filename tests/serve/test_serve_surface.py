@@ -220,6 +220,20 @@ def test_a_variable_that_names_no_flag_is_warned_about_and_an_empty_one_is_unset
     assert {v for v in read if v not in flags and not v.startswith(OTHER_VARIABLES)} <= {"DICE_FAST_"}, read
 
 
+def test_an_empty_prefix_variable_is_the_empty_prefix(monkeypatch):
+    """A prefix's empty text is a value ("none"), not "unset": with the folder's saved prompt as the
+    default, an empty ``DICE_FAST_DOCUMENT_PREFIX=`` (how a deployment turns the prompt off) was read as
+    unset and the prompt applied. Other empty variables stay unset."""
+    monkeypatch.setenv("DICE_FAST_DOCUMENT_PREFIX", "")
+    monkeypatch.setenv("DICE_FAST_QUERY_PREFIX", "")
+    monkeypatch.setenv("DICE_FAST_DEVICE", "")
+    args = serve_parser()[0].parse_args(["serve"])
+    assert (args.document_prefix, args.query_prefix, args.device) == ("", "", None)
+    assert args.environment_errors == []
+    monkeypatch.delenv("DICE_FAST_QUERY_PREFIX")
+    assert serve_parser()[0].parse_args(["serve"]).query_prefix is None
+
+
 def test_serve_without_its_extra_names_the_extra(monkeypatch, capsys):
     """A base install said only "No module named 'fastapi'"."""
     import importlib.util
