@@ -7,6 +7,9 @@ the server, in a child process on 127.0.0.1 built from the same model options, o
 cross-request batching and once without; for each client count, that many closed-loop clients
 (each sends its next request as soon as the last one is answered) go through the corpus in
 requests of ``--docs-per-request`` documents. Every response is checked against the offline vectors.
+Every chunk runs, offline and served (``dedup`` off, no memory cache): the server's chunk memory would
+otherwise answer every round after the first, and the rows would time the cache, not the batching; each
+row counts the chunks the server computed for it (``chunks_computed``, from ``/metrics``).
 
 Reported per (batching, clients): documents/s, tokens/s (the requests' usage.prompt_tokens: wrapped
 chunk tokens), p50/p99 request latency, the ratio to offline documents/s, and, for cross-request
@@ -26,8 +29,8 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-FIELDS = ("date", "device", "model", "batching", "clients", "requests", "documents", "tokens", "seconds",
-          "docs_per_s", "tokens_per_s", "p50_ms", "p99_ms", "vs_offline", "vs_per_request", "max_abs_err",
+FIELDS = ("date", "device", "model", "batching", "clients", "requests", "documents", "tokens", "chunks_computed",
+          "seconds", "docs_per_s", "tokens_per_s", "p50_ms", "p99_ms", "vs_offline", "vs_per_request", "max_abs_err",
           "docs_per_request", "encoding_format", "max_batch_tokens", "torch")
 
 
@@ -49,17 +52,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bench_app(encoder, cross: bool):
+    """The benchmark's app over ``encoder``: limits out of the way, no chunk memory across requests."""
+    from .app import create_app
+
+    return create_app(encoder, max_queue_tokens=1 << 30, max_inputs_per_request=1 << 20,
+                      max_concurrent_requests=1 << 20, cross_request_batching=cross, cache_memory_mb=0)
+
+
 def _serve(options: dict, port: int, cross: bool) -> None:
     """Child process: the server for the benchmark (SIGTERM ends it gracefully)."""
     import uvicorn
 
     from ..cliargs import make_encoder
-    from .app import create_app
 
-    args = argparse.Namespace(**options)
-    app = create_app(make_encoder(args), max_queue_tokens=1 << 30, max_inputs_per_request=1 << 20,
-                     max_concurrent_requests=1 << 20, cross_request_batching=cross)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(bench_app(make_encoder(argparse.Namespace(**options)), cross), host="127.0.0.1", port=port,
+                log_level="warning", access_log=False)
 
 
 class _Server:
@@ -106,6 +114,14 @@ def wait_healthy(url: str, exited, timeout: float, late: str) -> None:
         time.sleep(0.2)
 
 
+def computed_chunks(metrics: str) -> float:
+    """``dice_fast_chunks_total{source="computed"}`` in a server's ``/metrics`` text."""
+    for line in metrics.splitlines():
+        if line.startswith('dice_fast_chunks_total{source="computed"}'):
+            return float(line.split()[-1])
+    raise RuntimeError("the server's /metrics has no dice_fast_chunks_total{source=\"computed\"}")
+
+
 def decode_embeddings(body: dict) -> np.ndarray:
     rows = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") if isinstance(d["embedding"], str)
             else np.asarray(d["embedding"], np.float32) for d in body["data"]]
@@ -136,11 +152,14 @@ async def _closed_loop(url: str, requests: list[list[int]], texts: list[str], re
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
         await http.post("/v1/embeddings", json={"input": texts[:2]})  # connection and path warm-up
+        computed = computed_chunks((await http.get("/metrics")).text)
         start = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(client(http) for _ in range(clients))), timeout)
         seconds = time.perf_counter() - start
+        computed = computed_chunks((await http.get("/metrics")).text) - computed
     lat = np.asarray(latencies) * 1000
-    return {"requests": len(requests), "seconds": seconds, "tokens": tokens[0], "max_abs_err": errors[0],
+    return {"requests": len(requests), "seconds": seconds, "tokens": tokens[0], "chunks_computed": int(computed),
+            "max_abs_err": errors[0],
             "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99))}
 
 
@@ -161,6 +180,7 @@ def run_bench_serve(args) -> int:
             raise ValueError(f"--{name} must be >= 1, got {value}")
     if not clients or min(clients) < 1:
         raise ValueError(f"--concurrency must list client counts >= 1, got {args.concurrency!r}")
+    args.dedup = False  # every chunk runs, offline and served (module docstring)
     enc = make_encoder(args)
     texts = make_corpus(enc.tokenizer, args.docs, args.min_tokens, args.max_tokens, args.seed)
     n_tokens = int(enc.plan(texts).document_tokens.sum())
