@@ -65,7 +65,8 @@ def cmd_bench(args) -> int:
     dtypes = args.dtypes or ([args.dtype] if args.dtype else ["float32", "bfloat16"])
     encoders = {}
     for dt in dtypes:
-        per_dtype = argparse.Namespace(**{**vars(args), "device": str(device), "dtype": dt})
+        # dedup off: end_to_end's encode_documents runs every chunk too (run.py's docstring)
+        per_dtype = argparse.Namespace(**{**vars(args), "device": str(device), "dtype": dt, "dedup": False})
         if args.random_model:
             model, tok = random_model(args.random_model, device, getattr(torch, dt))
             encoders[dt] = DiceEncoder(model, tok, **encoder_options(per_dtype))

@@ -6,7 +6,9 @@ paper's code), ``padded_naive`` (chunks in corpus order, padded batches: what us
 ``sentence_transformers`` (chunk texts through ``SentenceTransformer.encode``; float32, for
 sentence-transformers model folders only; it tokenizes the chunk texts itself, inside its time).
 
-Tokenization is measured apart from the model: the corpus is tokenized and planned once per dtype
+Every path runs every chunk: the engine's paths without reuse (a corpus that repeats a passage would
+otherwise time the engine on fewer chunks than the padded paths; `benchmarks/bench_cache.py` measures
+reuse). Tokenization is measured apart from the model: the corpus is tokenized and planned once per dtype
 before the timed paths, which start from that plan (so on a GPU the comparison is the model's work,
 not the CPU tokenizer's). The engine row also carries the end-to-end time of
 ``encode_documents(texts)`` (which tokenizes the next window in a worker thread while the model
@@ -176,8 +178,9 @@ def _attention_label(encoder) -> str:
 
 def encode_plan(encoder, plan) -> np.ndarray:
     """(n_docs, dim) float32 document vectors of an already tokenized ``plan``: the engine's batching
-    (`dice_fast.chunk_queue.ChunkQueue`, the encoder's token budget) without its tokenizer."""
-    queue = encoder.chunk_queue()
+    (`dice_fast.chunk_queue.ChunkQueue`, the encoder's token budget) without its tokenizer, and
+    without reuse: every chunk runs, as on the padded paths."""
+    queue = encoder.chunk_queue(dedup=False)
     job = queue.submit(plan)
     while (batch := queue.next_batch()) is not None:
         if failed := queue.run(batch)[1]:  # the forward and the model's head; a chunk out of memory alone

@@ -44,6 +44,21 @@ def test_benchmark_rows_and_csv(tmp_path):
     assert "| tiny-bert | unit | dice_fast | float32 |" in table and "| padded_naive |" in table
 
 
+def test_the_engine_runs_every_chunk_of_a_corpus_that_repeats_itself(monkeypatch):
+    """The engine's row reused repeated chunks (on by default) where the padded paths ran them all: a
+    corpus that repeats a passage timed the engine on fewer chunks (the "long" corpus repeats the whole
+    bundled prose in every document over 38k tokens)."""
+    from dice_fast.bench.run import encode_plan
+
+    model, tok, *_ = tiny("bert")
+    enc = DiceEncoder(model, tok, chunk_size=8)
+    texts = [t for t in corpus() if t][:4] * 3
+    plan, queues, make = enc.plan(texts), [], enc.chunk_queue
+    monkeypatch.setattr(enc, "chunk_queue", lambda *a, **k: queues.append(make(*a, **k)) or queues[-1])
+    encode_plan(enc, plan)
+    assert queues[0].stats.snapshot()["computed"] == plan.n_chunks
+
+
 def test_benchmark_sentence_transformers_row(tmp_path):
     pytest.importorskip("sentence_transformers")
     from sentence_transformers import SentenceTransformer
