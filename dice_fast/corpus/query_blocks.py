@@ -18,7 +18,8 @@ class QueryBlocks:
     def __init__(self, enc, texts, progress):
         self.enc, self.texts, self.progress = enc, texts, progress
         self._cut: list[TruncatedWarning] = []  # of the block just yielded
-        self._truncated: list[tuple[str, int]] = []  # (id, tokens) of every query cut
+        self._truncated: list[tuple[str, int]] = []  # (id, tokens) of the first three queries cut
+        self._n_truncated = 0  # (a count, not a list: a job of passages as queries cuts nearly every row)
         self._sizes: tuple[int, int] | None = None  # (tokens kept, model window)
 
     def __iter__(self):
@@ -42,12 +43,14 @@ class QueryBlocks:
     def note(self, ids: list[str]) -> None:
         """The ids of the block just yielded, in order."""
         for w in self._cut:
-            self._truncated += [(ids[p], int(n)) for p, n in zip(w.positions, w.lengths)]
+            self._truncated += [(ids[p], int(n)) for p, n in zip(w.positions[:3], w.lengths[:3])]
+            del self._truncated[3:]
+            self._n_truncated += len(w.positions)
             self._sizes = (w.capacity, w.window)
 
     def warn(self) -> None:
         """One `TruncatedWarning` naming the first three queries cut, by id; none when none was."""
         if self._truncated:
             names = [f"id {i!r} ({n} tokens)" for i, n in self._truncated[:3]]
-            message = truncated_message(names, len(self._truncated), *self._sizes, "queries")
+            message = truncated_message(names, self._n_truncated, *self._sizes, "queries")
             warnings.warn(TruncatedWarning(message, capacity=self._sizes[0], window=self._sizes[1]), stacklevel=2)
