@@ -493,3 +493,29 @@ def test_every_store_answers_edge_inputs_alike(kind, tmp_path):
         with pytest.raises(OptionError, match="ids are required"):
             store.upsert_arrays(None, *_arrays(index))
     assert len(store) == 11
+
+
+def test_lancedb_finds_ids_through_an_index_kept_up_to_date(tmp_path, monkeypatch):
+    """Ids were found by scanning the table (no index on ``id``, one more fragment a write): every write,
+    `contains`, `fetch` and `delete` cost time in proportion to the table, a push of N documents O(N^2)
+    (RESULTS §38). The id index is made with the table, or at the first write to a table made before,
+    and the new rows are indexed every OPTIMIZE_EVERY writes; answers stay those of the exact index."""
+    from dice_fast.index import lance_store
+
+    monkeypatch.setattr(lance_store, "OPTIMIZE_EVERY", 3)
+    index, queries = _reference(n_docs=120)
+    monkeypatch.setattr(lance_store.LanceStore, "_index_ids", lambda self: None)  # a table made before
+    store = open_store(_url("lancedb", tmp_path), dim=DIM, batch_size=20)
+    assert store.table.list_indices() == []
+    monkeypatch.undo()
+    monkeypatch.setattr(lance_store, "OPTIMIZE_EVERY", 3)
+    store = open_store(_url("lancedb", tmp_path), dim=DIM, batch_size=20)
+    store.upsert_arrays(index.ids, *_arrays(index), texts=list(index.texts))  # 6 writes of 20
+    [ix] = [i for i in store.table.list_indices() if list(i.columns) == ["id"]]
+    assert store.table.index_stats(ix.name).num_unindexed_rows == 0  # indexed at write 1, optimized at 3 and 6
+    assert store.delete(index.ids[:5]) == 5 and store.contains(index.ids[:6]) == [False] * 5 + [True]
+    assert set(store.fetch(index.ids[:8])) == set(index.ids[5:8])
+    index.delete(index.ids[:5])
+    assert _key(store.search(queries, 10)) == _key(index.search(queries, 10))
+    fresh = open_store(_url("lancedb", tmp_path, "new"), dim=DIM)
+    assert [list(i.columns) for i in fresh.table.list_indices()] == [["id"]]
