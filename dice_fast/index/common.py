@@ -9,6 +9,7 @@ the chunks' character spans and token counts (n_chunks,) each, and texts (n,) or
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -103,6 +104,16 @@ def check_batch(dim: int, ids: Sequence, documents, chunks, chunk_document, chun
         chunks, chunk_document, spans = chunks[keep], chunk_document[keep], [a[keep] for a in spans]
     cu = sc.cu_from_chunk_document(chunk_document, len(documents))
     return Batch(ids, documents, sc.unit_rows(chunks), cu, *spans, texts)
+
+
+def free_numbers(taken: set, start: int, n: int) -> list[str]:
+    """The first ``n`` of "start", "start + 1", ... that are not in ``taken`` (an index's default ids)."""
+    return list(itertools.islice((str(j) for j in itertools.count(start) if str(j) not in taken), n))
+
+
+def lowest_number(ids: Iterable[str], below: int) -> int:
+    """The least of ``below`` and the ``ids`` that `free_numbers` could have made ("7", not "07" or "٧")."""
+    return min([below] + [int(i) for i in ids if i.isdecimal() and str(int(i)) == i])
 
 
 def check_ids(ids: Iterable, n: int | None = None) -> list[str]:

@@ -36,7 +36,7 @@ from .growth import COLUMNS, Column, Grown, grown
 from .rescore import pair_scores
 from .rwlock import ReadWriteLock
 from .common import (DEFAULT_SCORING, EncoderSlot, Hit, check_batch, check_ids, check_k, check_output_ids, evidence_hit,
-                     lookup_ids, scored_hits)
+                     free_numbers, lookup_ids, lowest_number, scored_hits)
 from .texts import TextColumn
 from .top import by_score, exact_top
 
@@ -71,10 +71,9 @@ class DiceIndex(EncoderSlot):
         self.documents = np.zeros((0, self.dim), np.float32)
         self.chunks = np.zeros((0, self.dim), CHUNK_DTYPES[chunk_dtype])
         self.cu_doc_chunks = np.zeros(1, np.int64)
-        self.chunk_start_char = np.zeros(0, np.int64)
-        self.chunk_end_char = np.zeros(0, np.int64)
-        self.chunk_tokens = np.zeros(0, np.int64)
+        self.chunk_start_char, self.chunk_end_char, self.chunk_tokens = (np.zeros(0, np.int64) for _ in range(3))
         self._id_set: set[str] = set()
+        self._taken_to = 0  # every default id from len(self) up to this number is taken (where their scan starts)
         self._graphs = Graphs()  # for approximate search
         self._lock = ReadWriteLock()  # searches share it, writes hold it alone
         self._init_encoder(encoder, model, encoder_options, "this index")
@@ -207,6 +206,7 @@ class DiceIndex(EncoderSlot):
         keep_chunk = np.repeat(keep, counts)
         self.ids = list(itertools.compress(self.ids, keep.tolist()))
         self._id_set -= gone
+        self._taken_to = lowest_number(gone, below=self._taken_to)
         if self.store_text:
             self.texts = self.texts.take(np.flatnonzero(keep))
         cu = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
@@ -228,7 +228,7 @@ class DiceIndex(EncoderSlot):
     def _restore(self, ids, arrays, texts, graph_files) -> None:
         for name, array in arrays.items():
             setattr(self, name, array)
-        self.ids, self._id_set = ids, set(ids)
+        self.ids, self._id_set, self._taken_to = ids, set(ids), 0
         self.texts = texts
         self._graphs = Graphs(graph_files)
 
@@ -372,9 +372,9 @@ class DiceIndex(EncoderSlot):
 
     # ---------------------------------------------------------------------------------------------
     def _new_ids(self, ids, n: int) -> list[str]:
-        if ids is None:  # "0", "1", ... from len(self) on, skipping ids taken (after a delete)
-            free = (str(j) for j in itertools.count(len(self)) if str(j) not in self._id_set)
-            ids = list(itertools.islice(free, n))
+        if ids is None:  # "0", "1", ... from len(self) on, skipping ids taken (after a delete), walked once (locked)
+            ids = free_numbers(self._id_set, max(len(self), self._taken_to), n)
+            self._taken_to = int(ids[0]) if ids else self._taken_to
         ids = check_ids(ids, n)  # their count, duplicates within them
         for i, name in enumerate(ids):
             if name in self._id_set:
