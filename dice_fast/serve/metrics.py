@@ -6,8 +6,9 @@ of the app's own; `ServerMetrics` is the set the app exposes at ``GET /metrics``
     dice_fast_wrong_host_total                          400s: a Host header the server does not answer to
     dice_fast_unrouted_total{status}                    404s (no such path) and 405s (a method the path
                                                         does not take); never labelled by path
-    dice_fast_inputs_total{input_type}                  inputs embedded
-    dice_fast_prompt_tokens_total{input_type}           tokens of the inputs embedded (usage.prompt_tokens)
+    dice_fast_inputs_total{input_type}                  inputs embedded (evidence: the documents)
+    dice_fast_prompt_tokens_total{input_type}           usage.prompt_tokens: the inputs' planned tokens, chunks
+                                                        wrapped (evidence: the query's and the documents')
     dice_fast_request_duration_seconds{input_type}      latency of successful requests (histogram)
     dice_fast_queue_tokens                              tokens waiting to run
     dice_fast_held_tokens                               what --max-queue-tokens bounds: waiting, plus those
@@ -64,8 +65,10 @@ class ServerMetrics:
                                   "answer to.", registry=r)
         self.unrouted = Counter("dice_fast_unrouted", "Requests answered 404 (no such path) or 405 (a method the "
                                 "path does not take).", ("status",), registry=r)
-        self.inputs = Counter("dice_fast_inputs", "Inputs embedded.", ("input_type",), registry=r)
-        self.tokens = Counter("dice_fast_prompt_tokens", "Tokens of the inputs embedded.", ("input_type",), registry=r)
+        self.inputs = Counter("dice_fast_inputs", "Inputs embedded (evidence: its documents).", ("input_type",),
+                              registry=r)
+        self.tokens = Counter("dice_fast_prompt_tokens", "usage.prompt_tokens: the inputs' planned tokens, every chunk "
+                              "wrapped (evidence: its query's and documents').", ("input_type",), registry=r)
         self.latency = Histogram("dice_fast_request_duration_seconds", "Latency of successful requests.",
                                  ("input_type",), buckets=LATENCY_BUCKETS, registry=r)
         Gauge("dice_fast_queue_tokens", "Tokens waiting to run.", registry=r).set_function(lambda: core.tokens_waiting)
