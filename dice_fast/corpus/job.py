@@ -171,7 +171,7 @@ class EncodeJob:
             self._open_writer(resolved, signals)
         from ..progress import ProgressBar
 
-        stats_before = enc.chunk_stats.snapshot()
+        stats_before, started = enc.chunk_stats.snapshot(), time.perf_counter()  # rates count from here
         bar = ProgressBar(None, desc=f"encode {self.kind}", show=not args.quiet)
         progress = ReadProgress(bar, corpus)
         pending: deque = deque()
@@ -204,15 +204,16 @@ class EncodeJob:
             bar.close()
         if queries is not None:
             queries.warn()  # after the bar, on a line of its own
-        seconds = time.perf_counter() - t0
+        seconds, encoding = time.perf_counter() - t0, max(1e-6, time.perf_counter() - started)
         summary = {"rows": skipped + rows, "encoded": rows, "tokens": bar.tokens, "seconds": round(seconds, 3),
+                   "encode_seconds": round(encoding, 3),
                    "blank_lines": corpus.blank_lines, "duplicate_ids": duplicates.count,
                    **_chunk_summary(stats_before, enc.chunk_stats.snapshot())}
         with signals.critical(), writing(self.out):
             self.writer.finish(enc.dim, summary)
             signals.pending = None  # a signal during the final commit comes too late to stop anything
         self.writer = None
-        self._print_summary(enc, rows, skipped, bar.tokens, seconds, corpus.blank_lines, summary)
+        self._print_summary(enc, rows, skipped, bar.tokens, (seconds, encoding), corpus.blank_lines, summary)
         if duplicates.count:
             warnings.warn(duplicates.message(), UserWarning, stacklevel=1)
         return 0
@@ -327,7 +328,8 @@ class EncodeJob:
             with contextlib.suppress(OSError):
                 d.rmdir()  # only when empty: committed shards keep their folder
 
-    def _print_summary(self, enc, rows, skipped, tokens, seconds, blank_lines, summary) -> None:
+    def _print_summary(self, enc, rows, skipped, tokens, times, blank_lines, summary) -> None:
+        """Rates over the encoding (``times``: the job's seconds, the encoding's); tokens the model ran."""
         from ..runinfo import model_label
 
         c = enc.config
@@ -341,8 +343,10 @@ class EncodeJob:
             extra += (f"; chunks: {summary['chunks_computed']:,} computed, {summary['chunks_from_cache']:,} from "
                       f"cache, {summary['chunks_deduplicated']:,} duplicates")
         print_done(
-            f"encoded {rows:,} {self.kind if rows != 1 else {'documents': 'document', 'queries': 'query'}[self.kind]} ({tokens:,} tokens incl. special tokens) in {seconds:.2f} s: "
-            f"{rows / seconds:,.1f} docs/s, {tokens / seconds:,.0f} tokens/s -> {where} "
+            f"encoded {rows:,} {self.kind if rows != 1 else {'documents': 'document', 'queries': 'query'}[self.kind]} "
+            f"in {times[0]:.2f} s ({times[0] - times[1]:.2f} s opening the model and input, then "
+            f"{rows / times[1]:,.1f} docs/s, {tokens / times[1]:,.0f} tokens/s; {tokens:,} tokens run incl. special "
+            f"tokens) -> {where} "
             f"({skipped + rows} x {enc.dim} float32){extra} [{model_label(enc.spec.name)}, {enc.device}, "
             f"{enc.precision}, attention={enc.backend}, strategy={c.strategy}, "
             f"chunk_size={c.chunk_size}, aggregation={c.aggregation}]"
