@@ -261,7 +261,7 @@ class DiceEncoder:
         A query longer than the model window is cut to it, with a warning naming it.
         """
         plan = self._plan(check_texts(texts, "queries"), "queries", spans=False)
-        with progress_reporter(show_progress, progress, int(plan.chunk_lengths.sum())) as report:
+        with progress_reporter(show_progress, progress, None) as report:  # (repeats and cached queries run no tokens)
             return concat_outputs(list(self._run(iter([plan]), "mean", False, report, "queries")), self.dim, False)
 
     def run_batch(self, batch: PackedBatch) -> torch.Tensor:

@@ -48,3 +48,25 @@ def test_after_a_long_batch_one_line_and_a_closed_stderr_costs_nothing(capsys, m
     quiet(1, 10)
     quiet.close()
     assert quiet.tokens == 10 and not quiet.lines
+
+
+def test_a_query_bar_never_ends_short_of_its_total(monkeypatch):
+    """encode_queries' bar had the planned tokens as its total while it counts the tokens run: ten copies of
+    one query ended at 4 of 40 tokens (10 %). A bar whose total is known must reach it."""
+    import dice_fast.progress as progress
+    from dice_fast import DiceEncoder
+    from tiny_models import tiny
+
+    bars = []
+
+    class Recorded(progress.ProgressBar):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(progress, "ProgressBar", Recorded)
+    model, tok, *_ = tiny("bert")
+    DiceEncoder(model, tok).encode_queries(["the same query"] * 10, show_progress=True)
+    [bar] = bars
+    assert bar.bar.total is None or bar.tokens == bar.bar.total, (bar.tokens, bar.bar.total)
+    assert bar.documents == 10
