@@ -519,3 +519,26 @@ def test_lancedb_finds_ids_through_an_index_kept_up_to_date(tmp_path, monkeypatc
     assert _key(store.search(queries, 10)) == _key(index.search(queries, 10))
     fresh = open_store(_url("lancedb", tmp_path, "new"), dim=DIM)
     assert [list(i.columns) for i in fresh.table.list_indices()] == [["id"]]
+
+
+def test_lancedb_id_index_refused_once_is_made_at_a_later_write(tmp_path, monkeypatch):
+    """A table another writer is changing may refuse the index for a moment: the store tries again."""
+    from dice_fast.index import lance_store
+
+    monkeypatch.setattr(lance_store, "OPTIMIZE_EVERY", 3)
+    index, _ = _reference(n_docs=60)
+    with monkeypatch.context() as m:
+        m.setattr(lance_store.LanceStore, "_index_ids", lambda self: None)  # a table made before
+        open_store(_url("lancedb", tmp_path), dim=DIM)
+    store = open_store(_url("lancedb", tmp_path), dim=DIM, batch_size=20)
+    real, calls = store.table.create_scalar_index, []
+
+    def busy_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("lance error: Retryable commit conflict")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store.table, "create_scalar_index", busy_once)
+    store.upsert_arrays(index.ids, *_arrays(index), texts=list(index.texts))  # writes 1 (refused), 2, 3
+    assert len(calls) == 2 and [list(i.columns) for i in store.table.list_indices()] == [["id"]]
