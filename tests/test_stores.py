@@ -531,7 +531,7 @@ def test_lancedb_id_index_refused_once_is_made_at_a_later_write(tmp_path, monkey
         m.setattr(lance_store.LanceStore, "_index_ids", lambda self: None)  # a table made before
         open_store(_url("lancedb", tmp_path), dim=DIM)
     store = open_store(_url("lancedb", tmp_path), dim=DIM, batch_size=20)
-    real, calls = store.table.create_scalar_index, []
+    real, calls = store.table.create_index, []
 
     def busy_once(*args, **kwargs):
         calls.append(args)
@@ -539,6 +539,32 @@ def test_lancedb_id_index_refused_once_is_made_at_a_later_write(tmp_path, monkey
             raise RuntimeError("lance error: Retryable commit conflict")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(store.table, "create_scalar_index", busy_once)
+    monkeypatch.setattr(store.table, "create_index", busy_once)
     store.upsert_arrays(index.ids, *_arrays(index), texts=list(index.texts))  # writes 1 (refused), 2, 3
     assert len(calls) == 2 and [list(i.columns) for i in store.table.list_indices()] == [["id"]]
+
+
+def test_lancedb_indexes_are_made_by_the_api_lancedb_keeps(tmp_path):
+    """``create_scalar_index`` and ``create_index(metric=..., vector_column_name=...)`` are deprecated in
+    lancedb 0.40 (DeprecationWarning at every table the store made, and at `build_index`); lancedb before
+    0.34, which has no ``config=``, still gets the old calls."""
+    import warnings
+
+    from dice_fast.index import lance_store
+
+    index, queries = _reference(n_docs=300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        store = _filled("lancedb", tmp_path, index)
+        store.build_index("doc", num_partitions=2, num_sub_vectors=4)
+    assert sorted((i.index_type, tuple(i.columns)) for i in store.table.list_indices()) == [
+        ("BTree", ("id",)), ("IvfPq", ("doc",))]
+    assert [h[0].id for h in store.search(queries[:3], 1, "maxsim")] == [h[0].id for h in index.search(queries[:3], 1, "maxsim")]
+
+    class Old:  # lancedb 0.25-0.33: a sync table's create_index takes no config
+        def create_index(self, metric="l2", **legacy_only):
+            raise TypeError("create_index() got an unexpected keyword argument 'config'")
+
+    made = []
+    lance_store._create_index(Old(), "id", object(), replace=False, legacy=lambda: made.append("legacy"))
+    assert made == ["legacy"]

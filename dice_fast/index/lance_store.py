@@ -107,12 +107,11 @@ class LanceStore(RemoteStore):
     def _index_ids(self) -> None:
         """The BTree index on ``id`` (module docstring). Best effort: a table another writer is changing at
         the same moment may refuse it, and a later write tries again."""
-        import warnings
+        from lancedb.index import BTree
 
         try:
-            with warnings.catch_warnings():  # create_scalar_index: "deprecated" for create_index(config=BTree()),
-                warnings.simplefilter("ignore", DeprecationWarning)  # which lancedb 0.40 maps to a vector index
-                self.table.create_scalar_index("id", index_type="BTREE", replace=False)
+            _create_index(self.table, "id", BTree(), replace=False,
+                          legacy=lambda: self.table.create_scalar_index("id", index_type="BTREE", replace=False))
         except (OSError, RuntimeError, ValueError):
             pass
 
@@ -132,7 +131,7 @@ class LanceStore(RemoteStore):
 
     def _save_record(self) -> None:
         raw = json.dumps(self.record())  # the schema's metadata cannot be changed: the id field's can
-        if hasattr(self.table, "update_field_metadata"):  # lancedb >= 0.33
+        if hasattr(self.table, "update_field_metadata"):  # lancedb >= 0.33.1
             self.table.update_field_metadata({"path": "id", "metadata": {"dice_fast": raw}})
         else:
             self.table.replace_field_metadata("id", {"dice_fast": raw})
@@ -173,10 +172,14 @@ class LanceStore(RemoteStore):
         (``search_options`` tune them)."""
         if column not in ("chunks", "doc"):
             raise OptionError(f"column must be 'chunks' or 'doc', got {column!r}")
+        from lancedb.index import IvfPq
+
         options = {k: v for k, v in (("num_partitions", num_partitions), ("num_sub_vectors", num_sub_vectors))
                    if v is not None}
-        self.table.create_index(metric="cosine" if column == "chunks" else "dot", vector_column_name=column,
-                                index_type="IVF_PQ", replace=True, **options)
+        metric = "cosine" if column == "chunks" else "dot"
+        _create_index(self.table, column, IvfPq(distance_type=metric, **options), replace=True,
+                      legacy=lambda: self.table.create_index(metric=metric, vector_column_name=column,
+                                                             index_type="IVF_PQ", replace=True, **options))
 
     def delete(self, ids: Sequence) -> int:
         """Remove the documents ``ids`` (ids not stored are ignored); returns how many it found and removed
@@ -222,6 +225,15 @@ def _stored_record(schema) -> dict:
         return json.loads(raw) if raw else {}
     except ValueError:
         return {}
+
+
+def _create_index(table, column: str, config, replace: bool, legacy) -> None:
+    """``table.create_index(column, config=config)``: lancedb >= 0.34; its older sync tables take no
+    ``config`` (TypeError), and there ``legacy()`` makes the same index the way lancedb now deprecates."""
+    try:
+        table.create_index(column, config=config, replace=replace)
+    except TypeError:
+        legacy()
 
 
 def _in_list(ids: Sequence) -> str:
