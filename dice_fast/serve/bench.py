@@ -62,9 +62,16 @@ def bench_app(encoder, cross: bool):
 
 def _serve(options: dict, port: int, cross: bool) -> None:
     """Child process: the server for the benchmark (SIGTERM ends it gracefully)."""
+    import signal
+    import sys
+
     import uvicorn
 
     from ..cliargs import make_encoder
+
+    # uvicorn raises the SIGTERM it stopped on again once stopped: exit, so that the process's finalizers run
+    # (killed by the signal, it left its semaphores to the resource tracker, which warned at every run's end)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     uvicorn.run(bench_app(make_encoder(argparse.Namespace(**options)), cross), host="127.0.0.1", port=port,
                 log_level="warning", access_log=False)
