@@ -2,7 +2,8 @@
 across processes and threads (flock locks belong to an open file description: two opens in one
 process exclude each other too). Used where "look, then create" must not interleave: a corpus job
 taking its output lock (`dice_fast.corpus.lock`), a process creating the chunk cache's database
-(`dice_fast.reuse.persistent`). Blocking, and held only for a few system calls; needs a file system
+(`dice_fast.reuse.persistent`), a process compiling the C++ extension (`dice_fast.ops.native`, held
+for the compile). Blocking, and otherwise held only for a few system calls; needs a file system
 with working ``flock`` (local disks). Where the platform has no ``fcntl`` (Windows) it guards nothing:
 the chunk cache then opens as it did before the guard (the corpus lock needs ``fcntl`` anyway)."""
 
@@ -20,25 +21,27 @@ except ImportError:  # Windows
 
 @contextlib.contextmanager
 def folder_guard(folder: Path, missing_ok: bool = False, best_effort: bool = False):
-    """Hold an exclusive flock on ``folder`` for the ``with`` block (nothing when ``missing_ok`` and it
-    does not exist; nothing where the file system refuses the lock and ``best_effort``: NFS emulates
-    flock with byte-range locks, which a folder opened read-only cannot take)."""
+    """Hold an exclusive flock on ``folder`` for the ``with`` block, which gets whether it is held (not when
+    ``missing_ok`` and it does not exist; not where the file system refuses the lock and ``best_effort``:
+    NFS emulates flock with byte-range locks, which a folder opened read-only cannot take)."""
     if fcntl is None:
-        yield
+        yield False
         return
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         if not missing_ok:
             raise
-        yield
+        yield False
         return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            held = True
         except OSError:
             if not best_effort:
                 raise
-        yield
+            held = False
+        yield held
     finally:
         os.close(fd)

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..errors import OptionError
+from ..folder_guard import folder_guard
 from .spec import check_aggregate_inputs, check_pool_chunks_inputs
 
 __all__ = [
@@ -253,26 +254,29 @@ def build(verbose: bool = False, with_cuda: bool | None = None) -> str:
 
     build_dir = _build_root() / f"{LIB_NAME}_{_variant(bool(with_cuda), cap)}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        path = cpp_extension.load(
-            name=LIB_NAME,
-            sources=sources,
-            extra_cflags=cflags,
-            extra_cuda_cflags=cuda_cflags,
-            extra_ldflags=ldflags,
-            extra_include_paths=[str(src)],
-            build_directory=str(build_dir),
-            verbose=verbose,
-            with_cuda=bool(with_cuda),
-            is_python_module=False,
-        )
-    except Exception as e:  # compiler errors arrive as RuntimeError with the build log
-        raise RuntimeError(
-            f"building the dice_fast C++ extension in {build_dir} failed "
-            f"(compiler {cxx}, CPU ISA {cap}, CUDA {'on' if with_cuda else 'off'}); "
-            "rerun with build(verbose=True) for the full log (if the compiler rejects the vector-ISA flags, "
-            f"set DICE_FAST_CPU_CAPABILITY=DEFAULT). Cause: {e}"
-        ) from e
+    with folder_guard(build_dir, best_effort=True) as held:  # one dice_fast build of the folder at a time
+        if held:  # torch's lock file, which its builds wait on without end: under ours, one there is a killed build's
+            (build_dir / "lock").unlink(missing_ok=True)
+        try:
+            path = cpp_extension.load(
+                name=LIB_NAME,
+                sources=sources,
+                extra_cflags=cflags,
+                extra_cuda_cflags=cuda_cflags,
+                extra_ldflags=ldflags,
+                extra_include_paths=[str(src)],
+                build_directory=str(build_dir),
+                verbose=verbose,
+                with_cuda=bool(with_cuda),
+                is_python_module=False,
+            )
+        except Exception as e:  # compiler errors arrive as RuntimeError with the build log
+            raise RuntimeError(
+                f"building the dice_fast C++ extension in {build_dir} failed "
+                f"(compiler {cxx}, CPU ISA {cap}, CUDA {'on' if with_cuda else 'off'}); "
+                "rerun with build(verbose=True) for the full log (if the compiler rejects the vector-ISA flags, "
+                f"set DICE_FAST_CPU_CAPABILITY=DEFAULT). Cause: {e}"
+            ) from e
     if not is_loaded():  # never a hollow install
         raise RuntimeError(f"the dice_fast C++ extension was built at {path} but its ops did not register")
     _BUILT.update(path=str(path), with_cuda=bool(with_cuda), cpu_capability=cap, build_dir=str(build_dir))
