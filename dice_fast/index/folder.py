@@ -54,6 +54,9 @@ _TMP = ".index.json.tmp"
 _LEGACY_FILES = {*(f"{name}.npy" for name in COLUMNS), "ids.json", "texts.json"}
 
 
+LOAD_TRIES = 10  # generations a load reads before it gives up on a folder saved again and again meanwhile
+
+
 class _Gone(InputError):
     """A file index.json names is missing (a save may have switched generations since it was read)."""
 
@@ -160,13 +163,18 @@ def _previous_format(folder: Path) -> str | None:
 def load(cls, path, encoder=None, *, mmap: bool = True, device: str | None = None):
     folder = Path(path)
     meta = _read_meta(folder)
-    try:
-        index = _read_generation(cls, folder, meta, mmap)
-    except _Gone:  # a save switched generations after index.json was read and removed this one: read the new one
-        newer = _read_meta(folder)
-        if newer.get("generation") == meta.get("generation"):
-            raise
-        index = _read_generation(cls, folder, newer, mmap)
+    for attempt in range(LOAD_TRIES):
+        try:
+            index = _read_generation(cls, folder, meta, mmap)
+            break
+        except _Gone as gone:  # a save switched generations after index.json was read and removed this one
+            newer = _read_meta(folder)
+            if newer.get("generation") == meta.get("generation"):
+                raise
+            if attempt == LOAD_TRIES - 1:
+                raise InputError(f"{folder} was saved again {LOAD_TRIES} times while it was being read; load it when "
+                                 "its writer pauses") from gone
+            meta = newer  # read the new one
     index.attach_encoder(encoder, device=device, where=str(folder))
     return index
 
