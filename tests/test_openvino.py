@@ -336,6 +336,23 @@ def test_a_killed_writers_leftovers_are_removed_when_the_entry_is_written(tmp_pa
     assert sorted(p.name for p in entry.parent.iterdir()) == sorted(["key", young.name, other.name])
 
 
+def test_a_killed_writers_leftovers_are_removed_when_the_entry_is_read(tmp_path):
+    """Two processes wrote one entry and one was killed: its ".KEY.*.tmp" stayed for good, since only a
+    write of the entry removed leftovers, and the entry, the other's, was only read from then on."""
+    entry = _fake_model(tmp_path / "openvino" / "key", "written by the survivor")
+    killed = _fake_model(entry.with_name(".key.a1b2c3d4.tmp"), "killed")
+    hour_ago = time.time() - model_cache.LEFTOVER_AGE_S - 60
+    for p in (killed, *killed.iterdir()):
+        os.utime(p, (hour_ago, hour_ago))
+
+    class Core:
+        def read_model(self, path):
+            return Path(path).read_text()
+
+    assert model_cache.read_or_write(Core(), entry, lambda out: pytest.fail("written again")) == "written by the survivor"
+    assert sorted(p.name for p in entry.parent.iterdir()) == ["key"]
+
+
 def test_entries_unused_for_a_month_are_removed_when_another_is_written(tmp_path):
     """Keys hold the library versions, so an upgrade left every older export behind, a model's size
     each, forever: writing an entry removes those beside it not read for `UNUSED_DAYS`; a read marks

@@ -105,6 +105,7 @@ def read_or_write(core, folder: Path, write):
                 if _verified(folder):
                     model = core.read_model(str(xml))
                     _mark_used(folder)
+                    _remove_leftovers(folder)  # a writer killed while another wrote the entry left its own
                     return model
                 damage = "does not match its checksum (changed on disk)"
             except FileNotFoundError as exc:
