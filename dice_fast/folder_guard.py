@@ -2,9 +2,10 @@
 across processes and threads (flock locks belong to an open file description: two opens in one
 process exclude each other too). Used where "look, then create" must not interleave: a corpus job
 taking its output lock (`dice_fast.corpus.lock`), a process creating the chunk cache's database
-(`dice_fast.reuse.persistent`), a process compiling the C++ extension (`dice_fast.ops.native`, held
-for the compile). Blocking, and otherwise held only for a few system calls; needs a file system
-with working ``flock`` (local disks). Where the platform has no ``fcntl`` (Windows) it guards nothing:
+(`dice_fast.reuse.persistent`); and held longer, a process compiling the C++ extension
+(`dice_fast.ops.native`) or writing an OpenVINO cache entry (`dice_fast.quant.model_cache`). Blocking,
+and otherwise held only for a few system calls; needs a file system with working ``flock`` (local
+disks). Where the platform has no ``fcntl`` (Windows) it guards nothing:
 the chunk cache then opens as it did before the guard (the corpus lock needs ``fcntl`` anyway)."""
 
 from __future__ import annotations

@@ -353,6 +353,32 @@ def test_a_killed_writers_leftovers_are_removed_when_the_entry_is_read(tmp_path)
     assert sorted(p.name for p in entry.parent.iterdir()) == ["key"]
 
 
+def test_writers_that_find_an_entry_missing_together_write_it_once(tmp_path):
+    """N workers started at once (a process pool, Ray actors) each exported, or quantized for minutes, the
+    same model: the first now writes it while the others wait, then read it. (flock excludes two opens in
+    one process too, so threads stand in for the processes here.)"""
+    import threading
+
+    entry, written, got = tmp_path / "int8" / "key", [], []
+
+    class Core:
+        def read_model(self, path):
+            return Path(path).read_text()
+
+    def write(out):
+        written.append(out)
+        time.sleep(0.3)  # the export
+        _fake_model(out, "the one export")
+
+    workers = [threading.Thread(target=lambda: got.append(model_cache.read_or_write(Core(), entry, write)))
+               for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    assert got == ["the one export"] * 3 and written == [entry]
+
+
 def test_entries_unused_for_a_month_are_removed_when_another_is_written(tmp_path):
     """Keys hold the library versions, so an upgrade left every older export behind, a model's size
     each, forever: writing an entry removes those beside it not read for `UNUSED_DAYS`; a read marks

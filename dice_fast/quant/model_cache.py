@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ..errors import InputError
+from ..folder_guard import folder_guard
 
 CHECKSUM = "model.sha256"
 LAST_USED = "last_used"  # its modification time: when the entry was last read (or written)
@@ -93,12 +94,37 @@ def read_or_write(core, folder: Path, write):
     """``folder/model.xml`` read by ``core``, written by ``write(folder)`` first where absent. A cached
     model OpenVINO cannot read (damaged on disk: a truncated weights file, a folder without its model)
     is set aside and written again, with a warning naming it: damage costs a rebuild, not an error. A
-    model another process put in its place meanwhile is read, never discarded."""
+    model another process put in its place meanwhile is read, never discarded. Processes (and threads)
+    that find entries of one kind missing together write them one at a time (a flock on the kind's
+    folder): the first writes, the others wait and then read what it wrote (N workers started at once
+    quantize a model once, not N times; two models' writes of one kind take turns)."""
+    model = _read_cached(core, folder)
+    if model is not None:
+        return model
+    try:  # before the export (and int8's quantization, minutes on a slow machine): can its result be kept?
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".probe", dir=folder.parent))
+    except OSError as exc:
+        _unwritable(folder, exc)
+    with folder_guard(folder.parent, best_effort=True):
+        model = _read_cached(core, folder)  # written meanwhile by the process the lock waited for
+        if model is not None:
+            return model
+        _remove_leftovers(folder)
+        _remove_unused(folder.parent)
+        write(folder)
+        _mark_used(folder)
+        return core.read_model(str(folder / "model.xml"))
+
+
+def _read_cached(core, folder: Path):
+    """The model of the entry ``folder`` read by ``core``; None where there is none, or a damaged one
+    (set aside, with a warning) that no other process replaced meanwhile."""
     xml = folder / "model.xml"
     for _ in range(2):  # a second look where another process replaced the damaged model meanwhile
         seen = _identity(xml)
         if seen is None and not folder.exists():
-            break
+            return None
         damage = "holds no model.xml"
         if seen is not None:
             try:
@@ -115,19 +141,10 @@ def read_or_write(core, folder: Path, write):
             except OSError as exc:
                 damage = f"cannot be read ({exc.strerror or exc})"
         if _identity(xml) == seen:  # still the damaged one (or still none): set it aside
-            warnings.warn(f"the cached OpenVINO model {folder} {damage}; it is built again", stacklevel=2)
+            warnings.warn(f"the cached OpenVINO model {folder} {damage}; it is built again", stacklevel=3)
             _set_aside(folder)
-            break
-    try:  # before the export (and int8's quantization, minutes on a slow machine): can its result be kept?
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        os.rmdir(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".probe", dir=folder.parent))
-    except OSError as exc:
-        _unwritable(folder, exc)
-    _remove_leftovers(folder)
-    _remove_unused(folder.parent)
-    write(folder)
-    _mark_used(folder)
-    return core.read_model(str(xml))
+            return None
+    return None
 
 
 def _mark_used(folder: Path) -> None:
