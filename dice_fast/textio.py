@@ -4,8 +4,55 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Iterator
+
 from .errors import InputError
+
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz"}  # a line file's last suffix: read decompressed
+
+
+def compression(path: str | os.PathLike) -> str | None:
+    """The compression a line file's name says (its last suffix, one of `COMPRESSIONS`), else None."""
+    return COMPRESSIONS.get(Path(path).suffix.lower())
+
+
+def format_suffix(path: str | os.PathLike) -> str:
+    """The extension that names a file's format, lower case, before a compression's: ".jsonl" for
+    "a.JSONL.gz"; "" for none."""
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
+def file_lines(path: str | os.PathLike) -> Iterator[tuple[bytes, int]]:
+    """Each line of the file ``path`` (its line break kept) and the bytes of the file it took: decompressed
+    where the name ends in .gz, .bz2 or .xz, and then the compressed bytes read for it (so they add up to
+    the file's size). `InputError` naming the file and the line after which its compressed data is damaged
+    or cut short."""
+    import bz2
+    import gzip
+    import lzma
+    import zlib
+
+    kind = compression(path)
+    with open(path, "rb") as raw:
+        if kind is None:
+            for line in raw:
+                yield line, len(line)
+            return
+        number, taken = 0, 0
+        opener = {"gzip": lambda f: gzip.GzipFile(fileobj=f), "bzip2": bz2.BZ2File, "xz": lzma.LZMAFile}[kind]
+        try:
+            with opener(raw) as lines:
+                for line in lines:
+                    number += 1
+                    read = raw.tell()
+                    yield line, read - taken
+                    taken = read
+        except (OSError, EOFError, lzma.LZMAError, zlib.error) as exc:
+            raise InputError(f"{path}: after line {number}: its {kind} data is damaged or cut short ({exc})") from None
 
 
 def decode_line(raw: bytes, where: str, first: bool = False) -> str:
@@ -84,11 +131,11 @@ def no_id_field_in_lines(what: str, id_field: str, ids: str = "line numbers") ->
 
 
 def read_lines(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
-    """Yield ("file:line", line without its line break); ValueError on bytes that are not UTF-8."""
-    with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            where = f"{path}:{number}"
-            yield where, decode_line(raw, where, first=number == 1)
+    """Yield ("file:line", line without its line break) of a line file (decompressed: `file_lines`);
+    ValueError on bytes that are not UTF-8."""
+    for number, (raw, _) in enumerate(file_lines(path), start=1):
+        where = f"{path}:{number}"
+        yield where, decode_line(raw, where, first=number == 1)
 
 
 def read_json_objects(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:

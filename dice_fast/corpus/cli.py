@@ -14,6 +14,7 @@ EPILOG = """\
 input:
   .txt      one document per line; id = line number (1-based; --id-field is refused)
   .jsonl    one JSON object per line (.ndjson too); text in --field; id = --id-field, else the line number
+  .gz .bz2 .xz after .txt or .jsonl (corpus.jsonl.gz): read decompressed, as a stream
   .parquet  text in column --field; id = column --id-field, else the row number (1-based); read in batches
   DIR       every .txt/.jsonl/.ndjson/.parquet file below DIR (sorted by path; hidden files and earlier
             encode outputs skipped); line/row-number ids become "relative/path.txt:LINE"
@@ -59,7 +60,8 @@ def register_cli(subparsers) -> None:
         "does not grow with the corpus. The progress bar counts tokens; its ETA is estimated from the input's "
         "size in bytes.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    enc.add_argument("input", help="a .txt, .jsonl/.ndjson or .parquet file, a folder of them, or - for stdin")
+    enc.add_argument("input", help="a .txt, .jsonl/.ndjson (either may end in .gz, .bz2 or .xz) or .parquet file, "
+                                   "a folder of them, or - for stdin")
     enc.add_argument("--output", "-o", required=True, help="OUT.npy, OUT.parquet, or DIR/ for Parquet shards")
     enc.add_argument("--format", choices=("auto", "txt", "jsonl", "parquet"), default="auto",
                      help="input type (default: by extension); for a folder, read only files of this type; "

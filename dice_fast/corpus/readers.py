@@ -5,6 +5,8 @@ Formats (by extension, or ``fmt`` for every file and for stdin):
 * ``.txt``: one document per line; the id is the line number (1-based).
 * ``.jsonl`` / ``.ndjson``: one JSON object per line, the text in ``text_field``; the id is the value
   of ``id_field`` (a string or an integer) when given, else the line number.
+* ``.txt`` and ``.jsonl`` / ``.ndjson`` compressed: ``.gz``, ``.bz2`` or ``.xz`` after the extension
+  (``corpus.jsonl.gz``), read decompressed as a stream (`dice_fast.textio.file_lines`).
 * ``.parquet``: the text in column ``text_field`` (strings, string views, or a dictionary of strings);
   the id in column ``id_field`` (strings, UTF-8 bytes, integers, or a dictionary of those) when given,
   else the row number (1-based, like line numbers). Read in record batches, never whole.
@@ -32,12 +34,13 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..errors import InputError, MissingFile, OptionError, reading_parquet
-from ..textio import check_id, decode_line, no_id_field_in_lines, parse_json_object, record_id, record_text
+from ..textio import (COMPRESSIONS, check_id, decode_line, file_lines, format_suffix, no_id_field_in_lines,
+                      parse_json_object, record_id, record_text)
 from .outputs import IDS_RECORD
 
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
-KNOWN = ("known input types: .txt (one document per line), .jsonl/.ndjson (JSON lines), .parquet, a folder of them, "
-         "or - (stdin, with --format)")
+KNOWN = ("known input types: .txt (one document per line), .jsonl/.ndjson (JSON lines), either compressed "
+         "(.gz, .bz2, .xz after it), .parquet, a folder of them, or - (stdin, with --format)")
 _PARQUET_BATCH = 1024
 
 
@@ -46,15 +49,16 @@ class Stopped(Exception):
 
 
 def input_format(path: str | os.PathLike, fmt: str = "auto") -> str:
-    """The format of one input file: ``fmt`` unless "auto", else from the extension (`OptionError` / `InputError` if unknown)."""
+    """The format of one input file: ``fmt`` unless "auto", else from the extension (`OptionError` /
+    `InputError` if unknown)."""
     if fmt != "auto":
         if fmt not in FORMATS.values():
             raise OptionError(f"unknown input format {fmt!r}; allowed: auto, txt, jsonl, parquet")
         return fmt
-    suffix = Path(path).suffix.lower()
-    if suffix not in FORMATS:
-        raise InputError(f"{path}: unknown input type {suffix or '(no extension)'!r}; {KNOWN}; or name the "
-                         "format of this file with --format txt, jsonl or parquet")
+    suffix = format_suffix(path)
+    if suffix not in FORMATS or suffix == ".parquet" and Path(path).suffix.lower() in COMPRESSIONS:
+        raise InputError(f"{path}: unknown input type {''.join(Path(path).suffixes[-2:]) or '(no extension)'!r}; "
+                         f"{KNOWN}; or name the format of this file with --format txt, jsonl or parquet")
     return FORMATS[suffix]
 
 
@@ -88,21 +92,22 @@ class Corpus:
     def records(self) -> Iterator[tuple[str, str]]:
         """``(id, text)`` of every document, in order; `InputError` naming ``file:line`` on bad input."""
         if self.stdin:
-            yield from self._lines("<stdin>", None, self.fmt, _stdin_lines(self.stop))
+            yield from self._lines("<stdin>", None, self.fmt, ((raw, len(raw)) for raw in _stdin_lines(self.stop)))
             return
         for name, path, fmt in self.files:
             if fmt == "parquet":
                 yield from self._parquet(name, path)
             else:
-                yield from self._lines(str(path), name, fmt, _file_lines(path))
+                yield from self._lines(str(path), name, fmt, file_lines(path))
 
     # -----------------------------------------------------------------------------------------
-    def _lines(self, where: str, name: str | None, fmt: str, lines: Iterator[bytes]):
+    def _lines(self, where: str, name: str | None, fmt: str, lines: Iterator[tuple[bytes, int]]):
+        """Records of ``lines``: (a line, the input bytes it took)."""
         field_, id_field = self.text_field, self.id_field
-        for number, raw in enumerate(lines, start=1):
+        for number, (raw, taken) in enumerate(lines, start=1):
             if self.stop.is_set():
                 raise Stopped("reading stopped")
-            self.bytes_read += len(raw)
+            self.bytes_read += taken
             line = decode_line(raw, f"{where}:{number}", first=number == 1)
             if not line.strip():
                 self.blank_lines += 1
@@ -183,14 +188,16 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
         wanted = set(FORMATS) if fmt == "auto" else {s for s, f in FORMATS.items() if f == input_format(path, fmt)}
         for p in sorted(_walk(path), key=lambda p: p.relative_to(path).as_posix()):
             inside_output = not skip.isdisjoint([p.resolve(), *p.resolve().parents])
-            if p.suffix.lower() in wanted and not inside_output and not is_encode_output(p, text_field):
+            suffix = format_suffix(p)
+            known = suffix in wanted and not (suffix == ".parquet" and p.suffix.lower() in COMPRESSIONS)
+            if known and not inside_output and not is_encode_output(p, text_field):
                 name = p.relative_to(path).as_posix()
                 try:
                     name.encode("utf-8")
                 except UnicodeEncodeError:  # ids are made of it, and ids are UTF-8 in every output
                     raise InputError(f"input {p!r}: its file name is not valid UTF-8, and its ids would carry it; "
                                      "rename the file") from None
-                corpus.files.append((name, p, FORMATS[p.suffix.lower()]))
+                corpus.files.append((name, p, FORMATS[suffix]))
         if not corpus.files:
             kinds = ", ".join(sorted(wanted))
             raise InputError(f"input folder {source} holds no {kinds} files; {KNOWN}")
@@ -322,11 +329,6 @@ def _is_utf8(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
-
-
-def _file_lines(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as fh:
-        yield from fh
 
 
 def _stdin_lines(stop: threading.Event) -> Iterator[bytes]:

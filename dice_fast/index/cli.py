@@ -196,15 +196,13 @@ def _checked_ids(path: str, field: str, id_field: str | None) -> list[str]:
 
 def _records(path: str, field: str, id_field: str | None) -> Iterator[tuple[str, str, str]]:
     """(file:line, id, text) of each document of a .txt (one per non-blank line) or .jsonl / .ndjson
-    file (extensions in any case, as ``dice-fast encode`` reads them), read as they are asked for;
-    errors name file:line, and ids are checked as ``dice-fast encode`` checks them (a record without
+    file, either compressed (extensions in any case, as ``dice-fast encode`` reads them), read as they
+    are asked for; errors name file:line, and ids are checked as ``dice-fast encode`` checks them (a record without
     the id field, a null or a float id, an id that is not valid Unicode is refused, never replaced)."""
-    from pathlib import Path
-
     from ..errors import InputError
-    from ..textio import no_id_field_in_lines, read_json_objects, read_lines, record_id, record_text
+    from ..textio import format_suffix, no_id_field_in_lines, read_json_objects, read_lines, record_id, record_text
 
-    suffix = Path(path).suffix.lower()
+    suffix = format_suffix(path)
     if suffix in (".jsonl", ".ndjson"):
         for where, record in read_json_objects(path):
             text = record_text(record, field, where)
@@ -216,5 +214,5 @@ def _records(path: str, field: str, id_field: str | None) -> Iterator[tuple[str,
             if line.strip():
                 yield where, where.rsplit(":", 1)[1], line
     else:
-        raise InputError(f"{path}: expected a .txt, .jsonl or .ndjson file, or an encode --chunks output "
-                         "(.parquet or a folder)")
+        raise InputError(f"{path}: expected a .txt, .jsonl or .ndjson file (or one of them .gz, .bz2 or .xz), or "
+                         "an encode --chunks output (.parquet or a folder)")
