@@ -204,7 +204,7 @@ class EncodeJob:
             bar.close()
         if queries is not None:
             queries.warn()  # after the bar, on a line of its own
-        seconds, encoding = time.perf_counter() - t0, max(1e-6, time.perf_counter() - started)
+        seconds, encoding = (now := time.perf_counter()) - t0, max(1e-6, now - started)  # one clock reading
         summary = {"rows": skipped + rows, "encoded": rows, "tokens": bar.tokens, "seconds": round(seconds, 3),
                    "encode_seconds": round(encoding, 3),
                    "blank_lines": corpus.blank_lines, "duplicate_ids": duplicates.count,

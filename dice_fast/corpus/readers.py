@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..errors import InputError, MissingFile, OptionError, reading_parquet
-from ..textio import (COMPRESSIONS, check_id, decode_line, file_lines, format_suffix, no_id_field_in_lines,
+from ..textio import (check_id, compression, decode_line, file_lines, format_suffix, no_id_field_in_lines,
                       parse_json_object, record_id, record_text)
 from .outputs import IDS_RECORD
 
@@ -55,11 +55,18 @@ def input_format(path: str | os.PathLike, fmt: str = "auto") -> str:
         if fmt not in FORMATS.values():
             raise OptionError(f"unknown input format {fmt!r}; allowed: auto, txt, jsonl, parquet")
         return fmt
-    suffix = format_suffix(path)
-    if suffix not in FORMATS or suffix == ".parquet" and Path(path).suffix.lower() in COMPRESSIONS:
+    suffix = _known_suffix(path)
+    if suffix is None:
         raise InputError(f"{path}: unknown input type {''.join(Path(path).suffixes[-2:]) or '(no extension)'!r}; "
                          f"{KNOWN}; or name the format of this file with --format txt, jsonl or parquet")
     return FORMATS[suffix]
+
+
+def _known_suffix(path) -> str | None:
+    """The key of `FORMATS` a file's name gives (".jsonl" for a.jsonl.gz), None for none (a compressed
+    Parquet file among them: Parquet compresses inside)."""
+    suffix = format_suffix(path)
+    return suffix if suffix in FORMATS and not (suffix == ".parquet" and compression(path)) else None
 
 
 @dataclass
@@ -188,9 +195,8 @@ def open_corpus(source: str, fmt: str = "auto", text_field: str = "text", id_fie
         wanted = set(FORMATS) if fmt == "auto" else {s for s, f in FORMATS.items() if f == input_format(path, fmt)}
         for p in sorted(_walk(path), key=lambda p: p.relative_to(path).as_posix()):
             inside_output = not skip.isdisjoint([p.resolve(), *p.resolve().parents])
-            suffix = format_suffix(p)
-            known = suffix in wanted and not (suffix == ".parquet" and p.suffix.lower() in COMPRESSIONS)
-            if known and not inside_output and not is_encode_output(p, text_field):
+            suffix = _known_suffix(p)
+            if suffix in wanted and not inside_output and not is_encode_output(p, text_field):
                 name = p.relative_to(path).as_posix()
                 try:
                     name.encode("utf-8")
